@@ -22,7 +22,7 @@ demo: $(VENV)/.examples
 	$(PY) examples/mnist.py
 
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -n 0 2>/dev/null || $(PY) -m pytest -q
+	$(PY) -m pytest -q
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests examples

@@ -1,0 +1,48 @@
+"""jaxnitro: declare the experiment, compile once, train without boilerplate."""
+
+from . import datasets
+from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
+from .compile.cache import cache_reset, cache_stats
+from .devices import setup_devices
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    HookError,
+    HostFieldError,
+    JaxnitroError,
+    MetricsError,
+    NonFiniteLossError,
+    RoutingError,
+)
+from .experiment import Device, GraphConst, Host, experiment, fields
+from .history import History
+from .logging import JSONLogger, read_jsonl
+from .loop import (
+    TrainResult,
+    device_value,
+    evaluate,
+    history,
+    predict,
+    request_stop,
+    set_device,
+    train,
+    validate,
+)
+from .models import apply, split_model
+from .nitro import Dist, Nitro
+from .phases import on_phase
+from .state import TrainState, train_step
+from .data import DataLoader
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError", "ConfigError", "DataError", "DataLoader", "Device", "Dist", "GraphConst",
+    "History", "Host", "HookError", "HostFieldError", "JSONLogger", "JaxnitroError",
+    "MetricsError", "Nitro", "NonFiniteLossError", "RoutingError", "TopKCheckpointer",
+    "TrainResult", "TrainState", "apply", "cache_reset", "cache_stats", "datasets",
+    "device_value", "evaluate", "experiment", "fields", "history", "load_checkpoint",
+    "on_phase", "predict", "read_jsonl", "read_manifest", "request_stop", "set_device",
+    "setup_devices", "split_model", "train", "train_step", "validate",
+]

@@ -1,0 +1,1 @@
+"""Compilation: tracing user hooks into XLA programs and caching them process-wide."""

@@ -1,0 +1,238 @@
+"""Batches: the DataLoader, batch checks, padding, and prefetch to device in a background thread.
+
+A batch is a dict of batch-first arrays. Batches are placed on the 1-D `data` mesh with a
+`NamedSharding` that splits the leading axis, so multi-device runs change nothing here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .errors import DataError
+
+
+class DataLoader:
+    """Batches from a dict of batch-first arrays; re-iterable, with an epoch-seeded shuffle.
+
+    Args:
+        data: {field: array}, every array with the same leading (sample) dimension.
+        batch_size: samples per batch.
+        shuffle: reshuffle each epoch with a permutation seeded by (seed, epoch).
+        drop_last: drop a final short batch (required for a training split that does not
+            divide by the batch size: the compiled step has one batch shape).
+        seed: shuffle seed; None lets the driver derive it from `Nitro(seed=...)`.
+
+    Example:
+        >>> loader = jn.DataLoader({"img": x, "label": y}, batch_size=32, shuffle=True)
+        >>> next(iter(loader))["img"].shape
+        (32, 784)
+    """
+
+    def __init__(self, data: Mapping[str, Any], batch_size: int, *, shuffle: bool = False,
+                 drop_last: bool = False, seed: int | None = None):
+        if not isinstance(data, Mapping) or not data:
+            raise DataError(
+                f"DataLoader takes a non-empty dict of arrays {{field: array}}, got "
+                f"{type(data).__name__}. Example: jn.DataLoader({{'img': x, 'label': y}}, 32)."
+            )
+        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) \
+                or batch_size < 1:
+            raise DataError(f"DataLoader batch_size must be a positive int, got {batch_size!r}.")
+        self.data = {k: _as_array(k, v) for k, v in data.items()}
+        sizes = {k: (v.shape[0] if v.ndim else None) for k, v in self.data.items()}
+        if None in sizes.values() or len(set(sizes.values())) != 1:
+            raise DataError(
+                f"DataLoader fields must share their leading (sample) dimension; got {sizes}. "
+                f"Batch dimension comes first."
+            )
+        self.num_samples = next(iter(sizes.values()))
+        self.batch_size = int(batch_size)
+        self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    @property
+    def ragged(self) -> bool:
+        """True when the last batch is shorter than batch_size."""
+        return bool(self.num_samples % self.batch_size) and not self.drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the shuffle permutation of `epoch` (the driver calls this each epoch)."""
+        self.epoch = int(epoch)
+
+    def _order(self) -> np.ndarray | None:
+        if not self.shuffle:
+            return None
+        seed = 0 if self.seed is None else self.seed
+        return np.random.default_rng([seed, self.epoch]).permutation(self.num_samples)
+
+    def iter_from(self, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """Iterate the current epoch from batch index `start` (used to resume mid-epoch)."""
+        order = self._order()
+        for i in range(start, len(self)):
+            lo, hi = i * self.batch_size, min((i + 1) * self.batch_size, self.num_samples)
+            if order is None:
+                yield {k: v[lo:hi] for k, v in self.data.items()}
+            else:
+                idx = order[lo:hi]
+                yield {k: v[idx] for k, v in self.data.items()}
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self.iter_from(0)
+
+    def __repr__(self) -> str:
+        return (f"DataLoader({self.num_samples} samples, batch_size={self.batch_size}, "
+                f"shuffle={self.shuffle}, drop_last={self.drop_last}, fields={sorted(self.data)})")
+
+
+def _as_array(name: str, value) -> np.ndarray:
+    if isinstance(value, jax.Array):
+        value = np.asarray(value)
+    if not isinstance(value, np.ndarray):
+        if isinstance(value, (list, tuple)):
+            value = np.asarray(value)
+        else:
+            raise DataError(
+                f"batch field {name!r} is a {type(value).__name__}, not an array. Batch fields "
+                f"are numpy/jax arrays; convert it with np.asarray, or drop it from the batch."
+            )
+    if value.dtype == object or value.dtype.kind in "OUSV":
+        raise DataError(
+            f"batch field {name!r} has dtype {value.dtype}, which cannot go to a device. Encode "
+            f"it as numbers (e.g. token ids or class indices) before batching."
+        )
+    return value
+
+
+def check_batch(batch, split: str, *, expect_fields: frozenset | None = None) -> int:
+    """Validate one host batch; return its batch size (the shared leading dimension)."""
+    if not isinstance(batch, Mapping):
+        raise DataError(
+            f"the {split!r} split yielded a {type(batch).__name__}; batches are dicts of arrays "
+            f"such as {{'img': x, 'label': y}}. Wrap your arrays in jn.DataLoader."
+        )
+    if expect_fields is not None and frozenset(batch) != expect_fields:
+        raise DataError(
+            f"the {split!r} batch fields changed mid-run: expected {sorted(expect_fields)}, got "
+            f"{sorted(batch)}. Every batch of a split must carry the same fields."
+        )
+    sizes = {}
+    for k, v in batch.items():
+        v = _as_array(k, v)
+        if v.ndim == 0:
+            raise DataError(f"batch field {k!r} of split {split!r} is a scalar; batch dimension first.")
+        sizes[k] = v.shape[0]
+    if len(set(sizes.values())) > 1:
+        raise DataError(
+            f"the {split!r} batch fields disagree on the batch size (leading dimension): {sizes}."
+        )
+    return next(iter(sizes.values()))
+
+
+def pad_batch(batch: Mapping[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
+    """Pad to `size` rows by repeating the last row (real values: no NaN from zeros)."""
+    out = {}
+    for k, v in batch.items():
+        n = v.shape[0]
+        if n == size:
+            out[k] = v
+        else:
+            fill = np.repeat(v[-1:], size - n, axis=0)
+            out[k] = np.concatenate([np.asarray(v), fill], axis=0)
+    return out
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """Leading axis split over the `data` mesh axis."""
+    return NamedSharding(mesh, PartitionSpec("data"))
+
+
+def place(batch: Mapping[str, Any], fields: Iterable[str], sharding) -> dict[str, jax.Array]:
+    """Send the named fields to the device; fields no hook uses never leave the host."""
+    return {k: jax.device_put(np.asarray(batch[k]), sharding) for k in fields}
+
+
+class Prefetcher:
+    """Produces device batches in order from a background thread, a bounded number ahead.
+
+    Iterating yields `(device_batch, n_valid, host_batch)`. `wait_seconds` accumulates the
+    time the consumer waited on data, for `data_wait_frac`.
+    """
+
+    _DONE = object()
+
+    def __init__(self, source: Iterable, prepare, *, depth: int = 2):
+        self._source = source
+        self._prepare = prepare  # host batch -> (device batch, n_valid)
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self.wait_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="jaxnitro-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for host in self._source:
+                if self._stop.is_set():
+                    return
+                item = (*self._prepare(host), host)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+            self._put_final(self._DONE)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer thread
+            self._put_final(e)
+
+    def _put_final(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        item = self._queue.get()
+        self.wait_seconds += time.perf_counter() - t0
+        if item is self._DONE:
+            self._thread.join()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._thread.join()
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        self._thread.join(timeout=5)
+
+
+def skip(source: Iterable, start: int) -> Iterator:
+    """Iterate `source` from batch index `start` (DataLoader skips without reading)."""
+    if isinstance(source, DataLoader):
+        return source.iter_from(start)
+    return itertools.islice(iter(source), start, None)

@@ -1,0 +1,74 @@
+"""Device selection and the 1-D `data` mesh every program is built for."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .errors import ConfigError
+
+_pinned: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    backend: str
+    visible: int
+    n_devices: int | None
+
+
+def setup_devices(backend: str | None = None, n_devices: int | None = None,
+                  *, compilation_cache: str | os.PathLike | None = None) -> DeviceInfo:
+    """Pick the backend (before the first `Nitro`) and pin how many devices runs use.
+
+    Example:
+        >>> jn.setup_devices(backend="cpu")
+    """
+    if backend is not None:
+        try:
+            jax.config.update("jax_platforms", backend)
+        except Exception as e:  # noqa: BLE001 - jax refuses once a backend is initialized
+            raise ConfigError(
+                f"cannot switch to backend {backend!r}: {e}. Call jn.setup_devices() before "
+                f"anything touches JAX arrays (first thing in the script)."
+            ) from e
+    if compilation_cache is not None:
+        jax.config.update("jax_compilation_cache_dir", os.fspath(compilation_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    visible = len(jax.devices())
+    if n_devices is not None:
+        _check_count(n_devices, visible)
+        _pinned["n_devices"] = n_devices
+    return DeviceInfo(jax.default_backend(), visible, _pinned.get("n_devices"))
+
+
+def _check_count(n: int, visible: int) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"n_devices must be a positive int, got {n!r}.")
+    if n > visible:
+        raise ConfigError(
+            f"n_devices={n} but only {visible} device(s) are visible on backend "
+            f"{jax.default_backend()!r}. Use n_devices<={visible}, or on CPU start the process "
+            f"with XLA_FLAGS=--xla_force_host_platform_device_count={n}."
+        )
+
+
+def make_mesh(n_devices: int | None = None) -> Mesh:
+    """A 1-D mesh named `data` over the first n devices (default: the pinned count, else 1)."""
+    devices = jax.devices()
+    n = n_devices if n_devices is not None else _pinned.get("n_devices", 1)
+    _check_count(n, len(devices))
+    return Mesh(np.asarray(devices[:n]), ("data",))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def mesh_id(mesh: Mesh) -> tuple:
+    """Hashable identity of a mesh for compile keys."""
+    return (mesh.axis_names, tuple(d.id for d in mesh.devices.flat), jax.default_backend())

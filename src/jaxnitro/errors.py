@@ -1,0 +1,51 @@
+"""Errors are part of the interface: each says what went wrong, why, and the fix."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class JaxnitroError(Exception):
+    """Base class of every error jaxnitro raises on purpose."""
+
+
+class ConfigError(JaxnitroError, ValueError):
+    """An experiment definition or a `Nitro(...)` argument is invalid."""
+
+
+class HookError(JaxnitroError, TypeError):
+    """A hook is missing, misspelled, has the wrong signature, or returned the wrong thing."""
+
+
+class RoutingError(JaxnitroError, KeyError):
+    """A hook names a batch field the batch does not have."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class DataError(JaxnitroError, ValueError):
+    """A batch or a data split is malformed."""
+
+
+class MetricsError(JaxnitroError, ValueError):
+    """A metrics hook returned something other than name -> (sum, count)."""
+
+
+class CheckpointError(JaxnitroError, RuntimeError):
+    """A checkpoint cannot be written, found, or loaded."""
+
+
+class HostFieldError(JaxnitroError, AttributeError):
+    """A Host field was read inside traced code."""
+
+
+class NonFiniteLossError(JaxnitroError, FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+def did_you_mean(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str:
+    """Return ' Did you mean 'x'?' for the closest candidate, or '' when none is close."""
+    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=cutoff)
+    return f" Did you mean {matches[0]!r}?" if matches else ""

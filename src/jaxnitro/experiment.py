@@ -1,0 +1,364 @@
+"""`@experiment`, the three field markers, and the compile view traced hooks run against.
+
+A field is `GraphConst[T]` (a Python constant baked into the compiled program and part of its
+key), `Device[T]` (a strongly typed traced input: change it without recompiling) or unmarked /
+`Host[T]` (driver-only: invisible to the compiled program).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import enum
+import inspect
+import textwrap
+import typing
+from typing import Any
+
+from .errors import ConfigError, HostFieldError, did_you_mean
+
+GRAPH = "GraphConst"
+DEVICE = "Device"
+HOST = "Host"
+
+#: Settings the driver reads itself; baking one into a program would be meaningless.
+DRIVER_FIELDS = frozenset(
+    {"seed", "max_epochs", "run_dir", "n_devices", "logger", "checkpointer", "early_stop"}
+)
+
+
+class _Marker:
+    __slots__ = ("kind",)
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"jn.{self.kind}"
+
+
+def _marker_type(kind: str) -> type:
+    marker = _Marker(kind)
+
+    class _M:
+        def __class_getitem__(cls, item):
+            return typing.Annotated[item, marker]
+
+        def __init_subclass__(cls, **kw):
+            raise TypeError(f"jn.{kind} is a field marker; use it as jn.{kind}[T].")
+
+    _M.__name__ = _M.__qualname__ = kind
+    _M.__doc__ = f"Field marker: annotate a field as `jn.{kind}[T]`."
+    return _M
+
+
+GraphConst = _marker_type(GRAPH)
+Device = _marker_type(DEVICE)
+Host = _marker_type(HOST)
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldInfo:
+    """What `jn.fields(cls)` reports for one experiment field."""
+
+    name: str
+    type: Any
+    marker: str  # "GraphConst" | "Device" | "Host"
+    default: Any  # dataclasses.MISSING when the field is a required keyword
+    doc: str | None
+
+
+def fields(cls_or_instance) -> tuple[FieldInfo, ...]:
+    """Describe an experiment's fields: name, type, marker, default, doc.
+
+    Example:
+        >>> [f.marker for f in jn.fields(MnistMLP)]
+        ['GraphConst', 'Device', 'Host']
+    """
+    cls = cls_or_instance if isinstance(cls_or_instance, type) else type(cls_or_instance)
+    info = getattr(cls, "__jn_fields__", None)
+    if info is None:
+        raise ConfigError(
+            f"{cls.__name__} is not an experiment. Decorate the class with @jn.experiment."
+        )
+    return tuple(info.values())
+
+
+def is_experiment(obj) -> bool:
+    cls = obj if isinstance(obj, type) else type(obj)
+    return hasattr(cls, "__jn_fields__")
+
+
+def _split_annotation(ann) -> tuple[Any, str]:
+    if typing.get_origin(ann) is typing.Annotated:
+        base, *extras = typing.get_args(ann)
+        kinds = [e.kind for e in extras if isinstance(e, _Marker)]
+        if len(kinds) > 1 or (kinds and typing.get_origin(base) is typing.Annotated):
+            raise ConfigError(f"a field carries more than one marker ({kinds}); use exactly one.")
+        if kinds:
+            inner_base, inner_kind = _split_annotation(base)
+            if inner_kind != HOST or base is not inner_base:
+                raise ConfigError("markers cannot be nested (e.g. GraphConst[Device[int]]).")
+            return base, kinds[0]
+        return _split_annotation(base)
+    if ann in (GraphConst, Device, Host):
+        raise ConfigError(f"bare jn.{ann.__name__} needs a type: write jn.{ann.__name__}[float].")
+    return ann, HOST
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """Docs from an attribute docstring (a string right after the field) or a trailing comment."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    lines = source.splitlines()
+    docs: dict[str, str] = {}
+    try:
+        body = ast.parse(source).body[0].body
+    except (SyntaxError, IndexError, AttributeError):
+        return {}
+    for i, node in enumerate(body):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        name = node.target.id
+        nxt = body[i + 1] if i + 1 < len(body) else None
+        if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+            if isinstance(nxt.value.value, str):
+                docs[name] = inspect.cleandoc(nxt.value.value)
+                continue
+        line = lines[node.end_lineno - 1] if node.end_lineno else ""
+        if "#" in line:
+            docs[name] = line.split("#", 1)[1].strip()
+    return docs
+
+
+def _convert(name: str, kind: str, typ, value):
+    """Typed conversion and validation of one field value; returns the converted value."""
+    if value is None or typ is Any or not isinstance(typ, type):
+        return value
+    if typ is bool:
+        if isinstance(value, bool) or (hasattr(value, "dtype") and str(value.dtype) == "bool"):
+            return bool(value) if kind == GRAPH else value
+        raise ConfigError(f"field {name!r} is declared bool but got {value!r} ({type(value).__name__}).")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"field {name!r} is declared int but got the bool {value!r}.")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if _is_int_scalar(value):
+            return int(value)
+        raise ConfigError(
+            f"field {name!r} is declared int but got {value!r} ({type(value).__name__}); "
+            f"pass an integer, or declare the field float."
+        )
+    if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"field {name!r} is declared float but got the bool {value!r}.")
+        if isinstance(value, (int, float)) or _is_real_scalar(value):
+            return float(value)
+        if kind == DEVICE and hasattr(value, "dtype"):  # a Device array of floats is fine
+            return value
+        raise ConfigError(
+            f"field {name!r} is declared float but got {value!r} ({type(value).__name__})."
+        )
+    if typ is str and not isinstance(value, str):
+        raise ConfigError(f"field {name!r} is declared str but got {value!r} ({type(value).__name__}).")
+    if typ is tuple and isinstance(value, list):
+        return tuple(value)
+    if typ in (int, float, str, tuple) or kind != HOST:
+        if not isinstance(value, typ) and not (kind == DEVICE and hasattr(value, "dtype")):
+            raise ConfigError(
+                f"field {name!r} is declared {typ.__name__} but got {value!r} ({type(value).__name__})."
+            )
+    return value
+
+
+def _is_int_scalar(v) -> bool:
+    return getattr(v, "shape", None) == () and getattr(getattr(v, "dtype", None), "kind", "") in "iu"
+
+
+def _is_real_scalar(v) -> bool:
+    return getattr(v, "shape", None) == () and getattr(getattr(v, "dtype", None), "kind", "") in "iuf"
+
+
+def check_hashable(name: str, value) -> None:
+    """A GraphConst value must hash and compare by content, or cache keys would be unsound."""
+    try:
+        h = hash(value)
+    except TypeError:
+        raise ConfigError(
+            f"GraphConst field {name!r} holds an unhashable {type(value).__name__} ({value!r:.80}). "
+            f"GraphConst values are part of the compile key and must hash by content: use a tuple "
+            f"instead of a list, a frozen dataclass instead of a dict, or mark the field "
+            f"jn.Device[...] if it is an array."
+        ) from None
+    try:
+        twin = copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an uncopyable value cannot be checked; trust its hash
+        return
+    if hash(twin) != h or not (twin == value):
+        raise ConfigError(
+            f"GraphConst field {name!r} holds a {type(value).__name__} that hashes by identity, "
+            f"not by content: two equal configs would compile twice and an edited one could reuse "
+            f"a stale program. Give the type content-based __hash__/__eq__ (e.g. "
+            f"@dataclass(frozen=True)) or use a tuple/str/int."
+        )
+
+
+def experiment(cls=None, /):
+    """Make a class an experiment: a frozen keyword-only dataclass with marked fields.
+
+    Example:
+        >>> @jn.experiment
+        ... class MnistMLP:
+        ...     width: jn.GraphConst[int] = 128
+        ...     smoothing: jn.Device[float] = 0.05
+        ...     max_epochs: int = 5
+    """
+    if cls is None:
+        return experiment
+    if not isinstance(cls, type):
+        raise ConfigError("@jn.experiment decorates a class.")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    own = cls.__dict__.get("__annotations__", {})
+    docs = _field_docs(cls)
+    infos: dict[str, FieldInfo] = {}
+    for base in reversed(cls.__mro__[1:]):  # inherited experiment fields first
+        infos.update(getattr(base, "__jn_fields__", {}))
+    for name in own:
+        if typing.get_origin(hints[name]) is typing.ClassVar:
+            continue
+        typ, kind = _split_annotation(hints[name])
+        if kind == GRAPH and name in DRIVER_FIELDS:
+            raise ConfigError(
+                f"{cls.__name__}.{name} is a driver setting and cannot be GraphConst: the driver "
+                f"reads it, the compiled program never does. Remove the marker (leave it Host)."
+            )
+        default = cls.__dict__.get(name, dataclasses.MISSING)
+        if isinstance(default, dataclasses.Field):
+            default = default.default
+        infos[name] = FieldInfo(name, typ, kind, default, docs.get(name))
+
+    user_post_init = cls.__dict__.get("__post_init__")
+
+    def __post_init__(self):
+        for info in infos.values():
+            value = _convert(info.name, info.marker, info.type, getattr(self, info.name))
+            object.__setattr__(self, info.name, value)
+            if info.marker == GRAPH:
+                check_hashable(info.name, value)
+        if user_post_init is not None:
+            user_post_init(self)
+
+    cls.__post_init__ = __post_init__
+    cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+    cls.__jn_fields__ = infos
+    if "presets" not in cls.__dict__ and not hasattr(cls, "presets"):
+        cls.presets = classmethod(lambda c: {})
+    cls.from_preset = classmethod(_from_preset)
+    return cls
+
+
+def _from_preset(cls, name: str, **overrides):
+    """Build the experiment from one of `presets()`; keyword overrides win."""
+    table = cls.presets()
+    if name not in table:
+        raise ConfigError(
+            f"{cls.__name__} has no preset {name!r}; presets: {sorted(table)}."
+            + did_you_mean(name, table)
+        )
+    values = {**table[name], **overrides}
+    known = cls.__jn_fields__
+    for key in values:
+        if key not in known:
+            raise ConfigError(
+                f"preset {name!r} of {cls.__name__} sets unknown field {key!r}; fields: "
+                f"{sorted(known)}." + did_you_mean(key, known)
+            )
+    return cls(**values)
+
+
+def field_values(exp, marker: str) -> dict[str, Any]:
+    """The experiment's values of every field carrying `marker`, in declaration order."""
+    return {f.name: getattr(exp, f.name) for f in fields(exp) if f.marker == marker}
+
+
+def graph_key(exp) -> tuple:
+    """The GraphConst part of a compile key: (field name, value) pairs."""
+    return tuple(
+        (k, (type(v).__name__, v) if not isinstance(v, enum.Enum) else v)
+        for k, v in field_values(exp, GRAPH).items()
+    )
+
+
+class _HostRead:
+    """Raises HostFieldError on read; the message names the field, the hook, and both fixes."""
+
+    def __init__(self, cls_name: str, name: str, typ: Any):
+        self.cls_name, self.name, self.typ = cls_name, name, typ
+
+    def error(self, hook: str | None) -> HostFieldError:
+        where = f"{hook}()" if hook else "a traced hook"
+        tname = getattr(self.typ, "__name__", str(self.typ))
+        return HostFieldError(
+            f"{where} read Host field {self.name!r} of {self.cls_name} inside traced code. Host "
+            f"fields are invisible to the compiled program. Mark it jn.GraphConst[{tname}] "
+            f"(baked in; recompiles per value) or jn.Device[{tname}] (a traced input; no recompile)."
+        )
+
+
+class CompileView:
+    """What traced hooks see as `self`: GraphConst values, Device tracers, Host fields refused.
+
+    Methods and properties of the experiment class are bound to the view, so a hook can call
+    `self.helper(...)` and the helper sees the same rules.
+    """
+
+    __slots__ = ("_exp", "_device", "_hook")
+
+    def __init__(self, exp, device_values: dict[str, Any], hook: str | None = None):
+        object.__setattr__(self, "_exp", exp)
+        object.__setattr__(self, "_device", device_values)
+        object.__setattr__(self, "_hook", hook)
+
+    def for_hook(self, hook: str) -> CompileView:
+        return CompileView(self._exp, self._device, hook)
+
+    def __getattr__(self, name: str):
+        exp = object.__getattribute__(self, "_exp")
+        info = type(exp).__jn_fields__.get(name)
+        if info is not None:
+            if info.marker == GRAPH:
+                return getattr(exp, name)
+            if info.marker == DEVICE:
+                return self._device[name]
+            raise _HostRead(type(exp).__name__, name, info.type).error(self._hook)
+        attr = inspect.getattr_static(type(exp), name, None)
+        if isinstance(attr, property):
+            return attr.fget(self)
+        if isinstance(attr, (staticmethod, classmethod)):
+            return getattr(exp, name)
+        if inspect.isfunction(attr):
+            return attr.__get__(self)
+        return getattr(exp, name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("the experiment is frozen inside traced code")
+
+    def __repr__(self) -> str:
+        return f"<compile view of {type(self._exp).__name__}>"
+
+
+def replace(exp, **changes):
+    """`dataclasses.replace` for experiments, with the same validation."""
+    known = type(exp).__jn_fields__
+    for key in changes:
+        if key not in known:
+            raise ConfigError(
+                f"{type(exp).__name__} has no field {key!r}." + did_you_mean(key, known)
+            )
+    return dataclasses.replace(exp, **changes)

@@ -1,0 +1,58 @@
+"""`jn.history(n)`: one row per epoch (epoch, step, train loss, val metrics), best row marked."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+
+class History:
+    """Epoch rows as dicts, with the best row by the checkpointer's metric.
+
+    Example:
+        >>> h = jn.history(n)
+        >>> h[-1]["acc"], h.best["epoch"], h["acc"]
+    """
+
+    def __init__(self, rows: list[dict], *, metric: str | None, mode: str = "min"):
+        self.rows, self.metric, self.mode = rows, metric, mode
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self.rows)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):  # a column
+            return [row.get(key) for row in self.rows]
+        if isinstance(key, slice):
+            return History(self.rows[key], metric=self.metric, mode=self.mode)
+        return self.rows[key]
+
+    @property
+    def best_index(self) -> int | None:
+        scored = [(i, r.get(self.metric)) for i, r in enumerate(self.rows)]
+        scored = [(i, v) for i, v in scored if isinstance(v, (int, float)) and math.isfinite(v)]
+        if not scored:
+            return None
+        pick = min if self.mode == "min" else max
+        return pick(scored, key=lambda iv: iv[1])[0]
+
+    @property
+    def best(self) -> dict | None:
+        i = self.best_index
+        return None if i is None else self.rows[i]
+
+    def to_pandas(self):
+        """A DataFrame with a boolean `best` column (needs pandas)."""
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError("History.to_pandas needs pandas: pip install pandas") from e
+        df = pd.DataFrame(self.rows)
+        df["best"] = [i == self.best_index for i in range(len(self.rows))]
+        return df
+
+    def __repr__(self) -> str:
+        return f"History({len(self.rows)} rows, best by {self.metric}={self.best_index})"

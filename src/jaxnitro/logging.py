@@ -1,0 +1,87 @@
+"""Loggers: a small protocol, and the JSONL logger every run gets by default."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class Logger(Protocol):
+    """What the driver calls. Implement these to send a run somewhere else."""
+
+    def open(self, run_dir: Path, *, resume: bool) -> None: ...
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def log_metrics(self, metrics: dict[str, Any], *, context: str, epoch: int, step: int) -> None: ...
+    def log_other(self, values: dict[str, Any]) -> None: ...
+    def finish(self, status: str, **info: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+def _clean(value):
+    """JSON-safe values: numpy/jax scalars to Python, non-finite floats to null."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "__array__") and not isinstance(value, (str, bytes)):
+        arr = np.asarray(value)
+        return _clean(arr.item() if arr.ndim == 0 else arr.tolist())
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (int, str, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+class JSONLogger:
+    """One JSON object per line, appended and flushed per line (`run_dir/metrics.jsonl`).
+
+    Line types: `params`, `metrics` (with `context` = train | validate | data, `epoch`,
+    `step`), `other`, `finish` (with `status`). Non-finite numbers are written as `null`.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else None
+        self._fh = None
+
+    def open(self, run_dir: Path, *, resume: bool) -> None:
+        if self.path is None:
+            self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", encoding="utf-8")  # append: a resumed run continues
+
+    def _write(self, obj: dict) -> None:
+        if self._fh is None:
+            return
+        self._fh.write(json.dumps(_clean(obj), allow_nan=False) + "\n")
+        self._fh.flush()
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self._write({"type": "params", "time": time.time(), **params})
+
+    def log_metrics(self, metrics, *, context: str, epoch: int, step: int) -> None:
+        self._write({"type": "metrics", "context": context, "epoch": epoch, "step": step,
+                     **metrics})
+
+    def log_other(self, values: dict[str, Any]) -> None:
+        self._write({"type": "other", **values})
+
+    def finish(self, status: str, **info) -> None:
+        self._write({"type": "finish", "status": status, "time": time.time(), **info})
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Read a JSONL log back (one dict per line)."""
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]

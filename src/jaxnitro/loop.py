@@ -1,0 +1,375 @@
+"""The driver: `train`, `validate`, `evaluate`, `predict`, and live Device values.
+
+`train` runs, in this order, for each epoch: train steps (prefetched; losses read back a few
+steps behind so dispatch never waits), validation, a history row, the log line, the
+checkpoint, the stop check. It ends with a `finish` log line and a short summary.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import data as data_mod
+from .experiment import DEVICE, GRAPH, fields, graph_key, replace
+from . import metrics as metrics_mod
+from . import programs
+from .compile import cache
+from .errors import ConfigError, DataError, NonFiniteLossError, did_you_mean
+from .history import History
+from .nitro import Nitro, _jsonable
+from .phases import set_phase
+
+_READBACK_LAG = 8  # steps in flight before a loss is read back (keeps dispatch asynchronous)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What `jn.train` returns."""
+
+    history: History
+    best_checkpoint: Path | None
+    stop_reason: str
+    best_metric: float | None
+    steps_per_second: float
+    programs_compiled: int
+    wall_seconds: float
+
+
+def _prepare(n: Nitro, split: str, pad_to: int | None):
+    info = n.batch_info[split]
+
+    def prepare(host):
+        size = data_mod.check_batch(host, split, expect_fields=info["keys"])
+        if pad_to is not None and size < pad_to:
+            host = data_mod.pad_batch({k: host[k] for k in info["fields"]}, pad_to)
+        return data_mod.place(host, info["fields"], n.batch_sharding), size
+
+    return prepare
+
+
+def train(n: Nitro) -> TrainResult:
+    """Train to `max_epochs` (or a stop); validate, log and checkpoint after each epoch.
+
+    Example:
+        >>> result = jn.train(jn.Nitro(MnistMLP()))
+        >>> result.history.best["acc"]
+    """
+    if "train" not in n.splits:
+        raise DataError("jn.train needs a 'train' split; the data has "
+                        f"{sorted(n.splits)}.")
+    t_start = time.perf_counter()
+    misses0 = cache.cache_stats()["misses"]
+    train_bs = n.batch_info["train"]["batch_size"]
+    stop_reason, status = "completed", "completed"
+    train_steps, train_seconds = 0, 0.0
+    try:
+        set_phase(n, "Training")
+        while n.epoch < n.max_epochs:
+            epoch = n.epoch  # 0-based; logs and history say epoch + 1
+            loader = n.splits["train"]
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            total = len(loader) if hasattr(loader, "__len__") else None
+            n.display.start_epoch(epoch, n.max_epochs, total, n.batch_in_epoch)
+            feed = data_mod.Prefetcher(data_mod.skip(loader, n.batch_in_epoch),
+                                       _prepare(n, "train", None))
+            pending: collections.deque = collections.deque()
+            losses: list[float] = []
+            t0 = time.perf_counter()
+            compile_s = 0.0
+            prog = None
+            extras = n.extras()
+            try:
+                for dev_batch, size, _ in feed:
+                    if size != train_bs:
+                        raise DataError(
+                            f"train batch {n.batch_in_epoch} of epoch {epoch + 1} has {size} "
+                            f"samples, not {train_bs}: a short train batch would need its own "
+                            f"program. Drop it (drop_last=True) or make the split divide by "
+                            f"the batch size.")
+                    if prog is None:
+                        c0 = time.perf_counter()
+                        set_phase(n, "Compiling", info={"program": "train"})
+                        prog = programs.train_program(n, dev_batch)
+                        set_phase(n, "Training")
+                        compile_s += time.perf_counter() - c0
+                        n.programs["train"] = prog
+                    n.carry, out = prog(n.carry, dev_batch, extras)
+                    n.batch_in_epoch += 1
+                    pending.append((n.batch_in_epoch, out))
+                    if len(pending) > _READBACK_LAG:
+                        _drain(n, pending.popleft(), epoch, losses)
+                        elapsed = time.perf_counter() - t0 - compile_s
+                        n.display.update(n.batch_in_epoch, losses[-1],
+                                         len(losses) / elapsed if elapsed > 0 else None)
+                    if n.stop_requested:
+                        break
+                while pending:
+                    _drain(n, pending.popleft(), epoch, losses)
+            finally:
+                feed.close()
+            jax.block_until_ready(n.carry.params)
+            seconds = time.perf_counter() - t0 - compile_s
+            train_steps += len(losses)
+            train_seconds += seconds
+            wait_frac = min(1.0, feed.wait_seconds / seconds) if seconds > 0 else 0.0
+            n.logger.log_metrics({"data_wait_frac": wait_frac,
+                                  "steps_per_s": len(losses) / seconds if seconds else None},
+                                 context="data", epoch=epoch + 1, step=n.step)
+            finished_epoch = not n.stop_requested or n.batch_in_epoch >= (total or 0)
+            if finished_epoch:
+                n.epoch += 1
+                n.batch_in_epoch = 0
+            row = {"epoch": epoch + 1, "step": n.step,
+                   "train_loss": float(np.mean(losses)) if losses else None}
+            if "val" in n.splits:
+                n.display.phase("validating")
+                row.update(_evaluate(n, "val"))
+                n.logger.log_metrics({k: v for k, v in row.items() if k not in ("epoch", "step")
+                                      and _is_scalar(v)},
+                                     context="validate", epoch=epoch + 1, step=n.step)
+            n.history_rows.append(row)
+            set_phase(n, "Checkpointing")
+            _checkpoint(n, row)
+            set_phase(n, "Training")
+            n.display.end_epoch(_epoch_summary(row, len(losses) / seconds if seconds else 0))
+            if n.stop_requested:
+                stop_reason = status = "requested"
+                break
+        set_phase(n, "Done")
+    except BaseException as e:
+        status = "error"
+        set_phase(n, "Failed", info={"error": repr(e)})
+        n.logger.finish("error", error=repr(e), step=n.step, epoch=n.epoch)
+        n.display.close()
+        raise
+    n.stop_requested = False
+    hist = history(n)
+    compiled = cache.cache_stats()["misses"] - misses0
+    best_row = hist.best
+    metric = n.checkpointer.metric
+    result = TrainResult(
+        history=hist, best_checkpoint=n.checkpointer.best() or n.checkpointer.latest(),
+        stop_reason=stop_reason,
+        best_metric=None if best_row is None else best_row.get(metric),
+        steps_per_second=train_steps / train_seconds if train_seconds else 0.0,
+        programs_compiled=compiled, wall_seconds=time.perf_counter() - t_start)
+    n.logger.finish(status, stop_reason=stop_reason, step=n.step, epoch=n.epoch,
+                    programs_compiled=compiled, steps_per_s=result.steps_per_second)
+    _summary(n, result)
+    return result
+
+
+def _drain(n: Nitro, item, epoch: int, losses: list[float]) -> None:
+    batch_index, out = item
+    host = jax.device_get(out)
+    loss = float(host["loss"])
+    step = n.step - (n.batch_in_epoch - batch_index)
+    if not math.isfinite(loss):
+        raise NonFiniteLossError(
+            f"the training loss is {loss} at step {step} (epoch {epoch + 1}, batch "
+            f"{batch_index - 1}). Lower the learning rate, check the data for NaN/inf, or "
+            f"add gradient clipping. The last good checkpoint is "
+            f"{n.checkpointer.latest()}.")
+    losses.append(loss)
+    n.logger.log_metrics({k: float(v) for k, v in host.items()}, context="train",
+                         epoch=epoch + 1, step=step)
+
+
+def _is_scalar(v) -> bool:
+    return isinstance(v, (int, float)) or v is None
+
+
+def _epoch_summary(row: dict, rate: float) -> str:
+    parts = [f"train_loss {row['train_loss']:.4f}" if row.get("train_loss") is not None else ""]
+    parts += [f"{k} {v:.4f}" for k, v in row.items()
+              if k not in ("epoch", "step", "train_loss") and isinstance(v, float)]
+    parts.append(f"{rate:,.0f} steps/s")
+    return " · ".join(p for p in parts if p)
+
+
+def _checkpoint(n: Nitro, row: dict) -> None:
+    metrics = {k: v for k, v in row.items() if isinstance(v, float)}
+    meta = {
+        "epoch": n.epoch, "batch_in_epoch": n.batch_in_epoch, "step": n.step, "seed": n.seed,
+        "config": _jsonable(dict(graph_key(n.experiment))),
+        "experiment": n.cls.__qualname__,
+        "history": _jsonable(n.history_rows),
+    }
+    trees = {"params": n.carry.params, "model_state": n.carry.model_state,
+             "opt_state": n.carry.opt_state}
+    n.checkpointer.save(epoch=row["epoch"], step=n.step, metrics=metrics, trees=trees, meta=meta)
+
+
+def _summary(n: Nitro, r: TrainResult) -> None:
+    metric = n.checkpointer.metric
+    best = f"best {metric} {r.best_metric:.4f}" if isinstance(r.best_metric, float) else "no validation"
+    n.display.line(
+        f"done ({r.stop_reason}) · {best} · checkpoint {r.best_checkpoint} · "
+        f"{r.programs_compiled} program(s) compiled · {r.steps_per_second:,.0f} steps/s · "
+        f"{r.wall_seconds:.1f}s")
+
+
+# -- evaluation ------------------------------------------------------------------------
+def _check_split(n: Nitro, split: str) -> None:
+    if split not in n.splits:
+        raise DataError(f"no split {split!r}; the data has {sorted(n.splits)}."
+                        + did_you_mean(split, n.splits))
+
+
+def _evaluate(n: Nitro, split: str) -> dict[str, Any]:
+    _check_split(n, split)
+    set_phase(n, "Evaluating", info={"split": split})
+    bs = n.batch_info[split]["batch_size"]
+    src = n.splits[split]
+    feed = data_mod.Prefetcher(iter(src), _prepare(n, split, bs))
+    totals, extras = None, n.extras()
+    progs: dict = {}
+    try:
+        for dev_batch, size, _ in feed:
+            if size > bs:
+                raise DataError(f"a {split!r} batch has {size} rows, more than the first "
+                                f"batch's {bs}; batches of a split share one size (the last may "
+                                f"be shorter).")
+            n_valid = None if size == bs else size
+            if totals is None:
+                shapes = programs.eval_metric_shapes(n, split)
+                totals = jax.device_put(metrics_mod.zeros_like_totals(shapes), n._rep)
+            prog = progs.get(n_valid)
+            if prog is None:
+                prog = progs[n_valid] = programs.eval_program(n, split, dev_batch, totals, n_valid)
+            totals = prog(n.carry.params, n.carry.model_state, dev_batch, extras, totals)
+    finally:
+        feed.close()
+    n.programs[f"eval:{split}"] = progs
+    values, raw = metrics_mod.finalize(jax.device_get(totals))
+    fin = getattr(n.cls, "finalize_metrics", None)
+    if fin is not None:
+        out = fin(n.experiment, values, split)
+        if not isinstance(out, Mapping):
+            raise ConfigError(f"finalize_metrics must return a dict, got {type(out).__name__}.")
+        values = dict(out)
+    return values
+
+
+def validate(n: Nitro) -> dict[str, Any]:
+    """Evaluate the 'val' split; returns {metric: value} (exact: totals divided once)."""
+    return evaluate(n, split="val")
+
+
+def evaluate(n: Nitro, split: str = "test") -> dict[str, Any]:
+    """Evaluate any split with the eval program; returns {metric: value}."""
+    _check_split(n, split)
+    phase = n.phase
+    values = _evaluate(n, split)
+    n.logger.log_metrics({k: v for k, v in values.items() if _is_scalar(v)},
+                         context="validate", epoch=n.epoch, step=n.step)
+    set_phase(n, phase if phase not in ("Starting", "Evaluating") else "Done")
+    return values
+
+
+# -- prediction ------------------------------------------------------------------------
+def predict(n: Nitro, batch_or_loader):
+    """Run `forward` in inference mode; host outputs with any padding sliced away.
+
+    A dict batch returns the outputs for it; a loader (any re-iterable of dict batches)
+    returns a lazy iterator of per-batch outputs.
+    """
+    if isinstance(batch_or_loader, Mapping):
+        return _predict_batch(n, batch_or_loader, pad_to=None)
+    if isinstance(batch_or_loader, (np.ndarray, jax.Array)) or not hasattr(batch_or_loader, "__iter__"):
+        fields = n.routes["forward"].required
+        raise DataError(
+            f"predict takes a dict batch (or a loader of them), got a bare "
+            f"{type(batch_or_loader).__name__}. forward() expects the field(s) {list(fields)}: "
+            f"pass e.g. jn.predict(n, {{{fields[0]!r}: x}})." if fields else
+            f"predict takes a dict batch, got {type(batch_or_loader).__name__}.")
+    return _predict_lazy(n, batch_or_loader)
+
+
+def _predict_lazy(n: Nitro, loader) -> Iterator:
+    pad_to = getattr(loader, "batch_size", None)
+    for batch in loader:
+        yield _predict_batch(n, batch, pad_to=pad_to)
+
+
+def _predict_batch(n: Nitro, batch, *, pad_to: int | None):
+    route = n.routes["forward"]
+    missing = [f for f in route.required if f not in batch]
+    if missing:
+        raise DataError(f"predict: forward() needs field(s) {missing}; the batch has "
+                        f"{sorted(batch)}." + "".join(did_you_mean(m, batch) for m in missing))
+    fields = [f for f in batch if route.takes_all or f in route.required or f in route.optional]
+    size = data_mod.check_batch({f: batch[f] for f in fields}, "predict")
+    target = pad_to if pad_to and size < pad_to else size
+    rem = target % n.n_devices
+    if rem:
+        target += n.n_devices - rem
+    host = data_mod.pad_batch({f: np.asarray(batch[f]) for f in fields}, target)
+    dev = data_mod.place(host, fields, n.batch_sharding)
+    n_valid = None if target == size else size
+    prog = programs.predict_program(n, dev, n_valid)
+    out = prog(n.carry.params, n.carry.model_state, dev, n.extras())
+    return jax.device_get(out)
+
+
+# -- live Device values ----------------------------------------------------------------
+def set_device(n: Nitro, **values) -> None:
+    """Change Device fields of a live handle; no recompile.
+
+    Example:
+        >>> jn.set_device(n, smoothing=0.1)
+    """
+    known = {f.name: f for f in fields(n.experiment)}
+    for name, value in values.items():
+        info = known.get(name)
+        if info is None:
+            raise ConfigError(f"{n.cls.__name__} has no field {name!r}." + did_you_mean(name, known))
+        if info.marker != DEVICE:
+            why = ("it is baked into the compiled program; build a new Nitro (one recompile)"
+                   if info.marker == GRAPH else
+                   "it is driver-only; use dataclasses.replace on the experiment")
+            raise ConfigError(f"set_device cannot change {info.marker} field {name!r}: {why}. "
+                              f"Only jn.Device fields are live inputs.")
+        new = n._device_value(name, value)
+        old = n.device_values[name]
+        if new.shape != old.shape or new.dtype != old.dtype:
+            raise ConfigError(
+                f"set_device({name}=...) would change its shape/dtype from {old.shape}/"
+                f"{old.dtype} to {new.shape}/{new.dtype}, which needs a new program. Pass a "
+                f"value of the same shape and dtype.")
+        n.device_values[name] = new
+    n.experiment = replace(n.experiment, **values)
+
+
+def device_value(n: Nitro, name: str):
+    """The current host value of a Device field."""
+    if name not in n.device_values:
+        raise ConfigError(f"{name!r} is not a Device field; Device fields: "
+                          f"{sorted(n.device_values)}." + did_you_mean(name, n.device_values))
+    arr = np.asarray(jax.device_get(n.device_values[name]))
+    return arr.item() if arr.ndim == 0 else arr
+
+
+def request_stop(n: Nitro) -> None:
+    """Ask a running `train` to stop after the current step (validates and checkpoints)."""
+    n.stop_requested = True
+
+
+def history(n: Nitro) -> History:
+    """Rows (epoch, step, train_loss, val metrics), best row by the checkpointer's metric."""
+    return History(list(n.history_rows), metric=n.checkpointer.metric, mode=n.checkpointer.mode)
+
+
+def _warn_once(msg: str) -> None:
+    warnings.warn(msg, stacklevel=3)

@@ -1,0 +1,392 @@
+"""`Nitro(exp, ...)`: setup only. Validates everything it can before anything compiles.
+
+Setup order (fixed): settings → resume record → data → derive → mesh and Device values →
+model → routing checks on the first batches → optimizer → checkpointer and metric checks →
+restore → logger. Programs compile lazily on the first batch (`programs.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import data as data_mod
+from .experiment import DEVICE, field_values, fields, graph_key, is_experiment, replace
+from . import hooks, models
+from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
+from .devices import make_mesh, replicated
+from .errors import CheckpointError, ConfigError, DataError, HookError, did_you_mean
+from .logging import JSONLogger
+from .progress import Display
+from .state import default_optimizer
+from .step import Carry
+
+
+@dataclasses.dataclass(frozen=True)
+class Dist:
+    """What `build_data(self, dist)` learns about the run, so each process loads its shard."""
+
+    process_index: int
+    process_count: int
+    n_devices: int
+    mesh: Any
+
+
+_SETTINGS = ("seed", "run_dir", "n_devices", "max_epochs", "logger", "checkpointer",
+             "early_stop")
+
+
+class Nitro:
+    """The handle of one run. `Nitro(exp, ...)` runs setup only; see `jn.train`.
+
+    Example:
+        >>> n = jn.Nitro(MnistMLP(), checkpointer=jn.TopKCheckpointer(metric="acc", mode="max"))
+        >>> result = jn.train(n)
+    """
+
+    def __init__(self, exp, *, seed: int | None = None, run_dir=None, n_devices: int | None = None,
+                 accum: int = 1, steps_per_call: int = 1, max_epochs: int | None = None,
+                 schedules=None, precision: str | None = None, logger=None, checkpointer=None,
+                 early_stop=None, resume: bool | str = False, checkpoint=None, data=None,
+                 memory_budget: int | None = None, compile_options: dict | None = None,
+                 progress: bool | str | None = None):
+        if not is_experiment(exp) or isinstance(exp, type):
+            what = f"the class {exp.__name__}" if isinstance(exp, type) else type(exp).__name__
+            raise ConfigError(
+                f"Nitro takes an experiment instance, got {what}. Decorate the class with "
+                f"@jn.experiment and pass an instance: jn.Nitro(MyExp())."
+            )
+        cls = type(exp)
+        self.routes = hooks.check_hooks(cls)
+        given = {"seed": seed, "run_dir": run_dir, "n_devices": n_devices,
+                 "max_epochs": max_epochs, "logger": logger, "checkpointer": checkpointer,
+                 "early_stop": early_stop}
+        # A keyword wins over an experiment field of the same name, which wins over the default.
+        s = {k: (v if v is not None else getattr(exp, k, None)) for k, v in given.items()}
+        self.seed = 42 if s["seed"] is None else _int_setting("seed", s["seed"], minimum=0)
+        self.max_epochs = 1 if s["max_epochs"] is None else _int_setting(
+            "max_epochs", s["max_epochs"], minimum=1)
+        self.run_dir = Path(s["run_dir"] if s["run_dir"] is not None else Path("runs") / cls.__name__)
+        self.accum = _int_setting("accum", accum, minimum=1)
+        self.steps_per_call = _int_setting("steps_per_call", steps_per_call, minimum=1)
+        if self.accum != 1 or self.steps_per_call != 1:
+            raise ConfigError(
+                "accum and steps_per_call other than 1 are not available in this version; "
+                "use accum=1, steps_per_call=1."
+            )
+        if precision not in (None, "f32"):
+            raise ConfigError(f"precision={precision!r} is not available; use None or 'f32'.")
+        if schedules:
+            raise ConfigError("schedules are not available in this version; remove schedules=.")
+        self.memory_budget, self.compile_options = memory_budget, dict(compile_options or {})
+        self.display = Display(progress)
+        self.phase = "Starting"
+        self.stop_requested = False
+        self.history_rows: list[dict] = []
+        self.programs: dict[str, Any] = {}
+
+        # Run directory first: an unusable one fails before any work.
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise ConfigError(
+                f"run_dir {self.run_dir} is a file; give a directory path (run_dir='runs/x')."
+            )
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create run_dir {self.run_dir}: {e}. Pick a writable path.") from e
+
+        self.checkpointer = s["checkpointer"] if s["checkpointer"] is not None else TopKCheckpointer()
+        self._checkpointer_named = s["checkpointer"] is not None
+        if not isinstance(self.checkpointer, TopKCheckpointer):
+            raise ConfigError(f"checkpointer must be a jn.TopKCheckpointer, got {type(self.checkpointer).__name__}.")
+        self.checkpointer.bind(self.run_dir)
+        self.resume_path = self._resume_record(resume)
+        if self.resume_path is not None:
+            _, meta = _read_meta(self.resume_path)
+            if meta.get("seed") is not None and meta["seed"] != self.seed:
+                warnings.warn(
+                    f"resuming with seed {meta['seed']} from the checkpoint instead of "
+                    f"{self.seed}: the shuffle order and dropout must continue as they were.",
+                    stacklevel=2)
+                self.seed = int(meta["seed"])
+
+        # Data, then derived values (e.g. class weights) assigned to existing fields.
+        self.mesh = make_mesh(s["n_devices"])
+        self.n_devices = self.mesh.size
+        self.dist = Dist(jax.process_index(), jax.process_count(), self.n_devices, self.mesh)
+        self.splits = self._build_data(exp, data)
+        exp = self._derive(exp)
+        self.experiment = exp
+        self.cls = cls
+
+        self._rep = replicated(self.mesh)
+        self.batch_sharding = data_mod.batch_sharding(self.mesh)
+        self.device_values = {k: self._device_value(k, v)
+                              for k, v in field_values(exp, DEVICE).items()}
+
+        # Model.
+        init_key, rng = jax.random.split(jax.random.PRNGKey(self.seed))
+        self.rng = jax.device_put(rng, replicated(self.mesh))
+        built = exp.build_model(init_key)
+        if not (isinstance(built, tuple) and len(built) == 3):
+            raise HookError(
+                f"{cls.__name__}.build_model must return (model, params, state), got "
+                f"{type(built).__name__}. Wrap your module: return jn.split_model(module)."
+            )
+        self.model = built[0]
+        params = self._replicate(built[1])
+        model_state = self._replicate(built[2] if built[2] is not None else {})
+
+        self.batch_info = self._check_splits()
+
+        # Optimizer (param groups, schedules and accumulation come with the optim module).
+        self.tx = self._build_optimizer(exp)
+        opt_state = jax.jit(self.tx.init, out_shardings=self._rep)(params)
+        # Every leaf of the carry lives replicated on the mesh, as the train step returns it,
+        # so the program's input avals (and key) are the same at step 1 and step N.
+        self.carry = jax.device_put(
+            Carry(params, model_state, opt_state, jnp.zeros((), jnp.int32)), self._rep)
+        self.epoch = 0
+        self.batch_in_epoch = 0
+
+        self._check_checkpoint_metric()
+        if self.resume_path is not None:
+            self._restore(self.resume_path, full=True)
+        elif checkpoint is not None:
+            self._restore(Path(checkpoint), full=False)
+
+        self.logger = s["logger"] if s["logger"] is not None else JSONLogger()
+        self.logger.open(self.run_dir, resume=self.resume_path is not None)
+        self.logger.log_params({
+            "experiment": cls.__name__, "seed": self.seed, "max_epochs": self.max_epochs,
+            "n_devices": self.n_devices, "backend": jax.default_backend(),
+            "config": {f.name: _jsonable(getattr(exp, f.name)) for f in fields(exp)},
+            "markers": {f.name: f.marker for f in fields(exp)},
+        })
+        self.early_stop = s["early_stop"]
+
+    # -- handle attributes -------------------------------------------------------------
+    @property
+    def params(self):
+        return self.carry.params
+
+    @property
+    def state(self):
+        return self.carry.model_state
+
+    @property
+    def opt_state(self):
+        return self.carry.opt_state
+
+    @property
+    def step(self) -> int:
+        return int(self.carry.step)
+
+    def __repr__(self) -> str:
+        return (f"Nitro({type(self.experiment).__name__}, step={self.step}, epoch={self.epoch}, "
+                f"phase={self.phase}, run_dir='{self.run_dir}')")
+
+    # -- setup pieces ------------------------------------------------------------------
+    def _resume_record(self, resume) -> Path | None:
+        if resume in (False, None):
+            return None
+        if resume in (True, "auto"):
+            latest = self.checkpointer.latest()
+            if latest is None and resume is True:
+                raise CheckpointError(
+                    f"resume=True but {self.checkpointer.dir} holds no checkpoint. Use "
+                    f"resume='auto' to start fresh when there is none.")
+            return latest
+        path = Path(resume)
+        if not path.exists():
+            raise CheckpointError(f"resume={resume!r}: no such checkpoint.")
+        return path
+
+    def _build_data(self, exp, data) -> dict[str, Any]:
+        splits = data if data is not None else exp.build_data(self.dist)
+        if not isinstance(splits, Mapping):
+            raise HookError(
+                f"build_data must return a dict of splits like {{'train': loader, 'val': loader}}, "
+                f"got {type(splits).__name__}.")
+        splits = dict(splits)
+        if splits and "train" not in splits:
+            raise DataError(
+                f"the data has splits {sorted(splits)} but no 'train' split, which is required."
+                + did_you_mean("train", splits))
+        for name, src in splits.items():
+            if isinstance(src, Iterator):
+                raise DataError(
+                    f"split {name!r} is a one-shot iterator ({type(src).__name__}): it would be "
+                    f"empty after the first epoch. Pass a re-iterable (a list of batches or a "
+                    f"jn.DataLoader).")
+            if isinstance(src, data_mod.DataLoader) and src.seed is None:
+                src.seed = self.seed  # the Nitro seed controls shuffling
+        return splits
+
+    def _derive(self, exp):
+        derive = getattr(type(exp), "derive", None)
+        if derive is None:
+            return exp
+        updates = derive(exp, self.splits) or {}
+        if not isinstance(updates, Mapping):
+            raise HookError(f"derive must return a dict field -> value, got {type(updates).__name__}.")
+        return replace(exp, **updates)
+
+    def _device_value(self, name: str, value) -> jax.Array:
+        # Strongly typed: a Python float would be weak and could retrace on a change of type.
+        arr = np.asarray(value)
+        if arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+        elif arr.dtype == np.int64:
+            arr = arr.astype(np.int32)
+        elif arr.dtype.kind not in "biuf":
+            raise ConfigError(f"Device field {name!r} holds {value!r}, which is not numeric.")
+        return jax.device_put(arr, self._rep)
+
+    def _replicate(self, tree):
+        return jax.tree.map(lambda x: jax.device_put(x, self._rep, may_alias=False)
+                            if isinstance(x, (jax.Array, np.ndarray)) else x, tree)
+
+    def _check_splits(self) -> dict[str, dict]:
+        """Route every split's first batch through the hooks; check sizes and devices."""
+        info = {}
+        for split, src in self.splits.items():
+            first = next(iter(src), None)
+            if first is None:
+                raise DataError(f"split {split!r} is empty.")
+            bs = data_mod.check_batch(first, split)
+            train = split == "train"
+            needed = ("forward", "loss", "train_metrics") if train else ("forward", "loss", "metrics")
+            hooks.check_batch(self.routes, first, split,
+                              hooks=needed if train else ("forward", "metrics"))
+            loss_ok = all(f in first for f in self.routes["loss"].required)
+            use = needed if loss_ok else ("forward", "metrics")
+            fields = hooks.device_fields(self.routes, first, hooks=use)
+            if train and isinstance(src, data_mod.DataLoader) and src.ragged:
+                raise DataError(
+                    f"the 'train' split has {src.num_samples} samples, which batch_size="
+                    f"{src.batch_size} does not divide: the last train batch would be short "
+                    f"({src.num_samples % src.batch_size}) and need its own program. Pass "
+                    f"drop_last=True to the train DataLoader.")
+            if bs % self.n_devices:
+                raise DataError(
+                    f"the {split!r} batch size {bs} does not divide by the {self.n_devices} "
+                    f"devices of the data mesh. Use a batch size that is a multiple of "
+                    f"{self.n_devices}.")
+            info[split] = {"batch_size": bs, "fields": fields, "keys": frozenset(first),
+                           "has_loss": loss_ok}
+        return info
+
+    def _build_optimizer(self, exp):
+        hook = getattr(type(exp), "optimizer", None)
+        lr_hook = getattr(type(exp), "learning_rate", None)
+        lr = float(lr_hook(exp, "default")) if lr_hook is not None else 1e-3
+        if lr == 0:
+            raise ConfigError(
+                "learning_rate is 0 for the whole experiment: nothing would train. Set a "
+                "positive rate (freezing a single param group comes with param groups).")
+        if hook is None:
+            return default_optimizer(lr)
+        tx = hook(exp, "default")
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise HookError(f"optimizer(self, group) must return an optax GradientTransformation, "
+                            f"got {type(tx).__name__}; e.g. return optax.adamw(1e-3).")
+        return tx
+
+    def eval_metric_names(self, split: str) -> list[str]:
+        """The metric names validation produces (traced abstractly; nothing compiles)."""
+        from .programs import eval_metric_shapes
+
+        return sorted(eval_metric_shapes(self, split))
+
+    def _check_checkpoint_metric(self) -> None:
+        metric = self.checkpointer.metric
+        if "val" not in self.splits:
+            if self._checkpointer_named and metric is not None:
+                raise ConfigError(
+                    f"the checkpointer monitors {metric!r} but the data has no 'val' split, so "
+                    f"no metric is ever produced. Add a 'val' split, or use the default "
+                    f"checkpointer (keeps the newest).")
+            return
+        names = self.eval_metric_names("val")
+        if metric not in names:
+            if self._checkpointer_named:
+                raise ConfigError(
+                    f"the checkpointer monitors {metric!r}, which this run never produces; "
+                    f"validation produces {names}." + did_you_mean(metric, names))
+            self.checkpointer.metric = names[0] if names else metric
+
+    def _restore(self, path: Path, *, full: bool) -> None:
+        templates = {"params": self.carry.params, "model_state": self.carry.model_state}
+        if full:
+            templates["opt_state"] = self.carry.opt_state
+        try:
+            trees, meta = load_checkpoint(path, templates)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - add which checkpoint and why
+            raise CheckpointError(f"cannot load checkpoint {path}: {e}") from e
+        if full:
+            want = _jsonable(dict(graph_key(self.experiment)))
+            have = meta.get("config")
+            if have is not None and have != want:
+                diff = {k: (have.get(k), want.get(k)) for k in set(have) | set(want)
+                        if have.get(k) != want.get(k)}
+                raise CheckpointError(
+                    f"cannot resume from {path}: its GraphConst config differs from this run's "
+                    f"(field: checkpoint → now): {diff}. Resume with the same config, or start "
+                    f"a new run_dir.")
+        params = self._replicate(trees["params"])
+        mstate = self._replicate(trees["model_state"])
+        if full:
+            self.carry = jax.device_put(
+                Carry(params, mstate, trees["opt_state"], jnp.asarray(meta["step"], jnp.int32)),
+                self._rep)
+            self.epoch = int(meta["epoch"])
+            self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
+            self.history_rows = list(meta.get("history", []))
+        else:
+            self.carry = self.carry._replace(params=params, model_state=mstate)
+
+    # -- traced pieces -----------------------------------------------------------------
+    def extras(self) -> dict:
+        return {"device": dict(self.device_values), "rng": self.rng}
+
+
+def _read_meta(path: Path) -> tuple[dict, dict]:
+    import json
+
+    meta_file = Path(path) / "meta.json"
+    if not meta_file.exists():
+        raise CheckpointError(f"{path} is not a jaxnitro checkpoint (no meta.json).")
+    with open(meta_file) as fh:
+        full = json.load(fh)
+    return {}, full.get("meta", full)
+
+
+def _int_setting(name: str, value, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def _jsonable(value):
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if hasattr(value, "shape") and getattr(value, "shape", None) == ():
+        return np.asarray(value).item()
+    return repr(value)
+
+
+__all__ = ["Nitro", "Dist", "read_manifest"]

@@ -1,0 +1,39 @@
+"""Run phases and the monitors that watch them."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+PHASES = ("Starting", "Compiling", "Training", "Evaluating", "Checkpointing", "Done", "Failed")
+
+_global_monitors: list[Callable] = []
+
+
+def on_phase(fn: Callable, *, nitro=None) -> Callable:
+    """Call `fn(phase, step, epoch, info)` on each phase change (of one run, or of all runs).
+
+    A monitor that raises is reported once and never stops the run. Returns `fn`.
+    """
+    if not callable(fn):
+        raise TypeError(f"on_phase takes a callable fn(phase, step, epoch, info), got {fn!r}.")
+    if nitro is None:
+        _global_monitors.append(fn)
+    else:
+        nitro.__dict__.setdefault("monitors", []).append(fn)
+    return fn
+
+
+def set_phase(n, phase: str, *, info: dict | None = None) -> None:
+    if phase == n.phase and not info:
+        return
+    n.phase = phase
+    failed = n.__dict__.setdefault("_failed_monitors", set())
+    for fn in [*_global_monitors, *n.__dict__.get("monitors", [])]:
+        try:
+            fn(phase, n.step, n.epoch, {"nitro": n, **(info or {})})
+        except Exception as e:  # noqa: BLE001 - a monitor must never kill the run
+            if id(fn) not in failed:
+                failed.add(id(fn))
+                warnings.warn(f"phase monitor {getattr(fn, '__qualname__', fn)!r} raised {e!r}; "
+                              f"it stays registered, this is reported once.", stacklevel=2)

@@ -1,0 +1,110 @@
+"""The low-level layer: `TrainState` and `train_step(loss_fn, state, batch)`.
+
+Usable alone (the way Lux's Training API is), compiled and cached exactly like the programs of
+a `Nitro`: one fused program per (loss function, model structure, optimizer, batch shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from . import models
+from .compile import cache
+from .errors import HookError
+from .step import Carry, make_train_step, scalar_loss
+
+
+def default_optimizer(learning_rate: float = 1e-3) -> optax.GradientTransformation:
+    """RAdam with its learning rate held in the optimizer state (a traced, strong f32)."""
+    return optax.inject_hyperparams(optax.radam)(learning_rate=jnp.float32(learning_rate))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Model structure, parameters, model state, optimizer and its state, step and RNG.
+
+    Example:
+        >>> ts = jn.TrainState.create(model, params, state, optax.adam(1e-3))
+        >>> ts, loss, aux = jn.train_step(loss_fn, ts, {"x": x, "y": y})
+    """
+
+    params: Any
+    state: Any
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+    model: Any = dataclasses.field(metadata={"static": True})
+    tx: Any = dataclasses.field(metadata={"static": True})
+
+    @classmethod
+    def create(cls, model, params, state=None, tx: optax.GradientTransformation | None = None,
+               *, seed: int = 0) -> TrainState:
+        """Initialize the optimizer state (default RAdam at 1e-3) and the step counter."""
+        tx = tx if tx is not None else default_optimizer()
+        if not hasattr(tx, "init") or not hasattr(tx, "update"):
+            raise TypeError(
+                f"tx must be an optax.GradientTransformation, got {type(tx).__name__}; "
+                f"e.g. optax.adam(1e-3)."
+            )
+        state = {} if state is None else state
+        return cls(params=params, state=state, opt_state=jax.jit(tx.init)(params),
+                   step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed), model=model, tx=tx)
+
+    def replace(self, **changes) -> TrainState:
+        return dataclasses.replace(self, **changes)
+
+
+def _split_loss_output(out):
+    """loss | (loss, new_state) | (loss, new_state, aux) -> (loss, new_state or None, aux)."""
+    if isinstance(out, tuple) and len(out) in (2, 3):
+        loss, new_state, *rest = out
+        aux = rest[0] if rest else {}
+        if not isinstance(aux, dict):
+            raise HookError(f"the loss function's aux output must be a dict, got {type(aux).__name__}.")
+        return loss, new_state, aux
+    return out, None, {}
+
+
+def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array, dict]:
+    """One fused, compiled optimizer step: `(state, batch) -> (state, loss, aux)`.
+
+    `loss_fn(model, params, model_state, batch)` returns `loss`, `(loss, new_model_state)` or
+    `(loss, new_model_state, aux_dict)`. Inside it, `jn.apply` runs the model in training mode
+    with a fresh per-step RNG. The input state's buffers are donated: keep the returned state.
+    """
+    model, tx = state.model, state.tx
+    batch = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, (np.ndarray, list)) else x, batch)
+
+    def inner(params, model_state, batch, extras, rng):
+        with models.mode(train=True, rng=rng):
+            loss, new_state, aux = _split_loss_output(loss_fn(model, params, model_state, batch))
+        return scalar_loss(loss, "loss_fn"), (model_state if new_state is None else new_state, aux)
+
+    carry = Carry(state.params, state.state, state.opt_state, state.step)
+    extras = {"rng": state.rng}
+    key = (
+        "train_step",
+        cache.freeze(loss_fn),
+        cache.freeze(models.structure_key(model)),
+        cache.optimizer_key(tx),
+        cache.avals((carry, batch, extras)),
+    )
+    step_fn = make_train_step(inner, tx)
+    prog = cache.get_or_compile(
+        key,
+        lambda: jax.jit(step_fn, donate_argnums=(0,)).lower(carry, batch, extras),
+        kind="train_step",
+        label=getattr(loss_fn, "__qualname__", "loss_fn"),
+    )
+    carry, out = prog(carry, batch, extras)
+    new = state.replace(params=carry.params, state=carry.model_state,
+                        opt_state=carry.opt_state, step=carry.step)
+    loss = out.pop("loss")
+    return new, loss, out
