@@ -12,7 +12,9 @@ import copy
 import dataclasses
 import enum
 import inspect
+import io
 import textwrap
+import tokenize
 import typing
 from typing import Any
 
@@ -113,11 +115,16 @@ def _field_docs(cls) -> dict[str, str]:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
-    lines = source.splitlines()
     docs: dict[str, str] = {}
     try:
         body = ast.parse(source).body[0].body
-    except (SyntaxError, IndexError, AttributeError):
+        # Real comments only: a '#' inside a string default (`tag: str = "a#b"`) is not one.
+        comments = {
+            tok.start[0]: tok.string[1:].strip()
+            for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.COMMENT
+        }
+    except (SyntaxError, IndexError, AttributeError, tokenize.TokenError):
         return {}
     for i, node in enumerate(body):
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
@@ -128,9 +135,8 @@ def _field_docs(cls) -> dict[str, str]:
             if isinstance(nxt.value.value, str):
                 docs[name] = inspect.cleandoc(nxt.value.value)
                 continue
-        line = lines[node.end_lineno - 1] if node.end_lineno else ""
-        if "#" in line:
-            docs[name] = line.split("#", 1)[1].strip()
+        if node.end_lineno in comments:
+            docs[name] = comments[node.end_lineno]
     return docs
 
 
@@ -311,46 +317,56 @@ class _HostRead:
         )
 
 
-class CompileView:
-    """What traced hooks see as `self`: GraphConst values, Device tracers, Host fields refused.
+_VIEW_STATE = "_jn_view"
+_view_classes: dict[type, type] = {}
 
-    Methods and properties of the experiment class are bound to the view, so a hook can call
-    `self.helper(...)` and the helper sees the same rules.
+
+def _view_class(cls: type) -> type:
+    """A subclass of the experiment whose field reads follow the marker rules.
+
+    Being a real subclass keeps `self.helper(...)`, properties, `isinstance` and zero-argument
+    `super()` working inside hooks.
     """
+    view_cls = _view_classes.get(cls)
+    if view_cls is not None:
+        return view_cls
+    infos = cls.__jn_fields__
 
-    __slots__ = ("_exp", "_device", "_hook")
-
-    def __init__(self, exp, device_values: dict[str, Any], hook: str | None = None):
-        object.__setattr__(self, "_exp", exp)
-        object.__setattr__(self, "_device", device_values)
-        object.__setattr__(self, "_hook", hook)
-
-    def for_hook(self, hook: str) -> CompileView:
-        return CompileView(self._exp, self._device, hook)
-
-    def __getattr__(self, name: str):
-        exp = object.__getattribute__(self, "_exp")
-        info = type(exp).__jn_fields__.get(name)
-        if info is not None:
-            if info.marker == GRAPH:
-                return getattr(exp, name)
-            if info.marker == DEVICE:
-                return self._device[name]
-            raise _HostRead(type(exp).__name__, name, info.type).error(self._hook)
-        attr = inspect.getattr_static(type(exp), name, None)
-        if isinstance(attr, property):
-            return attr.fget(self)
-        if isinstance(attr, (staticmethod, classmethod)):
+    def __getattribute__(self, name):
+        info = infos.get(name)
+        if info is None:
+            return object.__getattribute__(self, name)
+        exp, device, hook = object.__getattribute__(self, _VIEW_STATE)
+        if info.marker == GRAPH:
             return getattr(exp, name)
-        if inspect.isfunction(attr):
-            return attr.__get__(self)
-        return getattr(exp, name)
+        if info.marker == DEVICE:
+            return device[name]
+        raise _HostRead(cls.__name__, name, info.type).error(hook)
 
     def __setattr__(self, name, value):
-        raise AttributeError("the experiment is frozen inside traced code")
+        raise AttributeError(f"the experiment is read-only inside traced code (setting {name!r}).")
 
-    def __repr__(self) -> str:
-        return f"<compile view of {type(self._exp).__name__}>"
+    def __repr__(self):
+        return f"<compile view of {cls.__name__}>"
+
+    view_cls = type(f"{cls.__name__}CompileView", (cls,), {
+        "__getattribute__": __getattribute__, "__setattr__": __setattr__,
+        "__repr__": __repr__, "__hash__": object.__hash__, "__eq__": object.__eq__,
+        "__module__": cls.__module__,
+    })
+    _view_classes[cls] = view_cls
+    return view_cls
+
+
+def CompileView(exp, device_values: dict[str, Any], hook: str | None = None):  # noqa: N802
+    """What traced hooks see as `self`: GraphConst values, Device tracers, Host fields refused.
+
+    `device_values` maps each Device field to its traced value; `hook` names the hook for
+    error messages. Methods and properties of the experiment run against the same view.
+    """
+    view = object.__new__(_view_class(type(exp)))
+    object.__setattr__(view, _VIEW_STATE, (exp, device_values, hook))
+    return view
 
 
 def replace(exp, **changes):

@@ -327,13 +327,8 @@ class Nitro:
         templates = {"params": self.carry.params, "model_state": self.carry.model_state}
         if full:
             templates["opt_state"] = self.carry.opt_state
-        try:
-            trees, meta = load_checkpoint(path, templates)
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 - add which checkpoint and why
-            raise CheckpointError(f"cannot load checkpoint {path}: {e}") from e
-        if full:
+            # The config check reads meta.json only: report changed fields, not array shapes.
+            _, meta = _read_meta(path)
             want = _jsonable(dict(graph_key(self.experiment)))
             have = meta.get("config")
             if have is not None and have != want:
@@ -343,6 +338,12 @@ class Nitro:
                     f"cannot resume from {path}: its GraphConst config differs from this run's "
                     f"(field: checkpoint → now): {diff}. Resume with the same config, or start "
                     f"a new run_dir.")
+        try:
+            trees, meta = load_checkpoint(path, templates)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - add which checkpoint and why
+            raise CheckpointError(f"cannot load checkpoint {path}: {e}") from e
         params = self._replicate(trees["params"])
         mstate = self._replicate(trees["model_state"])
         if full:

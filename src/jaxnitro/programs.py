@@ -24,8 +24,8 @@ from .step import make_eval_step, make_train_step, scalar_loss, slice_rows
 _TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics")
 
 
-def _forward(n, view, params, model_state, batch):
-    out = n.cls.forward(view.for_hook("forward"), n.model, params, model_state,
+def _forward(n, device, params, model_state, batch):
+    out = n.cls.forward(CompileView(n.experiment, device, "forward"), n.model, params, model_state,
                         **n.routes["forward"].select(batch))
     if not (isinstance(out, tuple) and len(out) == 2):
         raise HookError(
@@ -35,8 +35,8 @@ def _forward(n, view, params, model_state, batch):
     return out
 
 
-def _loss(n, view, outputs, batch):
-    return scalar_loss(n.cls.loss(view.for_hook("loss"), outputs, **n.routes["loss"].select(batch)))
+def _loss(n, device, outputs, batch):
+    return scalar_loss(n.cls.loss(CompileView(n.experiment, device, "loss"), outputs, **n.routes["loss"].select(batch)))
 
 
 def train_loss_fn(n):
@@ -44,13 +44,13 @@ def train_loss_fn(n):
     exp = n.experiment
 
     def loss_fn(params, model_state, batch, extras, rng):
-        view = CompileView(exp, extras["device"])
+        device = extras["device"]
         with models.mode(train=True, rng=rng):
-            outputs, new_state = _forward(n, view, params, model_state, batch)
-        loss = _loss(n, view, outputs, batch)
+            outputs, new_state = _forward(n, device, params, model_state, batch)
+        loss = _loss(n, device, outputs, batch)
         aux = {}
         if "train_metrics" in n.routes:
-            got = n.cls.train_metrics(view.for_hook("train_metrics"), outputs,
+            got = n.cls.train_metrics(CompileView(n.experiment, device, "train_metrics"), outputs,
                                       **n.routes["train_metrics"].select(batch))
             if not isinstance(got, dict):
                 raise HookError(f"train_metrics must return a dict name -> scalar, got "
@@ -72,18 +72,18 @@ def eval_metrics_fn(n, split: str):
     has_loss = n.batch_info[split]["has_loss"]
 
     def metrics_fn(params, model_state, batch, extras, n_valid):
-        view = CompileView(exp, extras["device"])
+        device = extras["device"]
         size = next(iter(batch.values())).shape[0]
         with models.mode(train=False):
-            outputs, _ = _forward(n, view, params, model_state, batch)
+            outputs, _ = _forward(n, device, params, model_state, batch)
         outputs, batch = slice_rows(outputs, n_valid, size), slice_rows(batch, n_valid, size)
         rows = size if n_valid is None else n_valid
         totals = {}
         if has_loss:  # val_loss is sample-weighted: exact over a ragged split
-            loss = _loss(n, view, outputs, batch)
+            loss = _loss(n, device, outputs, batch)
             totals["val_loss"] = (loss * rows, jnp.asarray(rows, jnp.int32))
         if "metrics" in n.routes:
-            got = n.cls.metrics(view.for_hook("metrics"), outputs,
+            got = n.cls.metrics(CompileView(n.experiment, device, "metrics"), outputs,
                                 **n.routes["metrics"].select(batch))
             totals.update(metrics_mod.normalize(got))
         return totals
@@ -154,10 +154,10 @@ def predict_program(n, batch, n_valid: int | None) -> cache.Program:
     extras = n.extras()
 
     def predict_step(params, model_state, batch, extras):
-        view = CompileView(exp, extras["device"])
+        device = extras["device"]
         size = next(iter(batch.values())).shape[0]
         with models.mode(train=False):
-            outputs, _ = _forward(n, view, params, model_state, batch)
+            outputs, _ = _forward(n, device, params, model_state, batch)
         return slice_rows(outputs, n_valid, size)
 
     key = (*_base_key(n, "predict"), n_valid,

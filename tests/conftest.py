@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny experiments that train in well under a second on a CPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxnitro as jn
+
+jax.config.update("jax_platforms", "cpu")
+
+
+class TinyMLP(nnx.Module):
+    def __init__(self, width: int, *, dropout: float = 0.0, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(8, width, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.out = nnx.Linear(width, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jax.nn.relu(self.hidden(x))))
+
+
+def make_data(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    w = rng.normal(size=(8, 4)).astype(np.float32)
+    y = (x @ w).argmax(-1).astype(np.int32)
+    return x, y
+
+
+@jn.experiment
+class Tiny:
+    width: jn.GraphConst[int] = 16
+    smoothing: jn.Device[float] = 0.0
+    dropout: jn.GraphConst[float] = 0.0
+    max_epochs: int = 2
+    n_train: int = 256
+    n_val: int = 100
+    val_batch: int = 20
+    shuffle: bool = True
+
+    def build_model(self, rng):
+        return jn.split_model(TinyMLP(self.width, dropout=self.dropout, rngs=nnx.Rngs(rng)))
+
+    def build_data(self, dist):
+        x, y = make_data(self.n_train + self.n_val)
+        tr, va = slice(0, self.n_train), slice(self.n_train, None)
+        splits = {"train": jn.DataLoader({"x": x[tr], "y": y[tr]}, batch_size=32,
+                                         shuffle=self.shuffle, drop_last=True)}
+        if self.n_val:
+            splits["val"] = jn.DataLoader({"x": x[va], "y": y[va]}, batch_size=self.val_batch)
+        return splits
+
+    def learning_rate(self, group):
+        return 1e-2
+
+    def forward(self, model, params, state, *, x):
+        return jn.apply(model, params, state, x)
+
+    def loss(self, logits, *, y):
+        targets = optax.smooth_labels(jax.nn.one_hot(y, 4), self.smoothing)
+        return optax.softmax_cross_entropy(logits, targets).mean()
+
+    def metrics(self, logits, *, y):
+        return {"acc": ((logits.argmax(-1) == y).sum(), y.shape[0])}
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return tmp_path / "run"
+
+
+def nitro(exp=None, **kw):
+    kw.setdefault("progress", False)
+    return jn.Nitro(exp if exp is not None else Tiny(), **kw)
+
+
+def leaves_equal(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.array_equal(np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x),
+                       np.asarray(jax.random.key_data(y) if jnp.issubdtype(y.dtype, jax.dtypes.prng_key) else y))
+        for x, y in zip(la, lb, strict=True))

@@ -1,0 +1,218 @@
+"""End-to-end runs of the driver: compile counts, routing, exact metrics, Top-K, resume."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import Tiny, leaves_equal, make_data, nitro
+
+import jaxnitro as jn
+
+
+def test_train_and_val_compile_two_programs_then_nothing(run_dir):
+    jn.cache_reset()
+    result = jn.train(nitro(run_dir=run_dir, checkpointer=jn.TopKCheckpointer(metric="acc", mode="max")))
+    stats = jn.cache_stats()
+    assert stats["misses"] == 2 and stats["entries"] == 2
+    assert result.programs_compiled == 2
+    assert result.history[-1]["val_loss"] < result.history[0]["val_loss"]
+    # Only Device and Host values change: every program is reused.
+    jn.train(nitro(Tiny(smoothing=0.1, max_epochs=1), run_dir=run_dir / "b"))
+    assert jn.cache_stats()["misses"] == 2
+    # A GraphConst change: one new train program and one new eval program.
+    jn.train(nitro(Tiny(width=24, max_epochs=1), run_dir=run_dir / "c"))
+    assert jn.cache_stats()["misses"] == 4
+
+
+def test_graphconst_change_is_one_new_program_without_val(run_dir):
+    jn.cache_reset()
+    jn.train(nitro(Tiny(n_val=0, max_epochs=1), run_dir=run_dir))
+    assert jn.cache_stats()["misses"] == 1
+    jn.train(nitro(Tiny(n_val=0, max_epochs=1, width=20), run_dir=run_dir / "b"))
+    assert jn.cache_stats()["misses"] == 2
+
+
+def test_device_field_changes_the_result_without_recompiling(run_dir):
+    a = nitro(Tiny(max_epochs=1), run_dir=run_dir / "a")
+    b = nitro(Tiny(max_epochs=1, smoothing=0.3), run_dir=run_dir / "b")
+    jn.train(a)
+    misses = jn.cache_stats()["misses"]
+    jn.train(b)
+    assert jn.cache_stats()["misses"] == misses
+    assert not leaves_equal(a.params, b.params)
+
+
+def test_host_field_read_in_traced_code(run_dir):
+    @jn.experiment
+    class ReadsHost(Tiny):
+        def loss(self, logits, *, y):
+            return super().loss(logits, y=y) * self.max_epochs
+
+    with pytest.raises(jn.HostFieldError, match=r"loss\(\) read Host field 'max_epochs'") as e:
+        jn.train(nitro(ReadsHost(), run_dir=run_dir))
+    assert "jn.GraphConst[int]" in str(e.value) and "jn.Device[int]" in str(e.value)
+
+
+def test_routing_error_at_setup_names_hook_and_fields(run_dir):
+    @jn.experiment
+    class Typo(Tiny):
+        def loss(self, logits, *, lable):
+            return logits.mean()
+
+    with pytest.raises(jn.RoutingError, match="loss") as e:
+        nitro(Typo(), run_dir=run_dir)
+    assert "'lable'" in str(e.value) and "['x', 'y']" in str(e.value) and "'y'" in str(e.value)
+
+
+def test_fields_no_hook_names_stay_on_host(run_dir):
+    @jn.experiment
+    class Extra(Tiny):
+        def build_data(self, dist):
+            x, y = make_data(64)
+            ids = np.arange(64)
+            return {"train": jn.DataLoader({"x": x, "y": y, "ids": ids}, 32, drop_last=True)}
+
+    n = nitro(Extra(max_epochs=1), run_dir=run_dir)
+    assert n.batch_info["train"]["fields"] == ("x", "y")
+    jn.train(n)
+
+
+def test_metrics_are_exact_on_a_ragged_split(run_dir):
+    # 100 validation samples at batch 30: the last batch has 10 rows, padded to 30 in the program.
+    n = nitro(Tiny(max_epochs=1, val_batch=30), run_dir=run_dir)
+    jn.train(n)
+    values = jn.validate(n)
+    x, y = make_data(356)
+    logits = jn.predict(n, {"x": x[256:]})
+    assert logits.shape == (100, 4)
+    correct = int((np.asarray(logits).argmax(-1) == y[256:]).sum())
+    assert values["acc"] == pytest.approx(correct / 100, abs=1e-12)
+    # val_loss is per sample over the whole split, not a mean of per-batch means.
+    per_sample = -jax.nn.log_softmax(logits)[np.arange(100), y[256:]]
+    assert values["val_loss"] == pytest.approx(float(per_sample.mean()), rel=1e-5)
+
+
+def test_topk_keeps_k_best_plus_newest(run_dir):
+    ck = jn.TopKCheckpointer(k=2, metric="val_loss", mode="max")  # "max" so newest is not best
+    n = nitro(Tiny(max_epochs=5), run_dir=run_dir, checkpointer=ck)
+    result = jn.train(n)
+    losses = [row["val_loss"] for row in result.history]
+    best2 = sorted(range(5), key=lambda i: -losses[i])[:2]
+    keep = sorted(set(best2) | {4})
+    on_disk = sorted(p.name for p in ck.dir.iterdir() if p.is_dir())
+    assert len(on_disk) == len(keep)
+    assert [r["epoch"] for r in ck.records()] == [i + 1 for i in keep]
+    assert all(f"epoch-{i + 1:04d}" in " ".join(on_disk) for i in keep)
+    manifest = jn.read_manifest(ck.dir)
+    assert {r["name"] for r in manifest} == set(on_disk)
+
+
+def test_resume_equals_a_straight_run_bitwise(run_dir):
+    exp = Tiny(dropout=0.2)
+    straight = nitro(exp.__class__(dropout=0.2, max_epochs=4), run_dir=run_dir / "straight")
+    jn.train(straight)
+    first = nitro(exp.__class__(dropout=0.2, max_epochs=2), run_dir=run_dir / "resumed")
+    jn.train(first)
+    second = nitro(exp.__class__(dropout=0.2, max_epochs=4), run_dir=run_dir / "resumed",
+                   resume="auto")
+    assert second.epoch == 2 and second.step == first.step
+    result = jn.train(second)
+    assert second.step == straight.step == 4 * 8
+    assert leaves_equal(second.params, straight.params)
+    assert leaves_equal(second.opt_state, straight.opt_state)
+    assert leaves_equal(second.state, straight.state)
+    assert [r["epoch"] for r in result.history] == [1, 2, 3, 4]
+
+
+def test_resume_refuses_a_changed_graphconst(run_dir):
+    jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir))
+    with pytest.raises(jn.CheckpointError, match="width"):
+        nitro(Tiny(width=24, max_epochs=2), run_dir=run_dir, resume="auto")
+
+
+def test_checkpoint_loads_weights_only(run_dir):
+    a = nitro(Tiny(max_epochs=1), run_dir=run_dir / "a")
+    r = jn.train(a)
+    b = nitro(Tiny(max_epochs=1), run_dir=run_dir / "b", checkpoint=r.best_checkpoint)
+    assert leaves_equal(a.params, b.params)
+    assert b.step == 0 and b.epoch == 0
+
+
+def test_short_train_batch_is_a_setup_error(run_dir):
+    @jn.experiment
+    class Ragged(Tiny):
+        def build_data(self, dist):
+            x, y = make_data(100)
+            return {"train": jn.DataLoader({"x": x, "y": y}, batch_size=32)}
+
+    with pytest.raises(jn.DataError, match="drop_last=True"):
+        nitro(Ragged(), run_dir=run_dir)
+
+
+def test_checkpointer_metric_never_produced(run_dir):
+    with pytest.raises(jn.ConfigError, match=r"'accuracy'.*\['acc', 'val_loss'\].*Did you mean 'acc'"):
+        nitro(run_dir=run_dir, checkpointer=jn.TopKCheckpointer(metric="accuracy", mode="max"))
+
+
+def test_jsonl_log_lines(run_dir):
+    jn.train(nitro(Tiny(max_epochs=2), run_dir=run_dir))
+    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = [(ln["type"], ln.get("context")) for ln in lines]
+    assert kinds[0] == ("params", None)
+    train = [ln for ln in lines if ln.get("context") == "train"]
+    assert len(train) == 16 and train[0]["step"] == 1 and train[-1]["step"] == 16
+    assert all(isinstance(ln["loss"], float) for ln in train)
+    val = [ln for ln in lines if ln.get("context") == "validate"]
+    assert [v["epoch"] for v in val] == [1, 2] and "acc" in val[0] and "val_loss" in val[0]
+    assert any(ln.get("context") == "data" and "data_wait_frac" in ln for ln in lines)
+    assert lines[-1]["type"] == "finish" and lines[-1]["status"] == "completed"
+
+
+def test_evaluate_unknown_split_and_predict_errors(run_dir):
+    n = nitro(Tiny(max_epochs=1), run_dir=run_dir)
+    with pytest.raises(jn.DataError, match="Did you mean 'val'"):
+        jn.evaluate(n, split="vall")
+    with pytest.raises(jn.DataError, match=r"dict batch.*\['x'\]"):
+        jn.predict(n, np.zeros((3, 8), np.float32))
+    x, _ = make_data(45)
+    outs = list(jn.predict(n, jn.DataLoader({"x": x}, batch_size=20)))
+    assert [o.shape for o in outs] == [(20, 4), (20, 4), (5, 4)]
+
+
+def test_set_device_no_recompile_and_refusals(run_dir):
+    n = nitro(Tiny(max_epochs=1), run_dir=run_dir)
+    jn.train(n)
+    misses = jn.cache_stats()["misses"]
+    jn.set_device(n, smoothing=0.2)
+    assert jn.device_value(n, "smoothing") == pytest.approx(0.2)
+    assert n.experiment.smoothing == pytest.approx(0.2)
+    jn.validate(n)
+    assert jn.cache_stats()["misses"] == misses
+    with pytest.raises(jn.ConfigError, match="GraphConst field 'width'"):
+        jn.set_device(n, width=3)
+    with pytest.raises(jn.ConfigError, match="Host field 'max_epochs'"):
+        jn.set_device(n, max_epochs=3)
+    with pytest.raises(jn.ConfigError, match="shape"):
+        jn.set_device(n, smoothing=np.zeros(3, np.float32))
+
+
+def test_seed_controls_init_and_shuffle(run_dir):
+    a = nitro(Tiny(max_epochs=1), run_dir=run_dir / "a", seed=1)
+    b = nitro(Tiny(max_epochs=1), run_dir=run_dir / "b", seed=1)
+    c = nitro(Tiny(max_epochs=1), run_dir=run_dir / "c", seed=2)
+    assert leaves_equal(a.params, b.params) and not leaves_equal(a.params, c.params)
+    jn.train(a), jn.train(b)
+    assert leaves_equal(a.params, b.params)
+
+
+def test_request_stop_ends_with_requested(run_dir):
+    n = nitro(Tiny(max_epochs=3), run_dir=run_dir)
+    jn.on_phase(lambda phase, step, epoch, info: jn.request_stop(n) if phase == "Training" else None,
+                nitro=n)
+    result = jn.train(n)
+    assert result.stop_reason == "requested"
+    assert n.step == 1
+    assert n.checkpointer.latest() is not None
