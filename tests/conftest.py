@@ -80,8 +80,12 @@ def nitro(exp=None, **kw):
 
 
 def leaves_equal(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(
-        np.array_equal(np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x),
-                       np.asarray(jax.random.key_data(y) if jnp.issubdtype(y.dtype, jax.dtypes.prng_key) else y))
-        for x, y in zip(la, lb, strict=True))
+    la, lb = jax.tree.leaves(host_copy(a)), jax.tree.leaves(host_copy(b))
+    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb, strict=True))
+
+
+def host_copy(tree):
+    """A host snapshot of a pytree (typed PRNG keys as their raw key data)."""
+    return jax.tree.map(
+        lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x),
+        tree)
