@@ -216,3 +216,30 @@ def test_request_stop_ends_with_requested(run_dir):
     assert result.stop_reason == "requested"
     assert n.step == 1
     assert n.checkpointer.latest() is not None
+
+
+def test_editing_a_hook_never_reuses_the_old_program(run_dir):
+    @jn.experiment
+    class Editable(Tiny):
+        pass
+
+    n = nitro(Editable(max_epochs=1, n_val=0), run_dir=run_dir)
+    jn.train(n)
+    misses = jn.cache_stats()["misses"]
+
+    def loss(self, logits, *, y):  # a notebook cell re-run with a changed body
+        return 2.0 * Tiny.loss(self, logits, y=y)
+
+    Editable.loss = loss
+    jn.train(nitro(Editable(max_epochs=1, n_val=0), run_dir=run_dir / "b"))
+    assert jn.cache_stats()["misses"] == misses + 1
+
+
+def test_plain_progress_lines_and_summary(run_dir, capsys):
+    jn.cache_reset()
+    result = jn.train(nitro(Tiny(max_epochs=2), run_dir=run_dir, progress="plain"))
+    out = capsys.readouterr().out
+    assert "compiled the train program" in out and "compiled the eval program" in out
+    assert "epoch 1/2:" in out and "epoch 2/2:" in out
+    assert "done (completed)" in out and "2 program(s) compiled" in out
+    assert str(result.best_checkpoint) in out
