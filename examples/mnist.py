@@ -9,7 +9,6 @@ it without recompiling), `max_epochs` is unmarked, so Host (driver-only).
 import argparse
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 

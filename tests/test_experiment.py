@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro.experiment import CompileView, DRIVER_FIELDS
+from jaxnitro.experiment import DRIVER_FIELDS, CompileView
 
 
 @jn.experiment
@@ -429,20 +429,20 @@ def test_view_returns_device_values_from_the_dict():
 def test_view_refuses_host_fields_naming_field_hook_and_fixes():
     v = view(hook="loss")
     with pytest.raises(jn.HostFieldError) as ei:
-        v.max_epochs
+        _ = v.max_epochs
     msg = str(ei.value)
     assert "'max_epochs'" in msg
     assert "loss()" in msg
     assert "jn.GraphConst[int]" in msg and "jn.Device[int]" in msg
     with pytest.raises(jn.HostFieldError, match="'name'") as ei:
-        v.name
+        _ = v.name
     assert "jn.GraphConst[str]" in str(ei.value) and "jn.Device[str]" in str(ei.value)
 
 
 def test_host_field_error_is_an_attribute_error():
     v = view()
     with pytest.raises(AttributeError):
-        v.max_epochs
+        _ = v.max_epochs
 
 
 def test_view_binds_methods_to_the_view():
@@ -462,7 +462,7 @@ def test_view_binds_properties():
     v = view(Exp(width=10))
     assert v.double_width == 20
     with pytest.raises(jn.HostFieldError, match="'max_epochs'"):
-        v.epochs_prop
+        _ = v.epochs_prop
 
 
 def test_view_static_and_class_methods():
@@ -479,7 +479,7 @@ def test_view_is_read_only():
 
 def test_view_names_the_hook_it_was_made_for():
     with pytest.raises(jn.HostFieldError, match=r"metrics\(\)"):
-        view(hook="metrics").max_epochs
+        _ = view(hook="metrics").max_epochs
     with pytest.raises(jn.HostFieldError, match=r"train_metrics\(\)"):
         view(hook="train_metrics").uses_host()
 
@@ -502,16 +502,16 @@ def test_view_is_an_instance_of_the_experiment_and_super_works():
     assert isinstance(v, Kid) and isinstance(v, Parent)
     assert v.helper() == 105
     with pytest.raises(jn.HostFieldError, match="'max_epochs'"):
-        v.max_epochs
+        _ = v.max_epochs
 
 
 def test_view_without_hook_still_names_the_field():
     v = CompileView(Exp(), {"smoothing": 0.0, "lr": 0.0})
     with pytest.raises(jn.HostFieldError, match="'max_epochs'"):
-        v.max_epochs
+        _ = v.max_epochs
 
 
 def test_unknown_attribute_on_view_raises_attribute_error():
     v = view()
     with pytest.raises(AttributeError):
-        v.does_not_exist
+        _ = v.does_not_exist

@@ -1,5 +1,7 @@
 """Tests for jaxnitro.hooks: hook discovery, signature checks and keyword routing."""
 
+import dataclasses
+
 import pytest
 
 import jaxnitro as jn
@@ -253,5 +255,5 @@ def test_device_fields_take_all_with_var_keyword():
 
 def test_route_is_a_frozen_value():
     r = Route("loss", ("label",), (), False)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         r.hook = "x"

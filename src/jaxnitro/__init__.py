@@ -3,6 +3,7 @@
 from . import datasets
 from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
 from .compile.cache import cache_reset, cache_stats
+from .data import DataLoader
 from .devices import setup_devices
 from .errors import (
     CheckpointError,
@@ -33,7 +34,6 @@ from .models import apply, split_model
 from .nitro import Dist, Nitro
 from .phases import on_phase
 from .state import TrainState, train_step
-from .data import DataLoader
 
 __version__ = "0.1.0"
 

@@ -138,6 +138,8 @@ def check_batch(batch, split: str, *, expect_fields: frozenset | None = None) ->
         raise DataError(
             f"the {split!r} batch fields disagree on the batch size (leading dimension): {sizes}."
         )
+    if not sizes:
+        raise DataError(f"the {split!r} split yielded an empty batch (a dict with no fields).")
     return next(iter(sizes.values()))
 
 
@@ -179,6 +181,7 @@ class Prefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self.wait_seconds = 0.0
+        self._finished = False  # set once DONE/an error was consumed, or on close()
         self._thread = threading.Thread(target=self._run, name="jaxnitro-prefetch", daemon=True)
         self._thread.start()
 
@@ -210,18 +213,25 @@ class Prefetcher:
         return self
 
     def __next__(self):
+        # After the end, an error, or close() the producer puts nothing more: a blocking get()
+        # would wait forever, so an exhausted or closed prefetcher keeps raising StopIteration.
+        if self._finished:
+            raise StopIteration
         t0 = time.perf_counter()
         item = self._queue.get()
         self.wait_seconds += time.perf_counter() - t0
         if item is self._DONE:
+            self._finished = True
             self._thread.join()
             raise StopIteration
         if isinstance(item, BaseException):
+            self._finished = True
             self._thread.join()
             raise item
         return item
 
     def close(self) -> None:
+        self._finished = True
         self._stop.set()
         try:
             while True:

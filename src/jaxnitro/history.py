@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator
 
 
@@ -32,8 +33,8 @@ class History:
 
     @property
     def best_index(self) -> int | None:
-        scored = [(i, r.get(self.metric)) for i, r in enumerate(self.rows)]
-        scored = [(i, v) for i, v in scored if isinstance(v, (int, float)) and math.isfinite(v)]
+        scored = [(i, _score(r.get(self.metric))) for i, r in enumerate(self.rows)]
+        scored = [(i, v) for i, v in scored if v is not None]
         if not scored:
             return None
         pick = min if self.mode == "min" else max
@@ -56,3 +57,16 @@ class History:
 
     def __repr__(self) -> str:
         return f"History({len(self.rows)} rows, best by {self.metric}={self.best_index})"
+
+
+def _score(value) -> float | None:
+    """A finite real scalar as a float (numpy/jax scalars included, e.g. from
+    `finalize_metrics`), else None."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if not isinstance(value, numbers.Real):
+        kind = getattr(getattr(value, "dtype", None), "kind", None)
+        if getattr(value, "shape", None) != () or kind not in ("i", "u", "f"):
+            return None
+    value = float(value)
+    return value if math.isfinite(value) else None

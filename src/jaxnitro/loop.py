@@ -20,11 +20,11 @@ import jax
 import numpy as np
 
 from . import data as data_mod
-from .experiment import DEVICE, GRAPH, fields, graph_key, replace
 from . import metrics as metrics_mod
 from . import programs
 from .compile import cache
 from .errors import ConfigError, DataError, NonFiniteLossError, did_you_mean
+from .experiment import DEVICE, GRAPH, fields, graph_key, replace
 from .history import History
 from .nitro import Nitro, _jsonable
 from .phases import set_phase
@@ -258,8 +258,15 @@ def _evaluate(n: Nitro, split: str) -> dict[str, Any]:
         out = fin(n.experiment, values, split)
         if not isinstance(out, Mapping):
             raise ConfigError(f"finalize_metrics must return a dict, got {type(out).__name__}.")
-        values = dict(out)
+        values = {k: _host_value(v) for k, v in out.items()}
     return values
+
+
+def _host_value(v):
+    """0-d numpy/jax values become Python floats (logged, compared, JSON-safe)."""
+    if hasattr(v, "shape") and getattr(v, "shape", None) == ():
+        return float(np.asarray(v))
+    return v
 
 
 def validate(n: Nitro) -> dict[str, Any]:

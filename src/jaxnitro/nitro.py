@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import data as data_mod
-from .experiment import DEVICE, field_values, fields, graph_key, is_experiment, replace
-from . import hooks, models
+from . import hooks
 from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
 from .devices import make_mesh, replicated
 from .errors import CheckpointError, ConfigError, DataError, HookError, did_you_mean
+from .experiment import DEVICE, field_values, fields, graph_key, is_experiment, replace
 from .logging import JSONLogger
 from .progress import Display
 from .state import default_optimizer

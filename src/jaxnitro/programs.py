@@ -12,13 +12,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .experiment import CompileView, graph_key
 from . import metrics as metrics_mod
 from . import models
 from .compile import cache
 from .compile.fingerprint import fingerprint
 from .devices import mesh_id
 from .errors import HookError
+from .experiment import CompileView, graph_key
 from .step import make_eval_step, make_train_step, scalar_loss, slice_rows
 
 _TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics")
@@ -41,7 +41,6 @@ def _loss(n, device, outputs, batch):
 
 def train_loss_fn(n):
     """(params, model_state, batch, extras, rng) -> (loss, (new_model_state, train metrics))."""
-    exp = n.experiment
 
     def loss_fn(params, model_state, batch, extras, rng):
         device = extras["device"]
@@ -68,7 +67,6 @@ def train_loss_fn(n):
 
 def eval_metrics_fn(n, split: str):
     """(params, model_state, batch, extras, n_valid) -> {name: (sum, count)} for one batch."""
-    exp = n.experiment
     has_loss = n.batch_info[split]["has_loss"]
 
     def metrics_fn(params, model_state, batch, extras, n_valid):
@@ -150,7 +148,6 @@ def eval_program(n, split: str, batch, totals, n_valid: int | None) -> cache.Pro
 
 def predict_program(n, batch, n_valid: int | None) -> cache.Program:
     """Forward in inference mode; outputs sliced back to the real rows."""
-    exp = n.experiment
     extras = n.extras()
 
     def predict_step(params, model_state, batch, extras):
