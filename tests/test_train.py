@@ -243,3 +243,38 @@ def test_plain_progress_lines_and_summary(run_dir, capsys):
     assert "epoch 1/2:" in out and "epoch 2/2:" in out
     assert "done (completed)" in out and "2 program(s) compiled" in out
     assert str(result.best_checkpoint) in out
+
+
+def test_stop_mid_epoch_then_resume_equals_straight_run(run_dir):
+    straight = nitro(Tiny(max_epochs=2), run_dir=run_dir / "straight")
+    jn.train(straight)
+    first = nitro(Tiny(max_epochs=2), run_dir=run_dir / "stopped")
+    # "Training" is entered once the train program is compiled: the run stops after step 1.
+    jn.on_phase(lambda phase, step, epoch, info: jn.request_stop(first)
+                if phase == "Training" and step == 0 else None, nitro=first)
+    assert jn.train(first).stop_reason == "requested"
+    assert first.step == 1 and first.epoch == 0 and first.batch_in_epoch == 1
+    resumed = nitro(Tiny(max_epochs=2), run_dir=run_dir / "stopped", resume="auto")
+    assert resumed.step == 1 and resumed.batch_in_epoch == 1
+    result = jn.train(resumed)
+    assert [r["epoch"] for r in result.history] == [1, 2]
+    assert resumed.step == straight.step
+    assert leaves_equal(resumed.params, straight.params)
+    assert leaves_equal(resumed.opt_state, straight.opt_state)
+
+
+def test_rich_display_runs_on_a_terminal_like_stream(run_dir):
+    import io
+
+    from jaxnitro.progress import Display
+
+    buf = io.StringIO()
+    d = Display("rich", file=buf)
+    with d.compiling("train", "Tiny"):
+        pass
+    d.start_epoch(0, 2, 10)
+    d.update(5, 0.5, 100.0)
+    d.phase("validating")
+    d.end_epoch("train_loss 0.5")
+    assert "compiled the train program (Tiny)" in buf.getvalue()
+    assert "epoch 1/2: train_loss 0.5" in buf.getvalue()

@@ -138,7 +138,10 @@ def train(n: Nitro) -> TrainResult:
                 n.logger.log_metrics({k: v for k, v in row.items() if k not in ("epoch", "step")
                                       and _is_scalar(v)},
                                      context="validate", epoch=epoch + 1, step=n.step)
-            n.history_rows.append(row)
+            if n.history_rows and n.history_rows[-1]["epoch"] == row["epoch"]:
+                n.history_rows[-1] = row  # the epoch a stop cut short, now finished
+            else:
+                n.history_rows.append(row)
             set_phase(n, "Checkpointing")
             _checkpoint(n, row)
             set_phase(n, "Training")
