@@ -29,7 +29,9 @@ from .history import History
 from .nitro import Nitro, _jsonable
 from .phases import set_phase
 
-_READBACK_LAG = 8  # steps in flight before a loss is read back (keeps dispatch asynchronous)
+# Losses are read back in chunks, a chunk behind the newest step, so dispatch never waits on
+# the device and one transfer serves many steps.
+_READBACK_CHUNK = 16
 
 
 @dataclasses.dataclass
@@ -106,16 +108,16 @@ def train(n: Nitro) -> TrainResult:
                         n.programs["train"] = prog
                     n.carry, out = prog(n.carry, dev_batch, extras)
                     n.batch_in_epoch += 1
-                    pending.append((n.batch_in_epoch, out))
-                    if len(pending) > _READBACK_LAG:
-                        _drain(n, pending.popleft(), epoch, losses)
+                    n.host_step += 1
+                    pending.append((n.host_step, n.batch_in_epoch, out))
+                    if len(pending) >= 2 * _READBACK_CHUNK:
+                        _drain(n, pending, _READBACK_CHUNK, epoch, losses)
                         elapsed = time.perf_counter() - t0 - compile_s
                         n.display.update(n.batch_in_epoch, losses[-1],
                                          len(losses) / elapsed if elapsed > 0 else None)
                     if n.stop_requested:
                         break
-                while pending:
-                    _drain(n, pending.popleft(), epoch, losses)
+                _drain(n, pending, len(pending), epoch, losses)
             finally:
                 feed.close()
             jax.block_until_ready(n.carry.params)
@@ -173,20 +175,22 @@ def train(n: Nitro) -> TrainResult:
     return result
 
 
-def _drain(n: Nitro, item, epoch: int, losses: list[float]) -> None:
-    batch_index, out = item
-    host = jax.device_get(out)
-    loss = float(host["loss"])
-    step = n.step - (n.batch_in_epoch - batch_index)
-    if not math.isfinite(loss):
-        raise NonFiniteLossError(
-            f"the training loss is {loss} at step {step} (epoch {epoch + 1}, batch "
-            f"{batch_index - 1}). Lower the learning rate, check the data for NaN/inf, or "
-            f"add gradient clipping. The last good checkpoint is "
-            f"{n.checkpointer.latest()}.")
-    losses.append(loss)
-    n.logger.log_metrics({k: float(v) for k, v in host.items()}, context="train",
-                         epoch=epoch + 1, step=step)
+def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
+           losses: list[float]) -> None:
+    """Read back and log the oldest `count` steps' outputs in one transfer."""
+    items = [pending.popleft() for _ in range(count)]
+    hosts = jax.device_get([out for _, _, out in items])
+    for (step, batch_index, _), host in zip(items, hosts, strict=True):
+        loss = float(host["loss"])
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(
+                f"the training loss is {loss} at step {step} (epoch {epoch + 1}, batch "
+                f"{batch_index - 1}). Lower the learning rate, check the data for NaN/inf, or "
+                f"add gradient clipping. The last good checkpoint is "
+                f"{n.checkpointer.latest()}.")
+        losses.append(loss)
+        n.logger.log_metrics({k: float(v) for k, v in host.items()}, context="train",
+                             epoch=epoch + 1, step=step)
 
 
 def _is_scalar(v) -> bool:

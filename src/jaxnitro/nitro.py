@@ -155,6 +155,7 @@ class Nitro:
             Carry(params, model_state, opt_state, jnp.zeros((), jnp.int32)), self._rep)
         self.epoch = 0
         self.batch_in_epoch = 0
+        self.host_step = 0
 
         self._check_checkpoint_metric()
         if self.resume_path is not None:
@@ -187,7 +188,8 @@ class Nitro:
 
     @property
     def step(self) -> int:
-        return int(self.carry.step)
+        # Counted on the host: reading carry.step would wait for the newest dispatched step.
+        return self.host_step
 
     def __repr__(self) -> str:
         return (f"Nitro({type(self.experiment).__name__}, step={self.step}, epoch={self.epoch}, "
@@ -350,6 +352,7 @@ class Nitro:
             self.carry = jax.device_put(
                 Carry(params, mstate, trees["opt_state"], jnp.asarray(meta["step"], jnp.int32)),
                 self._rep)
+            self.host_step = int(meta["step"])
             self.epoch = int(meta["epoch"])
             self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
             self.history_rows = list(meta.get("history", []))
