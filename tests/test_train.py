@@ -278,3 +278,52 @@ def test_rich_display_runs_on_a_terminal_like_stream(run_dir):
     d.end_epoch("train_loss 0.5")
     assert "compiled the train program (Tiny)" in buf.getvalue()
     assert "epoch 1/2: train_loss 0.5" in buf.getvalue()
+
+
+@jn.experiment
+class Rich(Tiny):
+    """derive, train_metrics, a count=None metric and finalize_metrics together."""
+
+    class_weight: jn.Device[float] = 1.0
+
+    def derive(self, data):
+        labels = np.concatenate([b["y"] for b in data["train"]])
+        return {"class_weight": float(len(labels) / (4 * np.bincount(labels, minlength=4).max()))}
+
+    def loss(self, logits, *, y):
+        return self.class_weight * super().loss(logits, y=y)
+
+    def train_metrics(self, logits, *, y):
+        return {"train_acc": (logits.argmax(-1) == y).mean()}
+
+    def metrics(self, logits, *, y):
+        pred = logits.argmax(-1)
+        confusion = jax.numpy.zeros((4, 4), jax.numpy.int32).at[y, pred].add(1)
+        return {"acc": ((pred == y).sum(), y.shape[0]), "confusion": (confusion, None)}
+
+    def finalize_metrics(self, values, split):
+        m = np.asarray(values["confusion"])
+        recall = np.diag(m) / np.maximum(m.sum(1), 1)
+        return {**values, "macro_recall": float(recall.mean()), "split_seen": split}
+
+
+def test_derive_train_metrics_and_finalize(run_dir):
+    n = nitro(Rich(max_epochs=1, val_batch=30), run_dir=run_dir)
+    x, y = make_data(356)
+    expected = 256 / (4 * np.bincount(y[:256], minlength=4).max())
+    assert n.experiment.class_weight == pytest.approx(expected)
+    jn.train(n)
+    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [ln for ln in lines if ln.get("context") == "train"]
+    assert all(0.0 <= ln["train_acc"] <= 1.0 for ln in train)
+    values = jn.validate(n)
+    m = np.asarray(values["confusion"])
+    assert m.shape == (4, 4) and m.sum() == 100  # summed, never divided; padding not counted
+    logits = jn.predict(n, {"x": x[256:]})
+    pred = np.asarray(logits).argmax(-1)
+    truth = np.zeros((4, 4), int)
+    np.add.at(truth, (y[256:], pred), 1)
+    assert np.array_equal(m, truth)
+    recall = np.diag(truth) / np.maximum(truth.sum(1), 1)
+    assert values["macro_recall"] == pytest.approx(recall.mean())
+    assert values["split_seen"] == "val"
