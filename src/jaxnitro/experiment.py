@@ -11,6 +11,7 @@ import ast
 import copy
 import dataclasses
 import enum
+import functools
 import inspect
 import io
 import textwrap
@@ -246,7 +247,8 @@ def experiment(cls=None, /):
             )
         default = cls.__dict__.get(name, dataclasses.MISSING)
         if isinstance(default, dataclasses.Field):
-            default = default.default
+            factory = default.default_factory
+            default = default.default if factory is dataclasses.MISSING else factory()
         infos[name] = FieldInfo(name, typ, kind, default, docs.get(name))
 
     user_post_init = cls.__dict__.get("__post_init__")
@@ -263,10 +265,34 @@ def experiment(cls=None, /):
     cls.__post_init__ = __post_init__
     cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
     cls.__jn_fields__ = infos
+    cls.__init__ = _checked_init(cls, cls.__init__)
     if "presets" not in cls.__dict__ and not hasattr(cls, "presets"):
         cls.presets = classmethod(lambda c: {})
     cls.from_preset = classmethod(_from_preset)
     return cls
+
+
+def _checked_init(cls, init):
+    """Unknown or positional arguments get the field list and a did-you-mean, not a bare TypeError."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if args:
+            raise ConfigError(
+                f"{cls.__name__} takes keyword arguments only, e.g. {cls.__name__}("
+                f"{next(iter(cls.__jn_fields__), 'field')}=...); got {len(args)} positional.")
+        unknown = [k for k in kwargs if k not in cls.__jn_fields__]
+        if unknown:
+            raise ConfigError(
+                f"{cls.__name__} has no field {unknown[0]!r}; fields: {sorted(cls.__jn_fields__)}."
+                + did_you_mean(unknown[0], cls.__jn_fields__))
+        missing = [f.name for f in cls.__jn_fields__.values()
+                   if f.default is dataclasses.MISSING and f.name not in kwargs]
+        if missing:
+            raise ConfigError(f"{cls.__name__} needs a value for field(s) {missing} (no default).")
+        init(self, **kwargs)
+
+    return __init__
 
 
 def _from_preset(cls, name: str, **overrides):
