@@ -14,6 +14,10 @@ class ConfigError(JaxnitroError, ValueError):
     """An experiment definition or a `Nitro(...)` argument is invalid."""
 
 
+class ConfigArgumentError(ConfigError, TypeError):
+    """An experiment was constructed with unknown, missing or positional arguments."""
+
+
 class HookError(JaxnitroError, TypeError):
     """A hook is missing, misspelled, has the wrong signature, or returned the wrong thing."""
 

@@ -19,7 +19,7 @@ import tokenize
 import typing
 from typing import Any
 
-from .errors import ConfigError, HostFieldError, did_you_mean
+from .errors import ConfigArgumentError, ConfigError, HostFieldError, did_you_mean
 
 GRAPH = "GraphConst"
 DEVICE = "Device"
@@ -278,18 +278,18 @@ def _checked_init(cls, init):
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         if args:
-            raise ConfigError(
+            raise ConfigArgumentError(
                 f"{cls.__name__} takes keyword arguments only, e.g. {cls.__name__}("
                 f"{next(iter(cls.__jn_fields__), 'field')}=...); got {len(args)} positional.")
         unknown = [k for k in kwargs if k not in cls.__jn_fields__]
         if unknown:
-            raise ConfigError(
+            raise ConfigArgumentError(
                 f"{cls.__name__} has no field {unknown[0]!r}; fields: {sorted(cls.__jn_fields__)}."
                 + did_you_mean(unknown[0], cls.__jn_fields__))
         missing = [f.name for f in cls.__jn_fields__.values()
                    if f.default is dataclasses.MISSING and f.name not in kwargs]
         if missing:
-            raise ConfigError(f"{cls.__name__} needs a value for field(s) {missing} (no default).")
+            raise ConfigArgumentError(f"{cls.__name__} needs a value for field(s) {missing} (no default).")
         init(self, **kwargs)
 
     return __init__
