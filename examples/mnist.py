@@ -66,5 +66,3 @@ if __name__ == "__main__":
     exp = MnistMLP(max_epochs=args.epochs, mnist_path=args.mnist)
     n = jn.Nitro(exp, checkpointer=jn.TopKCheckpointer(metric="acc", mode="max"))
     result = jn.train(n)
-    print(f"best val acc {result.best_metric:.4f} · checkpoint {result.best_checkpoint} · "
-          f"programs compiled {result.programs_compiled} · {result.steps_per_second:,.0f} steps/s")

@@ -156,9 +156,9 @@ def pad_batch(batch: Mapping[str, np.ndarray], size: int) -> dict[str, np.ndarra
     return out
 
 
-def batch_sharding(mesh) -> NamedSharding:
-    """Leading axis split over the `data` mesh axis."""
-    return NamedSharding(mesh, PartitionSpec("data"))
+def batch_sharding(mesh, *, axis: int = 0) -> NamedSharding:
+    """The batch axis (leading, or after `axis` stacking axes) split over the `data` mesh axis."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * axis), "data"))
 
 
 def place(batch: Mapping[str, Any], fields: Iterable[str], sharding) -> dict[str, jax.Array]:

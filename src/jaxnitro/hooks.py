@@ -15,7 +15,8 @@ from .errors import HookError, RoutingError, did_you_mean
 REQUIRED = ("build_model", "build_data", "forward", "loss")
 OPTIONAL = (
     "metrics", "train_metrics", "finalize_metrics", "derive", "param_group", "optimizer",
-    "learning_rate", "weight_decay", "no_decay", "gradient_clip_norm", "schedules",
+    "learning_rate", "weight_decay", "decay_anchor", "no_decay", "gradient_clip_norm",
+    "schedules",
     "presets",
 )  # fmt: skip
 #: Hooks traced into a compiled program, with how many positional arguments follow `self`.

@@ -74,6 +74,7 @@ def train(n: Nitro) -> TrainResult:
     train_bs = n.batch_info["train"]["batch_size"]
     stop_reason, status = "completed", "completed"
     train_steps, train_seconds = 0, 0.0
+    n.programs = {}  # re-keyed at each entry point: an edited hook is never served stale
     try:
         set_phase(n, "Training")
         while n.epoch < n.max_epochs:
@@ -83,33 +84,29 @@ def train(n: Nitro) -> TrainResult:
                 loader.set_epoch(epoch)
             total = len(loader) if hasattr(loader, "__len__") else None
             n.display.start_epoch(epoch, n.max_epochs, total, n.batch_in_epoch)
-            feed = data_mod.Prefetcher(data_mod.skip(loader, n.batch_in_epoch),
-                                       _prepare(n, "train", None))
+            feed = data_mod.Prefetcher(
+                _units(data_mod.skip(loader, n.batch_in_epoch), n.accum * n.steps_per_call),
+                _train_prepare(n, epoch))
             pending: collections.deque = collections.deque()
             losses: list[float] = []
             t0 = time.perf_counter()
             compile_s = 0.0
-            prog = None
             extras = n.extras()
             try:
-                for dev_batch, size, _ in feed:
-                    if size != train_bs:
-                        raise DataError(
-                            f"train batch {n.batch_in_epoch} of epoch {epoch + 1} has {size} "
-                            f"samples, not {train_bs}: a short train batch would need its own "
-                            f"program. Drop it (drop_last=True) or make the split divide by "
-                            f"the batch size.")
-                    if prog is None:
-                        c0 = time.perf_counter()
-                        set_phase(n, "Compiling", info={"program": "train"})
-                        prog = programs.train_program(n, dev_batch)
-                        set_phase(n, "Training")
-                        compile_s += time.perf_counter() - c0
-                        n.programs["train"] = prog
-                    n.carry, out = prog(n.carry, dev_batch, extras)
-                    n.batch_in_epoch += 1
-                    n.host_step += 1
-                    pending.append((n.host_step, n.batch_in_epoch, out))
+                for payloads, _, _ in feed:
+                    for dev_batch, hyper, steps in payloads:
+                        prog = n.programs.get(("train", steps))
+                        if prog is None:
+                            c0 = time.perf_counter()
+                            set_phase(n, "Compiling", info={"program": "train"})
+                            prog = programs.train_program(n, dev_batch, hyper, steps)
+                            set_phase(n, "Training")
+                            compile_s += time.perf_counter() - c0
+                            n.programs[("train", steps)] = prog
+                        n.carry, out = prog(n.carry, dev_batch, extras, hyper)
+                        n.batch_in_epoch += steps * n.accum
+                        n.host_step += steps
+                        pending.append((n.host_step, n.batch_in_epoch, steps, out))
                     if len(pending) >= 2 * _READBACK_CHUNK:
                         _drain(n, pending, _READBACK_CHUNK, epoch, losses)
                         elapsed = time.perf_counter() - t0 - compile_s
@@ -177,20 +174,83 @@ def train(n: Nitro) -> TrainResult:
 
 def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
            losses: list[float]) -> None:
-    """Read back and log the oldest `count` steps' outputs in one transfer."""
+    """Read back and log the oldest `count` dispatches' outputs in one transfer."""
     items = [pending.popleft() for _ in range(count)]
-    hosts = jax.device_get([out for _, _, out in items])
-    for (step, batch_index, _), host in zip(items, hosts, strict=True):
-        loss = float(host["loss"])
-        if not math.isfinite(loss):
-            raise NonFiniteLossError(
-                f"the training loss is {loss} at step {step} (epoch {epoch + 1}, batch "
-                f"{batch_index - 1}). Lower the learning rate, check the data for NaN/inf, or "
-                f"add gradient clipping. The last good checkpoint is "
-                f"{n.checkpointer.latest()}.")
-        losses.append(loss)
-        n.logger.log_metrics({k: float(v) for k, v in host.items()}, context="train",
-                             epoch=epoch + 1, step=step)
+    hosts = jax.device_get([out for *_, out in items])
+    for (last_step, last_batch, steps, _), host in zip(items, hosts, strict=True):
+        for j in range(steps):  # a fused call returns one row per optimizer step
+            row = {k: float(np.asarray(v).reshape(-1)[j] if steps > 1 else v)
+                   for k, v in host.items()}
+            step = last_step - steps + 1 + j
+            if not math.isfinite(row["loss"]):
+                batch = last_batch - (steps - j) * n.accum
+                raise NonFiniteLossError(
+                    f"the training loss is {row['loss']} at step {step} (epoch {epoch + 1}, "
+                    f"batch {batch}). Lower the learning rate, check the data for NaN/inf, or "
+                    f"add gradient clipping. The last good checkpoint is "
+                    f"{n.checkpointer.latest()}.")
+            losses.append(row["loss"])
+            n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
+
+
+def _units(source, size: int):
+    """Group host batches into dispatch units of `size` (the last may be shorter)."""
+    if size == 1:
+        for b in source:
+            yield [b]
+        return
+    unit = []
+    for b in source:
+        unit.append(b)
+        if len(unit) == size:
+            yield unit
+            unit = []
+    if unit:
+        yield unit
+
+
+def _train_prepare(n: Nitro, epoch: int):
+    """Host unit -> [(device batch, packed hyperparameters, optimizer steps)], in order.
+
+    Runs in the prefetch thread: checks, stacks (spc, accum, batch, ...) and transfers the
+    batches, and evaluates the schedules for the unit's steps.
+    """
+    info = n.batch_info["train"]
+    bs, accum, spc = info["batch_size"], n.accum, n.steps_per_call
+    next_step = [n.host_step]
+
+    def prepare(unit):
+        for i, host in enumerate(unit):
+            size = data_mod.check_batch(host, "train", expect_fields=info["keys"])
+            if size != bs:
+                raise DataError(
+                    f"a train batch of epoch {epoch + 1} has {size} samples, not {bs}: a short "
+                    f"train batch would need its own program. Drop it (drop_last=True) or make "
+                    f"the split divide by the batch size.")
+        if len(unit) % accum:
+            raise DataError(
+                f"the train split ended with {len(unit) % accum} batch(es) that do not fill an "
+                f"accumulation group of accum={accum}. Make the number of batches per epoch a "
+                f"multiple of accum.")
+        steps = len(unit) // accum
+        groups = [(unit, spc)] if steps == spc else [
+            (unit[i * accum:(i + 1) * accum], 1) for i in range(steps)]
+        payloads = []
+        for group, s in groups:
+            lead = (s,) * (s > 1) + (accum,) * (accum > 1)
+            batch = {}
+            for f in info["fields"]:
+                arr = np.stack([np.asarray(h[f]) for h in group]) if lead else np.asarray(group[0][f])
+                batch[f] = jax.device_put(arr.reshape(lead + arr.shape[1 if lead else 0:]) if lead
+                                          else arr, data_mod.batch_sharding(n.mesh, axis=len(lead)))
+            first = next_step[0]
+            next_step[0] += s
+            hv = np.stack([n.hyper_values(t) for t in range(first, first + s)]) if s > 1 \
+                else n.hyper_values(first)
+            payloads.append((batch, jax.device_put(hv, n._rep), s))
+        return payloads, len(unit)
+
+    return prepare
 
 
 def _is_scalar(v) -> bool:
@@ -362,7 +422,11 @@ def set_device(n: Nitro, **values) -> None:
                 f"set_device({name}=...) would change its shape/dtype from {old.shape}/"
                 f"{old.dtype} to {new.shape}/{new.dtype}, which needs a new program. Pass a "
                 f"value of the same shape and dtype.")
+        if f"device.{name}" in n.schedules.fns:
+            raise ConfigError(f"set_device cannot change {name!r}: a schedule drives it "
+                              f"(schedule key 'device.{name}'). Change the schedule instead.")
         n.device_values[name] = new
+    n.__dict__.pop("_hyper_cache", None)
     n.experiment = replace(n.experiment, **values)
 
 

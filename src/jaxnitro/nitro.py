@@ -18,14 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import data as data_mod
-from . import hooks
+from . import hooks, optim
 from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
 from .devices import make_mesh, replicated
 from .errors import CheckpointError, ConfigError, DataError, HookError, did_you_mean
 from .experiment import DEVICE, field_values, fields, graph_key, is_experiment, replace
 from .logging import JSONLogger
 from .progress import Display
-from .state import default_optimizer
 from .step import Carry
 
 
@@ -76,15 +75,14 @@ class Nitro:
         self.run_dir = Path(s["run_dir"] if s["run_dir"] is not None else Path("runs") / cls.__name__)
         self.accum = _int_setting("accum", accum, minimum=1)
         self.steps_per_call = _int_setting("steps_per_call", steps_per_call, minimum=1)
-        if self.accum != 1 or self.steps_per_call != 1:
-            raise ConfigError(
-                "accum and steps_per_call other than 1 are not available in this version; "
-                "use accum=1, steps_per_call=1."
-            )
-        if precision not in (None, "f32"):
-            raise ConfigError(f"precision={precision!r} is not available; use None or 'f32'.")
-        if schedules:
-            raise ConfigError("schedules are not available in this version; remove schedules=.")
+        if precision not in (None, "f32", "bf16"):
+            raise ConfigError(f"precision={precision!r}; use 'f32' (the default) or 'bf16' "
+                              f"(bf16 compute, f32 master weights and optimizer state)."
+                              + did_you_mean(str(precision), ["f32", "bf16"]))
+        self.precision = precision or "f32"
+        # Nitro(schedules=...) replaces the experiment's schedules() table; it does not merge.
+        self._schedule_table = dict(schedules if schedules is not None else
+                                    (exp.schedules() if hasattr(cls, "schedules") else {}) or {})
         self.memory_budget, self.compile_options = memory_budget, dict(compile_options or {})
         self.display = Display(progress)
         self.phase = "Starting"
@@ -146,8 +144,27 @@ class Nitro:
 
         self.batch_info = self._check_splits()
 
-        # Optimizer (param groups, schedules and accumulation come with the optim module).
-        self.tx = self._build_optimizer(exp)
+        # Optimizer: param groups, decay, clipping; schedules resolved against total steps.
+        self.optimizer = optim.build(exp, params, scheduled=set(self._schedule_table))
+        self.tx = self.optimizer.tx
+        self.steps_per_epoch = self._steps_per_epoch()
+        self.total_steps = (self.steps_per_epoch or 0) * self.max_epochs
+        if self._schedule_table and not self.steps_per_epoch:
+            raise ConfigError("schedules need the number of steps per epoch, but the 'train' "
+                              "split has no len(); use a jn.DataLoader or give it __len__.")
+        markers = {f.name: f.marker for f in fields(exp)}
+        self.schedules = optim.resolve_schedules(
+            self._schedule_table, opt=self.optimizer, device_fields=markers,
+            total_steps=max(self.total_steps, 1))
+        # Scalar float Device fields travel with the per-step hyperparameters, scheduled or
+        # not, so scheduling one (or not) never changes the program.
+        self.hyper_keys = [("opt", k) for k in sorted(self.optimizer.hyper_paths)] + [
+            ("device", k) for k, v in self.device_values.items()
+            if v.shape == () and jnp.issubdtype(v.dtype, jnp.floating)]
+        for key in self.schedules.fns:
+            if key.startswith("device.") and ("device", key[7:]) not in self.hyper_keys:
+                raise ConfigError(f"schedule {key!r}: only scalar float Device fields can be "
+                                  f"scheduled.")
         opt_state = jax.jit(self.tx.init, out_shardings=self._rep)(params)
         # Every leaf of the carry lives replicated on the mesh, as the train step returns it,
         # so the program's input avals (and key) are the same at step 1 and step N.
@@ -286,21 +303,53 @@ class Nitro:
                            "has_loss": loss_ok}
         return info
 
-    def _build_optimizer(self, exp):
-        hook = getattr(type(exp), "optimizer", None)
-        lr_hook = getattr(type(exp), "learning_rate", None)
-        lr = float(lr_hook(exp, "default")) if lr_hook is not None else 1e-3
-        if lr == 0:
+    def _steps_per_epoch(self) -> int | None:
+        """Optimizer steps per epoch; `accum` must divide the batches of an epoch."""
+        loader = self.splits.get("train")
+        if loader is None or not hasattr(loader, "__len__"):
+            return None
+        batches = len(loader)
+        if batches % self.accum:
+            near = sorted({d for d in range(1, batches + 1) if batches % d == 0},
+                          key=lambda d: (abs(d - self.accum), d))[:3]
             raise ConfigError(
-                "learning_rate is 0 for the whole experiment: nothing would train. Set a "
-                "positive rate (freezing a single param group comes with param groups).")
-        if hook is None:
-            return default_optimizer(lr)
-        tx = hook(exp, "default")
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise HookError(f"optimizer(self, group) must return an optax GradientTransformation, "
-                            f"got {type(tx).__name__}; e.g. return optax.adamw(1e-3).")
-        return tx
+                f"accum={self.accum} does not divide the {batches} train batches of an epoch, "
+                f"so the last optimizer step would be short. Use accum in {sorted(near)}, or "
+                f"change the batch size or the number of samples (drop_last=True drops a "
+                f"final partial batch).")
+        return batches // self.accum
+
+    def hyper_values(self, step: int) -> np.ndarray:
+        """The packed per-step vector (learning rates, decays, scalar Device values) for `step`."""
+        scheduled = self.schedules.values(step) if self.schedules.fns else {}
+        base = self._hyper_base
+        out = np.empty(len(self.hyper_keys), np.float32)
+        for i, (kind, key) in enumerate(self.hyper_keys):
+            full = key if kind == "opt" else f"device.{key}"
+            out[i] = scheduled[full] if full in scheduled else base[full]
+        return out
+
+    @property
+    def _hyper_base(self) -> dict[str, np.float32]:
+        """Unscheduled values; cached (reading Device values back each step would sync)."""
+        cached = self.__dict__.get("_hyper_cache")
+        if cached is None:
+            cached = dict(optim.host_hyper(self.optimizer))
+            for kind, key in self.hyper_keys:
+                if kind == "device":
+                    cached[f"device.{key}"] = np.float32(np.asarray(self.device_values[key]))
+            self.__dict__["_hyper_cache"] = cached
+        return cached
+
+    def unpack_hyper(self, vec) -> dict:
+        """Inside the traced step: the packed vector back into {"opt": ..., "device": ...}."""
+        out: dict = {"opt": {}, "device": {}}
+        for i, (kind, key) in enumerate(self.hyper_keys):
+            v = vec[i]
+            if kind == "device":
+                v = v.astype(self.device_values[key].dtype)
+            out[kind][key] = v
+        return out
 
     def eval_metric_names(self, split: str) -> list[str]:
         """The metric names validation produces (traced abstractly; nothing compiles)."""

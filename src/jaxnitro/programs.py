@@ -7,13 +7,14 @@ covers, so a cached program is correct for every `Nitro` that produces the same 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from . import metrics as metrics_mod
-from . import models
+from . import models, optim
 from .compile import cache
 from .compile.fingerprint import fingerprint
 from .devices import mesh_id
@@ -39,14 +40,33 @@ def _loss(n, device, outputs, batch):
     return scalar_loss(n.cls.loss(CompileView(n.experiment, device, "loss"), outputs, **n.routes["loss"].select(batch)))
 
 
+def _cast_floats(tree, dtype):
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, tree)
+
+
 def train_loss_fn(n):
-    """(params, model_state, batch, extras, rng) -> (loss, (new_model_state, train metrics))."""
+    """(params, model_state, batch, extras, rng) -> (loss, (new_model_state, train metrics)).
+
+    With precision="bf16" the forward and backward run in bfloat16 on a bf16 copy of the
+    params and floating inputs (the gradient flows back through the cast to the f32 master
+    params), and the outputs are cast to f32 before the loss.
+    """
+    bf16 = n.precision == "bf16"
 
     def loss_fn(params, model_state, batch, extras, rng):
         device = extras["device"]
+        if bf16:
+            params, batch_in = _cast_floats(params, jnp.bfloat16), _cast_floats(batch, jnp.bfloat16)
+        else:
+            batch_in = batch
         with models.mode(train=True, rng=rng):
-            outputs, new_state = _forward(n, device, params, model_state, batch)
-        loss = _loss(n, device, outputs, batch)
+            outputs, new_state = _forward(n, device, params, model_state, batch_in)
+        if bf16:
+            outputs = _cast_floats(outputs, jnp.float32)
+            new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, model_state)
+        loss = n.cls.loss(CompileView(n.experiment, device, "loss"), outputs,
+                          **n.routes["loss"].select(batch))
         aux = {}
         if "train_metrics" in n.routes:
             got = n.cls.train_metrics(CompileView(n.experiment, device, "train_metrics"), outputs,
@@ -59,7 +79,7 @@ def train_loss_fn(n):
                 if v.shape != ():
                     raise HookError(f"train_metrics {k!r} has shape {v.shape}; each train "
                                     f"metric is a scalar.")
-                aux[k] = v
+                aux[k] = v.astype(jnp.float32)
         return loss, (new_state, aux)
 
     return loss_fn
@@ -102,7 +122,6 @@ def _base_key(n, kind: str) -> tuple:
         _hook_prints(n),
         tuple(sorted((k, r.required, r.optional, r.takes_all) for k, r in n.routes.items())),
         mesh_id(n.mesh),
-        n.accum, n.steps_per_call,
         tuple(sorted(n.compile_options.items())),
     )
 
@@ -111,15 +130,21 @@ def _on_compile(n):
     return lambda kind, label: n.display.compiling(kind, label)
 
 
-def train_program(n, batch) -> cache.Program:
-    """The fused train step for this batch shape (compiled once per process)."""
+def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
+    """The fused train step for these shapes (compiled once per process)."""
     extras = n.extras()
-    key = (*_base_key(n, "train"), cache.optimizer_key(n.tx), cache.avals((n.carry, batch, extras)))
-    step = make_train_step(train_loss_fn(n), n.tx)
+    key = (*_base_key(n, "train"), n.accum, steps_per_call, n.precision, cache.optimizer_key(n.tx),
+           cache.avals((n.carry, batch, extras, hyper)))
+    step = make_train_step(
+        train_loss_fn(n), n.tx, accum=n.accum, steps_per_call=steps_per_call,
+        write_hyper=functools.partial(optim.write_hyper, n.optimizer),
+        unpack_hyper=n.unpack_hyper)
     return cache.get_or_compile(
         key, lambda: jax.jit(step, donate_argnums=(0,), out_shardings=n._rep).lower(
-            n.carry, batch, extras),
-        kind="train", label=n.cls.__name__, devices=mesh_id(n.mesh), on_compile=_on_compile(n))
+            n.carry, batch, extras, hyper),
+        kind="train", label=n.cls.__name__ + (f", {steps_per_call} steps per call"
+                                              if steps_per_call > 1 else ""),
+        devices=mesh_id(n.mesh), on_compile=_on_compile(n))
 
 
 def eval_metric_shapes(n, split: str) -> dict:

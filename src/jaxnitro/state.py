@@ -96,14 +96,15 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
         cache.optimizer_key(tx),
         cache.avals((carry, batch, extras)),
     )
+    hyper: dict = {}
     step_fn = make_train_step(inner, tx)
     prog = cache.get_or_compile(
         key,
-        lambda: jax.jit(step_fn, donate_argnums=(0,)).lower(carry, batch, extras),
+        lambda: jax.jit(step_fn, donate_argnums=(0,)).lower(carry, batch, extras, hyper),
         kind="train_step",
         label=getattr(loss_fn, "__qualname__", "loss_fn"),
     )
-    carry, out = prog(carry, batch, extras)
+    carry, out = prog(carry, batch, extras, hyper)
     new = state.replace(params=carry.params, state=carry.model_state,
                         opt_state=carry.opt_state, step=carry.step)
     loss = out.pop("loss")

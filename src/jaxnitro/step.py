@@ -26,15 +26,16 @@ class Carry(NamedTuple):
     step: jax.Array  # optimizer steps taken (int32)
 
 
-#: loss_fn(params, model_state, batch, extras, rng) -> (loss, (new_model_state, aux))
-LossFn = Callable[..., tuple[jax.Array, tuple[Any, dict]]]
+#: loss_fn(params, model_state, batch, extras, rng) -> (loss, (new_model_state, aux)), where
+#: `loss` is a scalar or a (sum, count) pair (a count-weighted mean).
+LossFn = Callable[..., tuple[Any, tuple[Any, dict]]]
 
 
 def scalar_loss(value, hook: str = "loss") -> jax.Array:
-    """Check a loss is a scalar; `(sum, count)` means a count-weighted mean."""
+    """Check a loss is a floating scalar; a (sum, count) pair becomes sum / count."""
     if isinstance(value, (tuple, list)) and len(value) == 2:
-        total, count = value
-        value = jnp.asarray(total) / jnp.asarray(count, jnp.result_type(total))
+        total, count = loss_parts(value, hook)
+        return total / count
     value = jnp.asarray(value)
     if value.shape != ():
         raise HookError(
@@ -46,23 +47,78 @@ def scalar_loss(value, hook: str = "loss") -> jax.Array:
     return value
 
 
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation):
-    """Build the fused train step: grad of `loss_fn`, one optimizer update, step + 1."""
+def loss_parts(value, hook: str = "loss") -> tuple[jax.Array, jax.Array]:
+    """(numerator, count) of a loss: a scalar mean counts 1; (sum, count) is weighted by count."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        total, count = scalar_loss(value[0], hook), jnp.asarray(value[1])
+        if count.shape != ():
+            raise HookError(f"{hook}() returned (sum, count) with a count of shape {count.shape}; "
+                            f"the count is a scalar (samples or tokens in the sum).")
+        return total, count.astype(total.dtype)
+    value = scalar_loss(value, hook)
+    return value, jnp.ones((), value.dtype)
 
-    def train_step(carry: Carry, batch, extras):
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, accum: int = 1,
+                    steps_per_call: int = 1, write_hyper=None, unpack_hyper=None):
+    """Build the fused train step: gradient (accumulated in-graph), one optimizer update.
+
+    With `accum=k` the batch arrives stacked as (k, micro_batch, ...) and the k micro-batches
+    run in a `lax.scan`; gradients of the summed loss numerators are divided once by the
+    summed counts, so the step equals the big-batch step (token-weighted for (sum, count)).
+    With `steps_per_call=s` the inputs carry a leading (s, ...) axis and s optimizer steps run
+    in one dispatch. `hyper` holds per-step values ({"opt": {...}, "device": {...}}, or a
+    packed vector that `unpack_hyper` turns into that dict).
+    """
+
+    def grads_of(params, model_state, batch, extras, rng):
+        def objective(p, ms, b, r):
+            value, (ms, aux) = loss_fn(p, ms, b, extras, r)
+            num, count = loss_parts(value)
+            return num, (count, ms, aux)
+
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
+        if accum == 1:
+            (num, (count, model_state, aux)), grads = grad_fn(params, model_state, batch, rng)
+            return jax.tree.map(lambda g: g / count, grads), num / count, model_state, aux
+
+        def micro(acc, xs):
+            g_sum, n_sum, c_sum, ms = acc
+            b, i = xs
+            (num, (count, ms, aux)), g = grad_fn(params, ms, b, jax.random.fold_in(rng, i))
+            return (jax.tree.map(jnp.add, g_sum, g), n_sum + num, c_sum + count, ms), aux
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), model_state)
+        (g_sum, n_sum, c_sum, model_state), auxs = jax.lax.scan(
+            micro, init, (batch, jnp.arange(accum)))
+        aux = jax.tree.map(lambda a: a[-1], auxs)  # the closing micro-batch's train metrics
+        return jax.tree.map(lambda g: g / c_sum, g_sum), n_sum / c_sum, model_state, aux
+
+    def one_step(carry: Carry, batch, extras, hyper):
         rng = jax.random.fold_in(extras["rng"], carry.step)
-
-        def objective(params):
-            return loss_fn(params, carry.model_state, batch, extras, rng)
-
-        (loss, (model_state, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
-            carry.params
-        )
-        updates, opt_state = tx.update(grads, carry.opt_state, carry.params)
+        hyper = unpack_hyper(hyper) if unpack_hyper is not None else (hyper or {})
+        extras = {**extras, "device": {**extras.get("device", {}), **hyper.get("device", {})}}
+        grads, loss, model_state, aux = grads_of(carry.params, carry.model_state, batch,
+                                                 extras, rng)
+        opt_state = carry.opt_state
+        if write_hyper is not None and hyper.get("opt"):
+            opt_state = write_hyper(opt_state, hyper["opt"])
+        updates, opt_state = tx.update(grads, opt_state, carry.params)
         params = optax.apply_updates(carry.params, updates)
         return Carry(params, model_state, opt_state, carry.step + 1), {"loss": loss, **aux}
 
-    return train_step
+    if steps_per_call == 1:
+        return one_step
+
+    def fused(carry: Carry, batches, extras, hyper):
+        def body(c, xs):
+            b, h = xs
+            return one_step(c, b, extras, h)
+
+        return jax.lax.scan(body, carry, (batches, hyper))
+
+    return fused
 
 
 def make_eval_step(metrics_fn, n_valid: int | None):

@@ -1,0 +1,409 @@
+"""Param groups, decoupled weight decay, clipping and schedules, built from optax pieces.
+
+Each group's rule is an optax *factory* (`optax.radam`, `partial(optax.sgd, momentum=0.9)`):
+its update at unit rate is followed by decoupled decay and the group's learning rate, all
+wrapped in `optax.inject_hyperparams` so that every rate and hyperparameter lives in the
+optimizer state as a strongly typed array. Schedules are evaluated on the host and written into
+those arrays each step: a schedule never recompiles, and neither does switching a key between a
+constant and a schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .errors import ConfigError, did_you_mean
+
+DEFAULT_GROUP = "default"
+
+
+# -- the hooks' defaults -----------------------------------------------------------------
+def path_str(path) -> str:
+    """'hidden/kernel' for a key path (NNX's trailing `.value` dropped)."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            if k.name != "value":
+                parts.append(k.name)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _hook(exp, name: str):
+    fn = getattr(type(exp), name, None)
+    return None if fn is None else functools.partial(fn, exp)
+
+
+# -- decoupled decay toward zero or toward the initial weights -----------------------------
+class DecayState(NamedTuple):
+    anchor: Any  # the initial weights for decay_anchor="w0"; an empty tuple for "zero"
+
+
+def decoupled_decay(weight_decay, mask, *, toward_initial: bool) -> optax.GradientTransformation:
+    """Add −λ·(p − anchor) to unit-rate updates (they are −direction: the sign matches).
+
+    optax's `add_decayed_weights` decays toward zero only; the anchor variant keeps the
+    initial weights in the optimizer state so checkpoints carry them.
+    """
+
+    def init(params):
+        return DecayState(jax.tree.map(jnp.copy, params) if toward_initial else ())
+
+    def update(updates, state, params):
+        if params is None:
+            raise ValueError("decoupled_decay needs params")
+        anchor = state.anchor if toward_initial else jax.tree.map(jnp.zeros_like, params)
+        updates = jax.tree.map(
+            lambda u, p, a, m: u - weight_decay * (p - a) if m else u,
+            updates, params, anchor, mask)
+        return updates, state
+
+    return optax.GradientTransformation(init, update)
+
+
+# -- building the optimizer ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    factory: Callable | None  # None: a ready GradientTransformation (`transform`) used as is
+    transform: optax.GradientTransformation | None
+    rate: float
+    weight_decay: float
+    count: int  # parameters in the group
+
+
+@dataclasses.dataclass
+class Optimizer:
+    """The built optax transformation plus what schedules and `jn.inspect` need to know."""
+
+    tx: optax.GradientTransformation
+    groups: dict[str, GroupSpec]
+    labels: Any
+    hyper_paths: dict[str, tuple[str, str]]  # "opt.<group>.<hp>" -> (group, hp)
+    clip: float
+
+
+def _group_rule(factory, mask, toward_initial, hp_names):
+    """factory at unit rate, then decoupled decay, then the group's rate (AdamW's order)."""
+
+    def rule(learning_rate, weight_decay, **hps):
+        return optax.chain(
+            factory(learning_rate=1.0, **hps),
+            decoupled_decay(weight_decay, mask, toward_initial=toward_initial),
+            optax.scale(learning_rate),
+        )
+
+    # inject_hyperparams binds by signature: name every injected hyperparameter explicitly.
+    kw = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    rule.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, kw) for n in ("learning_rate", "weight_decay", *hp_names)])
+    return rule
+
+
+def _factory_hparams(factory) -> list[str]:
+    """Float hyperparameters a factory accepts by keyword (schedulable as opt.<name>)."""
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for p in sig.parameters.values():
+        if p.name == "learning_rate" or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            continue
+        if isinstance(p.default, float):
+            out.append(p.name)
+    return out
+
+
+def build(exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str = "zero") -> Optimizer:
+    """Build the optax transformation from the experiment's optimization hooks."""
+    if decay_anchor not in ("zero", "w0"):
+        raise ConfigError(f"decay_anchor={decay_anchor!r}; use 'zero' or 'w0'.")
+    group_of = _hook(exp, "param_group") or (lambda path, leaf: DEFAULT_GROUP)
+    no_decay = _hook(exp, "no_decay") or (lambda path, leaf: jnp.ndim(leaf) <= 1)
+    rule_of = _hook(exp, "optimizer") or (lambda group: optax.radam)
+    rate_of = _hook(exp, "learning_rate") or (lambda group: 1e-3)
+    anchor_of = _hook(exp, "decay_anchor") or (lambda group: decay_anchor)
+    decay_of = _hook(exp, "weight_decay") or (lambda group: 0.0)
+    clip_hook = _hook(exp, "gradient_clip_norm")
+    clip = float(clip_hook()) if clip_hook is not None else 0.0
+    if clip < 0 or not math.isfinite(clip):
+        raise ConfigError(f"gradient_clip_norm must be >= 0 (0 = off), got {clip}.")
+
+    labels = jax.tree_util.tree_map_with_path(lambda p, x: _label(group_of, p, x), params)
+    names = sorted(set(jax.tree.leaves(labels)))
+    groups: dict[str, GroupSpec] = {}
+    transforms: dict[str, optax.GradientTransformation] = {}
+    hyper_paths: dict[str, tuple[str, str]] = {}
+    for g in names:
+        count = sum(int(np.prod(np.shape(x))) for x, lab in
+                    zip(jax.tree.leaves(params), jax.tree.leaves(labels), strict=True) if lab == g)
+        rule, rate, wd = rule_of(g), float(rate_of(g)), float(decay_of(g))
+        anchor = anchor_of(g)
+        if anchor not in ("zero", "w0"):
+            raise ConfigError(f"decay_anchor({g!r}) returned {anchor!r}; use 'zero' or 'w0' "
+                              f"(decay toward the initial weights).")
+        if rate < 0 or not math.isfinite(rate):
+            raise ConfigError(f"learning_rate for group {g!r} must be finite and >= 0, got {rate}.")
+        if isinstance(rule, optax.GradientTransformation):
+            tuned = [k for k in scheduled if k.startswith(("opt.learning_rate", f"opt.{g}."))]
+            if wd or tuned:
+                raise ConfigError(
+                    f"optimizer({g!r}) returned a ready optax transformation, whose learning "
+                    f"rate and decay are fixed inside it, but the run also sets "
+                    f"{'weight decay' if wd else tuned}. Return the factory instead, e.g. "
+                    f"`return optax.adam` or `functools.partial(optax.sgd, momentum=0.9)`.")
+            groups[g] = GroupSpec(g, None, rule, rate, wd, count)
+            transforms[g] = rule
+            continue
+        if not callable(rule):
+            raise ConfigError(f"optimizer({g!r}) must return an optax factory such as optax.adamw "
+                              f"or an optax.GradientTransformation, got {rule!r}.")
+        groups[g] = GroupSpec(g, rule, None, rate, wd, count)
+        if rate == 0.0:
+            transforms[g] = optax.set_to_zero()  # frozen by its own rate
+            continue
+        mask = jax.tree_util.tree_map_with_path(
+            lambda p, x, lab, g=g: bool(lab == g and not no_decay(path_str(p), x)), params, labels)
+        hps = {hp: None for hp in _factory_hparams(rule)
+               if f"opt.{hp}" in scheduled or f"opt.{g}.{hp}" in scheduled}
+        defaults = _defaults(rule)
+        injected = {hp: jnp.float32(defaults[hp]) for hp in hps}
+        transforms[g] = optax.inject_hyperparams(
+            _group_rule(rule, mask, anchor == "w0", tuple(hps)))(
+            learning_rate=jnp.float32(rate), weight_decay=jnp.float32(wd), **injected)
+        for hp in ("learning_rate", "weight_decay", *hps):
+            hyper_paths[f"opt.{g}.{hp}"] = (g, hp)
+
+    if all(spec.rate == 0.0 for spec in groups.values()):
+        raise ConfigError(
+            "every parameter group has learning rate 0: nothing would train. Set a positive "
+            "rate in learning_rate(self, group) (a single group may be frozen with 0).")
+    tx = transforms[names[0]] if len(names) == 1 else optax.multi_transform(transforms, labels)
+    if clip > 0:  # 0 adds no ops
+        tx = optax.chain(optax.clip_by_global_norm(clip), tx)
+    return Optimizer(tx, groups, labels, hyper_paths, clip)
+
+
+def _defaults(factory) -> dict[str, Any]:
+    try:
+        return {p.name: p.default for p in inspect.signature(factory).parameters.values()}
+    except (TypeError, ValueError):
+        return {}
+
+
+def _label(group_of, path, leaf) -> str:
+    g = group_of(path_str(path), leaf)
+    if not isinstance(g, str):
+        raise ConfigError(f"param_group must return a group name (str), got {g!r} for "
+                          f"{path_str(path)!r}.")
+    return g
+
+
+# -- hyperparameters in the optimizer state ------------------------------------------------
+def _group_states(opt: Optimizer, opt_state) -> dict[str, Any]:
+    core = opt_state[1] if opt.clip > 0 else opt_state  # chain(clip, groups)
+    if len(opt.groups) == 1:
+        return {next(iter(opt.groups)): core}
+    return dict(core.inner_states)
+
+
+def _hyper_holder(state):
+    """Descend through wrapper states (multi_transform's masking) to the one with hyperparams."""
+    while not hasattr(state, "hyperparams"):
+        state = state.inner_state
+    return state
+
+
+def _with_hyper(state, hps: Mapping[str, Any]):
+    if hasattr(state, "hyperparams"):
+        h = dict(state.hyperparams)
+        for k, v in hps.items():
+            h[k] = jnp.asarray(v, h[k].dtype)
+        return state._replace(hyperparams=h)
+    return state._replace(inner_state=_with_hyper(state.inner_state, hps))
+
+
+def read_hyper(opt: Optimizer, opt_state) -> dict[str, Any]:
+    """{"opt.<group>.<hp>": value} as stored in the optimizer state."""
+    states = _group_states(opt, opt_state)
+    return {key: _hyper_holder(states[g]).hyperparams[hp]
+            for key, (g, hp) in opt.hyper_paths.items()}
+
+
+def write_hyper(opt: Optimizer, opt_state, values: Mapping[str, Any]):
+    """Return opt_state with the given hyperparameters replaced (inside the traced step)."""
+    if not values:
+        return opt_state
+    by_group: dict[str, dict] = {}
+    for key, v in values.items():
+        g, hp = opt.hyper_paths[key]
+        by_group.setdefault(g, {})[hp] = v
+    core = opt_state[1] if opt.clip > 0 else opt_state
+    if len(opt.groups) == 1:
+        (hps,) = by_group.values()
+        core = _with_hyper(core, hps)
+    else:
+        inner = dict(core.inner_states)
+        for g, hps in by_group.items():
+            inner[g] = _with_hyper(inner[g], hps)
+        core = core._replace(inner_states=inner)
+    return (opt_state[0], core) if opt.clip > 0 else core
+
+
+def host_hyper(opt: Optimizer) -> dict[str, np.float32]:
+    """The unscheduled value of every hyperparameter (what a step feeds when nothing is scheduled)."""
+    out = {}
+    for key, (g, hp) in opt.hyper_paths.items():
+        spec = opt.groups[g]
+        if hp == "learning_rate":
+            out[key] = np.float32(spec.rate)
+        elif hp == "weight_decay":
+            out[key] = np.float32(spec.weight_decay)
+        else:
+            out[key] = np.float32(_defaults(spec.factory)[hp])
+    return out
+
+
+# -- schedules --------------------------------------------------------------------------
+@dataclasses.dataclass
+class Schedules:
+    """Resolved schedules: target key -> (step -> value), plus which are learning rates."""
+
+    fns: dict[str, Callable[[int], float]]
+    total_steps: int
+    multiplier: dict[str, float]  # opt.<g>.learning_rate -> the group's rate (schedule × rate)
+    _warned: bool = False
+
+    def values(self, step: int) -> dict[str, np.ndarray]:
+        """Values for optimizer step `step` (0-based) as float32 host scalars."""
+        if step >= self.total_steps and not self._warned and self.fns:
+            self._warned = True
+            warnings.warn(f"training past the schedule horizon ({self.total_steps} steps): "
+                          f"the last scheduled values hold.", stacklevel=3)
+        t = min(step, self.total_steps - 1)
+        return {k: np.float32(f(t) * self.multiplier.get(k, 1.0)) for k, f in self.fns.items()}
+
+
+def resolve_schedules(table: Mapping[str, Any], *, opt: Optimizer, device_fields: Mapping[str, str],
+                      total_steps: int) -> Schedules:
+    """Check keys and build per-step functions.
+
+    Keys: "opt.learning_rate" (every group), "opt.<group>.learning_rate", "opt.<hp>",
+    "opt.<group>.<hp>", "device.<Device field>". Values: a factory f(total_steps) ->
+    (step -> value), a constant, or an optax schedule (step -> value).
+    """
+    fns: dict[str, Callable] = {}
+    mult: dict[str, float] = {}
+    groups = sorted(opt.groups)
+    known_opt = set(opt.hyper_paths)
+    for key, value in table.items():
+        targets = _targets(key, groups, known_opt, device_fields)
+        fn = _as_fn(key, value, total_steps)
+        for t in targets:
+            if t in fns:
+                raise ConfigError(f"schedule key {key!r} sets {t!r}, which another key sets too; "
+                                  f"give each target one schedule.")
+            fns[t] = fn
+            if t.endswith(".learning_rate") and t.startswith("opt."):
+                mult[t] = opt.groups[opt.hyper_paths[t][0]].rate
+    return Schedules(fns, total_steps, mult)
+
+
+def _targets(key: str, groups, known_opt, device_fields) -> list[str]:
+    if key.startswith("device."):
+        name = key[len("device."):]
+        kind = device_fields.get(name)
+        if kind == "Device":
+            return [key]
+        if kind is not None:
+            raise ConfigError(f"schedule {key!r}: {name!r} is a {kind} field; only jn.Device "
+                              f"fields can be scheduled (a GraphConst would recompile each step).")
+        raise ConfigError(f"schedule {key!r}: no field {name!r}."
+                          + did_you_mean(name, [k for k, v in device_fields.items()
+                                                if v == "Device"]))
+    if key.startswith("opt."):
+        rest = key[len("opt."):]
+        if rest.count(".") == 1:
+            g, hp = rest.split(".")
+            if f"opt.{g}.{hp}" in known_opt:
+                return [f"opt.{g}.{hp}"]
+        else:
+            hits = [k for k in known_opt if k.endswith(f".{rest}")]
+            if hits:
+                return sorted(hits)
+        valid = sorted({f"opt.{k.split('.')[2]}" for k in known_opt} | known_opt)
+        raise ConfigError(f"unknown schedule key {key!r}; valid keys: {valid}."
+                          + did_you_mean(key, valid))
+    raise ConfigError(f"schedule key {key!r} must start with 'opt.' or 'device.'."
+                      + did_you_mean(key, ["opt.learning_rate"]))
+
+
+def _as_fn(key: str, value, total_steps: int) -> Callable[[int], float]:
+    if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool):
+        v = float(value)
+        return lambda step: v
+    if not callable(value):
+        raise ConfigError(f"schedule {key!r} must be a factory f(total_steps) -> (step -> value), "
+                          f"a number, or an optax schedule; got {value!r}.")
+    # A factory takes total_steps and returns a callable; an optax schedule returns a number.
+    try:
+        out = value(total_steps)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"schedule {key!r} failed when called with total_steps={total_steps}: {e}") from e
+    if callable(out):
+        return lambda step: float(out(step))
+    return lambda step: float(value(step))
+
+
+# -- the common schedules (factories; values are multipliers of the group's rate) ------------
+def warmup_cosine(warmup: float | int = 0.05, final: float = 0.0):
+    """Linear warmup from 0 to 1 (a fraction of total steps, or a step count), then cosine to `final`."""
+    def factory(total):
+        w = int(warmup * total) if isinstance(warmup, float) and warmup < 1 else int(warmup)
+        return optax.warmup_cosine_decay_schedule(0.0, 1.0, max(w, 0), max(total, w + 1), final)
+    return factory
+
+
+def one_cycle(peak_fraction: float = 0.3, div: float = 25.0, final_div: float = 1e4):
+    """The one-cycle policy as a multiplier peaking at 1."""
+    def factory(total):
+        return optax.cosine_onecycle_schedule(total, 1.0, peak_fraction, div, final_div)
+    return factory
+
+
+def linear(start: float = 1.0, end: float = 0.0):
+    """Linear from `start` to `end` over the run."""
+    def factory(total):
+        return optax.linear_schedule(start, end, max(total - 1, 1))
+    return factory
+
+
+def step_decay(every: int, factor: float = 0.1):
+    """Multiply by `factor` every `every` steps."""
+    def factory(total):
+        return lambda step: factor ** (step // every)
+    return factory
+
+
+def constant(value: float = 1.0):
+    """A constant value (switching to or from it never recompiles)."""
+    return lambda total: (lambda step: value)
