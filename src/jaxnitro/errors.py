@@ -56,3 +56,7 @@ def did_you_mean(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -
     if not matches and len(name) >= 3:  # 'accuracy' for 'acc': an abbreviation is close too
         matches = [c for c in candidates if len(c) >= 3 and (c.startswith(name) or name.startswith(c))][:1]
     return f" Did you mean {matches[0]!r}?" if matches else ""
+
+
+class MemoryPlanError(JaxnitroError, MemoryError):
+    """The compiled programs, with their buffers, do not fit the device's memory."""

@@ -57,11 +57,12 @@ class DecayState(NamedTuple):
     anchor: Any  # the initial weights for decay_anchor="w0"; an empty tuple for "zero"
 
 
-def decoupled_decay(weight_decay, mask, *, toward_initial: bool) -> optax.GradientTransformation:
+def decoupled_decay(weight_decay, *, toward_initial: bool) -> optax.GradientTransformation:
     """Add −λ·(p − anchor) to unit-rate updates (they are −direction: the sign matches).
 
     optax's `add_decayed_weights` decays toward zero only; the anchor variant keeps the
-    initial weights in the optimizer state so checkpoints carry them.
+    initial weights in the optimizer state so checkpoints carry them. Wrap it in
+    `optax.masked` to leave out the `no_decay` leaves.
     """
 
     def init(params):
@@ -70,10 +71,11 @@ def decoupled_decay(weight_decay, mask, *, toward_initial: bool) -> optax.Gradie
     def update(updates, state, params):
         if params is None:
             raise ValueError("decoupled_decay needs params")
-        anchor = state.anchor if toward_initial else jax.tree.map(jnp.zeros_like, params)
-        updates = jax.tree.map(
-            lambda u, p, a, m: u - weight_decay * (p - a) if m else u,
-            updates, params, anchor, mask)
+        if toward_initial:
+            updates = jax.tree.map(lambda u, p, a: u - weight_decay * (p - a),
+                                   updates, params, state.anchor)
+        else:
+            updates = jax.tree.map(lambda u, p: u - weight_decay * p, updates, params)
         return updates, state
 
     return optax.GradientTransformation(init, update)
@@ -101,13 +103,14 @@ class Optimizer:
     clip: float
 
 
-def _group_rule(factory, mask, toward_initial, hp_names):
+def _group_rule(factory, decay_mask, toward_initial, hp_names):
     """factory at unit rate, then decoupled decay, then the group's rate (AdamW's order)."""
 
     def rule(learning_rate, weight_decay, **hps):
         return optax.chain(
             factory(learning_rate=1.0, **hps),
-            decoupled_decay(weight_decay, mask, toward_initial=toward_initial),
+            optax.masked(decoupled_decay(weight_decay, toward_initial=toward_initial),
+                         decay_mask),
             optax.scale(learning_rate),
         )
 
@@ -181,14 +184,17 @@ def build(exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str =
         if rate == 0.0:
             transforms[g] = optax.set_to_zero()  # frozen by its own rate
             continue
-        mask = jax.tree_util.tree_map_with_path(
-            lambda p, x, lab, g=g: bool(lab == g and not no_decay(path_str(p), x)), params, labels)
+        # A callable mask: inside multi_transform it sees only this group's leaves.
+        def decay_mask(ps):
+            return jax.tree_util.tree_map_with_path(
+                lambda p, x: not bool(no_decay(path_str(p), x)), ps)
+
         hps = {hp: None for hp in _factory_hparams(rule)
                if f"opt.{hp}" in scheduled or f"opt.{g}.{hp}" in scheduled}
         defaults = _defaults(rule)
         injected = {hp: jnp.float32(defaults[hp]) for hp in hps}
         transforms[g] = optax.inject_hyperparams(
-            _group_rule(rule, mask, anchor == "w0", tuple(hps)))(
+            _group_rule(rule, decay_mask, anchor == "w0", tuple(hps)))(
             learning_rate=jnp.float32(rate), weight_decay=jnp.float32(wd), **injected)
         for hp in ("learning_rate", "weight_decay", *hps):
             hyper_paths[f"opt.{g}.{hp}"] = (g, hp)

@@ -1,0 +1,218 @@
+"""Why did that recompile? Cache misses explained in the user's terms.
+
+A program's cache key is an opaque tuple. Alongside it the cache keeps a `KeyParts`: the same
+information, structured and named the way the user wrote it (GraphConst fields, hooks, batch
+fields). On a miss, `closest` picks the cached program the new one most resembles and
+`reasons` says what changed: "GraphConst `width` changed 128 → 256", "hook `loss` was
+edited", "batch shape (32, 784) → (17, 784) for `img` on split 'train': a partial batch? use
+drop_last=True".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import reprlib
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+from .fingerprint import describe_reach, fingerprint
+
+__all__ = ["KeyParts", "closest", "hook_parts", "reasons"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyParts:
+    """The parts of a program's cache key, named for explaining a miss.
+
+    Attributes:
+      kind: ``"train"``, ``"eval"`` or ``"predict"``.
+      experiment: the experiment class's qualname.
+      graph_consts: ``(field, value)`` for every GraphConst.
+      model: the model's structure key (Linen module, NNX graphdef, Equinox static part).
+      optimizer: the optimizer's structure key, None for programs without one.
+      hooks: ``(hook, digest of the hook's own code)``.
+      helpers: ``("hook/name", digest)`` for everything else a hook reached: helper
+        functions, ``global:NAME`` module-level values, ``closure:NAME`` cells (the names
+        `fingerprint.describe_reach` gives). `hook_parts` builds both from the hooks.
+      inputs: ``(path, shape, dtype, weak_type)`` per traced input leaf, with paths like
+        ``"batch['img']"`` or ``"extras['device']['smoothing']"``.
+      split: the data split the program was compiled for, if any.
+      options: ``(name, value)`` for accum, steps_per_call, precision, compile options, mesh.
+    """
+
+    kind: str
+    experiment: str
+    graph_consts: tuple[tuple[str, Any], ...]
+    model: Hashable
+    optimizer: Hashable | None
+    hooks: tuple[tuple[str, str], ...]
+    helpers: tuple[tuple[str, str], ...]
+    inputs: tuple[tuple[str, tuple, str, bool], ...]
+    split: str | None
+    options: tuple[tuple[str, Any], ...]
+
+
+def hook_parts(hooks: Mapping[str, Callable]) -> tuple[tuple[tuple[str, str], ...],
+                                                       tuple[tuple[str, str], ...]]:
+    """``(hooks, helpers)`` fields of a `KeyParts` for hook name -> function.
+
+    The hook's own entry in `describe_reach` goes to ``hooks``, everything it reached to
+    ``helpers`` under ``"hook/name"``, so an edit to a helper is never blamed on the hook.
+    """
+    own, reached = [], []
+    for name, fn in hooks.items():
+        reach = describe_reach(fn)
+        target = inspect.unwrap(getattr(fn, "__func__", fn))
+        qualname = getattr(target, "__qualname__", None)
+        # not found (a callable object, a partial): the whole fingerprint stands in for it
+        own.append((name, reach.pop(qualname, None) or fingerprint(fn)))
+        reached += [(f"{name}/{item}", digest) for item, digest in reach.items()]
+    return tuple(own), tuple(reached)
+
+
+def reasons(old: KeyParts, new: KeyParts) -> list[str]:
+    """Short sentences saying how `new` differs from `old`, most specific first.
+
+    Example:
+      >>> reasons(cached, missed)
+      ['GraphConst `width` changed 128 → 256', 'the model structure changed (layers, ...)']
+    """
+    out = [f"GraphConst `{name}` changed {_show(a)} → {_show(b)}"
+           for name, a, b in _changed(old.graph_consts, new.graph_consts)]
+    out += _code_reasons(old, new)
+    out += _input_reasons(old, new)
+    if old.split != new.split:
+        out.append(f"split {_show(old.split)} → {_show(new.split)}")
+    out += [f"{name} {_show(a)} → {_show(b)}"
+            for name, a, b in _changed(old.options, new.options)]
+    if old.optimizer != new.optimizer:
+        out.append("the optimizer changed (its type, param groups or static hyperparameters)")
+    if old.model != new.model:
+        out.append("the model structure changed (layers, widths or static fields)")
+    if old.experiment != new.experiment:
+        out.append(f"a different experiment: {old.experiment} → {new.experiment}")
+    if old.kind != new.kind:
+        out.append(f"a different program: {old.kind} → {new.kind}")
+    if not out:  # the parts hold everything in the key but shardings and the device mesh
+        out.append("an input sharding or the mesh changed")
+    return out
+
+
+def closest(new: KeyParts, candidates: list[KeyParts]) -> KeyParts | None:
+    """The candidate `new` most likely replaced: same kind and experiment preferred, then
+    the fewest differing parts; ties go to the later candidate (the newer program)."""
+    if not candidates:
+        return None
+    ranked = [((c.kind != new.kind, c.experiment != new.experiment, _distance(c, new), -i), c)
+              for i, c in enumerate(candidates)]
+    return min(ranked, key=lambda pair: pair[0])[1]
+
+
+# --- the parts of `reasons` ----------------------------------------------------------------
+
+def _code_reasons(old: KeyParts, new: KeyParts) -> list[str]:
+    out = []
+    for hook, a, b in _changed(old.hooks, new.hooks):
+        if a is _MISSING:
+            out.append(f"hook `{hook}` is now defined")
+        elif b is _MISSING:
+            out.append(f"hook `{hook}` is no longer defined")
+        else:
+            out.append(f"hook `{hook}` was edited")
+    for key, a, b in _changed(old.helpers, new.helpers):
+        hook, _, item = key.rpartition("/")
+        kind, _, name = item.rpartition(":")
+        what = {"global": "module-level value", "closure": "closure variable"}.get(kind, "helper")
+        where = f" (reached from hook `{hook}`)" if hook else ""
+        verb = ("is now used" if a is _MISSING else "is no longer used" if b is _MISSING
+                else "changed" if kind else "was edited")
+        out.append(f"{what} `{name}`{where} {verb}")
+    return out
+
+
+def _input_reasons(old: KeyParts, new: KeyParts) -> list[str]:
+    before = {path: rest for path, *rest in old.inputs}
+    after = {path: rest for path, *rest in new.inputs}
+    split = f" on split {new.split!r}" if new.split is not None else ""
+    out, partial = [], []
+    out += [f"input `{_field(p)}` is no longer passed" for p in before if p not in after]
+    out += [f"input `{_field(p)}` is new" for p in after if p not in before]
+    for path in sorted(before.keys() & after.keys()):
+        (shape0, dtype0, weak0), (shape1, dtype1, weak1) = before[path], after[path]
+        field = _field(path)
+        if tuple(shape0) != tuple(shape1):
+            shrank = (len(shape0) == len(shape1) > 0 and tuple(shape0[1:]) == tuple(shape1[1:])
+                      and shape1[0] < shape0[0])
+            if shrank and path.startswith("batch"):
+                partial.append((path, shape0, shape1))
+            else:
+                out.append(f"shape of `{field}` changed {tuple(shape0)} → {tuple(shape1)}")
+        if dtype0 != dtype1:
+            out.append(f"dtype of `{field}` changed {dtype0} → {dtype1}")
+        elif weak0 != weak1 and tuple(shape0) == tuple(shape1):
+            out.append(_weak_type_reason(field, str(dtype1), weak1))
+    if partial:  # one sentence for all fields of the short batch
+        path, shape0, shape1 = partial[0]
+        others = ", ".join(f"`{_field(p)}`" for p, *_ in partial[1:])
+        out.insert(0, (
+            f"batch shape {tuple(shape0)} → {tuple(shape1)} for `{_field(path)}`"
+            f"{f' (and {others})' if others else ''}{split}: a partial batch? use "
+            f"drop_last=True"))
+    return out
+
+
+def _weak_type_reason(field: str, dtype: str, weak: bool) -> str:
+    py = ("float" if "float" in dtype else "int" if "int" in dtype
+          else "complex" if "complex" in dtype else "bool")
+    if weak:
+        return (f"`{field}` arrived as a weakly typed value (a Python {py}?): pass "
+                f"jnp.{dtype}(...) or declare it jn.Device[{py}]")
+    return (f"`{field}` was weakly typed (a Python {py}) and is now a {dtype} array: pass it "
+            f"the same way every time, e.g. jnp.{dtype}(...)")
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+_MISSING = object()
+_repr = reprlib.Repr()  # keyword arguments need Python 3.12
+_repr.maxstring = _repr.maxother = 40
+
+
+def _changed(old, new) -> list[tuple[str, Any, Any]]:
+    """(name, old value, new value) for the names whose value differs; _MISSING if absent."""
+    a, b = dict(old), dict(new)
+    names = list(a) + [n for n in b if n not in a]
+    return [(n, a.get(n, _MISSING), b.get(n, _MISSING)) for n in names
+            if n not in a or n not in b or not _equal(a[n], b[n])]
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # arrays and other values without a plain truth value
+        return a is b
+
+
+def _distance(a: KeyParts, b: KeyParts) -> int:
+    """How many parts differ: one per changed name in the named fields, one per other."""
+    count = 0
+    for field in dataclasses.fields(KeyParts):
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        if field.name in ("graph_consts", "hooks", "helpers", "options"):
+            count += len(_changed(x, y))
+        elif field.name == "inputs":
+            count += len(_changed([(p, rest) for p, *rest in x], [(p, rest) for p, *rest in y]))
+        elif not _equal(x, y):
+            count += 1
+    return count
+
+
+def _field(path: str) -> str:
+    """`img` for "batch['img']", `smoothing` for "extras['device']['smoothing']"."""
+    tail = path.rsplit("[", 1)[-1].rstrip("]").strip("'\"")
+    return tail or path
+
+
+def _show(value) -> str:
+    return "(absent)" if value is _MISSING else _repr.repr(value)
