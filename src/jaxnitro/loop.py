@@ -20,8 +20,8 @@ import jax
 import numpy as np
 
 from . import data as data_mod
+from . import feed, programs
 from . import metrics as metrics_mod
-from . import programs
 from .compile import cache
 from .errors import ConfigError, DataError, NonFiniteLossError, did_you_mean
 from .experiment import DEVICE, GRAPH, fields, graph_key, replace
@@ -47,18 +47,6 @@ class TrainResult:
     wall_seconds: float
 
 
-def _prepare(n: Nitro, split: str, pad_to: int | None):
-    info = n.batch_info[split]
-
-    def prepare(host):
-        size = data_mod.check_batch(host, split, expect_fields=info["keys"])
-        if pad_to is not None and size < pad_to:
-            host = data_mod.pad_batch({k: host[k] for k in info["fields"]}, pad_to)
-        return data_mod.place(host, info["fields"], n.batch_sharding), size
-
-    return prepare
-
-
 def train(n: Nitro) -> TrainResult:
     """Train to `max_epochs` (or a stop); validate, log and checkpoint after each epoch.
 
@@ -71,7 +59,6 @@ def train(n: Nitro) -> TrainResult:
                         f"{sorted(n.splits)}.")
     t_start = time.perf_counter()
     misses0 = cache.cache_stats()["misses"]
-    train_bs = n.batch_info["train"]["batch_size"]
     stop_reason, status = "completed", "completed"
     train_steps, train_seconds = 0, 0.0
     n.programs = {}  # re-keyed at each entry point: an edited hook is never served stale
@@ -84,16 +71,16 @@ def train(n: Nitro) -> TrainResult:
                 loader.set_epoch(epoch)
             total = len(loader) if hasattr(loader, "__len__") else None
             n.display.start_epoch(epoch, n.max_epochs, total, n.batch_in_epoch)
-            feed = data_mod.Prefetcher(
-                _units(data_mod.skip(loader, n.batch_in_epoch), n.accum * n.steps_per_call),
-                _train_prepare(n, epoch))
+            stream = data_mod.Prefetcher(
+                feed.units(data_mod.skip(loader, n.batch_in_epoch), n.accum * n.steps_per_call),
+                feed.train_prepare(n, epoch))
             pending: collections.deque = collections.deque()
             losses: list[float] = []
             t0 = time.perf_counter()
             compile_s = 0.0
             extras = n.extras()
             try:
-                for payloads, _, _ in feed:
+                for payloads, _, _ in stream:
                     for dev_batch, hyper, steps in payloads:
                         prog = n.programs.get(("train", steps))
                         if prog is None:
@@ -116,12 +103,12 @@ def train(n: Nitro) -> TrainResult:
                         break
                 _drain(n, pending, len(pending), epoch, losses)
             finally:
-                feed.close()
+                stream.close()
             jax.block_until_ready(n.carry.params)
             seconds = time.perf_counter() - t0 - compile_s
             train_steps += len(losses)
             train_seconds += seconds
-            wait_frac = min(1.0, feed.wait_seconds / seconds) if seconds > 0 else 0.0
+            wait_frac = min(1.0, stream.wait_seconds / seconds) if seconds > 0 else 0.0
             n.logger.log_metrics({"data_wait_frac": wait_frac,
                                   "steps_per_s": len(losses) / seconds if seconds else None},
                                  context="data", epoch=epoch + 1, step=n.step)
@@ -193,66 +180,6 @@ def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
             n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
 
 
-def _units(source, size: int):
-    """Group host batches into dispatch units of `size` (the last may be shorter)."""
-    if size == 1:
-        for b in source:
-            yield [b]
-        return
-    unit = []
-    for b in source:
-        unit.append(b)
-        if len(unit) == size:
-            yield unit
-            unit = []
-    if unit:
-        yield unit
-
-
-def _train_prepare(n: Nitro, epoch: int):
-    """Host unit -> [(device batch, packed hyperparameters, optimizer steps)], in order.
-
-    Runs in the prefetch thread: checks, stacks (spc, accum, batch, ...) and transfers the
-    batches, and evaluates the schedules for the unit's steps.
-    """
-    info = n.batch_info["train"]
-    bs, accum, spc = info["batch_size"], n.accum, n.steps_per_call
-    next_step = [n.host_step]
-
-    def prepare(unit):
-        for i, host in enumerate(unit):
-            size = data_mod.check_batch(host, "train", expect_fields=info["keys"])
-            if size != bs:
-                raise DataError(
-                    f"a train batch of epoch {epoch + 1} has {size} samples, not {bs}: a short "
-                    f"train batch would need its own program. Drop it (drop_last=True) or make "
-                    f"the split divide by the batch size.")
-        if len(unit) % accum:
-            raise DataError(
-                f"the train split ended with {len(unit) % accum} batch(es) that do not fill an "
-                f"accumulation group of accum={accum}. Make the number of batches per epoch a "
-                f"multiple of accum.")
-        steps = len(unit) // accum
-        groups = [(unit, spc)] if steps == spc else [
-            (unit[i * accum:(i + 1) * accum], 1) for i in range(steps)]
-        payloads = []
-        for group, s in groups:
-            lead = (s,) * (s > 1) + (accum,) * (accum > 1)
-            batch = {}
-            for f in info["fields"]:
-                arr = np.stack([np.asarray(h[f]) for h in group]) if lead else np.asarray(group[0][f])
-                batch[f] = jax.device_put(arr.reshape(lead + arr.shape[1 if lead else 0:]) if lead
-                                          else arr, data_mod.batch_sharding(n.mesh, axis=len(lead)))
-            first = next_step[0]
-            next_step[0] += s
-            hv = np.stack([n.hyper_values(t) for t in range(first, first + s)]) if s > 1 \
-                else n.hyper_values(first)
-            payloads.append((batch, jax.device_put(hv, n._rep), s))
-        return payloads, len(unit)
-
-    return prepare
-
-
 def _is_scalar(v) -> bool:
     return isinstance(v, (int, float)) or v is None
 
@@ -299,11 +226,11 @@ def _evaluate(n: Nitro, split: str) -> dict[str, Any]:
     set_phase(n, "Evaluating", info={"split": split})
     bs = n.batch_info[split]["batch_size"]
     src = n.splits[split]
-    feed = data_mod.Prefetcher(iter(src), _prepare(n, split, bs))
+    stream = data_mod.Prefetcher(iter(src), feed.eval_prepare(n, split, bs))
     totals, extras = None, n.extras()
     progs: dict = {}
     try:
-        for dev_batch, size, _ in feed:
+        for dev_batch, size, _ in stream:
             if size > bs:
                 raise DataError(f"a {split!r} batch has {size} rows, more than the first "
                                 f"batch's {bs}; batches of a split share one size (the last may "
@@ -317,7 +244,7 @@ def _evaluate(n: Nitro, split: str) -> dict[str, Any]:
                 prog = progs[n_valid] = programs.eval_program(n, split, dev_batch, totals, n_valid)
             totals = prog(n.carry.params, n.carry.model_state, dev_batch, extras, totals)
     finally:
-        feed.close()
+        stream.close()
     n.programs[f"eval:{split}"] = progs
     values, raw = metrics_mod.finalize(jax.device_get(totals))
     fin = getattr(n.cls, "finalize_metrics", None)

@@ -8,6 +8,7 @@ miss is exactly one XLA compile and `misses == entries` after the first step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import threading
@@ -17,12 +18,13 @@ from typing import Any
 
 import jax
 
+from . import explain, report
 from .fingerprint import fingerprint, fingerprint_value
 
 
 @dataclasses.dataclass
 class Program:
-    """One compiled program and what it cost."""
+    """One compiled program, what it cost, and why it was compiled."""
 
     kind: str
     key: Hashable
@@ -30,6 +32,9 @@ class Program:
     lower_seconds: float
     compile_seconds: float
     label: str = ""
+    parts: Any = None  # explain.KeyParts: the key's parts, named for explanations
+    record: Any = None  # report.CompileRecord
+    reasons: tuple[str, ...] = ()  # why this was a miss, against the closest earlier program
 
     def __call__(self, *args):
         return self.compiled(*args)
@@ -105,12 +110,13 @@ def optimizer_key(tx) -> Hashable:
 
 
 def get_or_compile(key: Hashable, lower: Callable[[], Any], *, kind: str, label: str = "",
-                   devices: tuple = (),
+                   devices: tuple = (), parts=None, hooks: tuple[str, ...] = (),
                    on_compile: Callable[[str, str], Any] | None = None) -> Program:
     """Return the cached program for `key`, compiling it (once per process) on a miss.
 
-    `lower()` returns a `jax.stages.Lowered`. Two keys that lower to identical StableHLO (and
-    the same `devices`) share one executable: the program text is the authoritative identity.
+    `lower()` returns a `jax.stages.Traced` or `Lowered`. Two keys that lower to identical
+    StableHLO (and the same `devices`) share one executable: the program text is the
+    authoritative identity. `parts` (an `explain.KeyParts`) lets a miss say why it happened;
     `on_compile(kind, label)` is a context-manager factory the caller uses to show progress.
     """
     with _lock:
@@ -119,8 +125,15 @@ def get_or_compile(key: Hashable, lower: Callable[[], Any], *, kind: str, label:
             _stats["hits"] += 1
             return prog
     t0 = time.perf_counter()
-    lowered = lower()
+    staged = lower()
     t1 = time.perf_counter()
+    trace_seconds = None
+    if hasattr(staged, "lower") and not hasattr(staged, "compile"):  # Traced -> Lowered
+        lowered = staged.lower()
+        trace_seconds = t1 - t0
+    else:
+        lowered = staged
+    t2 = time.perf_counter()
     # Same text, devices and pytree signature => the same executable is correct to share.
     ident = (lowered.as_text(), repr(devices), repr(lowered.in_tree), repr(lowered.out_tree))
     text_key = hashlib.sha256("\x00".join(ident).encode()).hexdigest()
@@ -130,16 +143,40 @@ def get_or_compile(key: Hashable, lower: Callable[[], Any], *, kind: str, label:
             _entries[key] = twin
             _stats["hits"] += 1
             return twin
-    ctx = on_compile(kind, label) if on_compile is not None else None
-    if ctx is not None:
-        with ctx:
-            compiled = lowered.compile()
-    else:
+    ctx = on_compile(kind, label) if on_compile is not None else contextlib.nullcontext()
+    with ctx:
         compiled = lowered.compile()
-    t2 = time.perf_counter()
-    prog = Program(kind, key, compiled, t1 - t0, t2 - t1, label)
+    t3 = time.perf_counter()
+    lower_seconds = t2 - (t1 if trace_seconds is not None else t0)
+    rec = report.record(kind, label, lowered, compiled, lower_seconds=lower_seconds,
+                        compile_seconds=t3 - t2, trace_seconds=trace_seconds,
+                        hooks=hooks or ("forward", "loss"))
     with _lock:
+        why = _why(parts)
+        prog = Program(kind, key, compiled, lower_seconds, t3 - t2, label, parts, rec, why)
         _stats["misses"] += 1
         _entries[key] = prog
         _by_text[text_key] = prog
     return prog
+
+
+def _why(parts) -> tuple[str, ...]:
+    """Reasons this program differs from the closest one already compiled (same kind first)."""
+    if parts is None:
+        return ()
+    known = [p.parts for p in _by_text.values() if p.parts is not None
+             and p.parts.kind == parts.kind and p.parts.experiment == parts.experiment]
+    old = explain.closest(parts, known)
+    return tuple(explain.reasons(old, parts)) if old is not None else ()
+
+
+def drop(predicate: Callable[[Program], bool]) -> int:
+    """Drop every cached program for which `predicate(program)` holds; returns how many."""
+    with _lock:
+        doomed = [k for k, p in _entries.items() if predicate(p)]
+        for k in doomed:
+            _entries.pop(k)
+        texts = [t for t, p in _by_text.items() if predicate(p)]
+        for t in texts:
+            _by_text.pop(t)
+        return len(texts)
