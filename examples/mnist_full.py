@@ -93,6 +93,6 @@ if __name__ == "__main__":
 
     exp = MnistTutorial(max_epochs=args.epochs, mnist_path=args.mnist)
     n = jn.Nitro(exp, accum=2, checkpointer=jn.TopKCheckpointer(k=2, metric="acc", mode="max"))
-    jn.inspect(n)
+    jn.inspect(n)  # binding, parameter groups, the 2 compiled programs, the memory plan
     result = jn.train(n)
-    assert result.programs_compiled <= 2, "the plan is 2 programs"
+    print(f"programs in the process cache: {jn.cache_stats()['entries']} (the plan: 2)")

@@ -1,6 +1,6 @@
 """jaxnitro: declare the experiment, compile once, train without boilerplate."""
 
-from . import datasets
+from . import datasets, schedules
 from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
 from .compile.cache import cache_reset, cache_stats
 from .data import DataLoader
@@ -12,12 +12,14 @@ from .errors import (
     HookError,
     HostFieldError,
     JaxnitroError,
+    MemoryPlanError,
     MetricsError,
     NonFiniteLossError,
     RoutingError,
 )
 from .experiment import Device, GraphConst, Host, experiment, fields
 from .history import History
+from .introspect import compile, compile_report, explain, inspect, memory_plan
 from .logging import JSONLogger, read_jsonl
 from .loop import (
     TrainResult,
@@ -38,7 +40,8 @@ from .state import TrainState, train_step
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DataError", "DataLoader", "Device", "Dist", "GraphConst",
+    "CheckpointError", "ConfigError", "MemoryPlanError", "compile", "compile_report", "explain",
+    "inspect", "memory_plan", "schedules", "DataError", "DataLoader", "Device", "Dist", "GraphConst",
     "History", "Host", "HookError", "HostFieldError", "JSONLogger", "JaxnitroError",
     "MetricsError", "Nitro", "NonFiniteLossError", "RoutingError", "TopKCheckpointer",
     "TrainResult", "TrainState", "apply", "cache_reset", "cache_stats", "datasets",

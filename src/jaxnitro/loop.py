@@ -20,9 +20,9 @@ import jax
 import numpy as np
 
 from . import data as data_mod
-from . import feed, programs
+from . import feed, introspect, programs
 from . import metrics as metrics_mod
-from .compile import cache
+from .compile import cache, report
 from .errors import ConfigError, DataError, NonFiniteLossError, did_you_mean
 from .experiment import DEVICE, GRAPH, fields, graph_key, replace
 from .history import History
@@ -62,7 +62,11 @@ def train(n: Nitro) -> TrainResult:
     stop_reason, status = "completed", "completed"
     train_steps, train_seconds = 0, 0.0
     n.programs = {}  # re-keyed at each entry point: an edited hook is never served stale
+    programs.check_stale(n)
     try:
+        # Every program this run uses compiles now, and must fit: OOM before step 1, not later.
+        set_phase(n, "Compiling", info={"program": "plan"})
+        plan = introspect.check_memory(n)
         set_phase(n, "Training")
         while n.epoch < n.max_epochs:
             epoch = n.epoch  # 0-based; logs and history say epoch + 1
@@ -110,7 +114,8 @@ def train(n: Nitro) -> TrainResult:
             train_seconds += seconds
             wait_frac = min(1.0, stream.wait_seconds / seconds) if seconds > 0 else 0.0
             n.logger.log_metrics({"data_wait_frac": wait_frac,
-                                  "steps_per_s": len(losses) / seconds if seconds else None},
+                                  "steps_per_s": len(losses) / seconds if seconds else None,
+                                  "peak_bytes_in_use": introspect.peak_memory(n)},
                                  context="data", epoch=epoch + 1, step=n.step)
             finished_epoch = not n.stop_requested or n.batch_in_epoch >= (total or 0)
             if finished_epoch:
@@ -155,6 +160,12 @@ def train(n: Nitro) -> TrainResult:
         programs_compiled=compiled, wall_seconds=time.perf_counter() - t_start)
     n.logger.finish(status, stop_reason=stop_reason, step=n.step, epoch=n.epoch,
                     programs_compiled=compiled, steps_per_s=result.steps_per_second)
+    records = [p.record for p in n.__dict__.get("compiled_programs", [])[-compiled:] if compiled]
+    if records:
+        n.display.line(report.format_table(records))
+    if compiled > len(plan.programs):
+        n.display.line(f"this run compiled {compiled} programs; its plan expected "
+                       f"{len(plan.programs)}. jn.explain(n) says why.")
     _summary(n, result)
     return result
 
@@ -223,6 +234,7 @@ def _check_split(n: Nitro, split: str) -> None:
 
 def _evaluate(n: Nitro, split: str) -> dict[str, Any]:
     _check_split(n, split)
+    programs.check_stale(n)
     set_phase(n, "Evaluating", info={"split": split})
     bs = n.batch_info[split]["batch_size"]
     src = n.splits[split]
@@ -286,6 +298,7 @@ def predict(n: Nitro, batch_or_loader):
     A dict batch returns the outputs for it; a loader (any re-iterable of dict batches)
     returns a lazy iterator of per-batch outputs.
     """
+    programs.check_stale(n)
     if isinstance(batch_or_loader, Mapping):
         return _predict_batch(n, batch_or_loader, pad_to=None)
     if isinstance(batch_or_loader, (np.ndarray, jax.Array)) or not hasattr(batch_or_loader, "__iter__"):

@@ -187,7 +187,7 @@ def build(exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str =
         # A callable mask: inside multi_transform it sees only this group's leaves.
         def decay_mask(ps):
             return jax.tree_util.tree_map_with_path(
-                lambda p, x: not bool(no_decay(path_str(p), x)), ps)
+                lambda p, leaf: not bool(no_decay(path_str(p), leaf)), ps)
 
         hps = {hp: None for hp in _factory_hparams(rule)
                if f"opt.{hp}" in scheduled or f"opt.{g}.{hp}" in scheduled}

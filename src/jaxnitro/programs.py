@@ -8,6 +8,8 @@ covers, so a cached program is correct for every `Nitro` that produces the same 
 from __future__ import annotations
 
 import functools
+import inspect as pyinspect
+import warnings
 from typing import Any
 
 import jax
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 
 from . import metrics as metrics_mod
 from . import models, optim
-from .compile import cache
+from .compile import cache, explain
 from .compile.fingerprint import fingerprint
 from .devices import mesh_id
 from .errors import HookError
@@ -109,25 +111,128 @@ def eval_metrics_fn(n, split: str):
     return metrics_fn
 
 
-def _hook_prints(n) -> tuple:
-    return tuple((h, fingerprint(getattr(n.cls, h))) for h in _TRACED_HOOKS if h in n.routes)
+def _code_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def traced_functions(n) -> dict[str, Any]:
+    """The traced hooks, plus the experiment's methods and properties they reach via `self`.
+
+    `self.helper(...)` is an attribute load, invisible to a function fingerprint; following
+    the names the code loads (three levels) puts an edited helper method into the key.
+    """
+    out: dict[str, Any] = {}
+    frontier = [h for h in _TRACED_HOOKS if h in n.routes]
+    fields = n.cls.__jn_fields__
+    for _ in range(3):
+        nxt = []
+        for name in frontier:
+            if name in out or name in fields or name.startswith("__"):
+                continue
+            attr = pyinspect.getattr_static(n.cls, name, None)
+            fn = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+            if not pyinspect.isfunction(fn):
+                continue
+            out[name] = fn
+            nxt += sorted(_code_names(fn.__code__))
+        frontier = nxt
+    return out
+
+
+def hook_prints(n) -> tuple:
+    """(name, fingerprint) of every traced function; part of every program key."""
+    return tuple(sorted((name, fingerprint(fn)) for name, fn in traced_functions(n).items()))
 
 
 def _base_key(n, kind: str) -> tuple:
+    prints = hook_prints(n)
+    n.__dict__.setdefault("_prints", prints)
     return (
         kind,
         n.cls.__module__, n.cls.__qualname__,
         graph_key(n.experiment),
         cache.freeze(models.structure_key(n.model)),
-        _hook_prints(n),
+        prints,
         tuple(sorted((k, r.required, r.optional, r.takes_all) for k, r in n.routes.items())),
         mesh_id(n.mesh),
         tuple(sorted(n.compile_options.items())),
     )
 
 
+def _parts(n, kind: str, split: str | None, named_inputs: dict, options: dict,
+           optimizer=None) -> explain.KeyParts:
+    hooks, helpers = explain.hook_parts(traced_functions(n))
+    rows = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(named_inputs)[0]:
+        aval = cache._aval(leaf)
+        rows.append((jax.tree_util.keystr(path), tuple(leaf.shape), aval[1], aval[2]))
+    return explain.KeyParts(
+        kind=kind, experiment=n.cls.__qualname__, graph_consts=graph_key(n.experiment),
+        model=cache.freeze(models.structure_key(n.model)), optimizer=optimizer,
+        hooks=hooks, helpers=helpers, inputs=tuple(rows), split=split,
+        options=tuple(sorted({**options, "mesh": mesh_id(n.mesh),
+                              **{f"compile option {k}": v
+                                 for k, v in n.compile_options.items()}}.items())))
+
+
+def check_stale(n) -> None:
+    """At an entry point: if a traced hook or helper was edited since this Nitro compiled,
+    drop the programs built from the old code and say so once, naming what changed."""
+    old = n.__dict__.get("_prints")
+    if old is None:
+        return
+    new = hook_prints(n)
+    if new == old:
+        return
+    was, now = dict(old), dict(new)
+    edited = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    dropped = cache.drop(lambda p: p.key[1:3] == (n.cls.__module__, n.cls.__qualname__)
+                         and p.key[5] == old)
+    n.programs = {}
+    n.__dict__["_prints"] = new
+    warnings.warn(
+        f"{n.cls.__name__}: {', '.join(f'`{e}`' for e in edited)} changed since this Nitro "
+        f"compiled its programs; {dropped} stale program(s) dropped, they will be recompiled.",
+        stacklevel=3)
+
+
 def _on_compile(n):
     return lambda kind, label: n.display.compiling(kind, label)
+
+
+def _acquire(n, key, lower, *, kind: str, label: str, parts, hooks) -> cache.Program:
+    """get_or_compile, plus this run's bookkeeping: reports, logs, recompile warnings."""
+    before = cache.cache_stats()["misses"]
+    prog = cache.get_or_compile(key, lower, kind=kind, label=label, devices=mesh_id(n.mesh),
+                                parts=parts, hooks=hooks, on_compile=_on_compile(n))
+    used = n.__dict__.setdefault("used_programs", {})
+    compiled_here = cache.cache_stats()["misses"] > before
+    # A planned variant (the ragged last eval batch, a tail of single steps) is its own slot.
+    slot = (kind, parts.split, dict(parts.options).get("rows"),
+            dict(parts.options).get("steps_per_call"))
+    slots = n.__dict__.setdefault("_slots", set())
+    if compiled_here:
+        n.__dict__.setdefault("compiled_programs", []).append(prog)
+        rec = prog.record
+        n.logger.log_other({"compile": {
+            "kind": kind, "label": label, "trace_s": rec.trace_seconds,
+            "lower_s": rec.lower_seconds, "compile_s": rec.compile_seconds,
+            "hlo_ops": rec.hlo_ops, "stablehlo_ops": rec.stablehlo_ops,
+            "text_bytes": rec.text_bytes, "constant_bytes": rec.constant_bytes,
+            "flops": rec.flops, "memory": rec.memory, "reasons": list(prog.reasons),
+            "flags": [f.message for f in rec.flags]}})
+        for flag in rec.flags:
+            warnings.warn(flag.message, stacklevel=4)
+        if slot in slots:
+            why = "; ".join(prog.reasons) or "a new input signature"
+            warnings.warn(f"recompiling the {kind} program ({label}): {why}", stacklevel=4)
+    slots.add(slot)
+    used[(kind, label)] = prog
+    return prog
 
 
 def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
@@ -139,12 +244,15 @@ def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
         train_loss_fn(n), n.tx, accum=n.accum, steps_per_call=steps_per_call,
         write_hyper=functools.partial(optim.write_hyper, n.optimizer),
         unpack_hyper=n.unpack_hyper)
-    return cache.get_or_compile(
-        key, lambda: jax.jit(step, donate_argnums=(0,), out_shardings=n._rep).lower(
+    parts = _parts(n, "train", "train", {"batch": batch, "extras": extras["device"]},
+                   {"accum": n.accum, "steps_per_call": steps_per_call,
+                    "precision": n.precision}, optimizer=cache.optimizer_key(n.tx))
+    label = n.cls.__name__ + (f", {steps_per_call} steps per call" if steps_per_call > 1 else "")
+    return _acquire(
+        n, key, lambda: jax.jit(step, donate_argnums=(0,), out_shardings=n._rep).trace(
             n.carry, batch, extras, hyper),
-        kind="train", label=n.cls.__name__ + (f", {steps_per_call} steps per call"
-                                              if steps_per_call > 1 else ""),
-        devices=mesh_id(n.mesh), on_compile=_on_compile(n))
+        kind="train", label=label, parts=parts,
+        hooks=tuple(h for h in ("forward", "loss", "train_metrics") if h in n.routes))
 
 
 def eval_metric_shapes(n, split: str) -> dict:
@@ -166,9 +274,12 @@ def eval_program(n, split: str, batch, totals, n_valid: int | None) -> cache.Pro
     step = make_eval_step(eval_metrics_fn(n, split), n_valid)
     args = (n.carry.params, n.carry.model_state, batch, extras, totals)
     label = split if n_valid is None else f"{split}, last batch of {n_valid}"
-    return cache.get_or_compile(
-        key, lambda: jax.jit(step, donate_argnums=(4,), out_shardings=n._rep).lower(*args),
-        kind="eval", label=label, devices=mesh_id(n.mesh), on_compile=_on_compile(n))
+    parts = _parts(n, "eval", split, {"batch": batch, "extras": extras["device"]},
+                   {"rows": n_valid})
+    return _acquire(
+        n, key, lambda: jax.jit(step, donate_argnums=(4,), out_shardings=n._rep).trace(*args),
+        kind="eval", label=label, parts=parts,
+        hooks=tuple(h for h in ("forward", "loss", "metrics") if h in n.routes))
 
 
 def predict_program(n, batch, n_valid: int | None) -> cache.Program:
@@ -185,10 +296,44 @@ def predict_program(n, batch, n_valid: int | None) -> cache.Program:
     key = (*_base_key(n, "predict"), n_valid,
            cache.avals((n.carry.params, n.carry.model_state, batch, extras)))
     args = (n.carry.params, n.carry.model_state, batch, extras)
-    return cache.get_or_compile(
-        key, lambda: jax.jit(predict_step).lower(*args),
-        kind="predict", label=n.cls.__name__, devices=mesh_id(n.mesh), on_compile=_on_compile(n))
+    parts = _parts(n, "predict", None, {"batch": batch, "extras": extras["device"]},
+                   {"rows": n_valid})
+    return _acquire(n, key, lambda: jax.jit(predict_step).trace(*args), kind="predict",
+                    label=n.cls.__name__, parts=parts, hooks=("forward",))
 
 
 def zero_totals(shapes) -> Any:
     return metrics_mod.zeros_like_totals(shapes)
+
+
+def planned(n, *, train: bool = True) -> dict[str, cache.Program]:
+    """Compile (or fetch) every program the run will use, from the first batches' shapes.
+
+    The train step for the first dispatch unit, single steps for an epoch's tail that does not
+    fill `steps_per_call`, and the eval step for 'val' (plus its ragged last batch).
+    """
+    from . import feed  # the feed builds payloads exactly as training will
+
+    out: dict[str, cache.Program] = {}
+    if train and "train" in n.splits:
+        loader = n.splits["train"]
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(n.epoch)
+        unit = next(feed.units(iter(loader), n.accum * n.steps_per_call))
+        prepare = feed.train_prepare(n, n.epoch)
+        (batch, hyper, steps), *rest = prepare(unit)[0]
+        out["train"] = train_program(n, batch, hyper, steps)
+        spe = n.steps_per_epoch
+        if steps > 1 and spe and spe % steps:
+            one = prepare(unit[:n.accum])[0][0]
+            out["train (single steps)"] = train_program(n, one[0], one[1], 1)
+    if "val" in n.splits:
+        bs = n.batch_info["val"]["batch_size"]
+        dev, _ = feed.eval_prepare(n, "val", bs)(next(iter(n.splits["val"])))
+        totals = jax.device_put(zero_totals(eval_metric_shapes(n, "val")), n._rep)
+        out["eval"] = eval_program(n, "val", dev, totals, None)
+        loader = n.splits["val"]
+        if getattr(loader, "ragged", False):
+            rows = loader.num_samples % loader.batch_size
+            out["eval (last batch)"] = eval_program(n, "val", dev, totals, rows)
+    return out
