@@ -36,14 +36,25 @@ def setup_devices(backend: str | None = None, n_devices: int | None = None,
                 f"cannot switch to backend {backend!r}: {e}. Call jn.setup_devices() before "
                 f"anything touches JAX arrays (first thing in the script)."
             ) from e
-    if compilation_cache is not None:
-        jax.config.update("jax_compilation_cache_dir", os.fspath(compilation_cache))
+    compilation_cache = compilation_cache or os.environ.get("JAXNITRO_COMPILATION_CACHE")
+    if compilation_cache:
+        # Trusted directory: anyone who can write to it can run code in this process.
+        jax.config.update("jax_compilation_cache_dir",
+                          os.path.expanduser(os.fspath(compilation_cache)))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     visible = len(jax.devices())
     if n_devices is not None:
         _check_count(n_devices, visible)
         _pinned["n_devices"] = n_devices
     return DeviceInfo(jax.default_backend(), visible, _pinned.get("n_devices"))
+
+
+def apply_env() -> None:
+    """Turn on the persistent cache from $JAXNITRO_COMPILATION_CACHE if nothing else did."""
+    path = os.environ.get("JAXNITRO_COMPILATION_CACHE")
+    if path and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def _check_count(n: int, visible: int) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from . import data as data_mod
 from . import hooks, optim
 from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
-from .devices import make_mesh, replicated
+from .devices import apply_env, make_mesh, replicated
 from .errors import CheckpointError, ConfigError, DataError, HookError, did_you_mean
 from .experiment import DEVICE, field_values, fields, graph_key, is_experiment, replace
 from .logging import JSONLogger
@@ -116,6 +116,7 @@ class Nitro:
                 self.seed = int(meta["seed"])
 
         # Data, then derived values (e.g. class weights) assigned to existing fields.
+        apply_env()
         self.mesh = make_mesh(s["n_devices"])
         self.n_devices = self.mesh.size
         self.dist = Dist(jax.process_index(), jax.process_count(), self.n_devices, self.mesh)

@@ -21,7 +21,7 @@ from .compile import cache, explain
 from .compile.fingerprint import fingerprint
 from .devices import mesh_id
 from .errors import HookError
-from .experiment import CompileView, graph_key
+from .experiment import GRAPH, CompileView, field_values, graph_key
 from .step import make_eval_step, make_train_step, scalar_loss, slice_rows
 
 _TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics")
@@ -171,7 +171,8 @@ def _parts(n, kind: str, split: str | None, named_inputs: dict, options: dict,
         aval = cache._aval(leaf)
         rows.append((jax.tree_util.keystr(path), tuple(leaf.shape), aval[1], aval[2]))
     return explain.KeyParts(
-        kind=kind, experiment=n.cls.__qualname__, graph_consts=graph_key(n.experiment),
+        kind=kind, experiment=n.cls.__qualname__,
+        graph_consts=tuple(field_values(n.experiment, GRAPH).items()),
         model=cache.freeze(models.structure_key(n.model)), optimizer=optimizer,
         hooks=hooks, helpers=helpers, inputs=tuple(rows), split=split,
         options=tuple(sorted({**options, "mesh": mesh_id(n.mesh),
@@ -194,6 +195,7 @@ def check_stale(n) -> None:
                          and p.key[5] == old)
     n.programs = {}
     n.__dict__["_prints"] = new
+    n.__dict__["_slots"] = set()  # the recompiles that follow are explained here, not again
     warnings.warn(
         f"{n.cls.__name__}: {', '.join(f'`{e}`' for e in edited)} changed since this Nitro "
         f"compiled its programs; {dropped} stale program(s) dropped, they will be recompiled.",
