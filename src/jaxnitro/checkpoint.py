@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -33,13 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxnitro.errors import CheckpointError, ConfigError, did_you_mean
+from jaxnitro.errors import CheckpointError, CheckpointWarning, ConfigError, did_you_mean
 
-__all__ = ["TopKCheckpointer", "load_checkpoint", "read_manifest"]
+__all__ = ["TopKCheckpointer", "load_checkpoint", "read_manifest", "verify_checkpoint"]
 
 FORMAT_VERSION = 1
 MANIFEST, META, ARRAYS = "manifest.json", "meta.json", "arrays"
 _TMP = ".tmp-"  # in-progress or abandoned entries are named "<name>.tmp-<pid>"
+_CORRUPT = ".corrupt-"  # checkpoints that failed verification are moved aside as "<name>.corrupt-<n>"
 _MODES = ("min", "max")
 
 
@@ -57,6 +59,23 @@ class _QuietOrbax(logging.Filter):
 _absl_logger = logging.getLogger("absl")
 if not any(isinstance(f, _QuietOrbax) for f in _absl_logger.filters):  # idempotent on reload
     _absl_logger.addFilter(_QuietOrbax())
+
+
+class _QuietFailedRestore(logging.Filter):
+    """A failed Orbax restore (a corrupted checkpoint, already reported as CheckpointError)
+    leaves TensorStore futures whose exceptions asyncio logs again, at length, when they are
+    collected. Drop exactly those records; every other asyncio message gets through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Future exception was never retrieved" not in str(record.msg):
+            return True
+        detail = str(record.msg) + str(record.exc_info[1] if record.exc_info else "")
+        return "tensorstore_spec" not in detail
+
+
+_asyncio_logger = logging.getLogger("asyncio")
+if not any(isinstance(f, _QuietFailedRestore) for f in _asyncio_logger.filters):
+    _asyncio_logger.addFilter(_QuietFailedRestore())
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -275,6 +294,21 @@ def load_checkpoint(path: str | os.PathLike,
                    **info["meta"]}
 
 
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Check a checkpoint end to end without a template; return its meta or raise CheckpointError.
+
+    Reads ``meta.json``, restores every array and compares each tree's sha256 with the one
+    recorded at save time, so a truncated, edited or half-deleted checkpoint is caught.
+    """
+    try:
+        _, meta = load_checkpoint(path)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the checkpoint is unusable
+        raise CheckpointError(f"checkpoint {path} is corrupted ({type(exc).__name__}: {exc})") from exc
+    return meta
+
+
 def read_manifest(dir: str | os.PathLike) -> list[dict]:
     """Rows of ``<dir>/manifest.json``, oldest first, without loading any array; [] if none."""
     path = Path(dir) / MANIFEST
@@ -329,7 +363,8 @@ class TopKCheckpointer:
         # complete but unlisted, so adopt it rather than lose or leak it. Also drop dangling rows.
         rows = self.records()
         listed = {r["name"] for r in rows}
-        orphans = [p for p in d.iterdir() if p.name not in listed and (p / META).is_file()]
+        orphans = [p for p in d.iterdir() if p.name not in listed and _CORRUPT not in p.name
+                   and (p / META).is_file()]
         if orphans or len(rows) != len(read_manifest(d)):
             adopted = sorted((self._row(p.name, _read_meta(p)) for p in orphans),
                              key=lambda r: (r["step"], r["time"]))
@@ -418,6 +453,52 @@ class TopKCheckpointer:
         """Newest complete checkpoint (highest step, then last written), or None."""
         row = self._newest(self.records())
         return self.dir / row["path"] if row else None
+
+    def latest_valid(self, *, quarantine: bool = True) -> Path | None:
+        """Newest checkpoint that verifies (meta.json and every checksum), or None.
+
+        Newer checkpoints that fail verification (truncated, corrupted) are skipped with a
+        `CheckpointWarning` naming each one and why; with ``quarantine`` (the default) each is
+        also unlisted and renamed to ``<name>.corrupt-<n>`` (kept for inspection, never
+        considered again, neither newest nor best). Costs one full read of the checkpoint.
+        """
+        root = self._root()
+        rows = self.records()
+        order = sorted(range(len(rows)), key=lambda i: (rows[i]["step"], i), reverse=True)
+        skipped: list[tuple[str, Path, str]] = []
+        found = None
+        for i in order:
+            path = root / rows[i]["path"]
+            try:
+                verify_checkpoint(path)
+            except CheckpointError as exc:
+                skipped.append((rows[i]["name"], path, str(exc)))
+                continue
+            found = path
+            break
+        moved = self._quarantine([name for name, _, _ in skipped]) if skipped and quarantine else {}
+        for name, path, why in skipped:
+            where = f"using {found.name} instead" if found is not None else "no valid checkpoint remains"
+            aside = f" Moved aside to {moved[name]}." if name in moved else ""
+            warnings.warn(f"skipping corrupted checkpoint {path} ({why}); {where}.{aside}",
+                          CheckpointWarning, stacklevel=2)
+        return found
+
+    def _quarantine(self, names: list[str]) -> dict[str, Path]:
+        """Unlist `names`, then rename their directories to `<name>.corrupt-<n>`."""
+        root = self._root()
+        bad = set(names)
+        self._write_manifest([r for r in read_manifest(root) if r["name"] not in bad])
+        moved = {}
+        for name in names:
+            n = 0
+            while (root / f"{name}{_CORRUPT}{n}").exists():
+                n += 1
+            with contextlib.suppress(OSError):
+                os.replace(root / name, root / f"{name}{_CORRUPT}{n}")
+                moved[name] = root / f"{name}{_CORRUPT}{n}"
+        _fsync_dir(root)
+        return moved
 
     def best(self) -> Path | None:
         """Best checkpoint by ``metric`` and ``mode``; None if no checkpoint has the metric."""

@@ -60,3 +60,7 @@ def did_you_mean(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -
 
 class MemoryPlanError(JaxnitroError, MemoryError):
     """The compiled programs, with their buffers, do not fit the device's memory."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (e.g. corrupted) and an older one is used instead."""

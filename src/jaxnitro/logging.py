@@ -54,6 +54,7 @@ class JSONLogger:
         if self.path is None:
             self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_partial_line(self.path)
         self._fh = open(self.path, "a", encoding="utf-8")  # append: a resumed run continues
 
     def _write(self, obj: dict) -> None:
@@ -79,6 +80,31 @@ class JSONLogger:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+def _drop_partial_line(path: Path) -> None:
+    """A process killed mid-write can leave a last line without its newline; appending to it
+    would glue the next record onto the fragment. Cut the fragment off (it is unreadable)."""
+    try:
+        with open(path, "rb+") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            fh.seek(size - 1)
+            if fh.read(1) == b"\n":
+                return
+            pos, keep = size, 0
+            while pos > 0 and not keep:  # find the last newline, reading backwards in blocks
+                start = max(0, pos - 65536)
+                fh.seek(start)
+                block = fh.read(pos - start)
+                i = block.rfind(b"\n")
+                if i >= 0:
+                    keep = start + i + 1
+                pos = start
+            fh.truncate(keep)
+    except FileNotFoundError:
+        return
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

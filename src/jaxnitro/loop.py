@@ -28,6 +28,7 @@ from .experiment import DEVICE, GRAPH, fields, graph_key, replace
 from .history import History
 from .nitro import Nitro, _jsonable
 from .phases import set_phase
+from .signals import graceful_stop
 
 # Losses are read back in chunks, a chunk behind the newest step, so dispatch never waits on
 # the device and one transfer serves many steps.
@@ -50,6 +51,11 @@ class TrainResult:
 def train(n: Nitro) -> TrainResult:
     """Train to `max_epochs` (or a stop); validate, log and checkpoint after each epoch.
 
+    The order is fixed: check for stale programs; compile every planned program and check the
+    memory plan (before step 1); then per epoch: train steps, validation, history row, log,
+    checkpoint, early-stopping check, stop check. Ctrl-C stops after the current step (twice
+    aborts); SIGTERM checkpoints the current step and exits with status 143.
+
     Example:
         >>> result = jn.train(jn.Nitro(MnistMLP()))
         >>> result.history.best["acc"]
@@ -59,107 +65,42 @@ def train(n: Nitro) -> TrainResult:
                         f"{sorted(n.splits)}.")
     t_start = time.perf_counter()
     misses0 = cache.cache_stats()["misses"]
-    stop_reason, status = "completed", "completed"
-    train_steps, train_seconds = 0, 0.0
+    stop_reason = "completed"
+    steps_run, seconds_run = 0, 0.0
     n.programs = {}  # re-keyed at each entry point: an edited hook is never served stale
+    n.preempted = False
+    set_phase(n, "Starting", force=True)
     programs.check_stale(n)
     try:
-        # Every program this run uses compiles now, and must fit: OOM before step 1, not later.
-        set_phase(n, "Compiling", info={"program": "plan"})
-        plan = introspect.check_memory(n)
-        set_phase(n, "Training")
-        while n.epoch < n.max_epochs:
-            epoch = n.epoch  # 0-based; logs and history say epoch + 1
-            loader = n.splits["train"]
-            if hasattr(loader, "set_epoch"):
-                loader.set_epoch(epoch)
-            total = len(loader) if hasattr(loader, "__len__") else None
-            n.display.start_epoch(epoch, n.max_epochs, total, n.batch_in_epoch)
-            stream = data_mod.Prefetcher(
-                feed.units(data_mod.skip(loader, n.batch_in_epoch), n.accum * n.steps_per_call),
-                feed.train_prepare(n, epoch))
-            pending: collections.deque = collections.deque()
-            losses: list[float] = []
-            t0 = time.perf_counter()
-            compile_s = 0.0
-            extras = n.extras()
-            try:
-                for payloads, _, _ in stream:
-                    for dev_batch, hyper, steps in payloads:
-                        prog = n.programs.get(("train", steps))
-                        if prog is None:
-                            c0 = time.perf_counter()
-                            set_phase(n, "Compiling", info={"program": "train"})
-                            prog = programs.train_program(n, dev_batch, hyper, steps)
-                            set_phase(n, "Training")
-                            compile_s += time.perf_counter() - c0
-                            n.programs[("train", steps)] = prog
-                        n.carry, out = prog(n.carry, dev_batch, extras, hyper)
-                        n.batch_in_epoch += steps * n.accum
-                        n.host_step += steps
-                        pending.append((n.host_step, n.batch_in_epoch, steps, out))
-                    if len(pending) >= 2 * _READBACK_CHUNK:
-                        _drain(n, pending, _READBACK_CHUNK, epoch, losses)
-                        elapsed = time.perf_counter() - t0 - compile_s
-                        n.display.update(n.batch_in_epoch, losses[-1],
-                                         len(losses) / elapsed if elapsed > 0 else None)
-                    if n.stop_requested:
-                        break
-                _drain(n, pending, len(pending), epoch, losses)
-            finally:
-                stream.close()
-            jax.block_until_ready(n.carry.params)
-            seconds = time.perf_counter() - t0 - compile_s
-            train_steps += len(losses)
-            train_seconds += seconds
-            wait_frac = min(1.0, stream.wait_seconds / seconds) if seconds > 0 else 0.0
-            n.logger.log_metrics({"data_wait_frac": wait_frac,
-                                  "steps_per_s": len(losses) / seconds if seconds else None,
-                                  "peak_bytes_in_use": introspect.peak_memory(n)},
-                                 context="data", epoch=epoch + 1, step=n.step)
-            finished_epoch = not n.stop_requested or n.batch_in_epoch >= (total or 0)
-            if finished_epoch:
-                n.epoch += 1
-                n.batch_in_epoch = 0
-            row = {"epoch": epoch + 1, "step": n.step,
-                   "train_loss": float(np.mean(losses)) if losses else None}
-            if "val" in n.splits:
-                n.display.phase("validating")
-                row.update(_evaluate(n, "val"))
-                n.logger.log_metrics({k: v for k, v in row.items() if k not in ("epoch", "step")
-                                      and _is_scalar(v)},
-                                     context="validate", epoch=epoch + 1, step=n.step)
-            if n.history_rows and n.history_rows[-1]["epoch"] == row["epoch"]:
-                n.history_rows[-1] = row  # the epoch a stop cut short, now finished
-            else:
-                n.history_rows.append(row)
-            set_phase(n, "Checkpointing")
-            _checkpoint(n, row)
-            set_phase(n, "Training")
-            n.display.end_epoch(_epoch_summary(row, len(losses) / seconds if seconds else 0))
-            if n.stop_requested:
-                stop_reason = status = "requested"
-                break
+        with graceful_stop(n):
+            # Every program this run uses compiles now and must fit: OOM before step 1.
+            plan = introspect.check_memory(n)
+            while n.epoch < n.max_epochs:
+                epoch = n.epoch  # 0-based; logs and history say epoch + 1
+                losses, seconds = _train_epoch(n, epoch)
+                steps_run, seconds_run = steps_run + len(losses), seconds_run + seconds
+                stop_reason = _end_epoch(n, epoch, losses, seconds)
+                if stop_reason != "completed":
+                    break
         set_phase(n, "Done")
     except BaseException as e:
-        status = "error"
         set_phase(n, "Failed", info={"error": repr(e)})
         n.logger.finish("error", error=repr(e), step=n.step, epoch=n.epoch)
         n.display.close()
         raise
     n.stop_requested = False
-    hist = history(n)
     compiled = cache.cache_stats()["misses"] - misses0
+    hist = history(n)
     best_row = hist.best
-    metric = n.checkpointer.metric
     result = TrainResult(
         history=hist, best_checkpoint=n.checkpointer.best() or n.checkpointer.latest(),
         stop_reason=stop_reason,
-        best_metric=None if best_row is None else best_row.get(metric),
-        steps_per_second=train_steps / train_seconds if train_seconds else 0.0,
+        best_metric=None if best_row is None else best_row.get(n.checkpointer.metric),
+        steps_per_second=steps_run / seconds_run if seconds_run else 0.0,
         programs_compiled=compiled, wall_seconds=time.perf_counter() - t_start)
-    n.logger.finish(status, stop_reason=stop_reason, step=n.step, epoch=n.epoch,
-                    programs_compiled=compiled, steps_per_s=result.steps_per_second)
+    n.logger.finish(stop_reason, stop_reason=stop_reason, step=n.step, epoch=n.epoch,
+                    programs_compiled=compiled, steps_per_s=result.steps_per_second,
+                    skipped_steps=n.skipped_steps)
     records = [p.record for p in n.__dict__.get("compiled_programs", [])[-compiled:] if compiled]
     if records:
         n.display.line(report.format_table(records))
@@ -167,7 +108,89 @@ def train(n: Nitro) -> TrainResult:
         n.display.line(f"this run compiled {compiled} programs; its plan expected "
                        f"{len(plan.programs)}. jn.explain(n) says why.")
     _summary(n, result)
+    if stop_reason == "preempted":
+        raise SystemExit(143)  # the conventional SIGTERM status: terminated, not completed
     return result
+
+
+def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
+    """Run the train steps of one epoch (from the saved position); returns (losses, seconds)."""
+    set_phase(n, "Training")
+    loader = n.splits["train"]
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    total = len(loader) if hasattr(loader, "__len__") else None
+    n.display.start_epoch(epoch, n.max_epochs, total, n.batch_in_epoch)
+    stream = data_mod.Prefetcher(
+        feed.units(data_mod.skip(loader, n.batch_in_epoch), n.accum * n.steps_per_call),
+        feed.train_prepare(n, epoch))
+    pending: collections.deque = collections.deque()
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    compile_s = 0.0
+    extras = n.extras()
+    try:
+        for payloads, _, _ in stream:
+            for dev_batch, hyper, steps in payloads:
+                prog = n.programs.get(("train", steps))
+                if prog is None:
+                    c0 = time.perf_counter()
+                    prog = n.programs[("train", steps)] = programs.train_program(
+                        n, dev_batch, hyper, steps)
+                    compile_s += time.perf_counter() - c0
+                n.carry, out = prog(n.carry, dev_batch, extras, hyper)
+                n.batch_in_epoch += steps * n.accum
+                n.host_step += steps
+                pending.append((n.host_step, n.batch_in_epoch, steps, out))
+            if len(pending) >= 2 * _READBACK_CHUNK:
+                _drain(n, pending, _READBACK_CHUNK, epoch, losses)
+                elapsed = time.perf_counter() - t0 - compile_s
+                n.display.update(n.batch_in_epoch, losses[-1],
+                                 len(losses) / elapsed if elapsed > 0 else None)
+            if n.stop_requested:
+                break
+        _drain(n, pending, len(pending), epoch, losses)
+    finally:
+        stream.close()
+    jax.block_until_ready(n.carry.params)
+    seconds = time.perf_counter() - t0 - compile_s
+    wait_frac = min(1.0, stream.wait_seconds / seconds) if seconds > 0 else 0.0
+    n.logger.log_metrics({"data_wait_frac": wait_frac,
+                          "steps_per_s": len(losses) / seconds if seconds else None,
+                          "peak_bytes_in_use": introspect.peak_memory(n),
+                          "skipped_steps": n.skipped_steps},
+                         context="data", epoch=epoch + 1, step=n.step)
+    if total is None or n.batch_in_epoch >= total or not n.stop_requested:
+        n.epoch += 1
+        n.batch_in_epoch = 0
+    return losses, seconds
+
+
+def _end_epoch(n: Nitro, epoch: int, losses: list[float], seconds: float) -> str:
+    """Validate, record, log, checkpoint, and decide whether to stop; returns the stop reason."""
+    row = {"epoch": epoch + 1, "step": n.step,
+           "train_loss": float(np.mean(losses)) if losses else None}
+    if "val" in n.splits and not n.preempted:  # preemption leaves no time to validate
+        n.display.phase("validating")
+        row.update(_evaluate(n, "val"))
+        n.logger.log_metrics({k: v for k, v in row.items() if k not in ("epoch", "step")
+                              and _is_scalar(v)},
+                             context="validate", epoch=epoch + 1, step=n.step)
+    if n.history_rows and n.history_rows[-1]["epoch"] == row["epoch"]:
+        n.history_rows[-1] = row  # the epoch a stop cut short, now finished
+    else:
+        n.history_rows.append(row)
+    reason = "completed"
+    finished = n.batch_in_epoch == 0  # the epoch ran to its end
+    if n.early_stop is not None and finished and not n.stop_requested:
+        if n.early_stop.update(epoch + 1, row):
+            reason = "early_stop"
+    if n.stop_requested:
+        reason = "preempted" if n.preempted else "requested"
+    set_phase(n, "Checkpointing")
+    _checkpoint(n, row, stop_reason=None if reason == "completed" else reason)
+    n.display.end_epoch(_epoch_summary(row, len(losses) / seconds if seconds else 0))
+    return reason
 
 
 def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
@@ -180,14 +203,17 @@ def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
             row = {k: float(np.asarray(v).reshape(-1)[j] if steps > 1 else v)
                    for k, v in host.items()}
             step = last_step - steps + 1 + j
-            if not math.isfinite(row["loss"]):
+            if row.get("skipped"):
+                n.skipped_steps += 1
+            elif not math.isfinite(row["loss"]):
                 batch = last_batch - (steps - j) * n.accum
                 raise NonFiniteLossError(
                     f"the training loss is {row['loss']} at step {step} (epoch {epoch + 1}, "
                     f"batch {batch}). Lower the learning rate, check the data for NaN/inf, or "
                     f"add gradient clipping. The last good checkpoint is "
                     f"{n.checkpointer.latest()}.")
-            losses.append(row["loss"])
+            if not row.get("skipped"):
+                losses.append(row["loss"])
             n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
 
 
@@ -203,13 +229,16 @@ def _epoch_summary(row: dict, rate: float) -> str:
     return " · ".join(p for p in parts if p)
 
 
-def _checkpoint(n: Nitro, row: dict) -> None:
+def _checkpoint(n: Nitro, row: dict, *, stop_reason: str | None = None) -> None:
     metrics = {k: v for k, v in row.items() if isinstance(v, float)}
     meta = {
         "epoch": n.epoch, "batch_in_epoch": n.batch_in_epoch, "step": n.step, "seed": n.seed,
         "config": _jsonable(dict(graph_key(n.experiment))),
         "experiment": n.cls.__qualname__,
         "history": _jsonable(n.history_rows),
+        "skipped_steps": n.skipped_steps,
+        "stop_reason": stop_reason,
+        "early_stop": n.early_stop.state_dict() if n.early_stop is not None else None,
     }
     trees = {"params": n.carry.params, "model_state": n.carry.model_state,
              "opt_state": n.carry.opt_state}

@@ -55,7 +55,7 @@ class Nitro:
                  schedules=None, precision: str | None = None, logger=None, checkpointer=None,
                  early_stop=None, resume: bool | str = False, checkpoint=None, data=None,
                  memory_budget: int | None = None, compile_options: dict | None = None,
-                 progress: bool | str | None = None):
+                 progress: bool | str | None = None, on_nonfinite: str = "error"):
         if not is_experiment(exp) or isinstance(exp, type):
             what = f"the class {exp.__name__}" if isinstance(exp, type) else type(exp).__name__
             raise ConfigError(
@@ -84,6 +84,13 @@ class Nitro:
         self._schedule_table = dict(schedules if schedules is not None else
                                     (exp.schedules() if hasattr(cls, "schedules") else {}) or {})
         self.memory_budget, self.compile_options = memory_budget, dict(compile_options or {})
+        if on_nonfinite not in ("error", "skip"):
+            raise ConfigError(f"on_nonfinite={on_nonfinite!r}; use 'error' (stop with the step "
+                              f"and epoch) or 'skip' (skip the update and count it)."
+                              + did_you_mean(str(on_nonfinite), ["error", "skip"]))
+        self.on_nonfinite = on_nonfinite
+        self.skipped_steps = 0
+        self.preempted = False
         self.display = Display(progress)
         self.phase = "Starting"
         self.stop_requested = False
@@ -174,6 +181,7 @@ class Nitro:
         self.epoch = 0
         self.batch_in_epoch = 0
         self.host_step = 0
+        self._early_stop_state = None
 
         self._check_checkpoint_metric()
         if self.resume_path is not None:
@@ -190,6 +198,10 @@ class Nitro:
             "markers": {f.name: f.marker for f in fields(exp)},
         })
         self.early_stop = s["early_stop"]
+        if self.early_stop is not None:
+            self._check_early_stop()
+            if self._early_stop_state is not None:
+                self.early_stop.load_state_dict(self._early_stop_state)
 
     # -- handle attributes -------------------------------------------------------------
     @property
@@ -375,6 +387,17 @@ class Nitro:
                     f"validation produces {names}." + did_you_mean(metric, names))
             self.checkpointer.metric = names[0] if names else metric
 
+    def _check_early_stop(self) -> None:
+        es = self.early_stop
+        if not (hasattr(es, "update") and hasattr(es, "metric")):
+            raise ConfigError(f"early_stop must be a jn.EarlyStopping, got {type(es).__name__}.")
+        produced = ["train_loss"] + (self.eval_metric_names("val") if "val" in self.splits else [])
+        if es.metric not in produced:
+            raise ConfigError(
+                f"early stopping monitors {es.metric!r}, which this run never produces; it "
+                f"produces {produced}." + did_you_mean(es.metric, produced)
+                + ("" if "val" in self.splits else " Add a 'val' split for validation metrics."))
+
     def _restore(self, path: Path, *, full: bool) -> None:
         templates = {"params": self.carry.params, "model_state": self.carry.model_state}
         if full:
@@ -406,6 +429,8 @@ class Nitro:
             self.epoch = int(meta["epoch"])
             self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
             self.history_rows = list(meta.get("history", []))
+            self.skipped_steps = int(meta.get("skipped_steps") or 0)
+            self._early_stop_state = meta.get("early_stop")
         else:
             self.carry = self.carry._replace(params=params, model_state=mstate)
 

@@ -24,8 +24,9 @@ def on_phase(fn: Callable, *, nitro=None) -> Callable:
     return fn
 
 
-def set_phase(n, phase: str, *, info: dict | None = None) -> None:
-    if phase == n.phase and not info:
+def set_phase(n, phase: str, *, info: dict | None = None, force: bool = False) -> None:
+    """Record the phase on the handle and call the monitors (on a change, or when forced)."""
+    if phase == n.phase and not info and not force:
         return
     n.phase = phase
     failed = n.__dict__.setdefault("_failed_monitors", set())

@@ -7,6 +7,7 @@ covers, so a cached program is correct for every `Nitro` that produces the same 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect as pyinspect
 import warnings
@@ -22,6 +23,7 @@ from .compile.fingerprint import fingerprint
 from .devices import mesh_id
 from .errors import HookError
 from .experiment import GRAPH, CompileView, field_values, graph_key
+from .phases import set_phase
 from .step import make_eval_step, make_train_step, scalar_loss, slice_rows
 
 _TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics")
@@ -203,7 +205,20 @@ def check_stale(n) -> None:
 
 
 def _on_compile(n):
-    return lambda kind, label: n.display.compiling(kind, label)
+    """Publish the Compiling phase (and show it) while XLA compiles; restore the phase after."""
+
+    @contextlib.contextmanager
+    def compiling(kind, label):
+        previous = n.phase
+        set_phase(n, "Compiling", info={"program": kind, "label": label})
+        try:
+            with n.display.compiling(kind, label):
+                yield
+        finally:
+            if previous in ("Training", "Evaluating"):  # a compile mid-run returns to it
+                set_phase(n, previous)
+
+    return compiling
 
 
 def _acquire(n, key, lower, *, kind: str, label: str, parts, hooks) -> cache.Program:
@@ -240,12 +255,13 @@ def _acquire(n, key, lower, *, kind: str, label: str, parts, hooks) -> cache.Pro
 def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
     """The fused train step for these shapes (compiled once per process)."""
     extras = n.extras()
-    key = (*_base_key(n, "train"), n.accum, steps_per_call, n.precision, cache.optimizer_key(n.tx),
+    key = (*_base_key(n, "train"), n.accum, steps_per_call, n.precision, n.on_nonfinite,
+           cache.optimizer_key(n.tx),
            cache.avals((n.carry, batch, extras, hyper)))
     step = make_train_step(
         train_loss_fn(n), n.tx, accum=n.accum, steps_per_call=steps_per_call,
         write_hyper=functools.partial(optim.write_hyper, n.optimizer),
-        unpack_hyper=n.unpack_hyper)
+        unpack_hyper=n.unpack_hyper, skip_nonfinite=n.on_nonfinite == "skip")
     parts = _parts(n, "train", "train", {"batch": batch, "extras": extras["device"]},
                    {"accum": n.accum, "steps_per_call": steps_per_call,
                     "precision": n.precision}, optimizer=cache.optimizer_key(n.tx))

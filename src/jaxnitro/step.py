@@ -60,7 +60,8 @@ def loss_parts(value, hook: str = "loss") -> tuple[jax.Array, jax.Array]:
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, accum: int = 1,
-                    steps_per_call: int = 1, write_hyper=None, unpack_hyper=None):
+                    steps_per_call: int = 1, write_hyper=None, unpack_hyper=None,
+                    skip_nonfinite: bool = False):
     """Build the fused train step: gradient (accumulated in-graph), one optimizer update.
 
     With `accum=k` the batch arrives stacked as (k, micro_batch, ...) and the k micro-batches
@@ -106,7 +107,14 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, accum:
             opt_state = write_hyper(opt_state, hyper["opt"])
         updates, opt_state = tx.update(grads, opt_state, carry.params)
         params = optax.apply_updates(carry.params, updates)
-        return Carry(params, model_state, opt_state, carry.step + 1), {"loss": loss, **aux}
+        out = {"loss": loss, **aux}
+        if skip_nonfinite:  # a non-finite loss leaves params, state and optimizer untouched
+            ok = jnp.isfinite(loss)
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+            params, model_state = keep(params, carry.params), keep(model_state, carry.model_state)
+            opt_state = keep(opt_state, carry.opt_state)
+            out["skipped"] = (~ok).astype(jnp.float32)
+        return Carry(params, model_state, opt_state, carry.step + 1), out
 
     if steps_per_call == 1:
         return one_step

@@ -1,0 +1,189 @@
+"""Run lifecycle: phases, monitors, signals, non-finite losses, resume with every feature."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from conftest import Tiny, leaves_equal, make_data, nitro
+
+import jaxnitro as jn
+from jaxnitro import optim
+
+
+def phases_of(n, **kw):
+    seen = []
+    jn.on_phase(lambda phase, step, epoch, info: seen.append(phase), nitro=n)
+    try:
+        jn.train(n)
+    except Exception:  # noqa: BLE001 - the failure case checks the sequence below
+        pass
+    return seen
+
+
+def test_phase_sequence_with_and_without_validation(run_dir):
+    jn.cache_reset()
+    seen = phases_of(nitro(Tiny(max_epochs=2), run_dir=run_dir / "a"))
+    assert seen == ["Starting", "Compiling", "Compiling", "Training", "Evaluating",
+                    "Checkpointing", "Training", "Evaluating", "Checkpointing", "Done"]
+    seen = phases_of(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "b"))
+    assert seen == ["Starting", "Training", "Checkpointing", "Done"]  # the program was cached
+
+
+def test_phase_sequence_with_a_failure_and_a_raising_monitor(run_dir):
+    @jn.experiment
+    class Boom(Tiny):
+        def loss(self, logits, *, y):
+            return Tiny.loss(self, logits, y=y) / 0.0  # inf
+
+    n = nitro(Boom(max_epochs=1, n_val=0), run_dir=run_dir)
+    calls = []
+
+    def bad_monitor(phase, step, epoch, info):
+        calls.append(phase)
+        raise RuntimeError("monitor bug")
+
+    jn.on_phase(bad_monitor, nitro=n)
+    with pytest.warns(UserWarning, match="monitor bug"):
+        seen = phases_of(n)
+    assert seen[-1] == "Failed" and n.phase == "Failed"
+    assert len(calls) == len(seen)  # it kept being called: reported once, never fatal
+
+
+def test_nonfinite_loss_error_names_step_epoch_and_batch(run_dir):
+    @jn.experiment
+    class NaNAt(Tiny):
+        def build_data(self, dist):
+            x, y = make_data(256)
+            x[5 * 32 + 3] = np.nan  # a NaN in batch 5 (step 6) of epoch 1
+            return {"train": jn.DataLoader({"x": x, "y": y}, batch_size=32)}
+
+    with pytest.raises(jn.NonFiniteLossError, match=r"at step 6 \(epoch 1, batch 5\)"):
+        jn.train(nitro(NaNAt(max_epochs=1), run_dir=run_dir / "a"))
+    n = nitro(NaNAt(max_epochs=2), run_dir=run_dir / "b", on_nonfinite="skip")
+    result = jn.train(n)
+    assert n.skipped_steps == 2 and n.step == 16
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax_leaves(n.params))
+    assert np.isfinite(result.history[-1]["train_loss"])
+    finish = json.loads((run_dir / "b" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert finish["skipped_steps"] == 2
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def test_resume_is_exact_with_accumulation_schedules_and_dropout(run_dir):
+    def make(epochs, where, **kw):
+        return nitro(Tiny(dropout=0.2, max_epochs=epochs, n_val=0), run_dir=run_dir / where,
+                     accum=2, schedules={"opt.learning_rate": optim.warmup_cosine(2)}, **kw)
+
+    straight = make(4, "straight")
+    jn.train(straight)
+    first = make(4, "resumed")
+    first.max_epochs = 2  # the same schedule horizon, stopped halfway
+    jn.train(first)
+    second = make(4, "resumed", resume="auto")
+    jn.train(second)
+    assert second.step == straight.step == 16
+    assert leaves_equal(second.params, straight.params)
+    assert leaves_equal(second.opt_state, straight.opt_state)
+
+
+def test_history_marks_the_best_row(run_dir):
+    n = nitro(Tiny(max_epochs=3), run_dir=run_dir,
+              checkpointer=jn.TopKCheckpointer(metric="acc", mode="max"))
+    jn.train(n)
+    h = jn.history(n)
+    accs = h["acc"]
+    assert h.best["acc"] == max(accs) and len(h) == 3
+    df = h.to_pandas()
+    assert list(df["best"]).count(True) == 1 and df.loc[df["best"], "acc"].item() == max(accs)
+
+
+CHILD = textwrap.dedent('''
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    import jaxnitro as jn
+    from conftest import Tiny, nitro, make_data
+
+    @jn.experiment
+    class Slow(Tiny):
+        def build_data(self, dist):
+            x, y = make_data(256 * 8)
+            return {{"train": jn.DataLoader({{"x": x, "y": y}}, batch_size=32, shuffle=True,
+                                            drop_last=True)}}
+
+    n = nitro(Slow(max_epochs={epochs}, n_val=0), run_dir={run!r}, resume="auto", progress="plain")
+    print("START", n.step, flush=True)
+    jn.on_phase(lambda p, s, e, i: print("PHASE", p, flush=True), nitro=n)
+    r = jn.train(n)
+    print("END", r.stop_reason, n.step, flush=True)
+''')
+
+
+def _child(tmp_path, run, epochs):
+    script = tmp_path / f"child_{epochs}.py"
+    script.write_text(CHILD.format(tests=os.path.dirname(__file__), run=str(run), epochs=epochs))
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def _wait_training(proc, timeout=120):
+    t0 = time.time()
+    for line in proc.stdout:
+        if line.startswith("PHASE Training"):
+            return
+        if time.time() - t0 > timeout:
+            break
+    raise AssertionError("child never started training: " + proc.stderr.read()[-2000:])
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_mid_epoch_and_resume_continues_exactly(tmp_path):
+    run = tmp_path / "run"
+    proc = _child(tmp_path, run, epochs=3)
+    _wait_training(proc)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    rows = jn.read_manifest(run / "checkpoints")
+    stopped_at = rows[-1]["step"]
+    assert 0 < stopped_at < 3 * 64
+    lines = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["type"] == "finish" and lines[-1]["status"] == "preempted"
+    proc = _child(tmp_path, run, epochs=3)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert f"START {stopped_at}" in out and "END completed 192" in out
+    straight = tmp_path / "straight"
+    proc = _child(tmp_path, straight, epochs=3)
+    proc.communicate(timeout=300)
+    a, _ = jn.load_checkpoint(jn.TopKCheckpointer(dir=run / "checkpoints").latest())
+    b, _ = jn.load_checkpoint(jn.TopKCheckpointer(dir=straight / "checkpoints").latest())
+    assert leaves_equal(a["params"], b["params"])
+
+
+@pytest.mark.slow
+def test_first_ctrl_c_stops_gracefully(tmp_path):
+    run = tmp_path / "run"
+    proc = _child(tmp_path, run, epochs=3)
+    _wait_training(proc)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "END requested" in out and "Ctrl-C again to abort" in err
+    lines = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["status"] == "requested"
