@@ -187,3 +187,23 @@ def test_first_ctrl_c_stops_gracefully(tmp_path):
     assert "END requested" in out and "Ctrl-C again to abort" in err
     lines = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["status"] == "requested"
+
+
+def test_early_stopping_ends_the_run_and_survives_resume(run_dir):
+    def es():
+        return jn.EarlyStopping(metric="acc", mode="max", patience=2, min_delta=1.0)
+
+    n = nitro(Tiny(max_epochs=10), run_dir=run_dir / "a", early_stop=es())
+    result = jn.train(n)
+    assert result.stop_reason == "early_stop" and n.epoch == 3  # best at 1, then 2 bad epochs
+    finish = json.loads((run_dir / "a" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert finish["status"] == "early_stop"
+    # Stopped after 2 epochs, then resumed: the bad-epoch count carries over.
+    b = nitro(Tiny(max_epochs=2), run_dir=run_dir / "b", early_stop=es())
+    jn.train(b)
+    assert b.early_stop.bad_epochs == 1
+    c = nitro(Tiny(max_epochs=10), run_dir=run_dir / "b", early_stop=es(), resume="auto")
+    assert c.early_stop.bad_epochs == 1 and c.early_stop.best_epoch == 1
+    assert jn.train(c).stop_reason == "early_stop" and c.epoch == 3
+    with pytest.raises(jn.ConfigError, match=r"'accuracy'.*Did you mean 'acc'"):
+        nitro(Tiny(), run_dir=run_dir / "d", early_stop=jn.EarlyStopping(metric="accuracy"))

@@ -17,6 +17,7 @@ from .errors import (
     NonFiniteLossError,
     RoutingError,
 )
+from .early_stop import EarlyStopping
 from .experiment import Device, GraphConst, Host, experiment, fields
 from .history import History
 from .introspect import compile, compile_report, explain, inspect, memory_plan
@@ -40,7 +41,7 @@ from .state import TrainState, train_step
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "ConfigError", "MemoryPlanError", "compile", "compile_report", "explain",
+    "CheckpointError", "ConfigError", "EarlyStopping", "MemoryPlanError", "compile", "compile_report", "explain",
     "inspect", "memory_plan", "schedules", "DataError", "DataLoader", "Device", "Dist", "GraphConst",
     "History", "Host", "HookError", "HostFieldError", "JSONLogger", "JaxnitroError",
     "MetricsError", "Nitro", "NonFiniteLossError", "RoutingError", "TopKCheckpointer",

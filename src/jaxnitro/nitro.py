@@ -230,7 +230,9 @@ class Nitro:
         if resume in (False, None):
             return None
         if resume in (True, "auto"):
-            latest = self.checkpointer.latest()
+            # The newest checkpoint that verifies: a truncated or corrupted newest one (a kill
+            # mid-write on a filesystem without atomic rename) is reported and skipped.
+            latest = self.checkpointer.latest_valid()
             if latest is None and resume is True:
                 raise CheckpointError(
                     f"resume=True but {self.checkpointer.dir} holds no checkpoint. Use "
