@@ -53,6 +53,18 @@ def train_prepare(n, epoch: int):
     bs, accum, spc = info["batch_size"], n.accum, n.steps_per_call
     next_step = [n.host_step]
 
+    constant: dict[int, jax.Array] = {}  # nothing scheduled: one device vector serves all steps
+
+    def hyper_for(first: int, s: int):
+        if not n.schedules.fns and s in constant:
+            return constant[s]
+        hv = np.stack([n.hyper_values(t) for t in range(first, first + s)]) if s > 1 \
+            else n.hyper_values(first)
+        arr = jax.device_put(hv, n._rep)
+        if not n.schedules.fns:
+            constant[s] = arr
+        return arr
+
     def prepare(unit):
         for host in unit:
             size = data_mod.check_batch(host, "train", expect_fields=info["keys"])
@@ -79,9 +91,7 @@ def train_prepare(n, epoch: int):
                                           else arr, data_mod.batch_sharding(n.mesh, axis=len(lead)))
             first = next_step[0]
             next_step[0] += s
-            hv = np.stack([n.hyper_values(t) for t in range(first, first + s)]) if s > 1 \
-                else n.hyper_values(first)
-            payloads.append((batch, jax.device_put(hv, n._rep), s))
+            payloads.append((batch, hyper_for(first, s), s))
         return payloads, len(unit)
 
     return prepare
