@@ -24,6 +24,11 @@ demo: $(VENV)/.examples
 test: $(VENV)/.dev
 	$(PY) -m pytest -q
 
+# Side-by-side benchmarks (benchmarks/README.md); e.g. make bench BENCH_ARGS="--quick --record"
+BENCH_ARGS ?=
+bench: $(VENV)/.dev
+	$(PY) benchmarks/run.py --out runs/bench/bench.json $(BENCH_ARGS)
+
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests examples
 

@@ -113,7 +113,12 @@ def loss_of(kind: str, model, x, y, bf16: bool):
 # -- the two ways ---------------------------------------------------------------------------
 def eager(kind: str, data, *, batch: int, steps: int, gpt_config=None, bf16: bool = False,
           warmup: int = 10) -> dict:
-    """A plain PyTorch loop, batches already on the device; returns steps/s over `steps`."""
+    """A plain PyTorch loop, batches already on the device; returns steps/s over `steps`.
+
+    On a CPU it first picks PyTorch's faster thread count for this work (1 or all cores,
+    timed over a few steps) and keeps it for Lightning too: on some machines (the 2-core VM
+    of RESULTS.md) OpenMP's two-thread synchronization makes a small model 10x slower.
+    """
     dev = device()
     t0 = time.perf_counter()
     model = build(kind, gpt_config).to(dev)
@@ -130,17 +135,33 @@ def eager(kind: str, data, *, batch: int, steps: int, gpt_config=None, bf16: boo
             loss.backward()
             opt.step()
         sync()
-        return loss
+        return loss.detach()
 
     run(1)
     ttfs = time.perf_counter() - t0
+    if dev == "cpu":
+        torch.set_num_threads(_faster_threads(run))
     run(warmup)
     t0 = time.perf_counter()
     loss = run(steps)
     dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
     return {"steps_per_s": steps / dt, "seconds": dt, "ttfs_s": ttfs, "final_loss": float(loss),
-            "peak_bytes": peak, "device": dev}
+            "peak_bytes": peak, "device": dev, "threads": torch.get_num_threads()}
+
+
+def _faster_threads(run) -> int:
+    """1 or all cores, whichever runs `run(1)` faster (best of two alternating 0.25 s trials)."""
+    rates: dict[int, float] = {}
+    for threads in [1, torch.get_num_threads()] * 2:
+        torch.set_num_threads(threads)
+        run(1)
+        done, t0 = 0, time.perf_counter()
+        while done < 3 or time.perf_counter() - t0 < 0.25:
+            run(1)
+            done += 1
+        rates[threads] = max(rates.get(threads, 0.0), done / (time.perf_counter() - t0))
+    return max(rates, key=rates.get)
 
 
 def lightning_fit(kind: str, data, *, batch: int, steps: int, gpt_config=None,

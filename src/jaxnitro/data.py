@@ -48,6 +48,13 @@ class DataLoader:
                 or batch_size < 1:
             raise DataError(f"DataLoader batch_size must be a positive int, got {batch_size!r}.")
         self.data = {k: _as_array(k, v) for k, v in data.items()}
+        scalars = [k for k, v in self.data.items() if v.ndim == 0]
+        if scalars:
+            raise DataError(
+                f"DataLoader field {scalars[0]!r} is a scalar, without the leading (sample) "
+                f"dimension every field needs (batch dimension first). Give it one row per "
+                f"sample (np.full(n, value), or np.asarray(per_sample_values)), or make it an "
+                f"experiment field.")
         sizes = {k: (v.shape[0] if v.ndim else None) for k, v in self.data.items()}
         if None in sizes.values() or len(set(sizes.values())) != 1:
             raise DataError(
@@ -55,6 +62,10 @@ class DataLoader:
                 f"Batch dimension comes first."
             )
         self.num_samples = next(iter(sizes.values()))
+        if self.num_samples == 0:
+            raise DataError(
+                f"DataLoader got 0 samples (fields {sorted(self.data)} are all empty): it would "
+                f"yield no batch. Check the loading or filtering that produced the arrays.")
         self.batch_size = int(batch_size)
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
         self.epoch = 0
@@ -101,7 +112,9 @@ def _as_array(name: str, value) -> np.ndarray:
     if isinstance(value, jax.Array):
         value = np.asarray(value)
     if not isinstance(value, np.ndarray):
-        if isinstance(value, (list, tuple)):
+        # Numbers (numpy scalars included) become 0-d arrays, which the callers refuse as
+        # scalars ("batch dimension first"), not as "not an array".
+        if isinstance(value, (list, tuple, np.generic, int, float, complex)):
             value = np.asarray(value)
         else:
             raise DataError(
@@ -132,14 +145,19 @@ def check_batch(batch, split: str, *, expect_fields: frozenset | None = None) ->
     for k, v in batch.items():
         v = _as_array(k, v)
         if v.ndim == 0:
-            raise DataError(f"batch field {k!r} of split {split!r} is a scalar; batch dimension first.")
+            raise DataError(f"batch field {k!r} of split {split!r} is a scalar; batch dimension "
+                            f"first: give it one row per sample (e.g. np.full(batch_size, value)), "
+                            f"or make it an experiment field (jn.Device for a traced value).")
         sizes[k] = v.shape[0]
     if len(set(sizes.values())) > 1:
         raise DataError(
-            f"the {split!r} batch fields disagree on the batch size (leading dimension): {sizes}."
+            f"the {split!r} batch fields disagree on the batch size (leading dimension): {sizes}. "
+            f"Every field of a batch needs one row per sample (batch dimension first): slice "
+            f"all fields with the same indices, or use jn.DataLoader, which does."
         )
     if not sizes:
-        raise DataError(f"the {split!r} split yielded an empty batch (a dict with no fields).")
+        raise DataError(f"the {split!r} split yielded an empty batch (a dict with no fields). "
+                        f"Yield dicts of arrays such as {{'img': x, 'label': y}}.")
     return next(iter(sizes.values()))
 
 

@@ -16,27 +16,50 @@ import numpy as np
 from .errors import MetricsError
 
 
+def _describe(value) -> str:
+    """'an array of shape (32,) (float32)' for arrays and tracers, else the type name."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"an array of shape {tuple(shape)} ({dtype})"
+    return type(value).__name__
+
+
+def _numeric(hook: str, name: str, part: str, value):
+    try:
+        arr = jnp.asarray(value)
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None or not (jnp.issubdtype(arr.dtype, jnp.number) or arr.dtype == jnp.bool_):
+        raise MetricsError(
+            f"{hook}() returned a {part} for {name!r} that is not numeric ({value!r:.60}); the "
+            f"sum and the count are numbers or arrays, e.g. (correct.sum(), label.shape[0]).")
+    return arr
+
+
 def normalize(out, hook: str = "metrics") -> dict[str, tuple[Any, Any]]:
     """Check a metrics hook's result and return {name: (sum, count or None)} as arrays."""
     if not isinstance(out, Mapping):
         raise MetricsError(
-            f"{hook}() must return a dict name -> (sum, count), got {type(out).__name__}. "
+            f"{hook}() must return a dict name -> (sum, count), got {_describe(out)}. "
             f"Example: return {{'acc': ((logits.argmax(-1) == label).sum(), label.shape[0])}}"
         )
     result = {}
     for name, value in out.items():
         if not isinstance(name, str):
-            raise MetricsError(f"{hook}() returned a non-string metric name {name!r}.")
+            raise MetricsError(f"{hook}() returned a non-string metric name {name!r}; name "
+                               f"metrics with strings, e.g. {{'acc': (correct, count)}}.")
         if not (isinstance(value, (tuple, list)) and len(value) == 2):
+            what = (f"a {len(value)}-element {type(value).__name__}"
+                    if isinstance(value, (tuple, list)) else _describe(value))
             raise MetricsError(
-                f"{hook}() returned {name!r} as a bare {type(value).__name__}; each metric is "
+                f"{hook}() returned {name!r} as {what}; each metric is "
                 f"(sum, count), e.g. {name!r}: (correct.sum(), label.shape[0]), or (total, None) "
                 f"for a value that is summed and never divided."
             )
         total, count = value
-        total = jnp.asarray(total)
+        total = _numeric(hook, name, "sum", total)
         if count is not None:
-            count = jnp.asarray(count)
+            count = _numeric(hook, name, "count", count)
             if count.ndim != 0:
                 raise MetricsError(
                     f"{hook}() returned a count of shape {count.shape} for {name!r}; a count "

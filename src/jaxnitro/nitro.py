@@ -8,6 +8,7 @@ restore → logger. Programs compile lazily on the first batch (`programs.py`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -20,8 +21,9 @@ import numpy as np
 from . import data as data_mod
 from . import hooks, optim
 from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
+from .checkpoint import _read_meta as checkpoint_meta
 from .devices import apply_env, make_mesh, replicated
-from .errors import CheckpointError, ConfigError, DataError, HookError, did_you_mean
+from .errors import CheckpointError, ConfigArgumentError, ConfigError, DataError, HookError, did_you_mean
 from .experiment import DEVICE, field_values, fields, graph_key, is_experiment, replace
 from .logging import JSONLogger
 from .progress import Display
@@ -55,13 +57,19 @@ class Nitro:
                  schedules=None, precision: str | None = None, logger=None, checkpointer=None,
                  early_stop=None, resume: bool | str = False, checkpoint=None, data=None,
                  memory_budget: int | None = None, compile_options: dict | None = None,
-                 progress: bool | str | None = None, on_nonfinite: str = "error"):
+                 progress: bool | str | None = None, on_nonfinite: str = "error", **unknown):
         if not is_experiment(exp) or isinstance(exp, type):
             what = f"the class {exp.__name__}" if isinstance(exp, type) else type(exp).__name__
             raise ConfigError(
                 f"Nitro takes an experiment instance, got {what}. Decorate the class with "
                 f"@jn.experiment and pass an instance: jn.Nitro(MyExp())."
             )
+        if unknown:
+            name = next(iter(unknown))
+            options = sorted(p for p in inspect.signature(Nitro.__init__).parameters
+                             if p not in ("self", "exp", "unknown"))
+            raise ConfigArgumentError(f"Nitro has no option {name!r}; options: {options}."
+                                      + did_you_mean(name, options))
         cls = type(exp)
         self.routes = hooks.check_hooks(cls)
         given = {"seed": seed, "run_dir": run_dir, "n_devices": n_devices,
@@ -240,7 +248,10 @@ class Nitro:
             return latest
         path = Path(resume)
         if not path.exists():
-            raise CheckpointError(f"resume={resume!r}: no such checkpoint.")
+            raise CheckpointError(
+                f"resume={resume!r}: no such checkpoint. Pass a checkpoint directory (e.g. "
+                f"TopKCheckpointer(dir=...).latest()), or resume='auto' to continue from the "
+                f"newest one in run_dir.")
         return path
 
     def _build_data(self, exp, data) -> dict[str, Any]:
@@ -294,7 +305,8 @@ class Nitro:
         for split, src in self.splits.items():
             first = next(iter(src), None)
             if first is None:
-                raise DataError(f"split {split!r} is empty.")
+                raise DataError(f"split {split!r} is empty (it yielded no batch). Remove the "
+                                f"split, or check what build_data loads.")
             bs = data_mod.check_batch(first, split)
             train = split == "train"
             needed = ("forward", "loss", "train_metrics") if train else ("forward", "loss", "metrics")
@@ -442,13 +454,7 @@ class Nitro:
 
 
 def _read_meta(path: Path) -> tuple[dict, dict]:
-    import json
-
-    meta_file = Path(path) / "meta.json"
-    if not meta_file.exists():
-        raise CheckpointError(f"{path} is not a jaxnitro checkpoint (no meta.json).")
-    with open(meta_file) as fh:
-        full = json.load(fh)
+    full = checkpoint_meta(Path(path))  # a CheckpointError that names what is wrong
     return {}, full.get("meta", full)
 
 

@@ -159,7 +159,8 @@ def build(exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str =
     for g in names:
         count = sum(int(np.prod(np.shape(x))) for x, lab in
                     zip(jax.tree.leaves(params), jax.tree.leaves(labels), strict=True) if lab == g)
-        rule, rate, wd = rule_of(g), float(rate_of(g)), float(decay_of(g))
+        rule, rate, wd = rule_of(g), _number("learning_rate", g, rate_of(g)), \
+            _number("weight_decay", g, decay_of(g))
         anchor = anchor_of(g)
         if anchor not in ("zero", "w0"):
             raise ConfigError(f"decay_anchor({g!r}) returned {anchor!r}; use 'zero' or 'w0' "
@@ -207,6 +208,13 @@ def build(exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str =
     if clip > 0:  # 0 adds no ops
         tx = optax.chain(optax.clip_by_global_norm(clip), tx)
     return Optimizer(tx, groups, labels, hyper_paths, clip)
+
+
+def _number(hook: str, group: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"{hook}({group!r}) returned {value!r}; return a float (e.g. "
+                          f"`return 1e-3`), not {type(value).__name__}.")
+    return float(value)
 
 
 def _defaults(factory) -> dict[str, Any]:

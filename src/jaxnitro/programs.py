@@ -21,7 +21,7 @@ from . import models, optim
 from .compile import cache, explain
 from .compile.fingerprint import fingerprint
 from .devices import mesh_id
-from .errors import HookError
+from .errors import HookError, JaxnitroError
 from .experiment import GRAPH, CompileView, field_values, graph_key
 from .phases import set_phase
 from .step import make_eval_step, make_train_step, scalar_loss, slice_rows
@@ -30,8 +30,14 @@ _TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics")
 
 
 def _forward(n, device, params, model_state, batch):
-    out = n.cls.forward(CompileView(n.experiment, device, "forward"), n.model, params, model_state,
-                        **n.routes["forward"].select(batch))
+    try:
+        out = n.cls.forward(CompileView(n.experiment, device, "forward"), n.model, params,
+                            model_state, **n.routes["forward"].select(batch))
+    except Exception as e:
+        if not isinstance(e, JaxnitroError):  # the model's own error: say where it happened
+            shapes = {k: f"{tuple(v.shape)} {v.dtype}" for k, v in batch.items()}
+            e.add_note(f"jaxnitro: raised in {n.cls.__name__}.forward on a batch {shapes}")
+        raise
     if not (isinstance(out, tuple) and len(out) == 2):
         raise HookError(
             f"{n.cls.__name__}.forward must return (outputs, new_state), got "

@@ -43,7 +43,10 @@ def scalar_loss(value, hook: str = "loss") -> jax.Array:
             f"e.g. return losses.mean() (or (losses.sum(), count) for a count-weighted mean)."
         )
     if not jnp.issubdtype(value.dtype, jnp.floating):
-        raise HookError(f"{hook}() must return a floating-point scalar, got dtype {value.dtype}.")
+        raise HookError(
+            f"{hook}() must return a floating-point scalar, got dtype {value.dtype}. An integer "
+            f"loss has no gradient: compute it in floating point (e.g. "
+            f"optax.softmax_cross_entropy_with_integer_labels(...).mean()) or .astype(jnp.float32).")
     return value
 
 
