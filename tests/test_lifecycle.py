@@ -207,3 +207,15 @@ def test_early_stopping_ends_the_run_and_survives_resume(run_dir):
     assert jn.train(c).stop_reason == "early_stop" and c.epoch == 3
     with pytest.raises(jn.ConfigError, match=r"'accuracy'.*Did you mean 'acc'"):
         nitro(Tiny(), run_dir=run_dir / "d", early_stop=jn.EarlyStopping(metric="accuracy"))
+
+
+def test_resume_refuses_changed_param_groups_with_the_reason(run_dir):
+    jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir))
+
+    @jn.experiment
+    class Grouped(Tiny):
+        def param_group(self, path, leaf):
+            return "head" if path.startswith("out") else "body"
+
+    with pytest.raises(jn.CheckpointError, match="optimizer state layout.*param groups"):
+        nitro(Grouped(max_epochs=2, n_val=0), run_dir=run_dir, resume="auto")

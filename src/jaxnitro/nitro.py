@@ -429,8 +429,18 @@ class Nitro:
                     f"a new run_dir.")
         try:
             trees, meta = load_checkpoint(path, templates)
-        except CheckpointError:
-            raise
+        except CheckpointError as e:
+            what = {"params": "the model structure (layers, widths, parameter names)",
+                    "model_state": "the model state (batch statistics, RNG streams)",
+                    "opt_state": "the optimizer state layout (param groups, optimizer rules, "
+                                 "clipping or scheduled hyperparameters)"}
+            tree = next((t for t in what if f"tree '{t}' does not match" in str(e)), None)
+            if tree is None:
+                raise
+            fix = ("Resume with the same settings, or pass checkpoint=path to load the weights "
+                   "only." if tree == "opt_state" else "Resume with the same model.")
+            raise CheckpointError(f"cannot {'resume' if full else 'load weights'} from {path}: "
+                                  f"{what[tree]} differs from this run's. {fix}\n{e}") from e
         except Exception as e:  # noqa: BLE001 - add which checkpoint and why
             raise CheckpointError(f"cannot load checkpoint {path}: {e}") from e
         params = self._replicate(trees["params"])
