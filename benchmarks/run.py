@@ -14,13 +14,11 @@ clean): the same model code, the same data in the same order and the same batch 
   * with PyTorch, when it is installed: an eager loop (batches on the device) and Lightning's
     `Trainer.fit`, timed end to end (the reference every "x Lightning" ratio uses).
 
-Steady-state rates are the best of a few interleaved repeats, each after a warm-up (compiling
-excluded). The output is a markdown table (printed, and written beside the JSON) and a JSON file
+Steady-state rates (compiling excluded) are medians over interleaved repeats; a ratio to the
+hand loop is the median of back-to-back pairs, so a machine whose speed drifts cancels out. The output is a markdown table (printed, and written beside the JSON) and a JSON file
 with every figure, its ratios, the targets and the machine and versions. `--record` replaces this
 machine's table in benchmarks/RESULTS.md. See benchmarks/README.md for what each column means.
 """
-
-from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -65,9 +63,9 @@ def cases(profile: str, quick: bool) -> list[dict]:
         return [
             dict(name="gpt", kind="gpt", batch=16, samples=16 * (16 if q else 40), repeats=2,
                  gpt="gpt2_small", attention="cudnn", precision="bf16"),
-            dict(name="mlp32", kind="mlp", batch=32, samples=32 * (512 if q else 4096), repeats=2),
+            dict(name="mlp32", kind="mlp", batch=32, samples=32 * (512 if q else 4096), repeats=3),
             dict(name="mlp1024", kind="mlp", batch=1024, samples=1024 * (64 if q else 512),
-                 repeats=2),
+                 repeats=3),
             dict(name="cnn", kind="cnn", batch=256, samples=256 * (64 if q else 256), repeats=2),
         ]
     # No fused (lax.scan) variants of the CNN on a CPU: XLA:CPU runs convolutions inside a
@@ -250,7 +248,7 @@ class HandLoop:
         self.ttfs = time.perf_counter() - t0  # build, data to device (if any), compile, 1 call
         self.first_loop_s: float | None = None
         self.rates: list[float] = []
-        self.best_rate, self.mean_loss = 0.0, None
+        self.mean_loss = None
 
     def timed(self) -> None:
         values = []
@@ -262,7 +260,6 @@ class HandLoop:
         dt = time.perf_counter() - t0
         self.first_loop_s = self.first_loop_s or dt
         self.rates.append(self.steps / dt)
-        self.best_rate = max(self.rates)
         if self.mean_loss is None:  # the first epoch: comparable to jaxnitro's train_loss
             self.mean_loss = float(jnp.mean(jnp.concatenate([jnp.ravel(v) for v in values])))
 
@@ -270,7 +267,7 @@ class HandLoop:
         label = {"host": "hand jit, batches sent per step",
                  "device": "hand jit, batches on device",
                  "scan": f"hand jit, lax.scan {SCAN_K} steps per call"}[self.way]
-        return {"way": f"hand_{self.way}", "label": label, "steps_per_s": self.best_rate,
+        return {"way": f"hand_{self.way}", "label": label, "steps_per_s": median(self.rates),
                 "rates": self.rates,
                 "ttfs_s": self.ttfs, "e2e_s": self.ttfs + self.first_loop_s,
                 "programs_compiled": _cache_size(self.fn), "train_loss": self.mean_loss}
@@ -303,8 +300,10 @@ class NitroRuns:
         self.data_line = _data_line(n)  # the first run: its peak is this work's alone
         self.plan_bytes = int(jn.memory_plan(n).total)
         self.train_loss = n.history_rows[-1]["train_loss"] if n.history_rows else None
-        self.best_rate, self.best_e2e, self.warm_programs, self.wait = 0.0, None, 0, None
+        self.warm_programs = 0
         self.rates: list[float] = []
+        self.e2es: list[float] = []
+        self.waits: list[float] = []
         del n  # its programs stay in the process-wide cache: the warm runs compile nothing
         gc.collect()
 
@@ -322,20 +321,19 @@ class NitroRuns:
         e2e = time.perf_counter() - t0
         self.warm_programs = max(self.warm_programs, r.programs_compiled)
         self.rates.append(r.steps_per_second)
-        if r.steps_per_second > self.best_rate:
-            self.best_rate = r.steps_per_second
-            self.wait = _data_line(n).get("data_wait_frac")
-        self.best_e2e = e2e if self.best_e2e is None else min(self.best_e2e, e2e)
+        self.e2es.append(e2e)
+        self.waits.append(_data_line(n).get("data_wait_frac"))
         del n
         gc.collect()
 
     def row(self) -> dict:
         label = "jaxnitro" + (f", steps_per_call={self.spc}" if self.spc > 1 else "")
         return {"way": "jaxnitro" if self.spc == 1 else f"jaxnitro_spc{self.spc}", "label": label,
-                "steps_per_s": self.best_rate, "rates": self.rates, "ttfs_s": self.ttfs,
-                "e2e_s": self.best_e2e,
+                "steps_per_s": median(self.rates), "rates": self.rates, "ttfs_s": self.ttfs,
+                "e2e_s": median(self.e2es),
                 "e2e_cold_s": self.e2e_cold, "programs_compiled": self.programs_compiled,
-                "programs_compiled_warm": self.warm_programs, "data_wait_frac": self.wait,
+                "programs_compiled_warm": self.warm_programs,
+                "data_wait_frac": median(self.waits), "data_wait_fracs": self.waits,
                 "data_wait_frac_cold": self.data_line.get("data_wait_frac"),
                 "peak_bytes": self.data_line.get("peak_bytes_in_use"),
                 "plan_bytes": self.plan_bytes, "train_loss": self.train_loss}
@@ -479,8 +477,20 @@ def _git_rev() -> str | None:
 
 
 # -- ratios, targets, tables ----------------------------------------------------------------
+def median(values):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def add_ratios(result: dict) -> None:
-    """Every figure against the hand-written per-step loop and Lightning (higher = faster)."""
+    """Every figure against the hand-written per-step loop and Lightning (higher = faster).
+
+    Against the hand loop, steps/s is the median of the per-repeat ratios: each repeat times
+    every contender back to back, so a machine that drifts (a shared VM) cancels out of a pair.
+    """
     rows = {r["way"]: r for r in result["rows"]}
     refs = {"hand": rows.get("hand_host"), "lightning": rows.get("lightning")}
     for row in result["rows"]:
@@ -488,8 +498,11 @@ def add_ratios(result: dict) -> None:
         for name, ref in refs.items():
             if not ref or ref.get("skipped") or row.get("skipped"):
                 continue
+            paired = row.get("rates") and len(row["rates"]) == len(ref.get("rates") or ())
             ratios[name] = {
-                "steps_per_s": _div(row.get("steps_per_s"), ref.get("steps_per_s")),
+                "steps_per_s": median([a / b for a, b in zip(row["rates"], ref["rates"],
+                                                             strict=True)]) if paired
+                else _div(row.get("steps_per_s"), ref.get("steps_per_s")),
                 "e2e": _div(ref.get("e2e_s"), row.get("e2e_s")),  # a speed-up: ref time / ours
                 "e2e_cold": _div(ref.get("e2e_s"), row.get("e2e_cold_s")),
                 "ttfs": _div(ref.get("ttfs_s"), row.get("ttfs_s")),
@@ -518,7 +531,8 @@ def targets(results: list[dict], profile: str) -> list[dict]:
                     "comparison": ">=" if above else "<", "applies": applies,
                     "met": ok if here else None,
                     "status": ("n/a" if measured is None else ("met" if ok else "NOT met"))
-                    if here else f"{applies} target (measured here for reference)"})
+                    if here else f"{applies.upper()} target" + (
+                        "" if measured is None else ", measured here for reference")})
 
     for case in by:
         add(f"per-step overhead: jaxnitro / hand per-step loop, {case}",
@@ -534,8 +548,9 @@ def targets(results: list[dict], profile: str) -> list[dict]:
     add("prefetch: data_wait_frac at batch 1024", wait, 0.05, "all", above=False)
     add("GPT: jaxnitro / hand step, same model code", ratio("gpt", "jaxnitro", "hand"), 0.98,
         "all")
-    gpt = by.get("gpt", {}).get("jaxnitro", {})
-    add("GPT-2 small MFU (bf16, cuDNN attention) on an H200", gpt.get("mfu"), 0.40, "gpu")
+    gpt = by.get("gpt", {}).get("jaxnitro", {})  # MFU of the tiny CPU GPT would mean nothing
+    add("GPT-2 small MFU (bf16, cuDNN attention) on an H200",
+        gpt.get("mfu") if profile == "gpu" else None, 0.40, "gpu")
     return out
 
 
@@ -555,7 +570,9 @@ def _bytes(v):
 def markdown(report: dict) -> str:
     env = report["env"]
     lines = [f"### {report['machine']} · {report['date']}", "",
-             f"{env.get('device')} ({env.get('backend')}), {env.get('cpu_count')} CPU cores "
+             ("JAX on the CPU" if env.get("backend") == "cpu" else
+              f"{env.get('device_count')}× {env.get('device')} ({env.get('backend')})")
+             + f", {env.get('cpu_count')} CPU cores "
              f"({env.get('cpu')}); Python {env.get('python')}, jax {env.get('jax')}, flax "
              f"{env.get('flax')}, optax {env.get('optax')}, jaxnitro {env.get('jaxnitro')} "
              f"(git {env.get('git')}), torch {env.get('torch') or 'not installed'}, lightning "
@@ -591,7 +608,7 @@ def markdown(report: dict) -> str:
                     if row.get("plan_bytes") is not None else _bytes(row.get("peak_bytes")))
             rate = _fmt(row.get("steps_per_s"))
             if len(row.get("rates") or ()) > 1:
-                rate += f" (min {min(row['rates']):,.0f})"
+                rate += f" ({min(row['rates']):,.0f}–{max(row['rates']):,.0f})"
             cells = [row["label"], rate,
                      _fmt(r.get("hand", {}).get("steps_per_s"), ".2f", "×"),
                      _fmt(r.get("lightning", {}).get("steps_per_s"), ".1f", "×"),
@@ -664,6 +681,8 @@ def main(argv=None) -> int:
 
     if args.record_from:
         report = json.loads(Path(args.record_from).read_text())
+        report["targets"] = targets([r for r in report["results"] if "rows" in r],
+                                    report["profile"])
         record(report, markdown(report))
         print(f"recorded {report['machine']} in {HERE / 'RESULTS.md'}")
         return 0
