@@ -51,7 +51,7 @@ os.replace(out + ".part.npz", out)
 print(f"DONE {{n.step}} {{result.stop_reason}}", flush=True)
 """
 
-EPOCHS = 40          # x 8 steps; an epoch (steps, validation, checkpoint) takes ~60 ms here
+EPOCHS = 120         # x 8 steps; an epoch (steps, validation, checkpoint) takes ~50 ms here
 KILLS = 22           # SIGKILLs before the run is allowed to finish
 STEPS_PER_EPOCH = 8  # Tiny: 256 samples / 32
 

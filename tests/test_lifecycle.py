@@ -131,6 +131,9 @@ CHILD = textwrap.dedent('''
 ''')
 
 
+EPOCHS = 20  # long enough (seconds) that the signal lands mid-run on a fast machine
+
+
 def _child(tmp_path, run, epochs):
     script = tmp_path / f"child_{epochs}.py"
     script.write_text(CHILD.format(tests=os.path.dirname(__file__), run=str(run), epochs=epochs))
@@ -152,7 +155,7 @@ def _wait_training(proc, timeout=120):
 @pytest.mark.slow
 def test_sigterm_checkpoints_mid_epoch_and_resume_continues_exactly(tmp_path):
     run = tmp_path / "run"
-    proc = _child(tmp_path, run, epochs=3)
+    proc = _child(tmp_path, run, epochs=EPOCHS)
     _wait_training(proc)
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
@@ -160,15 +163,15 @@ def test_sigterm_checkpoints_mid_epoch_and_resume_continues_exactly(tmp_path):
     assert proc.returncode == 143, err[-2000:]
     rows = jn.read_manifest(run / "checkpoints")
     stopped_at = rows[-1]["step"]
-    assert 0 < stopped_at < 3 * 64
+    assert 0 < stopped_at < EPOCHS * 64 and stopped_at % 64  # mid-epoch
     lines = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["type"] == "finish" and lines[-1]["status"] == "preempted"
-    proc = _child(tmp_path, run, epochs=3)
+    proc = _child(tmp_path, run, epochs=EPOCHS)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
-    assert f"START {stopped_at}" in out and "END completed 192" in out
+    assert f"START {stopped_at}" in out and f"END completed {EPOCHS * 64}" in out
     straight = tmp_path / "straight"
-    proc = _child(tmp_path, straight, epochs=3)
+    proc = _child(tmp_path, straight, epochs=EPOCHS)
     proc.communicate(timeout=300)
     a, _ = jn.load_checkpoint(jn.TopKCheckpointer(dir=run / "checkpoints").latest())
     b, _ = jn.load_checkpoint(jn.TopKCheckpointer(dir=straight / "checkpoints").latest())
@@ -178,7 +181,7 @@ def test_sigterm_checkpoints_mid_epoch_and_resume_continues_exactly(tmp_path):
 @pytest.mark.slow
 def test_first_ctrl_c_stops_gracefully(tmp_path):
     run = tmp_path / "run"
-    proc = _child(tmp_path, run, epochs=3)
+    proc = _child(tmp_path, run, epochs=EPOCHS)
     _wait_training(proc)
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)

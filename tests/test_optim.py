@@ -306,3 +306,14 @@ def test_ready_transform_refuses_decay_and_factory_partial_works(run_dir):
     n = nitro(Momentum(max_epochs=1), run_dir=run_dir / "m")
     jn.train(n)
     assert allclose(n.params, hand_run(Momentum(), optax.sgd(1e-2, momentum=0.9)))
+
+
+def test_a_factorys_own_weight_decay_is_neutralised(run_dir):
+    @jn.experiment
+    class AdamW(Opt):
+        def optimizer(self, group):
+            return optax.adamw  # its default weight_decay=1e-4 must not apply on top
+
+    n = nitro(AdamW(max_epochs=1), run_dir=run_dir)
+    jn.train(n)
+    assert allclose(n.params, hand_run(AdamW(), optax.adam(1e-2)))

@@ -5,6 +5,7 @@ from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
 from .compile.cache import cache_reset, cache_stats
 from .data import DataLoader
 from .devices import setup_devices
+from .early_stop import EarlyStopping
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -17,7 +18,6 @@ from .errors import (
     NonFiniteLossError,
     RoutingError,
 )
-from .early_stop import EarlyStopping
 from .experiment import Device, GraphConst, Host, experiment, fields
 from .history import History
 from .introspect import compile, compile_report, explain, inspect, memory_plan

@@ -103,6 +103,24 @@ class DataLoader:
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self.iter_from(0)
 
+    def iter_stacked(self, start: int, count: int, fields) -> Iterator[tuple[dict, int]]:
+        """From batch `start`, groups of up to `count` full batches as one array per field,
+        shaped (k, batch_size, ...): one gather per group (a view when not shuffled).
+        A final short batch (drop_last=False) is left out: train splits never have one."""
+        order = self._order()
+        full = self.num_samples // self.batch_size
+        for i in range(start, full, count):
+            k = min(count, full - i)
+            lo, hi = i * self.batch_size, (i + k) * self.batch_size
+            shape = (k, self.batch_size)
+            if order is None:
+                yield {f: self.data[f][lo:hi].reshape(shape + self.data[f].shape[1:])
+                       for f in fields}, k
+            else:
+                idx = order[lo:hi]
+                yield {f: self.data[f][idx].reshape(shape + self.data[f].shape[1:])
+                       for f in fields}, k
+
     def __repr__(self) -> str:
         return (f"DataLoader({self.num_samples} samples, batch_size={self.batch_size}, "
                 f"shuffle={self.shuffle}, drop_last={self.drop_last}, fields={sorted(self.data)})")

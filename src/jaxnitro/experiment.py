@@ -216,6 +216,19 @@ def check_hashable(name: str, value) -> None:
         )
 
 
+def _type_hints(cls) -> dict[str, Any]:
+    """Resolved annotations. A class defined in a script run by another module (`python -m
+    cProfile script.py`, with `from __future__ import annotations`) has a `__module__` that
+    is not its namespace; its methods' globals are."""
+    try:
+        return typing.get_type_hints(cls, include_extras=True)
+    except NameError:
+        fns = [v for v in vars(cls).values() if inspect.isfunction(v)]
+        if not fns:
+            raise
+        return typing.get_type_hints(cls, globalns=fns[0].__globals__, include_extras=True)
+
+
 def experiment(cls=None, /):
     """Make a class an experiment: a frozen keyword-only dataclass with marked fields.
 
@@ -230,7 +243,7 @@ def experiment(cls=None, /):
         return experiment
     if not isinstance(cls, type):
         raise ConfigError("@jn.experiment decorates a class.")
-    hints = typing.get_type_hints(cls, include_extras=True)
+    hints = _type_hints(cls)
     own = cls.__dict__.get("__annotations__", {})
     docs = _field_docs(cls)
     infos: dict[str, FieldInfo] = {}

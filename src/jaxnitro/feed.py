@@ -14,6 +14,12 @@ from . import data as data_mod
 from .errors import DataError
 
 
+def _put(n, array, sharding):
+    """To the device; on a single CPU device the compiled call takes numpy directly, which
+    costs far less than an explicit transfer (the device memory *is* host memory)."""
+    return array if n.direct_feed else jax.device_put(array, sharding)
+
+
 def eval_prepare(n, split: str, pad_to: int | None):
     """Host batch -> (device batch padded to `pad_to`, real rows), for eval and predict."""
     info = n.batch_info[split]
@@ -22,78 +28,85 @@ def eval_prepare(n, split: str, pad_to: int | None):
         size = data_mod.check_batch(host, split, expect_fields=info["keys"])
         if pad_to is not None and size < pad_to:
             host = data_mod.pad_batch({k: host[k] for k in info["fields"]}, pad_to)
-        return data_mod.place(host, info["fields"], n.batch_sharding), size
+        return {f: _put(n, np.asarray(host[f]), n.batch_sharding) for f in info["fields"]}, size
 
     return prepare
 
 
-def units(source, size: int):
-    """Group host batches into dispatch units of `size` (the last may be shorter)."""
-    if size == 1:
-        for b in source:
-            yield [b]
+def train_units(n, loader, start: int, epoch: int):
+    """Dispatch units of `steps_per_call` × `accum` train batches from batch `start`, as
+    ({field: (k, batch, ...)}, k). A DataLoader gathers each unit at once; any other source
+    is checked batch by batch (fields, sizes) and stacked."""
+    info = n.batch_info["train"]
+    size = n.accum * n.steps_per_call
+    if isinstance(loader, data_mod.DataLoader):
+        yield from loader.iter_stacked(start, size, info["fields"])
         return
-    unit = []
-    for b in source:
-        unit.append(b)
-        if len(unit) == size:
-            yield unit
-            unit = []
-    if unit:
-        yield unit
+    bs = info["batch_size"]
+    group: list = []
+    for host in data_mod.skip(loader, start):
+        got = data_mod.check_batch(host, "train", expect_fields=info["keys"])
+        if got != bs:
+            raise DataError(
+                f"a train batch of epoch {epoch + 1} has {got} samples, not {bs}: a short "
+                f"train batch would need its own program. Drop it (drop_last=True) or make "
+                f"the split divide by the batch size.")
+        group.append(host)
+        if len(group) == size:
+            yield _stack(group, info["fields"]), size
+            group = []
+    if group:
+        yield _stack(group, info["fields"]), len(group)
+
+
+def _stack(group, fields) -> dict:
+    if len(group) == 1:  # a view, no copy
+        return {f: np.asarray(group[0][f])[None] for f in fields}
+    return {f: np.stack([np.asarray(h[f]) for h in group]) for f in fields}
 
 
 def train_prepare(n, epoch: int):
-    """Host unit -> [(device batch, packed hyperparameters, optimizer steps)], in order.
+    """A unit -> [(device batch, packed hyperparameters, optimizer steps)], in order.
 
-    Runs in the prefetch thread: checks, stacks (spc, accum, batch, ...) and transfers the
-    batches, and evaluates the schedules for the unit's steps.
+    Runs in the prefetch thread: reshapes the unit to (steps, micro-batches, batch, ...)
+    (leading axes of size 1 dropped), transfers it, and evaluates the schedules for its steps.
     """
-    info = n.batch_info["train"]
-    bs, accum, spc = info["batch_size"], n.accum, n.steps_per_call
+    accum, spc = n.accum, n.steps_per_call
     next_step = [n.host_step]
-
-    constant: dict[int, jax.Array] = {}  # nothing scheduled: one device vector serves all steps
+    constant: dict[int, object] = {}  # nothing scheduled: one vector serves every step
 
     def hyper_for(first: int, s: int):
         if not n.schedules.fns and s in constant:
             return constant[s]
         hv = np.stack([n.hyper_values(t) for t in range(first, first + s)]) if s > 1 \
             else n.hyper_values(first)
-        arr = jax.device_put(hv, n._rep)
+        arr = _put(n, hv, n._rep)
         if not n.schedules.fns:
             constant[s] = arr
         return arr
 
-    def prepare(unit):
-        for host in unit:
-            size = data_mod.check_batch(host, "train", expect_fields=info["keys"])
-            if size != bs:
-                raise DataError(
-                    f"a train batch of epoch {epoch + 1} has {size} samples, not {bs}: a short "
-                    f"train batch would need its own program. Drop it (drop_last=True) or make "
-                    f"the split divide by the batch size.")
-        if len(unit) % accum:
+    def prepare(item):
+        stacked, k = item
+        if k % accum:
             raise DataError(
-                f"the train split ended with {len(unit) % accum} batch(es) that do not fill an "
+                f"the train split ended with {k % accum} batch(es) that do not fill an "
                 f"accumulation group of accum={accum}. Make the number of batches per epoch a "
                 f"multiple of accum.")
-        steps = len(unit) // accum
-        groups = [(unit, spc)] if steps == spc else [
-            (unit[i * accum:(i + 1) * accum], 1) for i in range(steps)]
+        steps = k // accum
+        # A tail that does not fill a call runs step by step (the single-step program).
+        splits = [(0, spc)] if steps == spc else [(i * accum, 1) for i in range(steps)]
         payloads = []
-        for group, s in groups:
+        for offset, s in splits:
             lead = (s,) * (s > 1) + (accum,) * (accum > 1)
+            sharding = data_mod.batch_sharding(n.mesh, axis=len(lead))
             batch = {}
-            for f in info["fields"]:
-                arr = np.stack([np.asarray(h[f]) for h in group]) if lead else np.asarray(group[0][f])
-                batch[f] = jax.device_put(arr.reshape(lead + arr.shape[1 if lead else 0:]) if lead
-                                          else arr, data_mod.batch_sharding(n.mesh, axis=len(lead)))
+            for f, arr in stacked.items():
+                part = arr[offset:offset + s * accum]
+                batch[f] = _put(n, part.reshape(lead + part.shape[1:]) if lead else part[0],
+                                sharding)
             first = next_step[0]
             next_step[0] += s
             payloads.append((batch, hyper_for(first, s), s))
-        return payloads, len(unit)
+        return payloads, k
 
     return prepare
-
-

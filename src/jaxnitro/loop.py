@@ -121,9 +121,8 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
         loader.set_epoch(epoch)
     total = len(loader) if hasattr(loader, "__len__") else None
     n.display.start_epoch(epoch, n.max_epochs, total, n.batch_in_epoch)
-    stream = data_mod.Prefetcher(
-        feed.units(data_mod.skip(loader, n.batch_in_epoch), n.accum * n.steps_per_call),
-        feed.train_prepare(n, epoch))
+    stream = data_mod.Prefetcher(feed.train_units(n, loader, n.batch_in_epoch, epoch),
+                                 feed.train_prepare(n, epoch))
     pending: collections.deque = collections.deque()
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -359,7 +358,7 @@ def _predict_batch(n: Nitro, batch, *, pad_to: int | None):
     if rem:
         target += n.n_devices - rem
     host = data_mod.pad_batch({f: np.asarray(batch[f]) for f in fields}, target)
-    dev = data_mod.place(host, fields, n.batch_sharding)
+    dev = {f: feed._put(n, host[f], n.batch_sharding) for f in fields}
     n_valid = None if target == size else size
     prog = programs.predict_program(n, dev, n_valid)
     out = prog(n.carry.params, n.carry.model_state, dev, n.extras())

@@ -23,7 +23,14 @@ from . import hooks, optim
 from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
 from .checkpoint import _read_meta as checkpoint_meta
 from .devices import apply_env, make_mesh, replicated
-from .errors import CheckpointError, ConfigArgumentError, ConfigError, DataError, HookError, did_you_mean
+from .errors import (
+    CheckpointError,
+    ConfigArgumentError,
+    ConfigError,
+    DataError,
+    HookError,
+    did_you_mean,
+)
 from .experiment import DEVICE, field_values, fields, graph_key, is_experiment, replace
 from .logging import JSONLogger
 from .progress import Display
@@ -141,6 +148,8 @@ class Nitro:
         self.cls = cls
 
         self._rep = replicated(self.mesh)
+        # One CPU device: programs take numpy batches directly (no transfer to make).
+        self.direct_feed = self.n_devices == 1 and self.mesh.devices.flat[0].platform == "cpu"
         self.batch_sharding = data_mod.batch_sharding(self.mesh)
         self.device_values = {k: self._device_value(k, v)
                               for k, v in field_values(exp, DEVICE).items()}

@@ -106,9 +106,13 @@ class Optimizer:
 def _group_rule(factory, decay_mask, toward_initial, hp_names):
     """factory at unit rate, then decoupled decay, then the group's rate (AdamW's order)."""
 
+    # A factory's own decay (optax.adamw's weight_decay=1e-4) would hit every leaf, biases
+    # included, on top of ours: weight_decay(self, group) with its no_decay mask is the one.
+    own_decay = {"weight_decay": 0.0} if "weight_decay" in _defaults(factory) else {}
+
     def rule(learning_rate, weight_decay, **hps):
         return optax.chain(
-            factory(learning_rate=1.0, **hps),
+            factory(learning_rate=1.0, **own_decay, **hps),
             optax.masked(decoupled_decay(weight_decay, toward_initial=toward_initial),
                          decay_mask),
             optax.scale(learning_rate),

@@ -343,14 +343,15 @@ def planned(n, *, train: bool = True) -> dict[str, cache.Program]:
         loader = n.splits["train"]
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(n.epoch)
-        unit = next(feed.units(iter(loader), n.accum * n.steps_per_call))
+        stacked, k = next(feed.train_units(n, loader, 0, n.epoch))
         prepare = feed.train_prepare(n, n.epoch)
-        (batch, hyper, steps), *rest = prepare(unit)[0]
+        (batch, hyper, steps), *_ = prepare((stacked, k))[0]
         out["train"] = train_program(n, batch, hyper, steps)
         spe = n.steps_per_epoch
         if steps > 1 and spe and spe % steps:
-            one = prepare(unit[:n.accum])[0][0]
-            out["train (single steps)"] = train_program(n, one[0], one[1], 1)
+            one = {f: a[:n.accum] for f, a in stacked.items()}
+            single, = prepare((one, n.accum))[0]
+            out["train (single steps)"] = train_program(n, single[0], single[1], 1)
     if "val" in n.splits:
         bs = n.batch_info["val"]["batch_size"]
         dev, _ = feed.eval_prepare(n, "val", bs)(next(iter(n.splits["val"])))
