@@ -8,6 +8,7 @@ checkpoint, the stop check. It ends with a `finish` log line and a short summary
 from __future__ import annotations
 
 import collections
+import itertools
 import dataclasses
 import math
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import data as data_mod
@@ -137,7 +139,7 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
                     prog = n.programs[("train", steps)] = programs.train_program(
                         n, dev_batch, hyper, steps)
                     compile_s += time.perf_counter() - c0
-                n.carry, out = prog(n.carry, dev_batch, extras, hyper)
+                n._leaves, out = prog(n._leaves, dev_batch, extras, hyper)
                 n.batch_in_epoch += steps * n.accum
                 n.host_step += steps
                 pending.append((n.host_step, n.batch_in_epoch, steps, out))
@@ -151,7 +153,7 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
         _drain(n, pending, len(pending), epoch, losses)
     finally:
         stream.close()
-    jax.block_until_ready(n.carry.params)
+    jax.block_until_ready(n._leaves)
     seconds = time.perf_counter() - t0 - compile_s
     wait_frac = min(1.0, stream.wait_seconds / seconds) if seconds > 0 else 0.0
     n.logger.log_metrics({"data_wait_frac": wait_frac,
@@ -196,7 +198,15 @@ def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
            losses: list[float]) -> None:
     """Read back and log the oldest `count` dispatches' outputs in one transfer."""
     items = [pending.popleft() for _ in range(count)]
-    hosts = jax.device_get([out for *_, out in items])
+    if not items:
+        return
+    # One device-side stack and one transfer per run of equal shapes (a fused call and the
+    # single steps of an epoch's tail differ), instead of a read per scalar.
+    hosts: list = []
+    for _, run in itertools.groupby(items, key=lambda item: item[2]):
+        outs = [o for *_, o in run]
+        stacked = jax.device_get(jax.tree.map(lambda *xs: jnp.stack(xs), *outs))
+        hosts += [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(len(outs))]
     for (last_step, last_batch, steps, _), host in zip(items, hosts, strict=True):
         for j in range(steps):  # a fused call returns one row per optimizer step
             row = {k: float(np.asarray(v).reshape(-1)[j] if steps > 1 else v)

@@ -222,6 +222,17 @@ class Nitro:
 
     # -- handle attributes -------------------------------------------------------------
     @property
+    def carry(self) -> Carry:
+        """All training state as one pytree (rebuilt from the flat leaves the step takes)."""
+        return jax.tree.unflatten(self._carry_def, self._leaves)
+
+    @carry.setter
+    def carry(self, value: Carry) -> None:
+        # The train program takes the carry as a flat list of arrays: flattening NNX states
+        # and optax NamedTuples on every call would cost more than the step on small models.
+        self._leaves, self._carry_def = jax.tree.flatten(value)
+
+    @property
     def params(self):
         return self.carry.params
 

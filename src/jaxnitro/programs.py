@@ -272,9 +272,15 @@ def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
                    {"accum": n.accum, "steps_per_call": steps_per_call,
                     "precision": n.precision}, optimizer=cache.optimizer_key(n.tx))
     label = n.cls.__name__ + (f", {steps_per_call} steps per call" if steps_per_call > 1 else "")
+    carry_def = n._carry_def
+
+    def flat_step(leaves, batch, extras, hyper):  # the carry travels as a flat list
+        carry, out = step(jax.tree.unflatten(carry_def, leaves), batch, extras, hyper)
+        return jax.tree.leaves(carry), out
+
     return _acquire(
-        n, key, lambda: jax.jit(step, donate_argnums=(0,), out_shardings=n._rep).trace(
-            n.carry, batch, extras, hyper),
+        n, key, lambda: jax.jit(flat_step, donate_argnums=(0,), out_shardings=n._rep).trace(
+            n._leaves, batch, extras, hyper),
         kind="train", label=label, parts=parts,
         hooks=tuple(h for h in ("forward", "loss", "train_metrics") if h in n.routes))
 
