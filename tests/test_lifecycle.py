@@ -222,3 +222,42 @@ def test_resume_refuses_changed_param_groups_with_the_reason(run_dir):
 
     with pytest.raises(jn.CheckpointError, match="optimizer state layout.*param groups"):
         nitro(Grouped(max_epochs=2, n_val=0), run_dir=run_dir, resume="auto")
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_aborts(tmp_path):
+    run = tmp_path / "run"
+    proc = _child(tmp_path, run, epochs=EPOCHS)
+    _wait_training(proc)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    assert "END" not in out
+    lines = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["type"] == "finish" and lines[-1]["status"] == "error"
+
+
+def test_a_different_seed_on_resume_is_replaced_with_a_warning(run_dir):
+    jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir, seed=7))
+    with pytest.warns(UserWarning, match="resuming with seed 7"):
+        n = nitro(Tiny(max_epochs=2, n_val=0), run_dir=run_dir, seed=8, resume="auto")
+    assert n.seed == 7
+
+
+def test_unplanned_compiles_are_reported_at_the_end(run_dir, capsys):
+    jn.cache_reset()
+    x, y = make_data(320)
+    batches = [{"x": x[i:i + 32], "y": y[i:i + 32]} for i in range(0, 320, 32)]  # 10, no len()
+
+    class NoLen:
+        def __iter__(self):
+            return iter(batches)
+
+    n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir, data={"train": NoLen()},
+              steps_per_call=4, progress="plain")
+    result = jn.train(n)
+    assert n.step == 10 and result.programs_compiled == 2  # 2 fused calls, then 2 single steps
+    assert "this run compiled 2 programs; its plan expected 1" in capsys.readouterr().out

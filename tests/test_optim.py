@@ -317,3 +317,15 @@ def test_a_factorys_own_weight_decay_is_neutralised(run_dir):
     n = nitro(AdamW(max_epochs=1), run_dir=run_dir)
     jn.train(n)
     assert allclose(n.params, hand_run(AdamW(), optax.adam(1e-2)))
+
+
+def test_rule_hyperparameter_schedule_and_ambiguous_keys(run_dir):
+    sched = {"opt.b1": optim.linear(0.9, 0.5)}
+    n = nitro(Opt(max_epochs=1, rule="adam"), run_dir=run_dir, schedules=sched)
+    assert "opt.default.b1" in n.optimizer.hyper_paths
+    jn.train(n)
+    b1 = float(optim.read_hyper(n.optimizer, n.opt_state)["opt.default.b1"])
+    assert b1 == pytest.approx(0.9 + (0.5 - 0.9) * 7 / 7, rel=1e-6)
+    with pytest.raises(jn.ConfigError, match="another key sets too"):
+        nitro(Opt(), run_dir=run_dir / "b", schedules={"opt.learning_rate": 1.0,
+                                                       "opt.default.learning_rate": 0.5})
