@@ -74,6 +74,7 @@ def train_prepare(n, epoch: int):
     accum, spc = n.accum, n.steps_per_call
     next_step = [n.host_step]
     constant: dict[int, object] = {}  # nothing scheduled: one vector serves every step
+    shardings: dict[int, object] = {}
 
     def hyper_for(first: int, s: int):
         if not n.schedules.fns and s in constant:
@@ -98,7 +99,9 @@ def train_prepare(n, epoch: int):
         payloads = []
         for offset, s in splits:
             lead = (s,) * (s > 1) + (accum,) * (accum > 1)
-            sharding = data_mod.batch_sharding(n.mesh, axis=len(lead))
+            sharding = shardings.get(len(lead))
+            if sharding is None:
+                sharding = shardings[len(lead)] = data_mod.batch_sharding(n.mesh, axis=len(lead))
             batch = {}
             for f, arr in stacked.items():
                 part = arr[offset:offset + s * accum]

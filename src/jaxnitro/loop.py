@@ -123,8 +123,9 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
         loader.set_epoch(epoch)
     total = len(loader) if hasattr(loader, "__len__") else None
     n.display.start_epoch(epoch, n.max_epochs, total, n.batch_in_epoch)
-    stream = data_mod.Prefetcher(feed.train_units(n, loader, n.batch_in_epoch, epoch),
-                                 feed.train_prepare(n, epoch))
+    feed_cls = data_mod.InlineFeed if n.direct_feed else data_mod.Prefetcher
+    stream = feed_cls(feed.train_units(n, loader, n.batch_in_epoch, epoch),
+                      feed.train_prepare(n, epoch))
     pending: collections.deque = collections.deque()
     losses: list[float] = []
     t0 = time.perf_counter()
