@@ -8,11 +8,10 @@ checkpoint, the stop check. It ends with a `finish` log line and a short summary
 from __future__ import annotations
 
 import collections
-import itertools
 import dataclasses
+import itertools
 import math
 import time
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -426,7 +425,3 @@ def request_stop(n: Nitro) -> None:
 def history(n: Nitro) -> History:
     """Rows (epoch, step, train_loss, val metrics), best row by the checkpointer's metric."""
     return History(list(n.history_rows), metric=n.checkpointer.metric, mode=n.checkpointer.mode)
-
-
-def _warn_once(msg: str) -> None:
-    warnings.warn(msg, stacklevel=3)
