@@ -217,3 +217,15 @@ def test_persistent_compilation_cache_is_reused_by_a_second_process(tmp_path):
     assert first == 0 and second >= 1
     assert any(cache.iterdir())
 
+
+
+def test_compile_options_reach_xla_and_the_key(run_dir):
+    jn.cache_reset()
+    jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "a"))
+    n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "b",
+              compile_options={"xla_embed_ir_in_executable": True})
+    jn.train(n)
+    assert jn.cache_stats()["misses"] == 2  # a new program for the new options
+    assert any("compile option" in r for w in jn.explain(n) for r in w["reasons"])
+    with pytest.raises(jn.ConfigError, match="compile_options maps XLA option names"):
+        nitro(Tiny(), run_dir=run_dir / "c", compile_options={"x": [1]})

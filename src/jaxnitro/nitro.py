@@ -99,6 +99,11 @@ class Nitro:
         self._schedule_table = dict(schedules if schedules is not None else
                                     (exp.schedules() if hasattr(cls, "schedules") else {}) or {})
         self.memory_budget, self.compile_options = memory_budget, dict(compile_options or {})
+        for k, v in self.compile_options.items():  # XLA flags: name -> bool/int/float/str
+            if not isinstance(k, str) or not isinstance(v, (bool, int, float, str)):
+                raise ConfigError(f"compile_options maps XLA option names to bool, int, float "
+                                  f"or str, got {k!r}: {v!r}; e.g. "
+                                  f"{{'xla_cpu_enable_fast_math': False}}.")
         if on_nonfinite not in ("error", "skip"):
             raise ConfigError(f"on_nonfinite={on_nonfinite!r}; use 'error' (stop with the step "
                               f"and epoch) or 'skip' (skip the update and count it)."

@@ -231,7 +231,8 @@ def _acquire(n, key, lower, *, kind: str, label: str, parts, hooks) -> cache.Pro
     """get_or_compile, plus this run's bookkeeping: reports, logs, recompile warnings."""
     before = cache.cache_stats()["misses"]
     prog = cache.get_or_compile(key, lower, kind=kind, label=label, devices=mesh_id(n.mesh),
-                                parts=parts, hooks=hooks, on_compile=_on_compile(n))
+                                parts=parts, hooks=hooks, compile_options=n.compile_options,
+                                on_compile=_on_compile(n))
     used = n.__dict__.setdefault("used_programs", {})
     compiled_here = cache.cache_stats()["misses"] > before
     # A planned variant (the ragged last eval batch, a tail of single steps) is its own slot.

@@ -111,6 +111,7 @@ def optimizer_key(tx) -> Hashable:
 
 def get_or_compile(key: Hashable, lower: Callable[[], Any], *, kind: str, label: str = "",
                    devices: tuple = (), parts=None, hooks: tuple[str, ...] = (),
+                   compile_options: dict | None = None,
                    on_compile: Callable[[str, str], Any] | None = None) -> Program:
     """Return the cached program for `key`, compiling it (once per process) on a miss.
 
@@ -135,7 +136,8 @@ def get_or_compile(key: Hashable, lower: Callable[[], Any], *, kind: str, label:
         lowered = staged
     t2 = time.perf_counter()
     # Same text, devices and pytree signature => the same executable is correct to share.
-    ident = (lowered.as_text(), repr(devices), repr(lowered.in_tree), repr(lowered.out_tree))
+    ident = (lowered.as_text(), repr(devices), repr(lowered.in_tree), repr(lowered.out_tree),
+             repr(sorted((compile_options or {}).items())))
     text_key = hashlib.sha256("\x00".join(ident).encode()).hexdigest()
     with _lock:
         twin = _by_text.get(text_key)
@@ -145,7 +147,8 @@ def get_or_compile(key: Hashable, lower: Callable[[], Any], *, kind: str, label:
             return twin
     ctx = on_compile(kind, label) if on_compile is not None else contextlib.nullcontext()
     with ctx:
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=compile_options) if compile_options \
+            else lowered.compile()
     t3 = time.perf_counter()
     lower_seconds = t2 - (t1 if trace_seconds is not None else t0)
     rec = report.record(kind, label, lowered, compiled, lower_seconds=lower_seconds,
