@@ -327,3 +327,34 @@ def test_derive_train_metrics_and_finalize(run_dir):
     recall = np.diag(truth) / np.maximum(truth.sum(1), 1)
     assert values["macro_recall"] == pytest.approx(recall.mean())
     assert values["split_seen"] == "val"
+
+
+def test_a_custom_logger_receives_the_protocol_calls(run_dir):
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def open(self, run_dir, *, resume):
+            self.calls.append(("open", resume))
+
+        def log_params(self, params):
+            self.calls.append(("params", params["experiment"]))
+
+        def log_metrics(self, metrics, *, context, epoch, step):
+            self.calls.append((context, epoch, step))
+
+        def log_other(self, values):
+            self.calls.append(("other", sorted(values)))
+
+        def finish(self, status, **info):
+            self.calls.append(("finish", status))
+
+        def close(self):
+            self.calls.append(("close",))
+
+    rec = Recorder()
+    jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir, logger=rec))
+    kinds = [c[0] for c in rec.calls]
+    assert kinds[:2] == ["open", "params"] and rec.calls[1] == ("params", "Tiny")
+    assert kinds.count("train") == 8 and ("validate", 1, 8) in rec.calls
+    assert rec.calls[-1] == ("finish", "completed")
