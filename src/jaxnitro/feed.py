@@ -81,6 +81,7 @@ def train_prepare(n, epoch: int):
             return constant[s]
         hv = np.stack([n.hyper_values(t) for t in range(first, first + s)]) if s > 1 \
             else n.hyper_values(first)
+        # Scheduled or constant, the same kind of input: the program must not depend on it.
         arr = _put(n, hv, n._rep)
         if not n.schedules.fns:
             constant[s] = arr
@@ -104,9 +105,11 @@ def train_prepare(n, epoch: int):
                 sharding = shardings[len(lead)] = data_mod.batch_sharding(n.mesh, axis=len(lead))
             batch = {}
             for f, arr in stacked.items():
+                if not lead:  # one step, one micro-batch: the batch itself
+                    batch[f] = _put(n, arr[offset], sharding)
+                    continue
                 part = arr[offset:offset + s * accum]
-                batch[f] = _put(n, part.reshape(lead + part.shape[1:]) if lead else part[0],
-                                sharding)
+                batch[f] = _put(n, part.reshape(lead + part.shape[1:]), sharding)
             first = next_step[0]
             next_step[0] += s
             payloads.append((batch, hyper_for(first, s), s))

@@ -198,10 +198,19 @@ def build(exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str =
                if f"opt.{hp}" in scheduled or f"opt.{g}.{hp}" in scheduled}
         defaults = _defaults(rule)
         injected = {hp: jnp.float32(defaults[hp]) for hp in hps}
-        transforms[g] = optax.inject_hyperparams(
-            _group_rule(rule, decay_mask, anchor == "w0", tuple(hps)))(
-            learning_rate=jnp.float32(rate), weight_decay=jnp.float32(wd), **injected)
-        for hp in ("learning_rate", "weight_decay", *hps):
+        decays = wd != 0 or "opt.weight_decay" in scheduled or f"opt.{g}.weight_decay" in scheduled
+        if decays:
+            transforms[g] = optax.inject_hyperparams(
+                _group_rule(rule, decay_mask, anchor == "w0", tuple(hps)))(
+                learning_rate=jnp.float32(rate), weight_decay=jnp.float32(wd), **injected)
+        else:
+            # No decay: the factory itself with its rate injected, as lean as a hand-written
+            # optimizer (no unit-rate pass, decay pass or extra scaling over the params).
+            own = {"weight_decay": 0.0} if "weight_decay" in defaults else {}
+            factory = functools.partial(rule, **own) if own else rule
+            transforms[g] = optax.inject_hyperparams(factory)(
+                learning_rate=jnp.float32(rate), **injected)
+        for hp in ("learning_rate", *(("weight_decay",) if decays else ()), *hps):
             hyper_paths[f"opt.{g}.{hp}"] = (g, hp)
 
     if all(spec.rate == 0.0 for spec in groups.values()):
