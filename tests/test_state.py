@@ -88,3 +88,12 @@ def test_train_step_rejects_a_non_scalar_loss():
     with pytest.raises(jn.HookError, match=r"scalar.*\(4,\)"):
         jn.train_step(per_sample, ts, {"x": np.ones((4, 2), np.float32),
                                        "y": np.ones((4, 2), np.float32)})
+
+
+def test_optimizer_key_is_kept_per_transformation_and_tells_rates_apart():
+    from jaxnitro.compile import cache
+
+    a, b = optax.adam(1e-3), optax.adam(1e-2)
+    assert cache.optimizer_key(a) is cache.optimizer_key(a)  # computed once per object
+    assert cache.optimizer_key(a) == cache.optimizer_key(optax.adam(1e-3))
+    assert cache.optimizer_key(a) != cache.optimizer_key(b)

@@ -197,11 +197,6 @@ def batch_sharding(mesh, *, axis: int = 0) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*([None] * axis), "data"))
 
 
-def place(batch: Mapping[str, Any], fields: Iterable[str], sharding) -> dict[str, jax.Array]:
-    """Send the named fields to the device; fields no hook uses never leave the host."""
-    return {k: jax.device_put(np.asarray(batch[k]), sharding) for k in fields}
-
-
 class InlineFeed:
     """The same interface as `Prefetcher`, preparing each batch when it is asked for.
 

@@ -295,7 +295,6 @@ def _evaluate(n: Nitro, split: str) -> dict[str, Any]:
             totals = prog(n.carry.params, n.carry.model_state, dev_batch, extras, totals)
     finally:
         stream.close()
-    n.programs[f"eval:{split}"] = progs
     values, raw = metrics_mod.finalize(jax.device_get(totals))
     fin = getattr(n.cls, "finalize_metrics", None)
     if fin is not None:

@@ -134,7 +134,7 @@ class Nitro:
         self.checkpointer.bind(self.run_dir)
         self.resume_path = self._resume_record(resume)
         if self.resume_path is not None:
-            _, meta = _read_meta(self.resume_path)
+            meta = _read_meta(self.resume_path)
             if meta.get("seed") is not None and meta["seed"] != self.seed:
                 warnings.warn(
                     f"resuming with seed {meta['seed']} from the checkpoint instead of "
@@ -442,7 +442,7 @@ class Nitro:
         if full:
             templates["opt_state"] = self.carry.opt_state
             # The config check reads meta.json only: report changed fields, not array shapes.
-            _, meta = _read_meta(path)
+            meta = _read_meta(path)
             want = _jsonable(dict(graph_key(self.experiment)))
             have = meta.get("config")
             if have is not None and have != want:
@@ -488,9 +488,10 @@ class Nitro:
         return {"device": dict(self.device_values), "rng": self.rng}
 
 
-def _read_meta(path: Path) -> tuple[dict, dict]:
-    full = checkpoint_meta(Path(path))  # a CheckpointError that names what is wrong
-    return {}, full.get("meta", full)
+def _read_meta(path: Path) -> dict:
+    """The user meta of a checkpoint, read without its arrays (errors name what is wrong)."""
+    full = checkpoint_meta(Path(path))
+    return full.get("meta", full)
 
 
 def _int_setting(name: str, value, *, minimum: int) -> int:

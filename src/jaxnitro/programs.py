@@ -333,10 +333,6 @@ def predict_program(n, batch, n_valid: int | None) -> cache.Program:
                     label=n.cls.__name__, parts=parts, hooks=("forward",))
 
 
-def zero_totals(shapes) -> Any:
-    return metrics_mod.zeros_like_totals(shapes)
-
-
 def planned(n, *, train: bool = True) -> dict[str, cache.Program]:
     """Compile (or fetch) every program the run will use, from the first batches' shapes.
 
@@ -362,7 +358,7 @@ def planned(n, *, train: bool = True) -> dict[str, cache.Program]:
     if "val" in n.splits:
         bs = n.batch_info["val"]["batch_size"]
         dev, _ = feed.eval_prepare(n, "val", bs)(next(iter(n.splits["val"])))
-        totals = jax.device_put(zero_totals(eval_metric_shapes(n, "val")), n._rep)
+        totals = jax.device_put(metrics_mod.zeros_like_totals(eval_metric_shapes(n, "val")), n._rep)
         out["eval"] = eval_program(n, "val", dev, totals, None)
         loader = n.splits["val"]
         if getattr(loader, "ragged", False):
