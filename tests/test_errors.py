@@ -979,3 +979,102 @@ def test_checkpoint_of_another_model(trained, tmp_path):
     check(e, r"tree 'params' does not match its template",
           r"template \(8, 8\) float32, checkpoint \(8, 16\) float32",
           r"Build the template from the same model/optimizer configuration")
+
+
+# --------------------------------------------------------------- surface checks (hardening)
+@pytest.mark.parametrize("kind", ["list", "dict", "ndarray"])
+def test_mutable_experiment_default(kind):
+    default = {"list": [1, 2], "dict": {"a": 1}, "ndarray": np.zeros(3)}[kind]
+    with pytest.raises(jn.ConfigError) as e:
+        jn.experiment(type("Mutable", (), {"__annotations__": {"sizes": object},
+                                           "sizes": default}))
+    check(e, r"Mutable.sizes has a mutable default", r"default_factory")
+
+
+def test_empty_run_dir(run_dir):
+    with pytest.raises(jn.ConfigError) as e:
+        nitro(run_dir="")
+    check(e, r"run_dir is empty", r"run_dir='runs/Tiny'")
+
+
+def test_run_dir_not_a_path():
+    with pytest.raises(jn.ConfigError) as e:
+        nitro(run_dir=123)
+    check(e, r"run_dir must be a path \(str or pathlib.Path\), got int 123")
+
+
+def test_several_loggers(run_dir):
+    with pytest.raises(jn.ConfigError) as e:
+        nitro(run_dir=run_dir, logger=[jn.JSONLogger(), jn.JSONLogger()])
+    check(e, r"logger= takes one logger; got a list of 2", r"pick one")
+
+
+def test_logger_without_the_protocol(run_dir):
+    with pytest.raises(jn.ConfigError) as e:
+        nitro(run_dir=run_dir, logger=object())
+    check(e, r"lacks the jn.Logger method\(s\)", r"log_metrics")
+
+
+@pytest.mark.parametrize("text,expected", [("1GB", 10**9), ("512MiB", 512 * 2**20),
+                                           ("1.5 GiB", int(1.5 * 2**30)), (4096, 4096)])
+def test_memory_budget_sizes_are_parsed(run_dir, text, expected):
+    assert nitro(run_dir=run_dir, memory_budget=text).memory_budget == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "1 parsec", -5, 0])
+def test_memory_budget_refused(run_dir, bad):
+    with pytest.raises(jn.ConfigError) as e:
+        nitro(run_dir=run_dir, memory_budget=bad)
+    check(e, r"memory_budget", r"'1GB'")
+
+
+def test_progress_value(run_dir):
+    with pytest.raises(jn.ConfigError) as e:
+        jn.Nitro(Tiny(), run_dir=run_dir, progress="fancy")
+    check(e, r"progress='fancy'", r"'rich', 'plain' or False/'off'")
+
+
+def test_resume_value(run_dir):
+    with pytest.raises(jn.ConfigError) as e:
+        nitro(run_dir=run_dir, resume=3)
+    check(e, r"resume=3", r"'auto'")
+
+
+def test_preset_override_typo_names_the_override():
+    @jn.experiment
+    class WithPresets2(Tiny):
+        @classmethod
+        def presets(cls):
+            return {"small": {"width": 8}}
+
+    with pytest.raises(jn.ConfigError) as e:
+        WithPresets2.from_preset("small", widht=4)
+    check(e, r"from_preset\('small', \.\.\.\) got an override for unknown field 'widht'",
+          r"Did you mean 'width'")
+
+
+def test_run_dir_in_use_by_another_handle(run_dir):
+    from jaxnitro.runlock import RunLockedError
+
+    other = jn.Nitro(Tiny(max_epochs=1), run_dir=run_dir, progress=False)
+    other.lock.acquire("train", what="x")
+    try:
+        with pytest.raises(RunLockedError) as e:
+            jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir))
+        check(e, r"is in use by another handle in this process", r"another run_dir",
+              r"wait for it to finish")
+    finally:
+        other.lock.release()
+
+
+def test_damaged_checkpoint_meta_field(run_dir):
+    jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir))
+    latest = jn.TopKCheckpointer(dir=run_dir / "checkpoints").latest()
+    meta_path = latest / "meta.json"
+    info = json.loads(meta_path.read_text())
+    info["meta"]["batch_in_epoch"] = "x"
+    info.pop("record_sha256", None)
+    meta_path.write_text(json.dumps(info))
+    with pytest.raises(jn.CheckpointError) as e:
+        nitro(Tiny(max_epochs=2), run_dir=run_dir, resume=str(latest))
+    check(e, r"batch_in_epoch")

@@ -108,6 +108,49 @@ def test_module_constant_read_changes_digest_unrelated_does_not():
     assert describe_reach(ns["hook"])["global:SCALE"] == fingerprint_value(3.0)
 
 
+def test_attribute_reads_are_not_global_dependencies():
+    # A hook reading `self.tol` must not depend on a module-level `tol` (a notebook loop
+    # `for tol in (0.5, 1.0): ...` would make every call recompile); one reading `tol` must.
+    ns = load("""
+    tol = 0.5
+
+    def reads_attribute(self_like, x):
+        return x * self_like.tol + self_like.update(x) + (lambda o: o.tol)(self_like)
+
+    def reads_global(x):
+        return x * tol
+    """)
+    ns["update"] = len  # a global named like a method the code calls on an argument
+    fp_attr, fp_global = fingerprint(ns["reads_attribute"]), fingerprint(ns["reads_global"])
+    for tol in (1.0, 2.0):
+        ns["tol"] = tol
+        ns["update"] = abs
+        assert fingerprint(ns["reads_attribute"]) == fp_attr
+        assert fingerprint(ns["reads_global"]) != fp_global
+    assert not {"global:tol", "global:update"} & describe_reach(ns["reads_attribute"]).keys()
+    assert "global:tol" in describe_reach(ns["reads_global"])
+
+
+def test_renamed_attribute_still_changes_the_code_digest():
+    src = "def f(obj):\n    return obj.{name} * 2\n"
+    assert fingerprint(load(src.format(name="tol"))["f"]) != fingerprint(
+        load(src.format(name="eps"))["f"])
+
+
+def test_stored_global_is_not_a_dependency():
+    ns = load("LAST = None\n\ndef f(x):\n    global LAST\n    LAST = x\n    return x * 2\n")
+    fp = fingerprint(ns["f"])
+    ns["LAST"] = 3.0  # what the function stores there never changes what it computes
+    assert fingerprint(ns["f"]) == fp
+
+
+def test_enum_member_value_counts():
+    src = ("import enum\nclass Mode(enum.Enum):\n    A = {v}\n"
+           "def f(x):\n    return x * Mode.A.value\n")
+    assert fingerprint(load(src.format(v=1))["f"]) == fingerprint(load(src.format(v=1))["f"])
+    assert fingerprint(load(src.format(v=1))["f"]) != fingerprint(load(src.format(v=2))["f"])
+
+
 def test_global_array_constant():
     ns = load("import numpy as np\nW = np.arange(4.0)\ndef f(x):\n    return x @ W\n")
     fp = fingerprint(ns["f"])

@@ -357,4 +357,4 @@ def test_a_custom_logger_receives_the_protocol_calls(run_dir):
     kinds = [c[0] for c in rec.calls]
     assert kinds[:2] == ["open", "params"] and rec.calls[1] == ("params", "Tiny")
     assert kinds.count("train") == 8 and ("validate", 1, 8) in rec.calls
-    assert rec.calls[-1] == ("finish", "completed")
+    assert rec.calls[-2:] == [("finish", "completed"), ("close",)]  # closed when train ends

@@ -17,6 +17,7 @@ from .errors import (
     MetricsError,
     NonFiniteLossError,
     RoutingError,
+    RunLockedError,
 )
 from .experiment import Device, GraphConst, Host, experiment, fields
 from .history import History
@@ -44,7 +45,7 @@ __all__ = [
     "CheckpointError", "ConfigError", "EarlyStopping", "MemoryPlanError", "compile", "compile_report", "explain",
     "inspect", "memory_plan", "schedules", "DataError", "DataLoader", "Device", "Dist", "GraphConst",
     "History", "Host", "HookError", "HostFieldError", "JSONLogger", "JaxnitroError",
-    "MetricsError", "Nitro", "NonFiniteLossError", "RoutingError", "TopKCheckpointer",
+    "MetricsError", "Nitro", "NonFiniteLossError", "RoutingError", "RunLockedError", "TopKCheckpointer",
     "TrainResult", "TrainState", "apply", "cache_reset", "cache_stats", "datasets",
     "device_value", "evaluate", "experiment", "fields", "history", "load_checkpoint",
     "on_phase", "predict", "read_jsonl", "read_manifest", "request_stop", "set_device",

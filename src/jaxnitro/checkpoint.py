@@ -6,18 +6,21 @@ Layout of a checkpoint directory (``TopKCheckpointer.dir``, by default ``<run_di
     epoch-0003-step-000420-acc=0.9512/
       arrays/                            # Orbax store of {"t<i>": {"l<j>": ndarray}}
       meta.json                          # written last (completeness marker): epoch, step,
-                                         # metrics, user meta, leaf paths/shapes/dtypes, sha256
+                                         # metrics, user meta, leaf paths/shapes/dtypes, sha256s
 
 Trees are stored *flattened*, one array per leaf named by position, with their key paths in
 ``meta.json``. So any pytree can be saved (flax ``nnx.State``, optax NamedTuples, equinox
 modules) without Orbax knowing the custom nodes, and ``load_checkpoint`` rebuilds each tree
 with the caller's template treedef. No pickle anywhere: arrays go through Orbax, the rest JSON.
-Scope: single-process saving; leaves are copied to host memory (numpy) first.
+Nothing read from disk is trusted: meta.json is validated and hashed, manifest rows must name
+plain entries of the directory, and arrays are read only in the shapes meta.json records.
+Scope: single-process saving on POSIX; leaves are copied to host memory (numpy) first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -25,6 +28,9 @@ import math
 import os
 import re
 import shutil
+import sys
+import tempfile
+import traceback
 import warnings
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,13 +42,16 @@ import numpy as np
 
 from jaxnitro.errors import CheckpointError, CheckpointWarning, ConfigError, did_you_mean
 
-__all__ = ["TopKCheckpointer", "load_checkpoint", "read_manifest", "verify_checkpoint"]
+__all__ = ["TopKCheckpointer", "load_checkpoint", "read_manifest", "validate_int", "verify_checkpoint"]
 
 FORMAT_VERSION = 1
-MANIFEST, META, ARRAYS = "manifest.json", "meta.json", "arrays"
+MANIFEST, META, ARRAYS, LOCK = "manifest.json", "meta.json", "arrays", ".jaxnitro.lock"
 _TMP = ".tmp-"  # in-progress or abandoned entries are named "<name>.tmp-<pid>"
 _CORRUPT = ".corrupt-"  # checkpoints that failed verification are moved aside as "<name>.corrupt-<n>"
+_TMP_RE, _CORRUPT_RE = re.compile(r"\.tmp-(\d+)$"), re.compile(r"\.corrupt-\d+$")
+_GLOB = frozenset("[]*?\\{}")  # Orbax/TensorStore treat these as patterns in the paths they get
 _MODES = ("min", "max")
+_WRITING: set[str] = set()  # temp entries this process is writing now (never cleaned by bind)
 
 
 class _QuietOrbax(logging.Filter):
@@ -54,11 +63,6 @@ class _QuietOrbax(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno >= logging.ERROR or "orbax" not in record.pathname
-
-
-_absl_logger = logging.getLogger("absl")
-if not any(isinstance(f, _QuietOrbax) for f in _absl_logger.filters):  # idempotent on reload
-    _absl_logger.addFilter(_QuietOrbax())
 
 
 class _QuietFailedRestore(logging.Filter):
@@ -73,9 +77,35 @@ class _QuietFailedRestore(logging.Filter):
         return "tensorstore_spec" not in detail
 
 
-_asyncio_logger = logging.getLogger("asyncio")
-if not any(isinstance(f, _QuietFailedRestore) for f in _asyncio_logger.filters):
-    _asyncio_logger.addFilter(_QuietFailedRestore())
+for _name, _filter in (("absl", _QuietOrbax), ("asyncio", _QuietFailedRestore)):
+    if not any(isinstance(f, _filter) for f in logging.getLogger(_name).filters):  # reload-safe
+        logging.getLogger(_name).addFilter(_filter())
+
+
+class _DropClosedLoopNoise:
+    """``sys.unraisablehook`` wrapper for one known-harmless report, passing all others on.
+
+    When a restore fails, Orbax closes its event loop while TensorStore reads it started are
+    still in flight; each, on finishing, wakes the closed loop (``call_soon_threadsafe``) and
+    TensorStore reports the RuntimeError as unraisable: a traceback per array, sometimes after
+    the restore returned. The failure itself is reported once, as a CheckpointError.
+    """
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+
+    def __call__(self, unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and any(
+                f.f_code.co_name == "call_soon_threadsafe"
+                for f, _ in traceback.walk_tb(unraisable.exc_traceback)):
+            return
+        self.previous(unraisable)
+
+
+def _quiet_closed_loop() -> None:
+    if not isinstance(sys.unraisablehook, _DropClosedLoopNoise):
+        sys.unraisablehook = _DropClosedLoopNoise(sys.unraisablehook)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -88,6 +118,26 @@ def _finite_or_none(name: str, value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _nonfinite_to_none(obj: Any) -> Any:
+    """User meta with NaN/inf floats (a history row of a diverged step) stored as JSON null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _nonfinite_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_nonfinite_to_none(v) for v in obj]
+    return obj
+
+
+def _short(exc: BaseException | str, limit: int = 200, *, within: Path | None = None) -> str:
+    """First line of an error, without TensorStore's multi-KB spec JSON, at most `limit` chars
+    (paths `within` the checkpoint are shortened to "./...": the message names it already)."""
+    text = re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", str(exc), flags=re.S).strip()
+    text = text.replace(f"{within}/", "./") if within is not None else text
+    text = text.splitlines()[0] if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _fsync_dir(path: Path) -> None:
     """Make renames inside `path` durable (POSIX); skipped where dirs cannot be opened."""
     with contextlib.suppress(OSError):
@@ -98,15 +148,102 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+@contextlib.contextmanager
+def _writing(tmp: Path):
+    """Mark `tmp` as being written by this process, so bind() here never removes it."""
+    _WRITING.add(str(tmp))
+    try:
+        yield tmp
+    finally:
+        _WRITING.discard(str(tmp))
+
+
 def _write_json(path: Path, obj: Any) -> None:
     """Temp file + fsync + os.replace: readers see the old file or the new one, never half."""
-    tmp = path.with_name(f"{path.name}{_TMP}{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with _writing(path.with_name(f"{path.name}{_TMP}{os.getpid()}")) as tmp:
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(obj, f, indent=1, allow_nan=False)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     _fsync_dir(path.parent)
+
+
+class _Unverified(Exception):
+    """A fresh write did not read back as written (the message says how)."""
+
+
+def _write_failed(path: Path, exc: BaseException) -> CheckpointError:
+    why = _short(exc) if isinstance(exc, _Unverified) else f"{type(exc).__name__}: {_short(exc)}"
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**30:.2f} GiB free"
+    except OSError:
+        free = "free space unknown"
+    return CheckpointError(
+        f"cannot write checkpoint {path} ({why}); {free} on "
+        f"{path.parent}. Nothing half-written was kept. Free disk space (or raise the quota), "
+        "or pass TopKCheckpointer(dir=) on a larger disk.")
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name != "posix" or pid <= 0:
+        return True  # unknown: keep (os.kill(pid, 0) would terminate a process on Windows)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # PermissionError: alive, owned by another user
+        return True
+    return True
+
+
+def _is_stale_temp(entry: Path) -> bool:
+    """A `<name>.tmp-<pid>` entry whose writer is gone (dead process, or an earlier one of ours)."""
+    m = _TMP_RE.search(entry.name)
+    if not m:
+        return False
+    pid = int(m.group(1))
+    if pid == os.getpid():  # a previous process with our pid (a restarted container)
+        return str(entry) not in _WRITING
+    return not _pid_alive(pid)
+
+
+def _plain_name(name: Any) -> bool:
+    """One ordinary path component: no separators, not '.'/'..', not absolute, no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
+            and not any(sep in name for sep in {"/", "\\", os.sep, os.altsep or "/"}))
+
+
+def _is_symlink(path: Path) -> bool:
+    try:
+        return path.is_symlink()
+    except OSError:  # a name too long for the filesystem, say: not a usable entry either
+        return True
+
+
+@contextlib.contextmanager
+def _orbax_path(directory: Path):
+    """`directory`, or a glob-free symlink to it: Orbax globs paths (merging OCDBT files), so
+    '[', '*', '?', '\\' or '{' in a run name would break the write or the restore."""
+    if not _GLOB & set(str(directory)):
+        yield directory
+        return
+    safe = Path(tempfile.mkdtemp(prefix="jaxnitro-"))
+    try:
+        if _GLOB & set(str(safe)):
+            raise CheckpointError(f"the temporary directory {safe.parent} contains one of "
+                                  f"{''.join(sorted(_GLOB))}; set TMPDIR to a plain path")
+        os.symlink(directory, safe / "c", target_is_directory=True)
+        yield safe / "c"
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(safe / "c")
+        with contextlib.suppress(OSError):
+            os.rmdir(safe)
 
 
 def _key_entry(k: Any) -> list:
@@ -141,6 +278,20 @@ def _to_host(where: str, leaf: Any) -> tuple[np.ndarray, dict]:
     return arr, {"shape": list(arr.shape), "dtype": str(arr.dtype), "prng_impl": None}
 
 
+@functools.cache
+def _key_data_layout(impl: str) -> tuple[tuple, str]:
+    kd = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+    return tuple(kd.shape), str(kd.dtype)
+
+
+def _stored_layout(leaf: dict) -> tuple[tuple, str]:
+    """(shape, dtype) of the array Orbax holds for a meta.json leaf spec (keys as key data)."""
+    if leaf["prng_impl"]:
+        trailing, dtype = _key_data_layout(leaf["prng_impl"])
+        return tuple(leaf["shape"]) + trailing, dtype
+    return tuple(leaf["shape"]), str(jnp.dtype(leaf["dtype"]))
+
+
 def _checksum(paths: list[str], arrays: list[np.ndarray]) -> str:
     """sha256 over paths, dtypes, shapes and raw bytes, so edits to data or layout show."""
     h = hashlib.sha256()
@@ -149,6 +300,15 @@ def _checksum(paths: list[str], arrays: list[np.ndarray]) -> str:
         h.update(f"{p}|{a.dtype}|{a.shape}\n".encode())
         h.update(a.reshape(-1).view(np.uint8).data)
     return h.hexdigest()
+
+
+def _record_hash(info: dict) -> str:
+    """sha256 of meta.json's canonical JSON, less this hash and the trees' own sha256 fields
+    (those verify themselves against the arrays: an edit shows as a checksum mismatch)."""
+    body = {k: v for k, v in info.items() if k != "record_sha256"}
+    body["trees"] = {n: {k: v for k, v in t.items() if k != "sha256"} for n, t in info["trees"].items()}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _nest(entries: list[tuple[list, np.ndarray]]) -> Any:
@@ -184,15 +344,15 @@ def _like(template_leaf: Any, arr: np.ndarray, spec: dict) -> Any:
     return jax.device_put(arr, sharding) if sharding is not None else jnp.asarray(arr)
 
 
-def _assemble(ckpt: Path, name: str, template: Any, stored: dict[str, tuple]) -> Any:
-    """Re-assemble `stored` ({keystr: (array, spec)}) with the template's treedef."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(template)
-    wanted = {jax.tree_util.keystr(p): leaf for p, leaf in flat}
+def _check_template(ckpt: Path, name: str, template: Any, leaves: list[dict]) -> None:
+    """Compare a template with meta.json's leaf specs, before any array is read."""
+    wanted = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(template)[0]}
+    stored = {leaf["path"]: leaf for leaf in leaves}
     problems = [f"{p}: missing from checkpoint" for p in wanted if p not in stored]
     problems += [f"{p}: in checkpoint but not in template" for p in stored if p not in wanted]
     for p, leaf in wanted.items():
         if p in stored:
-            spec = stored[p][1]
+            spec = stored[p]
             shape, dtype = tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None)
             # Python-scalar template leaves are weakly typed: compare their shape only.
             if shape != tuple(spec["shape"]) or (dtype is not None and str(dtype) != spec["dtype"]):
@@ -204,17 +364,53 @@ def _assemble(ckpt: Path, name: str, template: Any, stored: dict[str, tuple]) ->
             f"checkpoint {ckpt}: tree {name!r} does not match its template:\n  "
             + "\n  ".join(problems[:5]) + more
             + "\nBuild the template from the same model/optimizer configuration that was saved.")
-    return jax.tree_util.tree_unflatten(treedef, [_like(wanted[p], *stored[p]) for p in wanted])
+
+
+def _assemble(template: Any, stored: dict[str, tuple]) -> Any:
+    """Re-assemble `stored` ({keystr: (array, spec)}, already checked) with the template's treedef."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(template)
+    return treedef.unflatten([_like(leaf, *stored[jax.tree_util.keystr(p)]) for p, leaf in flat])
 
 
 def _orbax():
     import orbax.checkpoint as ocp  # deferred: importing Orbax is slow
 
-    return ocp, ocp.Checkpointer(ocp.StandardCheckpointHandler())  # synchronous on purpose
+    handler = ocp.StandardCheckpointHandler()
+    return ocp, handler, ocp.Checkpointer(handler)  # synchronous on purpose
+
+
+def _orbax_layout(handler: Any, where: Path) -> dict:
+    """{"t<i>": {"l<j>": (shape, dtype)}} as Orbax's metadata records it (no array is read).
+    From the handler: Checkpointer.metadata() would swallow the reason it cannot be read."""
+    tree = handler.metadata(where).tree
+    return {t: {k: (tuple(m.shape), str(np.dtype(m.dtype))) for k, m in leaves.items()}
+            for t, leaves in tree.items()}
+
+
+def _layout_diff(want: dict, got: dict) -> str:
+    keys = sorted({(t, k) for t in {**want, **got} for k in {**want.get(t, {}), **got.get(t, {})}})
+    diff = [f"{t}/{k}: stored {got.get(t, {}).get(k, 'nothing')}, expected {want.get(t, {}).get(k, 'nothing')}"
+            for t, k in keys if want.get(t, {}).get(k) != got.get(t, {}).get(k)]
+    return "; ".join(diff[:3]) + (f"; ... {len(diff) - 3} more" if len(diff) > 3 else "")
+
+
+def _verify_written(ocp: Any, handler: Any, where: Path, item: dict) -> None:
+    """Read back a fresh write cheaply: every leaf's shape/dtype, and the smallest leaf's bytes."""
+    want = {t: {k: (a.shape, str(a.dtype)) for k, a in leaves.items()} for t, leaves in item.items()}
+    got = _orbax_layout(handler, where)
+    if got != want:
+        raise _Unverified(f"the arrays did not read back as written ({_layout_diff(want, got)})")
+    t, k = min(((t, k) for t in item for k in item[t]), key=lambda tk: item[tk[0]][tk[1]].nbytes)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+        back = reader.restore(where, args=ocp.args.PyTreeRestore(
+            item={t: {k: item[t][k]}}, partial_restore=True,
+            restore_args={t: {k: ocp.RestoreArgs(restore_type=np.ndarray)}}))
+    if _checksum([""], [np.asarray(back[t][k])]) != _checksum([""], [item[t][k]]):
+        raise _Unverified(f"array {t}/{k} did not read back as written")
 
 
 def _write_checkpoint(target: Path, trees: dict[str, Any], record: dict) -> None:
-    """Write the arrays (Orbax) and then meta.json into the new directory `target`."""
+    """Write the arrays (Orbax, then read back), then meta.json, into the new directory `target`."""
     target.mkdir(parents=True)
     item, specs = {}, {}
     for i, (tname, tree) in enumerate(trees.items()):
@@ -229,24 +425,125 @@ def _write_checkpoint(target: Path, trees: dict[str, Any], record: dict) -> None
             item[f"t{i}"] = {f"l{j}": a for j, a in enumerate(arrays)}
         specs[tname] = {"index": i, "sha256": _checksum(paths, arrays), "leaves": leaves}
     if item:
-        ocp, ckptr = _orbax()
-        with ckptr:
-            ckptr.save(target / ARRAYS, args=ocp.args.StandardSave(item))
-    _write_json(target / META, {**record, "trees": specs})
+        ocp, handler, ckptr = _orbax()
+        with ckptr, _orbax_path(target) as where:
+            ckptr.save(where / ARRAYS, args=ocp.args.StandardSave(item))
+            _verify_written(ocp, handler, where / ARRAYS, item)
+    info = json.loads(json.dumps({**record, "trees": specs}))  # the form a reader will hash
+    _write_json(target / META, {**info, "record_sha256": _record_hash(info)})
+
+
+def _bad_field(ckpt: Path, field: str, value: Any, want: str) -> CheckpointError:
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    return CheckpointError(f"checkpoint {ckpt} is corrupted ({META} field {field!r} must be "
+                           f"{want}, got {shown}); use another checkpoint")
+
+
+def _is_int(value: Any, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def validate_int(meta: dict, key: str, path: str | os.PathLike, *, minimum: int = 0,
+                 default: int | None = None) -> int:
+    """``meta[key]`` as an int >= ``minimum``, else a CheckpointError naming the field and path.
+
+    A missing (or null) value gives ``default`` when one is given. For the user meta of a
+    checkpoint, e.g. ``validate_int(meta, "batch_in_epoch", path, default=0)``.
+    """
+    value = meta.get(key) if isinstance(meta, dict) else None
+    if value is None and default is not None:
+        return default
+    if not _is_int(value, minimum):
+        raise _bad_field(Path(path), key, value, f"an int >= {minimum}")
+    return value
+
+
+def _check_record(ckpt: Path, info: dict) -> None:
+    """Types and ranges of the fields jaxnitro itself uses, each error naming its field."""
+    for key in ("epoch", "step"):
+        validate_int(info, key, ckpt)
+    metrics = info.get("metrics")
+    if not isinstance(metrics, dict) or not all(
+            isinstance(k, str) and (v is None or (isinstance(v, int | float) and not isinstance(v, bool)))
+            for k, v in metrics.items()):
+        raise _bad_field(ckpt, "metrics", metrics, "a dict of str -> float or null")
+    for key, kind in (("meta", dict), ("time", str)):
+        if not isinstance(info.get(key), kind):
+            raise _bad_field(ckpt, key, info.get(key), f"a {kind.__name__}")
+    trees = info.get("trees")
+    if not isinstance(trees, dict) or not all(isinstance(t, dict) for t in trees.values()):
+        raise _bad_field(ckpt, "trees", trees, "a dict of tree specs")
+    indices = set()
+    for name, t in trees.items():
+        index, leaves = t.get("index"), t.get("leaves")
+        if not _is_int(index) or index in indices:
+            raise _bad_field(ckpt, f"trees.{name}.index", index, "a distinct int >= 0")
+        indices.add(index)
+        if not isinstance(t.get("sha256"), str) or not isinstance(leaves, list):
+            raise _bad_field(ckpt, f"trees.{name}", t, "{index, sha256: str, leaves: list}")
+        for j, leaf in enumerate(leaves):
+            ok = (isinstance(leaf, dict) and isinstance(leaf.get("path"), str)
+                  and isinstance(leaf.get("dtype"), str) and isinstance(leaf.get("prng_impl", 0), str | None)
+                  and isinstance(leaf.get("shape"), list) and all(_is_int(n) for n in leaf["shape"])
+                  and isinstance(leaf.get("keys"), list) and all(
+                      isinstance(e, list) and len(e) == 2 and e[0] in ("i", "f", "a", "d")
+                      and isinstance(e[1], str | int) for e in leaf["keys"]))
+            if not ok:
+                raise _bad_field(ckpt, f"trees.{name}.leaves[{j}]", leaf,
+                                 "{path, keys, shape: [int >= 0], dtype: str, prng_impl}")
 
 
 def _read_meta(ckpt: Path) -> dict:
+    """meta.json of a checkpoint, validated (see _check_record) and checked against its hash."""
     try:
         info = json.loads((ckpt / META).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {META}); pass a path "
                               "returned by TopKCheckpointer.save(), latest() or best()") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {ckpt} is corrupted (unreadable {META}: {exc})") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt} is corrupted (unreadable {META}: {_short(exc)})") from exc
+    if not isinstance(info, dict):
+        raise CheckpointError(f"checkpoint {ckpt} is corrupted ({META} is not a JSON object)")
     if info.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {ckpt} has format_version "
                               f"{info.get('format_version')!r}; this jaxnitro reads {FORMAT_VERSION}")
+    _check_record(ckpt, info)
+    # Checkpoints written before the record hash existed have none; any other is verified.
+    if "record_sha256" in info:
+        try:
+            same = info.get("record_sha256") == _record_hash(info)
+        except (TypeError, ValueError, RecursionError):
+            same = False
+        if not same:
+            raise CheckpointError(f"checkpoint {ckpt} is corrupted ({META} does not match its "
+                                  "record_sha256: it was edited or damaged); use another checkpoint")
     return info
+
+
+def _read_arrays(ckpt: Path, info: dict) -> dict:
+    """Restore exactly the arrays meta.json describes, after Orbax's metadata agrees with it."""
+    want = {f"t{t['index']}": {f"l{j}": _stored_layout(leaf) for j, leaf in enumerate(t["leaves"])}
+            for t in info["trees"].values() if t["leaves"]}
+    if not want:
+        return {}
+    if not (ckpt / ARRAYS).is_dir():
+        raise CheckpointError(f"checkpoint {ckpt} is corrupted (no {ARRAYS}/ store)")
+    ocp, handler, ckptr = _orbax()
+    _quiet_closed_loop()
+    try:
+        with ckptr, _orbax_path(ckpt) as where:
+            got = _orbax_layout(handler, where / ARRAYS)
+            if got != want:  # read nothing sized by the store itself: it may be crafted
+                raise CheckpointError(f"checkpoint {ckpt} is corrupted (its arrays do not match "
+                                      f"{META}: {_layout_diff(want, got)})")
+            target = {t: {k: jax.ShapeDtypeStruct(s, jnp.dtype(d)) for k, (s, d) in leaves.items()}
+                      for t, leaves in want.items()}  # ShapeDtypeStruct targets restore as numpy
+            return ckptr.restore(where / ARRAYS, args=ocp.args.StandardRestore(target))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # any storage-level failure means the same to the caller
+        raise CheckpointError(f"checkpoint {ckpt} is corrupted (unreadable arrays: "
+                              f"{_short(exc, within=ckpt)})") from exc
 
 
 # ----------------------------------------------------------------------------- public API
@@ -259,6 +556,8 @@ def load_checkpoint(path: str | os.PathLike,
     if any), while numpy and Python-scalar template leaves keep their kind. Trees without a
     template come back as nested dicts/lists of numpy arrays (PRNG keys as raw key data).
     ``meta`` is the user meta given to ``save`` plus "epoch", "step", "metrics" (user keys win).
+    Templates are compared with meta.json before any array is read, and arrays are read only in
+    the shapes meta.json records, so a mismatched or crafted checkpoint fails fast.
     """
     ckpt = Path(path)
     info = _read_meta(ckpt)
@@ -267,29 +566,24 @@ def load_checkpoint(path: str | os.PathLike,
     if unknown:
         raise CheckpointError(f"checkpoint {ckpt} has no tree(s) {unknown}; it holds "
                               f"{sorted(info['trees'])}." + did_you_mean(unknown[0], info["trees"]))
-    arrays: dict = {}
-    if (ckpt / ARRAYS).exists():
-        ocp, ckptr = _orbax()
-        try:
-            with ckptr:  # leaves were saved as numpy, so Orbax restores numpy without a target
-                arrays = ckptr.restore(ckpt / ARRAYS)
-        except Exception as exc:  # any storage-level failure means the same to the caller
-            raise CheckpointError(f"checkpoint {ckpt} is corrupted (unreadable arrays: {exc})") from exc
+    for name, template in templates.items():
+        _check_template(ckpt, name, template, info["trees"][name]["leaves"])
+    try:
+        arrays = _read_arrays(ckpt, info)
+    except (KeyError, TypeError, ValueError) as exc:  # e.g. an unknown dtype or PRNG impl
+        raise CheckpointError(f"checkpoint {ckpt} is corrupted (bad leaf spec in {META}: {_short(exc)})") from exc
     trees = {}
     for name, spec in info["trees"].items():
         leaves = spec["leaves"]
-        try:
-            stored = arrays.get(f"t{spec['index']}", {})
-            values = [np.asarray(stored[f"l{j}"]) for j in range(len(leaves))]
-        except (KeyError, TypeError) as exc:
-            raise CheckpointError(f"checkpoint {ckpt} is corrupted (tree {name!r} lacks {exc})") from exc
+        stored = arrays.get(f"t{spec['index']}", {})
+        values = [np.asarray(stored[f"l{j}"]) for j in range(len(leaves))]
         if _checksum([leaf["path"] for leaf in leaves], values) != spec["sha256"]:
             raise CheckpointError(f"checkpoint {ckpt} is corrupted (checksum mismatch in tree {name!r})")
+        pairs = list(zip(leaves, values, strict=True))
         if name in templates:
-            stored = {leaf["path"]: (v, leaf) for leaf, v in zip(leaves, values, strict=True)}
-            trees[name] = _assemble(ckpt, name, templates[name], stored)
+            trees[name] = _assemble(templates[name], {leaf["path"]: (v, leaf) for leaf, v in pairs})
         else:
-            trees[name] = _nest([(leaf["keys"], v) for leaf, v in zip(leaves, values, strict=True)])
+            trees[name] = _nest([(leaf["keys"], v) for leaf, v in pairs])
     return trees, {"epoch": info["epoch"], "step": info["step"], "metrics": info["metrics"],
                    **info["meta"]}
 
@@ -297,29 +591,95 @@ def load_checkpoint(path: str | os.PathLike,
 def verify_checkpoint(path: str | os.PathLike) -> dict:
     """Check a checkpoint end to end without a template; return its meta or raise CheckpointError.
 
-    Reads ``meta.json``, restores every array and compares each tree's sha256 with the one
-    recorded at save time, so a truncated, edited or half-deleted checkpoint is caught.
+    Reads and validates ``meta.json``, restores every array (in the recorded shapes only) and
+    compares each tree's sha256 with the one recorded at save time, so a truncated, edited or
+    half-deleted checkpoint is caught.
     """
     try:
         _, meta = load_checkpoint(path)
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever broke, the checkpoint is unusable
-        raise CheckpointError(f"checkpoint {path} is corrupted ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(f"checkpoint {path} is corrupted ({type(exc).__name__}: {_short(exc)})") from exc
     return meta
 
 
-def read_manifest(dir: str | os.PathLike) -> list[dict]:
-    """Rows of ``<dir>/manifest.json``, oldest first, without loading any array; [] if none."""
-    path = Path(dir) / MANIFEST
+class _BadManifest(Exception):
+    """manifest.json cannot be used as it is (the reason is the message)."""
+
+
+def _row_problem(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return f"a row is of type {type(row).__name__!r}, not an object"
+    for key in ("epoch", "step"):
+        if not _is_int(row.get(key)):
+            return f"row {row.get('name')!r}: {key} is {row.get(key)!r}, not an int >= 0"
+    metrics = row.get("metrics")
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
+        return f"row {row.get('name')!r}: metrics is not a dict"
+    if not isinstance(row.get("time"), str):
+        return f"row {row.get('name')!r}: time is not a str"
+    return None
+
+
+def _read_rows(root: Path, *, quiet: bool = False) -> tuple[list[dict], int]:
+    """(valid rows, number dropped); raises _BadManifest when the file cannot be used at all."""
+    path = root / MANIFEST
     try:
-        return list(json.loads(path.read_text(encoding="utf-8"))["checkpoints"])
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        return [], 0
+    except (OSError, ValueError, RecursionError) as exc:
+        raise _BadManifest(_short(exc)) from exc
+    rows = data.get("checkpoints") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise _BadManifest("no 'checkpoints' list")
+    for row in rows:
+        if problem := _row_problem(row):
+            raise _BadManifest(problem)
+    # A row may only name a plain entry of this directory: retention deletes and quarantine
+    # renames `root / path`, so '../x', '/abs' or a symlink would reach outside it.
+    good, dropped = [], []
+    for r in rows:
+        (good if _plain_name(r.get("name")) and r.get("path") == r["name"]
+         and not _is_symlink(root / r["name"]) else dropped).append(r)
+    if dropped and not quiet:
+        warnings.warn(f"checkpoint manifest {path}: ignoring {len(dropped)} row(s) whose name/path "
+                      f"is not a plain entry of {root} (e.g. {dropped[0].get('path')!r})",
+                      CheckpointWarning, stacklevel=3)
+    return good, len(dropped)
+
+
+def read_manifest(dir: str | os.PathLike) -> list[dict]:
+    """Rows of ``<dir>/manifest.json``, oldest first, without loading any array; [] if none.
+
+    Rows that do not name a plain entry of ``dir`` are dropped with a CheckpointWarning; a
+    manifest of the wrong shape raises CheckpointError.
+    """
+    try:
+        return _read_rows(Path(dir))[0]
+    except _BadManifest as exc:
+        raise CheckpointError(f"checkpoint manifest {Path(dir) / MANIFEST} is unreadable ({exc}); "
+                              "delete it and call TopKCheckpointer.bind(), which rebuilds it from "
+                              "meta.json files") from exc
+
+
+def _complete_dirs(root: Path) -> list[Path]:
+    """Finished checkpoint directories on disk (no temp entry, none moved aside, no symlink)."""
+    if not root.is_dir():
         return []
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint manifest {path} is unreadable ({exc}); delete it and "
-                              "call TopKCheckpointer.bind(), which rebuilds it from meta.json files"
-                              ) from exc
+    return [p for p in sorted(root.iterdir()) if _TMP not in p.name and _CORRUPT not in p.name
+            and not p.is_symlink() and (p / META).is_file()]
+
+
+def _allowed_entry(entry: Path, listed: set[str]) -> bool:
+    """Whether `entry` is something jaxnitro puts in a checkpoint directory."""
+    name = entry.name
+    if name in (MANIFEST, LOCK) or _TMP_RE.search(name) or _CORRUPT_RE.search(name):
+        return True
+    if name.startswith(".nfs"):  # NFS keeps deleted-but-open files of ours under this name
+        return True
+    return not entry.is_symlink() and entry.is_dir() and (name in listed or (entry / META).is_file())
 
 
 class TopKCheckpointer:
@@ -337,37 +697,68 @@ class TopKCheckpointer:
         self.k, self.metric, self.mode = k, metric, mode
         # Orbax requires absolute paths; resolve now so a later chdir cannot move the run.
         self.dir: Path | None = Path(dir).absolute() if dir is not None else None
-        self._bound = False
+        self._bound, self._writer = False, True
+        # The run whose checkpoints retention, latest() and best() manage. Several runs may
+        # share a directory (a fresh run into an old run_dir): none deletes another's.
+        self.run_id: str | None = None
 
-    def bind(self, run_dir: str | os.PathLike) -> None:
-        """Pick and create the directory, drop stale temp entries, reconcile the manifest."""
+    def for_run(self, run_id: str | None) -> None:
+        """Manage only the checkpoints of run `run_id` (None: every checkpoint, as before).
+
+        Each checkpoint's meta names its run; a fresh run into a directory that holds an
+        earlier run's checkpoints keeps its own top k and never deletes the others.
+        """
+        self.run_id = run_id
+
+    def _mine(self, rows: list[dict]) -> list[dict]:
+        return rows if self.run_id is None else [r for r in rows if r.get("run_id") == self.run_id]
+
+    def bind(self, run_dir: str | os.PathLike, *, writer: bool = True) -> None:
+        """Pick the directory; as the writer also create it, refuse foreign content, drop dead
+        writers' temp entries and reconcile the manifest with the checkpoints on disk.
+
+        With ``writer=False`` (a reader, e.g. an evaluation while a trainer runs) nothing on
+        disk is created or changed, and a missing directory simply holds no checkpoint.
+        """
         if self.dir is None:
             self.dir = (Path(run_dir) / "checkpoints").absolute()
         d = self.dir
+        self._bound = False  # until this bind succeeds (a refused dir must not be written to)
         if d.exists() and not d.is_dir():
             raise CheckpointError(f"checkpoint directory {d} exists as a file; remove it or pass dir=")
+        if not writer:
+            self._bound, self._writer = True, False
+            return
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(f"cannot create checkpoint directory {d} ({exc}); pass a writable dir=") from exc
         if not os.access(d, os.W_OK | os.X_OK):
             raise CheckpointError(f"checkpoint directory {d} is not writable; fix its permissions or pass dir=")
-        for entry in d.iterdir():  # leftovers of a killed writer (one writer per directory)
-            if _TMP in entry.name:
-                if entry.is_dir():
+        try:
+            listed = {r["name"] for r in _read_rows(d, quiet=True)[0]}
+        except _BadManifest:
+            listed = set()
+        foreign = sorted(e.name + "/" * e.is_dir() for e in d.iterdir() if not _allowed_entry(e, listed))
+        if foreign:
+            more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+            raise CheckpointError(
+                f"checkpoint directory {d} holds entries jaxnitro did not create: "
+                f"{', '.join(map(repr, foreign[:3]))}{more}. Retention deletes inside it, so pass an "
+                f"empty or new dir= (e.g. {d / 'checkpoints'}) or a run's checkpoints directory.")
+        for entry in d.iterdir():  # leftovers of killed writers; live writers' entries stay
+            if _is_stale_temp(entry):
+                if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
                     entry.unlink(missing_ok=True)
-        self._bound = True
+        self._bound, self._writer = True, True
         # Killed between the checkpoint's rename and the manifest write: the checkpoint is
         # complete but unlisted, so adopt it rather than lose or leak it. Also drop dangling rows.
         rows = self.records()
         listed = {r["name"] for r in rows}
-        orphans = [p for p in d.iterdir() if p.name not in listed and _CORRUPT not in p.name
-                   and (p / META).is_file()]
-        if orphans or len(rows) != len(read_manifest(d)):
-            adopted = sorted((self._row(p.name, _read_meta(p)) for p in orphans),
-                             key=lambda r: (r["step"], r["time"]))
+        adopted = self._rows_from([p for p in _complete_dirs(d) if p.name not in listed])
+        if adopted or len(rows) != len(_read_rows(d, quiet=True)[0]):
             self._write_manifest(rows + adopted)
 
     def _root(self) -> Path:
@@ -378,17 +769,42 @@ class TopKCheckpointer:
         return self.dir  # type: ignore[return-value]
 
     def _row(self, name: str, info: dict) -> dict:
+        run_id = info.get("meta", {}).get("run_id")
         return {"name": name, "path": name, "epoch": info["epoch"], "step": info["step"],
                 "metric": self.metric, "score": info["metrics"].get(self.metric),
-                "metrics": info["metrics"], "time": info["time"]}
+                "metrics": info["metrics"], "time": info["time"],
+                "run_id": run_id if isinstance(run_id, str) else None}
+
+    def _rows_from(self, dirs: list[Path]) -> list[dict]:
+        """Rows for checkpoint directories from their meta.json, oldest first (bad ones warned)."""
+        rows = []
+        for p in dirs:
+            try:
+                rows.append(self._row(p.name, _read_meta(p)))
+            except CheckpointError as exc:
+                warnings.warn(f"not listing checkpoint {p}: {exc}", CheckpointWarning, stacklevel=3)
+        return sorted(rows, key=lambda r: (r["step"], r["time"]))
 
     def save(self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any],
              meta: dict) -> Path:
         """Write one checkpoint durably, then list it in the manifest, then apply retention."""
         root = self._root()
+        if not self._writer:
+            raise CheckpointError(f"this TopKCheckpointer is bound read-only to {root} "
+                                  "(bind(..., writer=False)); call bind(run_dir) to save")
+        if meta is not None and not isinstance(meta, dict):
+            raise CheckpointError(f"checkpoint meta must be a dict, got {type(meta).__name__}")
+        try:  # what _read_meta would refuse is refused here, not when resuming
+            counters = int(epoch), int(step)
+        except (TypeError, ValueError, OverflowError):
+            counters = (-1, -1)
+        if min(counters) < 0:
+            raise CheckpointError(f"checkpoint epoch and step must be ints >= 0; pass the run's "
+                                  f"counters, got epoch={epoch!r}, step={step!r}")
+        epoch, step = counters
         raw = dict(metrics or {})
         clean = {str(k): _finite_or_none(k, v) for k, v in raw.items()}
-        name = f"epoch-{int(epoch):04d}-step-{int(step):06d}"
+        name = f"epoch-{epoch:04d}-step-{step:06d}"
         if self.metric in raw:  # the raw value, so "nan"/"inf" stay visible in the name
             name += "-{}={:.6g}".format(re.sub(r"[^A-Za-z0-9_.]", "_", self.metric)[:40],
                                         float(raw[self.metric]))
@@ -396,47 +812,64 @@ class TopKCheckpointer:
         while (root / name).exists():  # same epoch/step saved twice: keep both
             n += 1
             name = f"{base}-{n}"
-        record = {"format_version": FORMAT_VERSION, "epoch": int(epoch), "step": int(step),
+        record = {"format_version": FORMAT_VERSION, "epoch": epoch, "step": step,
                   "metrics": clean, "time": datetime.now(UTC).isoformat(timespec="microseconds"),
                   "meta": meta or {}}
         try:
-            json.dumps(record, allow_nan=False)
-        except (TypeError, ValueError) as exc:
+            record = json.loads(json.dumps(_nonfinite_to_none(record), allow_nan=False))
+        except (TypeError, ValueError, RecursionError) as exc:
             raise CheckpointError(f"checkpoint meta must be plain JSON (str/number/list/dict): {exc}") from exc
         tmp = root / f"{name}{_TMP}{os.getpid()}"
         try:
-            _write_checkpoint(tmp, trees, record)
-            os.replace(tmp, root / name)  # the checkpoint appears complete or not at all
+            with _writing(tmp):
+                _write_checkpoint(tmp, trees, record)
+                os.replace(tmp, root / name)  # the checkpoint appears complete or not at all
             _fsync_dir(root)
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            # Ctrl-C/exit propagate unchanged, as do our own errors (a leaf that is no array).
+            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+                raise
+            raise _write_failed(root / name, exc) from exc
         self._write_manifest(self.records() + [self._row(name, record)])
         self._apply_retention()
         return root / name
 
     def _write_manifest(self, rows: list[dict]) -> None:
-        _write_json(self._root() / MANIFEST, {"format_version": FORMAT_VERSION, "checkpoints": rows})
+        path = self._root() / MANIFEST
+        try:
+            _write_json(path, {"format_version": FORMAT_VERSION, "checkpoints": rows})
+        except Exception as exc:  # noqa: BLE001 - a full disk, mostly; say so
+            raise _write_failed(path, exc) from exc
 
     def _apply_retention(self) -> None:
         rows = self.records()
-        keep = {r["name"] for r in self._ranked(rows)[: self.k]} | {self._newest(rows)["name"]}
-        doomed = [r for r in rows if r["name"] not in keep]
+        mine = self._mine(rows)  # another run's checkpoints are never this run's to delete
+        if not mine:
+            return
+        keep = {r["name"] for r in self._ranked(mine)[: self.k]} | {self._newest(mine)["name"]}
+        doomed = [r for r in mine if r["name"] not in keep]
         if doomed:
-            self._write_manifest([r for r in rows if r["name"] in keep])  # unlist, then delete
+            gone = {r["name"] for r in doomed}
+            self._write_manifest([r for r in rows if r["name"] not in gone])  # unlist, then delete
             for r in doomed:
                 # Rename first so the removal is atomic for readers; an interrupted rmtree
                 # leaves only a temp entry, which bind() cleans up.
-                trash = self.dir / f"{r['name']}{_TMP}{os.getpid()}"
-                os.replace(self.dir / r["path"], trash)
-                shutil.rmtree(trash, ignore_errors=True)
+                with _writing(self.dir / f"{r['name']}{_TMP}{os.getpid()}") as trash:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.replace(self.dir / r["path"], trash)
+                    shutil.rmtree(trash, ignore_errors=True)
 
     def _score(self, row: dict) -> float | None:
         # From the row's metrics, not its stored score, so a dir reused with another metric works.
-        return row.get("metrics", {}).get(self.metric)
+        # A missing, null or non-finite score is never "best": it is ranked after every number.
+        value = row.get("metrics", {}).get(self.metric)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return None
+        return value
 
     def _ranked(self, rows: list[dict]) -> list[dict]:
-        """Rows that have the metric, best first (stable sort: on ties the older wins)."""
+        """Rows with a finite metric, best first (stable sort: on ties the older wins)."""
         scored = [r for r in rows if self._score(r) is not None]
         return sorted(scored, key=self._score, reverse=self.mode == "max")
 
@@ -444,27 +877,59 @@ class TopKCheckpointer:
     def _newest(rows: list[dict]) -> dict | None:
         return max(enumerate(rows), key=lambda ir: (ir[1]["step"], ir[0]))[1] if rows else None
 
+    def _manifest_rows(self) -> list[dict]:
+        """Valid manifest rows; an unusable manifest is rebuilt from the meta.json files (and,
+        by the writer, rewritten) rather than blocking every run in the directory."""
+        root = self._root()
+        try:
+            rows, dropped = _read_rows(root)
+        except _BadManifest as exc:
+            warnings.warn(f"checkpoint manifest {root / MANIFEST} is unreadable ({exc}); rebuilt "
+                          f"it from the checkpoints' {META} files", CheckpointWarning, stacklevel=4)
+            rows, dropped = self._rows_from(_complete_dirs(root)), 1
+        if dropped and self._writer:
+            self._write_manifest(rows)
+        return rows
+
     def records(self) -> list[dict]:
         """Manifest rows whose checkpoint is complete on disk, oldest first."""
         root = self._root()
-        return [r for r in read_manifest(root) if (root / r["path"] / META).is_file()]
+        good, lost, seen = [], [], set()
+        for r in self._manifest_rows():  # (first of duplicate names wins)
+            if r["name"] in seen:
+                continue
+            seen.add(r["name"])
+            if (root / r["path"] / META).is_file():
+                good.append(r)
+            elif (root / r["path"]).is_dir():  # listed, but its meta.json was deleted
+                lost.append(r["name"])
+        if lost:
+            moved = self._quarantine(lost, good) if self._writer else {}
+            aside = f"; moved aside to {', '.join(p.name for p in moved.values())}" if moved else ""
+            warnings.warn(f"checkpoint(s) {', '.join(lost)} in {root} lost their {META} and are "
+                          f"ignored{aside}", CheckpointWarning, stacklevel=2)
+        return good
 
     def latest(self) -> Path | None:
-        """Newest complete checkpoint (highest step, then last written), or None."""
-        row = self._newest(self.records())
+        """Newest complete checkpoint of this run (highest step, then last written), or None."""
+        row = self._newest(self._mine(self.records()))
         return self.dir / row["path"] if row else None
 
     def latest_valid(self, *, quarantine: bool = True) -> Path | None:
         """Newest checkpoint that verifies (meta.json and every checksum), or None.
 
         Newer checkpoints that fail verification (truncated, corrupted) are skipped with a
-        `CheckpointWarning` naming each one and why; with ``quarantine`` (the default) each is
-        also unlisted and renamed to ``<name>.corrupt-<n>`` (kept for inspection, never
-        considered again, neither newest nor best). Costs one full read of the checkpoint.
+        `CheckpointWarning` naming each one and why; with ``quarantine`` (the default; never
+        when bound with ``writer=False``) each is also unlisted and renamed to
+        ``<name>.corrupt-<n>`` (kept for inspection, never considered again, neither newest nor
+        best). Costs one full read of the checkpoint.
         """
         root = self._root()
         rows = self.records()
-        order = sorted(range(len(rows)), key=lambda i: (rows[i]["step"], i), reverse=True)
+        # Newest written first, across every run in the directory: resuming continues the
+        # run that wrote last, even if an older run reached a higher step.
+        order = sorted(range(len(rows)), key=lambda i: (rows[i]["time"], rows[i]["step"], i),
+                       reverse=True)
         skipped: list[tuple[str, Path, str]] = []
         found = None
         for i in order:
@@ -472,11 +937,13 @@ class TopKCheckpointer:
             try:
                 verify_checkpoint(path)
             except CheckpointError as exc:
-                skipped.append((rows[i]["name"], path, str(exc)))
+                why = str(exc).removeprefix(f"checkpoint {path} is ")  # the path is said below
+                skipped.append((rows[i]["name"], path, _short(why, 300)))
                 continue
             found = path
             break
-        moved = self._quarantine([name for name, _, _ in skipped]) if skipped and quarantine else {}
+        moved = (self._quarantine([s[0] for s in skipped], rows)
+                 if skipped and quarantine and self._writer else {})
         for name, path, why in skipped:
             where = f"using {found.name} instead" if found is not None else "no valid checkpoint remains"
             aside = f" Moved aside to {moved[name]}." if name in moved else ""
@@ -484,11 +951,10 @@ class TopKCheckpointer:
                           CheckpointWarning, stacklevel=2)
         return found
 
-    def _quarantine(self, names: list[str]) -> dict[str, Path]:
-        """Unlist `names`, then rename their directories to `<name>.corrupt-<n>`."""
+    def _quarantine(self, names: list[str], rows: list[dict]) -> dict[str, Path]:
+        """Unlist `names` (plain entries, from validated rows), then rename them `<name>.corrupt-<n>`."""
         root = self._root()
-        bad = set(names)
-        self._write_manifest([r for r in read_manifest(root) if r["name"] not in bad])
+        self._write_manifest([r for r in rows if r["name"] not in set(names)])
         moved = {}
         for name in names:
             n = 0
@@ -501,6 +967,6 @@ class TopKCheckpointer:
         return moved
 
     def best(self) -> Path | None:
-        """Best checkpoint by ``metric`` and ``mode``; None if no checkpoint has the metric."""
-        ranked = self._ranked(self.records())
+        """Best checkpoint of this run by ``metric`` and ``mode``; None if none has a finite one."""
+        ranked = self._ranked(self._mine(self.records()))
         return self.dir / ranked[0]["path"] if ranked else None

@@ -10,6 +10,7 @@ import itertools
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -177,6 +178,40 @@ def check_batch(batch, split: str, *, expect_fields: frozenset | None = None) ->
         raise DataError(f"the {split!r} split yielded an empty batch (a dict with no fields). "
                         f"Yield dicts of arrays such as {{'img': x, 'label': y}}.")
     return next(iter(sizes.values()))
+
+
+def batch_specs(batch: Mapping[str, Any], split: str) -> dict[str, tuple[tuple, np.dtype]]:
+    """{field: (per-sample shape, dtype as the device sees it)} of a split's first batch.
+
+    With x64 off (JAX's default) float64 and int64 arrays run as float32 and int32; a float64
+    field says so once, since it doubles every transfer and hides a precision choice.
+    """
+    specs = {}
+    for k, v in batch.items():
+        dtype = np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
+        canonical = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+        if dtype == np.float64 and canonical != dtype:
+            warnings.warn(
+                f"split {split!r}: field {k!r} is float64; JAX computes in float32 (x64 is "
+                f"off), so every batch is cast. Convert it once (x.astype(np.float32)) to "
+                f"silence this and halve the transfer.", stacklevel=4)
+        specs[k] = (tuple(np.shape(v)[1:]), canonical)
+    return specs
+
+
+def check_specs(batch: Mapping[str, Any], split: str, index: int, specs: dict) -> None:
+    """A later batch must match the first one's per-sample shapes and dtypes (one program)."""
+    for k, (shape, dtype) in specs.items():
+        v = batch[k]
+        got_shape = tuple(np.shape(v)[1:])
+        raw = np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
+        got = np.dtype(jax.dtypes.canonicalize_dtype(raw))
+        if got_shape != shape or got != dtype:
+            raise DataError(
+                f"batch {index} of split {split!r}: field {k!r} has per-sample shape "
+                f"{got_shape} and dtype {raw}, but the split's first batch had {shape} and "
+                f"{dtype}. Every batch of a split shares one program: make the field the same "
+                f"shape and dtype in every batch (pad or crop features, cast with .astype).")
 
 
 def pad_batch(batch: Mapping[str, np.ndarray], size: int) -> dict[str, np.ndarray]:

@@ -38,10 +38,7 @@ def setup_devices(backend: str | None = None, n_devices: int | None = None,
             ) from e
     compilation_cache = compilation_cache or os.environ.get("JAXNITRO_COMPILATION_CACHE")
     if compilation_cache:
-        # Trusted directory: anyone who can write to it can run code in this process.
-        jax.config.update("jax_compilation_cache_dir",
-                          os.path.expanduser(os.fspath(compilation_cache)))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        _use_cache_dir(os.fspath(compilation_cache))
     visible = len(jax.devices())
     if n_devices is not None:
         _check_count(n_devices, visible)
@@ -53,8 +50,54 @@ def apply_env() -> None:
     """Turn on the persistent cache from $JAXNITRO_COMPILATION_CACHE if nothing else did."""
     path = os.environ.get("JAXNITRO_COMPILATION_CACHE")
     if path and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        _use_cache_dir(path)
+
+
+def _use_cache_dir(path: str) -> None:
+    """Turn on JAX's persistent cache in `path`, after checking who can write to it."""
+    path = os.path.expanduser(path)
+    check_cache_trust(path)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+_trust_warned: set = set()
+
+
+def check_cache_trust(path: str) -> list[str]:
+    """Warn (once per directory) when others could plant programs in the compilation cache.
+
+    Entries are executables loaded byte for byte: whoever can write to the directory can make
+    this process compute something else. Returns the problems found (empty when trusted).
+    """
+    import stat
+    import warnings
+
+    problems = []
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:  # created later: check the parent
+        p = os.path.dirname(p)
+    try:
+        st = os.stat(p)
+    except OSError:
+        return problems
+    exists = p == os.path.abspath(path)  # else `p` is the parent it will be created in
+    if exists and hasattr(os, "getuid") and st.st_uid != os.getuid():
+        problems.append(f"it is owned by another user (uid {st.st_uid})")
+    # A missing cache inside a sticky shared dir (/tmp) is created private to this user.
+    shared_parent_ok = not exists and bool(st.st_mode & stat.S_ISVTX)
+    if st.st_mode & stat.S_IWOTH and not shared_parent_ok:
+        problems.append("it is world-writable")
+    elif st.st_mode & stat.S_IWGRP and not shared_parent_ok:
+        problems.append("it is group-writable")
+    if problems and path not in _trust_warned:
+        _trust_warned.add(path)
+        warnings.warn(
+            f"the compilation cache {path} is not private: {' and '.join(problems)}. Its "
+            f"entries are executables loaded as they are, so anyone who can write there can "
+            f"change what this process computes. Use a directory only you can write to "
+            f"(chmod 700 {p}).", stacklevel=3)
+    return problems
 
 
 def _check_count(n: int, visible: int) -> None:

@@ -14,6 +14,10 @@ class ConfigError(JaxnitroError, ValueError):
     """An experiment definition or a `Nitro(...)` argument is invalid."""
 
 
+class RunLockedError(ConfigError):
+    """Another writer (a process or a handle) is using this run directory."""
+
+
 class ConfigArgumentError(ConfigError, TypeError):
     """An experiment was constructed with unknown, missing or positional arguments."""
 

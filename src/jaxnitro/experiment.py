@@ -259,6 +259,12 @@ def experiment(cls=None, /):
                 f"reads it, the compiled program never does. Remove the marker (leave it Host)."
             )
         default = cls.__dict__.get(name, dataclasses.MISSING)
+        if isinstance(default, (list, dict, set, bytearray)) or type(default).__name__ == "ndarray":
+            kind_name = type(default).__name__
+            raise ConfigError(
+                f"{cls.__name__}.{name} has a mutable default ({kind_name}), which every "
+                f"instance would share. Use a tuple (or a frozen dataclass), or build it per "
+                f"instance: {name}: ... = dataclasses.field(default_factory=lambda: ...).")
         if isinstance(default, dataclasses.Field):
             factory = default.default_factory
             default = default.default if factory is dataclasses.MISSING else factory()
@@ -316,8 +322,13 @@ def _from_preset(cls, name: str, **overrides):
             f"{cls.__name__} has no preset {name!r}; presets: {sorted(table)}."
             + did_you_mean(name, table)
         )
-    values = {**table[name], **overrides}
     known = cls.__jn_fields__
+    for key in overrides:
+        if key not in known:
+            raise ConfigError(
+                f"{cls.__name__}.from_preset({name!r}, ...) got an override for unknown field "
+                f"{key!r}; fields: {sorted(known)}." + did_you_mean(key, known))
+    values = {**table[name], **overrides}
     for key in values:
         if key not in known:
             raise ConfigError(

@@ -23,9 +23,12 @@ def _put(n, array, sharding):
 def eval_prepare(n, split: str, pad_to: int | None):
     """Host batch -> (device batch padded to `pad_to`, real rows), for eval and predict."""
     info = n.batch_info[split]
+    index = [0]
 
     def prepare(host):
         size = data_mod.check_batch(host, split, expect_fields=info["keys"])
+        data_mod.check_specs(host, split, index[0], info["specs"])
+        index[0] += 1
         if pad_to is not None and size < pad_to:
             host = data_mod.pad_batch({k: host[k] for k in info["fields"]}, pad_to)
         return {f: _put(n, np.asarray(host[f]), n.batch_sharding) for f in info["fields"]}, size
@@ -44,8 +47,9 @@ def train_units(n, loader, start: int, epoch: int):
         return
     bs = info["batch_size"]
     group: list = []
-    for host in data_mod.skip(loader, start):
+    for index, host in enumerate(data_mod.skip(loader, start), start):
         got = data_mod.check_batch(host, "train", expect_fields=info["keys"])
+        data_mod.check_specs(host, "train", index, info["specs"])
         if got != bs:
             raise DataError(
                 f"a train batch of epoch {epoch + 1} has {got} samples, not {bs}: a short "
@@ -57,6 +61,18 @@ def train_units(n, loader, start: int, epoch: int):
             group = []
     if group:
         yield _stack(group, info["fields"]), len(group)
+
+
+def first_unit(n, loader) -> tuple[dict, int]:
+    """The first dispatch unit, for planning programs: a DataLoader gathers it (no side
+    effects); any other source repeats its peeked first batch (only the shapes matter), so
+    planning never iterates a source the run is about to train on."""
+    info = n.batch_info["train"]
+    size = n.accum * n.steps_per_call
+    if isinstance(loader, data_mod.DataLoader):
+        return next(loader.iter_stacked(0, size, info["fields"]))
+    k = min(size, len(loader)) if hasattr(loader, "__len__") else size
+    return _stack([info["first"]] * k, info["fields"]), k
 
 
 def _stack(group, fields) -> dict:

@@ -68,5 +68,8 @@ def _score(value) -> float | None:
         kind = getattr(getattr(value, "dtype", None), "kind", None)
         if getattr(value, "shape", None) != () or kind not in ("i", "u", "f"):
             return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+    try:
+        value = float(value)
+    except (OverflowError, TypeError, ValueError):  # e.g. an int beyond float range
+        return None
+    return value if math.isfinite(value) else None  # NaN and +-inf never score

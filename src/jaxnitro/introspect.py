@@ -36,7 +36,7 @@ def explain(n: Nitro) -> list[dict]:
 def memory_plan(n: Nitro, *, prefetch_depth: int = 2) -> memory.MemoryPlan:
     """Where the bytes go, from the compiled programs' memory analysis, against capacity."""
     progs = programs.planned(n, train="train" in n.splits)
-    first = next(iter(n.splits["train"])) if "train" in n.splits else None
+    first = n.batch_info["train"]["first"] if "train" in n.splits else None
     fields_ = n.batch_info["train"]["fields"] if first is not None else ()
     unit = n.accum * n.steps_per_call
     batch_bytes = sum(first[f].nbytes for f in fields_) * unit if first is not None else 0
@@ -74,7 +74,9 @@ def inspect(n: Nitro, *, show: bool = True) -> Inspection:
     plan = memory_plan(n)
     result = Inspection(
         binding=_binding(n), groups=_groups(n),
-        compile_report="programs\n" + report.format_table(
+        compile_report="programs\n" + "\n".join(
+            f"  {note}" for note in programs.plan_notes(n, train="train" in n.splits))
+        + "\n" + report.format_table(
             p.record for p in n.__dict__.get("used_programs", {}).values() if p.record),
         memory=plan.table())
     if show:

@@ -8,10 +8,12 @@ checkpoint, the stop check. It ends with a `finish` log line and a short summary
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import math
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,22 @@ def train(n: Nitro) -> TrainResult:
     if "train" not in n.splits:
         raise DataError("jn.train needs a 'train' split; the data has "
                         f"{sorted(n.splits)}.")
+    if n.epoch >= n.max_epochs:
+        warnings.warn(
+            f"{n.cls.__name__} has already trained to max_epochs={n.max_epochs} (epoch "
+            f"{n.epoch}, step {n.step}): nothing to train. To train further, continue from its "
+            f"checkpoint in a new handle with a larger max_epochs: jn.Nitro(exp, "
+            f"run_dir='{n.run_dir}', resume='auto', max_epochs={n.max_epochs + 1}) (schedules "
+            f"then span the new length).", stacklevel=2)
+        return TrainResult(history=history(n), best_checkpoint=_best_checkpoint(n),
+                           stop_reason="completed", best_metric=_best_metric(n),
+                           steps_per_second=0.0, programs_compiled=0, wall_seconds=0.0)
+    _check_horizon(n)
+    with writing(n, "train"):
+        return _train(n)
+
+
+def _train(n: Nitro) -> TrainResult:
     t_start = time.perf_counter()
     misses0 = cache.cache_stats()["misses"]
     stop_reason = "completed"
@@ -75,6 +93,9 @@ def train(n: Nitro) -> TrainResult:
     try:
         with graceful_stop(n):
             # Every program this run uses compiles now and must fit: OOM before step 1.
+            notes = programs.plan_notes(n)
+            if any("avoids it" in note for note in notes):  # say why before compiling them
+                n.display.line("programs this run compiles:\n  " + "\n  ".join(notes))
             plan = introspect.check_memory(n)
             while n.epoch < n.max_epochs:
                 epoch = n.epoch  # 0-based; logs and history say epoch + 1
@@ -91,12 +112,9 @@ def train(n: Nitro) -> TrainResult:
         raise
     n.stop_requested = False
     compiled = cache.cache_stats()["misses"] - misses0
-    hist = history(n)
-    best_row = hist.best
     result = TrainResult(
-        history=hist, best_checkpoint=n.checkpointer.best() or n.checkpointer.latest(),
-        stop_reason=stop_reason,
-        best_metric=None if best_row is None else best_row.get(n.checkpointer.metric),
+        history=history(n), best_checkpoint=_best_checkpoint(n),
+        stop_reason=stop_reason, best_metric=_best_metric(n),
         steps_per_second=steps_run / seconds_run if seconds_run else 0.0,
         programs_compiled=compiled, wall_seconds=time.perf_counter() - t_start)
     n.logger.finish(stop_reason, stop_reason=stop_reason, step=n.step, epoch=n.epoch,
@@ -112,6 +130,72 @@ def train(n: Nitro) -> TrainResult:
     if stop_reason == "preempted":
         raise SystemExit(143)  # the conventional SIGTERM status: terminated, not completed
     return result
+
+
+def _best_checkpoint(n: Nitro) -> Path | None:
+    """This run's best checkpoint (or its newest): never one of another run in the dir."""
+    return n.checkpointer.best() or n.checkpointer.latest()
+
+
+def _best_metric(n: Nitro):
+    best_row = history(n).best
+    return None if best_row is None else best_row.get(n.checkpointer.metric)
+
+
+def _check_horizon(n: Nitro) -> None:
+    """Schedules were resolved for the steps known at setup; say so when that changed."""
+    spe = n.steps_per_epoch or 0
+    if not n.schedules.fns or not spe or spe * n.max_epochs == n.total_steps:
+        return
+    warnings.warn(
+        f"max_epochs is now {n.max_epochs}, but this handle's schedules were resolved at setup "
+        f"for {n.total_steps} steps ({n.total_steps // spe} epochs): past step "
+        f"{n.total_steps} they hold their last value. To extend a scheduled run, continue in "
+        f"a new handle, which spans the schedules over the new length: jn.Nitro(exp, "
+        f"run_dir='{n.run_dir}', resume='auto', max_epochs={n.max_epochs}).", stacklevel=3)
+
+
+@contextlib.contextmanager
+def writing(n: Nitro, purpose: str, *, required: bool = True):
+    """Hold the run lock while writing the run's files; yields whether this call may write.
+
+    `required` (training): another writer is an error naming it. Otherwise (an evaluation),
+    a run dir held by another writer is only read: nothing is logged, and that is said once.
+    The logger opens with the first writing call of the handle (and logs its params line,
+    then a resume marker) and closes when the outermost writing call ends.
+    """
+    if required:
+        n.lock.acquire(purpose, what=f"run_dir {n.run_dir}")
+    elif not n.lock.try_acquire(purpose):
+        if not n.__dict__.get("_read_only_warned"):
+            n.__dict__["_read_only_warned"] = True
+            warnings.warn(f"run_dir {n.run_dir} is being written by {n.lock.describe()}; "
+                          f"this handle only reads it: results are returned, not logged.",
+                          stacklevel=4)
+        yield False
+        return
+    opened = False
+    try:
+        if required:
+            n.checkpointer.bind(n.run_dir, writer=True)  # clean a dead writer's leftovers
+        if not n.logger_open:
+            n.logger.open(n.run_dir, resume=n.resume_path is not None)
+            n.logger_open = opened = True
+            if not n.__dict__.get("_params_logged"):
+                n.__dict__["_params_logged"] = True
+                n.logger.log_params(n.params_line)
+            if n.resume_path is not None and not n.resume_marked:
+                n.resume_marked = True
+                n.logger.log_other({"key": "resumed", "from_step": n.step,
+                                    "from_checkpoint": str(n.resume_path), "time": time.time()})
+        yield True
+    finally:
+        try:
+            if opened:
+                n.logger_open = False
+                n.logger.close()
+        finally:
+            n.lock.release()
 
 
 def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
@@ -161,10 +245,29 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
                           "peak_bytes_in_use": introspect.peak_memory(n),
                           "skipped_steps": n.skipped_steps},
                          context="data", epoch=epoch + 1, step=n.step)
+    _check_epoch_length(n, epoch, total)
     if total is None or n.batch_in_epoch >= total or not n.stop_requested:
         n.epoch += 1
         n.batch_in_epoch = 0
     return losses, seconds
+
+
+def _check_epoch_length(n: Nitro, epoch: int, total: int | None) -> None:
+    """An epoch that ends early (a source that is partly one-shot, or shrinks) says so."""
+    if n.stop_requested:
+        return
+    seen = n.batch_in_epoch
+    lengths = n.__dict__.setdefault("_epoch_lengths", {})
+    expected = total if total is not None else lengths.get("first")
+    if total is None and "first" not in lengths:
+        lengths["first"] = seen
+    if expected is not None and seen < expected:
+        warnings.warn(
+            f"epoch {epoch + 1} yielded {seen} train batches, but "
+            + (f"the split's len() is {expected}" if total is not None
+               else f"the first epoch had {expected}")
+            + ". A source whose iterator is shared between passes runs dry; make __iter__ "
+              "start a new pass (or use jn.DataLoader).", stacklevel=3)
 
 
 def _end_epoch(n: Nitro, epoch: int, losses: list[float], seconds: float) -> str:
@@ -173,14 +276,19 @@ def _end_epoch(n: Nitro, epoch: int, losses: list[float], seconds: float) -> str
            "train_loss": float(np.mean(losses)) if losses else None}
     if "val" in n.splits and not n.preempted:  # preemption leaves no time to validate
         n.display.phase("validating")
-        row.update(_evaluate(n, "val"))
+        try:
+            row.update(_evaluate(n, "val"))
+        except BaseException:
+            # A failing val loader or a second Ctrl-C must not cost the epoch's training:
+            # checkpoint the trained state, marked unvalidated, then let the error through.
+            _record_row(n, row)
+            with contextlib.suppress(Exception):
+                _checkpoint(n, row, stop_reason="error", validated=False)
+            raise
         n.logger.log_metrics({k: v for k, v in row.items() if k not in ("epoch", "step")
                               and _is_scalar(v)},
                              context="validate", epoch=epoch + 1, step=n.step)
-    if n.history_rows and n.history_rows[-1]["epoch"] == row["epoch"]:
-        n.history_rows[-1] = row  # the epoch a stop cut short, now finished
-    else:
-        n.history_rows.append(row)
+    _record_row(n, row)
     reason = "completed"
     finished = n.batch_in_epoch == 0  # the epoch ran to its end
     if n.early_stop is not None and finished and not n.stop_requested:
@@ -192,6 +300,13 @@ def _end_epoch(n: Nitro, epoch: int, losses: list[float], seconds: float) -> str
     _checkpoint(n, row, stop_reason=None if reason == "completed" else reason)
     n.display.end_epoch(_epoch_summary(row, len(losses) / seconds if seconds else 0))
     return reason
+
+
+def _record_row(n: Nitro, row: dict) -> None:
+    if n.history_rows and n.history_rows[-1]["epoch"] == row["epoch"]:
+        n.history_rows[-1] = row  # the epoch a stop cut short, now finished
+    else:
+        n.history_rows.append(row)
 
 
 def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
@@ -219,11 +334,17 @@ def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
                 raise NonFiniteLossError(
                     f"the training loss is {row['loss']} at step {step} (epoch {epoch + 1}, "
                     f"batch {batch}). Lower the learning rate, check the data for NaN/inf, or "
-                    f"add gradient clipping. The last good checkpoint is "
-                    f"{n.checkpointer.latest()}.")
+                    f"add gradient clipping (or pass on_nonfinite='skip' to skip such steps). "
+                    + _last_good(n))
             if not row.get("skipped"):
                 losses.append(row["loss"])
             n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
+
+
+def _last_good(n: Nitro) -> str:
+    latest = n.checkpointer.latest()
+    return (f"The last good checkpoint is {latest}." if latest is not None else
+            "There is no checkpoint yet (the first is written at the end of epoch 1).")
 
 
 def _is_scalar(v) -> bool:
@@ -238,9 +359,11 @@ def _epoch_summary(row: dict, rate: float) -> str:
     return " · ".join(p for p in parts if p)
 
 
-def _checkpoint(n: Nitro, row: dict, *, stop_reason: str | None = None) -> None:
+def _checkpoint(n: Nitro, row: dict, *, stop_reason: str | None = None,
+                validated: bool = True) -> None:
     metrics = {k: v for k, v in row.items() if isinstance(v, float)}
     meta = {
+        "run_id": n.run_id, "validated": validated, "total_steps": n.total_steps,
         "epoch": n.epoch, "batch_in_epoch": n.batch_in_epoch, "step": n.step, "seed": n.seed,
         "config": _jsonable(dict(graph_key(n.experiment))),
         "experiment": n.cls.__qualname__,
@@ -296,6 +419,9 @@ def _evaluate(n: Nitro, split: str) -> dict[str, Any]:
     finally:
         stream.close()
     values, raw = metrics_mod.finalize(jax.device_get(totals))
+    if split != "val" and "val_loss" in values:  # the loss is named after its split
+        values[f"{split}_loss"] = values.pop("val_loss")
+        raw[f"{split}_loss"] = raw.pop("val_loss")
     fin = getattr(n.cls, "finalize_metrics", None)
     if fin is not None:
         out = fin(n.experiment, values, split)
@@ -322,8 +448,11 @@ def evaluate(n: Nitro, split: str = "test") -> dict[str, Any]:
     _check_split(n, split)
     phase = n.phase
     values = _evaluate(n, split)
-    n.logger.log_metrics({k: v for k, v in values.items() if _is_scalar(v)},
-                         context="validate", epoch=n.epoch, step=n.step)
+    with writing(n, "evaluate", required=False) as may_write:
+        if may_write:
+            n.logger.log_metrics({"split": split, **{k: v for k, v in values.items()
+                                                    if _is_scalar(v)}},
+                                 context="validate", epoch=n.epoch, step=n.step)
     set_phase(n, phase if phase not in ("Starting", "Evaluating") else "Done")
     return values
 
@@ -362,16 +491,43 @@ def _predict_batch(n: Nitro, batch, *, pad_to: int | None):
                         f"{sorted(batch)}." + "".join(did_you_mean(m, batch) for m in missing))
     fields = [f for f in batch if route.takes_all or f in route.required or f in route.optional]
     size = data_mod.check_batch({f: batch[f] for f in fields}, "predict")
+    if pad_to is None:  # a dict batch of any size: a bounded set of programs
+        cap = _predict_cap(n)
+        if size > cap:  # in pieces of the largest bucket, outputs joined (batch first)
+            pieces = [_predict_batch(n, {f: batch[f][i:i + cap] for f in fields}, pad_to=None)
+                      for i in range(0, size, cap)]
+            return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *pieces)
+        pad_to = _bucket(size, cap)
     target = pad_to if pad_to and size < pad_to else size
     rem = target % n.n_devices
     if rem:
         target += n.n_devices - rem
     host = data_mod.pad_batch({f: np.asarray(batch[f]) for f in fields}, target)
     dev = {f: feed._put(n, host[f], n.batch_sharding) for f in fields}
-    n_valid = None if target == size else size
-    prog = programs.predict_program(n, dev, n_valid)
-    out = prog(n.carry.params, n.carry.model_state, dev, n.extras())
-    return jax.device_get(out)
+    # One program per padded size: the padding rows are sliced away on the host, so the
+    # number of real rows is not part of the program.
+    prog = programs.predict_program(n, dev, None)
+    out = jax.device_get(prog(n.carry.params, n.carry.model_state, dev, n.extras()))
+    if target == size:
+        return out
+    return jax.tree.map(lambda a: a[:size] if getattr(a, "ndim", 0) and a.shape[0] == target
+                        else a, out)
+
+
+def _predict_cap(n: Nitro) -> int:
+    """The largest predict bucket: the train batch size (else the largest batch seen)."""
+    sizes = [info["batch_size"] for info in n.batch_info.values()]
+    train = n.batch_info.get("train", {}).get("batch_size")
+    return max(train or max(sizes, default=1), 1)
+
+
+def _bucket(size: int, cap: int) -> int:
+    """Powers of two up to `cap` (and `cap` itself): predict over arbitrary batch sizes
+    compiles at most log2(cap) + 2 programs instead of one per size."""
+    b = 1
+    while b < size:
+        b *= 2
+    return min(b, cap)
 
 
 # -- live Device values ----------------------------------------------------------------

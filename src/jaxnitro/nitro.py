@@ -7,8 +7,13 @@ restore → logger. Programs compile lazily on the first batch (`programs.py`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import math
+import os
+import re
+import uuid
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -19,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import data as data_mod
-from . import hooks, optim
+from . import hooks, optim, signals
 from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
 from .checkpoint import _read_meta as checkpoint_meta
 from .devices import apply_env, make_mesh, replicated
@@ -34,6 +39,7 @@ from .errors import (
 from .experiment import DEVICE, field_values, fields, graph_key, is_experiment, replace
 from .logging import JSONLogger
 from .progress import Display
+from .runlock import RunLock
 from .step import Carry
 
 
@@ -77,6 +83,34 @@ class Nitro:
                              if p not in ("self", "exp", "unknown"))
             raise ConfigArgumentError(f"Nitro has no option {name!r}; options: {options}."
                                       + did_you_mean(name, options))
+        settings = {k: v for k, v in locals().items() if k not in ("self", "exp", "unknown")}
+        with signals.terminate_during_setup():
+            try:
+                self._setup(exp, **settings)
+            except signals.SetupTerminated:
+                self._log_terminated(exp, logger, run_dir)
+                raise SystemExit(143) from None
+
+    def _log_terminated(self, exp, logger, run_dir) -> None:
+        """SIGTERM during setup: a `finish` line (status preempted) if the run dir is free."""
+        with contextlib.suppress(Exception):
+            log = getattr(self, "logger", None) or _logger_setting(
+                logger if logger is not None else getattr(exp, "logger", None))
+            path = getattr(self, "run_dir", None) or _run_dir_setting(
+                run_dir if run_dir is not None else getattr(exp, "run_dir", None),
+                type(exp).__name__)
+            lock = RunLock(path)
+            if lock.try_acquire("setup"):
+                try:
+                    log.open(path, resume=True)
+                    log.finish("preempted", phase="setup", step=getattr(self, "host_step", 0))
+                    log.close()
+                finally:
+                    lock.release()
+
+    def _setup(self, exp, *, seed, run_dir, n_devices, accum, steps_per_call, max_epochs,
+               schedules, precision, logger, checkpointer, early_stop, resume, checkpoint, data,
+               memory_budget, compile_options, progress, on_nonfinite) -> None:
         cls = type(exp)
         self.routes = hooks.check_hooks(cls)
         given = {"seed": seed, "run_dir": run_dir, "n_devices": n_devices,
@@ -87,7 +121,7 @@ class Nitro:
         self.seed = 42 if s["seed"] is None else _int_setting("seed", s["seed"], minimum=0)
         self.max_epochs = 1 if s["max_epochs"] is None else _int_setting(
             "max_epochs", s["max_epochs"], minimum=1)
-        self.run_dir = Path(s["run_dir"] if s["run_dir"] is not None else Path("runs") / cls.__name__)
+        self.run_dir = _run_dir_setting(s["run_dir"], cls.__name__)
         self.accum = _int_setting("accum", accum, minimum=1)
         self.steps_per_call = _int_setting("steps_per_call", steps_per_call, minimum=1)
         if precision not in (None, "f32", "bf16"):
@@ -98,7 +132,11 @@ class Nitro:
         # Nitro(schedules=...) replaces the experiment's schedules() table; it does not merge.
         self._schedule_table = dict(schedules if schedules is not None else
                                     (exp.schedules() if hasattr(cls, "schedules") else {}) or {})
-        self.memory_budget, self.compile_options = memory_budget, dict(compile_options or {})
+        self.memory_budget = _bytes_setting("memory_budget", memory_budget)
+        if compile_options is not None and not isinstance(compile_options, Mapping):
+            raise ConfigError(f"compile_options must be a dict of XLA options, got "
+                              f"{type(compile_options).__name__}.")
+        self.compile_options = dict(compile_options or {})
         for k, v in self.compile_options.items():  # XLA flags: name -> bool/int/float/str
             if not isinstance(k, str) or not isinstance(v, (bool, int, float, str)):
                 raise ConfigError(f"compile_options maps XLA option names to bool, int, float "
@@ -111,6 +149,10 @@ class Nitro:
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
         self.preempted = False
+        if progress not in (None, True, False, "rich", "plain", "off"):
+            raise ConfigError(f"progress={progress!r}; use True (a live display on a terminal, "
+                              f"plain lines otherwise), 'rich', 'plain' or False/'off'."
+                              + did_you_mean(str(progress), ["rich", "plain", "off"]))
         self.display = Display(progress)
         self.phase = "Starting"
         self.stop_requested = False
@@ -131,16 +173,23 @@ class Nitro:
         self._checkpointer_named = s["checkpointer"] is not None
         if not isinstance(self.checkpointer, TopKCheckpointer):
             raise ConfigError(f"checkpointer must be a jn.TopKCheckpointer, got {type(self.checkpointer).__name__}.")
-        self.checkpointer.bind(self.run_dir)
+        # Setup never writes the run's files: the run lock (one writer per run dir) is taken
+        # by `jn.train` and by an evaluation that logs. Only finding the checkpoint to resume
+        # from takes it briefly, since that may move a corrupted checkpoint aside.
+        self.lock = RunLock(self.run_dir)
+        self.checkpointer.bind(self.run_dir, writer=False)
         self.resume_path = self._resume_record(resume)
+        self.run_id = uuid.uuid4().hex[:12]
         if self.resume_path is not None:
             meta = _read_meta(self.resume_path)
+            self.run_id = _resumed_run_id(meta, self.run_id)
             if meta.get("seed") is not None and meta["seed"] != self.seed:
                 warnings.warn(
                     f"resuming with seed {meta['seed']} from the checkpoint instead of "
                     f"{self.seed}: the shuffle order and dropout must continue as they were.",
-                    stacklevel=2)
-                self.seed = int(meta["seed"])
+                    stacklevel=4)
+                self.seed = _meta_int(meta, "seed", self.resume_path)
+        self.checkpointer.for_run(self.run_id)
 
         # Data, then derived values (e.g. class weights) assigned to existing fields.
         apply_env()
@@ -208,17 +257,26 @@ class Nitro:
         self._check_checkpoint_metric()
         if self.resume_path is not None:
             self._restore(self.resume_path, full=True)
+            horizon = self.resumed_total_steps
+            if self.schedules.fns and isinstance(horizon, int) and horizon != self.total_steps:
+                warnings.warn(
+                    f"resuming a run whose schedules spanned {horizon} steps into one of "
+                    f"{self.total_steps} (max_epochs={self.max_epochs}): the schedules are "
+                    f"stretched to the new length, so from step {self.host_step} on the "
+                    f"scheduled values differ from the original run's.", stacklevel=4)
         elif checkpoint is not None:
             self._restore(Path(checkpoint), full=False)
 
-        self.logger = s["logger"] if s["logger"] is not None else JSONLogger()
-        self.logger.open(self.run_dir, resume=self.resume_path is not None)
-        self.logger.log_params({
+        self.logger = _logger_setting(s["logger"])
+        self.logger_open = False  # opened by the first entry point that writes (loop.writing)
+        self.resume_marked = False
+        self.params_line = {
             "experiment": cls.__name__, "seed": self.seed, "max_epochs": self.max_epochs,
             "n_devices": self.n_devices, "backend": jax.default_backend(),
+            "run_id": self.run_id,
             "config": {f.name: _jsonable(getattr(exp, f.name)) for f in fields(exp)},
             "markers": {f.name: f.marker for f in fields(exp)},
-        })
+        }
         self.early_stop = s["early_stop"]
         if self.early_stop is not None:
             self._check_early_stop()
@@ -264,13 +322,23 @@ class Nitro:
             return None
         if resume in (True, "auto"):
             # The newest checkpoint that verifies: a truncated or corrupted newest one (a kill
-            # mid-write on a filesystem without atomic rename) is reported and skipped.
-            latest = self.checkpointer.latest_valid()
+            # mid-write on a filesystem without atomic rename) is reported and moved aside,
+            # which writes: a run that another writer holds cannot be resumed now.
+            self.lock.acquire("resume", what=f"run_dir {self.run_dir}")
+            try:
+                self.checkpointer.bind(self.run_dir, writer=True)
+                latest = self.checkpointer.latest_valid()
+            finally:
+                self.lock.release()
             if latest is None and resume is True:
                 raise CheckpointError(
                     f"resume=True but {self.checkpointer.dir} holds no checkpoint. Use "
                     f"resume='auto' to start fresh when there is none.")
             return latest
+        if not isinstance(resume, (str, os.PathLike)):
+            raise ConfigError(f"resume={resume!r}; use False, 'auto' (continue from the newest "
+                              f"checkpoint in run_dir if any), True (it must exist) or a "
+                              f"checkpoint path.")
         path = Path(resume)
         if not path.exists():
             raise CheckpointError(
@@ -328,7 +396,19 @@ class Nitro:
         """Route every split's first batch through the hooks; check sizes and devices."""
         info = {}
         for split, src in self.splits.items():
-            first = next(iter(src), None)
+            # Peek once: every later use of the first batch (programs, memory plan) reads it
+            # from batch_info, so a source is iterated by setup exactly once.
+            it = iter(src)
+            if it is iter(src):
+                raise DataError(
+                    f"split {split!r} ({type(src).__name__}) returns the same iterator each "
+                    f"time it is iterated, so it would be empty after the first epoch. Make "
+                    f"__iter__ start a new pass (e.g. a generator function), or pass a "
+                    f"jn.DataLoader or a list of batches.")
+            first = next(it, None)
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
             if first is None:
                 raise DataError(f"split {split!r} is empty (it yielded no batch). Remove the "
                                 f"split, or check what build_data loads.")
@@ -352,7 +432,8 @@ class Nitro:
                     f"devices of the data mesh. Use a batch size that is a multiple of "
                     f"{self.n_devices}.")
             info[split] = {"batch_size": bs, "fields": fields, "keys": frozenset(first),
-                           "has_loss": loss_ok}
+                           "has_loss": loss_ok, "first": first,
+                           "specs": data_mod.batch_specs(first, split)}
         return info
 
     def _steps_per_epoch(self) -> int | None:
@@ -474,12 +555,20 @@ class Nitro:
             self.carry = jax.device_put(
                 Carry(params, mstate, trees["opt_state"], jnp.asarray(meta["step"], jnp.int32)),
                 self._rep)
-            self.host_step = int(meta["step"])
-            self.epoch = int(meta["epoch"])
-            self.batch_in_epoch = int(meta.get("batch_in_epoch", 0))
-            self.history_rows = list(meta.get("history", []))
-            self.skipped_steps = int(meta.get("skipped_steps") or 0)
+            self.host_step = _meta_int(meta, "step", path)
+            # Every epoch takes at least one step: a larger epoch is a damaged or edited meta.
+            self.epoch = _meta_int(meta, "epoch", path, maximum=self.host_step)
+            self.batch_in_epoch = _meta_int(meta, "batch_in_epoch", path, default=0,
+                                            maximum=self.steps_per_epoch and
+                                            self.steps_per_epoch * self.accum)
+            self.skipped_steps = _meta_int(meta, "skipped_steps", path, default=0)
+            history = meta.get("history", [])
+            if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
+                raise CheckpointError(f"checkpoint {path}: meta field 'history' must be a list "
+                                      f"of rows, got {type(history).__name__}.")
+            self.history_rows = list(history)
             self._early_stop_state = meta.get("early_stop")
+            self.resumed_total_steps = meta.get("total_steps")
         else:
             self.carry = self.carry._replace(params=params, model_state=mstate)
 
@@ -494,6 +583,82 @@ def _read_meta(path: Path) -> dict:
     return full.get("meta", full)
 
 
+def _meta_int(meta: dict, key: str, path: Path, *, default: int | None = None,
+              maximum: int | None = None) -> int:
+    """An integer field of a checkpoint's meta, validated (a bad one names the field)."""
+    value = meta.get(key, default)
+    if value is None and default is not None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 \
+            or (maximum is not None and value > maximum):
+        bound = f" and <= {maximum}" if maximum is not None else ""
+        raise CheckpointError(
+            f"checkpoint {path}: meta field {key!r} is {value!r}; it must be an int >= 0{bound}. "
+            f"The checkpoint's meta.json is damaged or was edited; resume from another "
+            f"checkpoint (TopKCheckpointer.records()) or start a new run.")
+    return value
+
+
+def _resumed_run_id(meta: dict, fallback: str) -> str:
+    run_id = meta.get("run_id")
+    return run_id if isinstance(run_id, str) and re.fullmatch(r"[0-9a-zA-Z_-]{1,64}", run_id) \
+        else fallback
+
+
+def _run_dir_setting(value, default_name: str) -> Path:
+    if value is None:
+        return Path("runs") / default_name
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"run_dir must be a path (str or pathlib.Path), got "
+                          f"{type(value).__name__} {value!r}; e.g. run_dir='runs/{default_name}'.")
+    if not str(os.fspath(value)).strip():
+        raise ConfigError(f"run_dir is empty; pass a directory, e.g. run_dir='runs/{default_name}' "
+                          f"(or leave it out for that default).")
+    return Path(value)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _bytes_setting(name: str, value) -> int | None:
+    """Bytes as an int, or a string such as "1GB", "512MiB", "1.5 GiB"."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        unit = m and m.group(2).lower()
+        if not m or unit not in _UNITS:
+            raise ConfigError(f"{name}={value!r} is not a size; pass bytes as an int or a "
+                              f"string like '1GB' or '512MiB' (units: B, KB, MB, GB, TB, KiB, "
+                              f"MiB, GiB, TiB).")
+        value = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(value):
+            raise ConfigError(f"{name} is not finite.")
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ConfigError(f"{name} must be a positive number of bytes (or '1GB', '512MiB'), "
+                          f"got {value!r}.")
+    return int(value)
+
+
+def _logger_setting(value):
+    if value is None:
+        return JSONLogger()
+    if isinstance(value, (list, tuple)):
+        raise ConfigError(
+            f"logger= takes one logger; got a {type(value).__name__} of {len(value)}. Several "
+            f"loggers at once are not supported yet: pick one (the JSONL log is the default), "
+            f"or write a jn.Logger that forwards to several.")
+    missing = [m for m in ("open", "log_params", "log_metrics", "log_other", "finish", "close")
+               if not callable(getattr(value, m, None))]
+    if missing:
+        raise ConfigError(f"logger {type(value).__name__} lacks the jn.Logger method(s) "
+                          f"{missing}; implement open, log_params, log_metrics, log_other, "
+                          f"finish and close (see jn.Logger).")
+    return value
+
+
 def _int_setting(name: str, value, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}.")
@@ -501,14 +666,16 @@ def _int_setting(name: str, value, *, minimum: int) -> int:
 
 
 def _jsonable(value):
-    if isinstance(value, (str, int, float, bool)) or value is None:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None  # JSON has no NaN/inf
+    if isinstance(value, (str, int, bool)) or value is None:
         return value
     if isinstance(value, (tuple, list)):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if hasattr(value, "shape") and getattr(value, "shape", None) == ():
-        return np.asarray(value).item()
+        return _jsonable(np.asarray(value).item())
     return repr(value)
 
 

@@ -434,3 +434,24 @@ def step_decay(every: int, factor: float = 0.1):
 def constant(value: float = 1.0):
     """A constant value (switching to or from it never recompiles)."""
     return lambda total: (lambda step: value)
+
+
+def describe(opt: Optimizer) -> tuple[tuple[str, Any], ...]:
+    """The optimizer's structure in the user's terms, for explaining a recompile:
+    ``(("gradient_clip_norm", 1.0), ("param groups", ("decay", "default")),
+    ("optimizer of group 'default'", "radam"), ("weight decay in group 'default'", True))``."""
+    out: list[tuple[str, Any]] = [("gradient_clip_norm", opt.clip),
+                                  ("param groups", tuple(sorted(opt.groups)))]
+    for g, spec in sorted(opt.groups.items()):
+        out.append((f"optimizer of group {g!r}", _rule_name(spec)))
+        out.append((f"weight decay in group {g!r}", f"opt.{g}.weight_decay" in opt.hyper_paths))
+        out.append((f"frozen group {g!r}", spec.rate == 0.0))
+    return tuple(out)
+
+
+def _rule_name(spec: GroupSpec) -> str:
+    rule = spec.factory if spec.factory is not None else spec.transform
+    if isinstance(rule, functools.partial):
+        kw = ", ".join(f"{k}={v!r}" for k, v in sorted(rule.keywords.items()))
+        return f"{getattr(rule.func, '__name__', type(rule.func).__name__)}({kw})"
+    return getattr(rule, "__name__", type(rule).__name__)

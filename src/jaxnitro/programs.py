@@ -24,9 +24,14 @@ from .devices import mesh_id
 from .errors import HookError, JaxnitroError
 from .experiment import GRAPH, CompileView, field_values, graph_key
 from .phases import set_phase
-from .step import make_eval_step, make_train_step, scalar_loss, slice_rows
+from .step import loss_parts, make_eval_step, make_train_step, scalar_loss, slice_rows
 
 _TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics")
+# The hooks each kind of program traces: a program's key holds their fingerprints only, so
+# editing `metrics` never invalidates the train program.
+_KIND_HOOKS = {"train": ("forward", "loss", "train_metrics"),
+               "eval": ("forward", "loss", "metrics"),
+               "predict": ("forward",)}
 
 
 def _forward(n, device, params, model_state, batch):
@@ -44,10 +49,6 @@ def _forward(n, device, params, model_state, batch):
             f"{type(out).__name__}. Return what jn.apply returns: "
             f"`return jn.apply(model, params, state, x)`.")
     return out
-
-
-def _loss(n, device, outputs, batch):
-    return scalar_loss(n.cls.loss(CompileView(n.experiment, device, "loss"), outputs, **n.routes["loss"].select(batch)))
 
 
 def _cast_floats(tree, dtype):
@@ -107,9 +108,17 @@ def eval_metrics_fn(n, split: str):
         outputs, batch = slice_rows(outputs, n_valid, size), slice_rows(batch, n_valid, size)
         rows = size if n_valid is None else n_valid
         totals = {}
-        if has_loss:  # val_loss is sample-weighted: exact over a ragged split
-            loss = _loss(n, device, outputs, batch)
-            totals["val_loss"] = (loss * rows, jnp.asarray(rows, jnp.int32))
+        if has_loss:
+            # Exact over the split: a scalar mean is weighted by the batch's rows, a
+            # (sum, count) loss by its count, so the total divides once to sum / count.
+            raw = n.cls.loss(CompileView(n.experiment, device, "loss"), outputs,
+                             **n.routes["loss"].select(batch))
+            if isinstance(raw, (tuple, list)) and len(raw) == 2:
+                total, count = loss_parts(raw)
+                totals["val_loss"] = (total, count.astype(jnp.float32))
+            else:
+                loss = scalar_loss(raw)
+                totals["val_loss"] = (loss * rows, jnp.asarray(rows, jnp.int32))
         if "metrics" in n.routes:
             got = n.cls.metrics(CompileView(n.experiment, device, "metrics"), outputs,
                                 **n.routes["metrics"].select(batch))
@@ -127,14 +136,14 @@ def _code_names(code) -> set[str]:
     return names
 
 
-def traced_functions(n) -> dict[str, Any]:
-    """The traced hooks, plus the experiment's methods and properties they reach via `self`.
+def traced_functions(n, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
+    """The traced `hooks`, plus the experiment's methods and properties they reach via `self`.
 
     `self.helper(...)` is an attribute load, invisible to a function fingerprint; following
     the names the code loads (three levels) puts an edited helper method into the key.
     """
     out: dict[str, Any] = {}
-    frontier = [h for h in _TRACED_HOOKS if h in n.routes]
+    frontier = [h for h in hooks if h in n.routes]
     fields = n.cls.__jn_fields__
     for _ in range(3):
         nxt = []
@@ -151,14 +160,18 @@ def traced_functions(n) -> dict[str, Any]:
     return out
 
 
-def hook_prints(n) -> tuple:
-    """(name, fingerprint) of every traced function; part of every program key."""
-    return tuple(sorted((name, fingerprint(fn)) for name, fn in traced_functions(n).items()))
+def hook_prints(n, kind: str | None = None) -> tuple:
+    """(name, fingerprint) of every function a `kind` of program traces (all kinds: None);
+    part of that program's key."""
+    hooks = _TRACED_HOOKS if kind is None else _KIND_HOOKS[kind]
+    return tuple(sorted((name, fingerprint(fn))
+                        for name, fn in traced_functions(n, hooks).items()))
 
 
 def _base_key(n, kind: str) -> tuple:
-    prints = hook_prints(n)
-    n.__dict__.setdefault("_prints", prints)
+    prints = hook_prints(n, kind)
+    if "_prints" not in n.__dict__:
+        n.__dict__["_prints"] = hook_prints(n)
     return (
         kind,
         n.cls.__module__, n.cls.__qualname__,
@@ -173,11 +186,10 @@ def _base_key(n, kind: str) -> tuple:
 
 def _parts(n, kind: str, split: str | None, named_inputs: dict, options: dict,
            optimizer=None) -> explain.KeyParts:
-    hooks, helpers = explain.hook_parts(traced_functions(n))
+    hooks, helpers = explain.hook_parts(traced_functions(n, _KIND_HOOKS[kind]))
     rows = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(named_inputs)[0]:
-        aval = cache._aval(leaf)
-        rows.append((jax.tree_util.keystr(path), tuple(leaf.shape), aval[1], aval[2]))
+        rows.append((jax.tree_util.keystr(path), *cache.input_spec(leaf)))
     return explain.KeyParts(
         kind=kind, experiment=n.cls.__qualname__,
         graph_consts=tuple(field_values(n.experiment, GRAPH).items()),
@@ -199,15 +211,20 @@ def check_stale(n) -> None:
         return
     was, now = dict(old), dict(new)
     edited = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    # Only the programs that trace the edited code: the others stay valid and cached.
+    stale = [p for p in n.__dict__.get("used_programs", {}).values()
+             if any(now.get(name) != digest for name, digest in p.deps)]
+    kinds = sorted({p.kind for p in stale})
     dropped = cache.drop(lambda p: p.key[1:3] == (n.cls.__module__, n.cls.__qualname__)
-                         and p.key[5] == old)
+                         and any(now.get(name) != digest for name, digest in p.deps))
     n.programs = {}
     n.__dict__["_prints"] = new
     n.__dict__["_slots"] = set()  # the recompiles that follow are explained here, not again
+    which = f" (the {' and '.join(kinds)} program{'s' * (len(kinds) > 1)})" if kinds else ""
     warnings.warn(
         f"{n.cls.__name__}: {', '.join(f'`{e}`' for e in edited)} changed since this Nitro "
-        f"compiled its programs; {dropped} stale program(s) dropped, they will be recompiled.",
-        stacklevel=3)
+        f"compiled its programs; {dropped} stale program(s) dropped{which}, they will be "
+        f"recompiled; programs that do not call it are kept.", stacklevel=3)
 
 
 def _on_compile(n):
@@ -232,7 +249,7 @@ def _acquire(n, key, lower, *, kind: str, label: str, parts, hooks) -> cache.Pro
     before = cache.cache_stats()["misses"]
     prog = cache.get_or_compile(key, lower, kind=kind, label=label, devices=mesh_id(n.mesh),
                                 parts=parts, hooks=hooks, compile_options=n.compile_options,
-                                on_compile=_on_compile(n))
+                                on_compile=_on_compile(n), deps=hook_prints(n, kind))
     used = n.__dict__.setdefault("used_programs", {})
     compiled_here = cache.cache_stats()["misses"] > before
     # A planned variant (the ragged last eval batch, a tail of single steps) is its own slot.
@@ -242,7 +259,8 @@ def _acquire(n, key, lower, *, kind: str, label: str, parts, hooks) -> cache.Pro
     if compiled_here:
         n.__dict__.setdefault("compiled_programs", []).append(prog)
         rec = prog.record
-        n.logger.log_other({"compile": {
+        log = n.logger.log_other if n.logger_open else (lambda _: None)  # readers log nothing
+        log({"compile": {
             "kind": kind, "label": label, "trace_s": rec.trace_seconds,
             "lower_s": rec.lower_seconds, "compile_s": rec.compile_seconds,
             "hlo_ops": rec.hlo_ops, "stablehlo_ops": rec.stablehlo_ops,
@@ -271,7 +289,8 @@ def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
         unpack_hyper=n.unpack_hyper, skip_nonfinite=n.on_nonfinite == "skip")
     parts = _parts(n, "train", "train", {"batch": batch, "extras": extras["device"]},
                    {"accum": n.accum, "steps_per_call": steps_per_call,
-                    "precision": n.precision}, optimizer=cache.optimizer_key(n.tx))
+                    "precision": n.precision},
+                   optimizer=(optim.describe(n.optimizer), cache.optimizer_key(n.tx)))
     label = n.cls.__name__ + (f", {steps_per_call} steps per call" if steps_per_call > 1 else "")
     carry_def = n._carry_def
 
@@ -289,7 +308,7 @@ def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
 def eval_metric_shapes(n, split: str) -> dict:
     """Abstract {name: (sum, count)} of the eval step on the split's first batch."""
     info = n.batch_info[split]
-    first = next(iter(n.splits[split]))
+    first = info["first"]
     batch = {k: jax.ShapeDtypeStruct(first[k].shape, jnp.asarray(first[k][:1]).dtype)
              for k in info["fields"]}
     fn = eval_metrics_fn(n, split)
@@ -346,7 +365,7 @@ def planned(n, *, train: bool = True) -> dict[str, cache.Program]:
         loader = n.splits["train"]
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(n.epoch)
-        stacked, k = next(feed.train_units(n, loader, 0, n.epoch))
+        stacked, k = feed.first_unit(n, loader)
         prepare = feed.train_prepare(n, n.epoch)
         (batch, hyper, steps), *_ = prepare((stacked, k))[0]
         out["train"] = train_program(n, batch, hyper, steps)
@@ -357,7 +376,7 @@ def planned(n, *, train: bool = True) -> dict[str, cache.Program]:
             out["train (single steps)"] = train_program(n, single[0], single[1], 1)
     if "val" in n.splits:
         bs = n.batch_info["val"]["batch_size"]
-        dev, _ = feed.eval_prepare(n, "val", bs)(next(iter(n.splits["val"])))
+        dev, _ = feed.eval_prepare(n, "val", bs)(n.batch_info["val"]["first"])
         totals = jax.device_put(metrics_mod.zeros_like_totals(eval_metric_shapes(n, "val")), n._rep)
         out["eval"] = eval_program(n, "val", dev, totals, None)
         loader = n.splits["val"]
@@ -365,3 +384,34 @@ def planned(n, *, train: bool = True) -> dict[str, cache.Program]:
             rows = loader.num_samples % loader.batch_size
             out["eval (last batch)"] = eval_program(n, "val", dev, totals, rows)
     return out
+
+
+def plan_notes(n, *, train: bool = True) -> list[str]:
+    """Every program the run will compile, and why: one line each (nothing compiles here).
+
+    The extra programs are the ones a user can avoid: a tail of single steps when
+    `steps_per_call` does not divide the steps of an epoch, and the ragged last val batch.
+    """
+    notes = []
+    spe, spc = n.steps_per_epoch, n.steps_per_call
+    if train and "train" in n.splits:
+        notes.append(f"train: {spc} optimizer steps per call" if spc > 1 else
+                     "train: one optimizer step per call")
+        if spc > 1 and spe and spe % spc:
+            divisors = [d for d in range(2, spe + 1) if spe % d == 0][:4]
+            notes.append(
+                f"train (single steps): {spe} steps per epoch leave a tail of {spe % spc} that "
+                f"does not fill steps_per_call={spc}; it runs as single steps, a second train "
+                f"program. A steps_per_call dividing {spe}"
+                + (f" (e.g. {', '.join(map(str, divisors))})" if divisors else "")
+                + " avoids it.")
+    if "val" in n.splits:
+        notes.append("eval: the 'val' split")
+        loader = n.splits["val"]
+        if getattr(loader, "ragged", False):
+            rows = loader.num_samples % loader.batch_size
+            notes.append(
+                f"eval (last batch): the 'val' split's {loader.num_samples} samples leave a last "
+                f"batch of {rows} (batch_size {loader.batch_size}), padded in a program of its "
+                f"own; a batch size dividing {loader.num_samples} avoids it.")
+    return notes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import sys
 import threading
 
@@ -20,9 +21,12 @@ def graceful_stop(n):
         yield
         return
     presses = [0]
+    counter = _SignalCounter()
 
     def on_interrupt(signum, frame):
-        presses[0] += 1
+        # Two Ctrl-C during one long C call (an XLA compile) reach Python as one handler
+        # call; the wakeup fd saw both, so count from it.
+        presses[0] += max(1, counter.take(signal.SIGINT))
         if presses[0] > 1:
             signal.signal(signal.SIGINT, previous_int)
             raise KeyboardInterrupt
@@ -39,5 +43,76 @@ def graceful_stop(n):
     try:
         yield
     finally:
+        counter.close()
         signal.signal(signal.SIGINT, previous_int)
         signal.signal(signal.SIGTERM, previous_term)
+
+
+class _SignalCounter:
+    """Counts signals at the C level through `signal.set_wakeup_fd` (one byte per signal,
+    even when Python runs the handler once for several). Inactive if a wakeup fd is in use
+    (an event loop owns it): then each handler call counts one."""
+
+    def __init__(self):
+        self._r = self._w = None
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        try:
+            old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        except ValueError:
+            r.close(), w.close()
+            return
+        if old != -1:  # somebody else's: put it back
+            signal.set_wakeup_fd(old)
+            r.close(), w.close()
+            return
+        self._r, self._w = r, w
+        self._pending: list[int] = []
+
+    def take(self, signum: int) -> int:
+        if self._r is None:
+            return 0
+        with contextlib.suppress(BlockingIOError, OSError):
+            while True:
+                data = self._r.recv(4096)
+                if not data:
+                    break
+                self._pending.extend(data)
+        count = self._pending.count(int(signum))
+        self._pending = [s for s in self._pending if s != int(signum)]
+        return count
+
+    def close(self) -> None:
+        if self._r is None:
+            return
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)
+        self._r.close()
+        self._w.close()
+        self._r = None
+
+
+class SetupTerminated(BaseException):
+    """SIGTERM arrived while `Nitro(...)` was setting up (a BaseException: nothing catches it
+    by accident)."""
+
+
+@contextlib.contextmanager
+def terminate_during_setup():
+    """During `Nitro(...)` setup, SIGTERM raises `SetupTerminated` so setup can log a finish
+    line and exit 143, instead of the process dying with no trace. A handler someone else
+    installed (a launcher, jax.distributed) is left alone."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def on_terminate(signum, frame):
+        raise SetupTerminated
+
+    previous = signal.signal(signal.SIGTERM, on_terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -36,6 +36,7 @@ class Program:
     parts: Any = None  # explain.KeyParts: the key's parts, named for explanations
     record: Any = None  # report.CompileRecord
     reasons: tuple[str, ...] = ()  # why this was a miss, against the closest earlier program
+    deps: tuple = ()  # (function name, fingerprint) of the user code traced into it
 
     def __call__(self, *args):
         return self.compiled(*args)
@@ -80,6 +81,22 @@ def _aval(x):
         return (x.shape, str(x.dtype), bool(t.weak_type), x.sharding)
     # Python scalars and numpy values are weakly typed / host: their type is part of the key.
     return (type(x).__name__, getattr(x, "shape", ()), str(getattr(x, "dtype", "")))
+
+
+def input_spec(x) -> tuple[tuple, str, bool]:
+    """(shape, dtype as the program sees it, weak_type) of one program input, for explaining
+    a miss: numpy float64 reads as float32 (x64 off), a Python scalar as weakly typed."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        weak = bool(getattr(jax.typeof(x) if isinstance(x, jax.Array) and hasattr(jax, "typeof")
+                            else x, "weak_type", False))
+        return tuple(x.shape), str(x.dtype), weak
+    if isinstance(x, (bool, int, float, complex)):
+        return (), str(jnp.asarray(x).dtype), True
+    dtype = np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+    return tuple(np.shape(x)), str(jax.dtypes.canonicalize_dtype(dtype)), False
 
 
 def freeze(obj) -> Hashable:
@@ -131,7 +148,8 @@ def optimizer_key(tx) -> Hashable:
 def get_or_compile(key: Hashable, lower: Callable[[], Any], *, kind: str, label: str = "",
                    devices: tuple = (), parts=None, hooks: tuple[str, ...] = (),
                    compile_options: dict | None = None,
-                   on_compile: Callable[[str, str], Any] | None = None) -> Program:
+                   on_compile: Callable[[str, str], Any] | None = None,
+                   deps: tuple = ()) -> Program:
     """Return the cached program for `key`, compiling it (once per process) on a miss.
 
     `lower()` returns a `jax.stages.Traced` or `Lowered`. Two keys that lower to identical
@@ -175,7 +193,8 @@ def get_or_compile(key: Hashable, lower: Callable[[], Any], *, kind: str, label:
                         hooks=hooks or ("forward", "loss"))
     with _lock:
         why = _why(parts)
-        prog = Program(kind, key, compiled, lower_seconds, t3 - t2, label, parts, rec, why)
+        prog = Program(kind, key, compiled, lower_seconds, t3 - t2, label, parts, rec, why,
+                       tuple(deps))
         _stats["misses"] += 1
         _entries[key] = prog
         _by_text[text_key] = prog

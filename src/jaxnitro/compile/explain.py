@@ -81,13 +81,12 @@ def reasons(old: KeyParts, new: KeyParts) -> list[str]:
     out = [f"GraphConst `{name}` changed {_show(a)} → {_show(b)}"
            for name, a, b in _changed(old.graph_consts, new.graph_consts)]
     out += _code_reasons(old, new)
-    out += _input_reasons(old, new)
+    out += _input_reasons(old, new, _leading(old), _leading(new))
     if old.split != new.split:
         out.append(f"split {_show(old.split)} → {_show(new.split)}")
     out += [f"{name} {_show(a)} → {_show(b)}"
             for name, a, b in _changed(old.options, new.options)]
-    if old.optimizer != new.optimizer:
-        out.append("the optimizer changed (its type, param groups or static hyperparameters)")
+    out += _optimizer_reasons(old.optimizer, new.optimizer)
     if old.model != new.model:
         out.append("the model structure changed (layers, widths or static fields)")
     if old.experiment != new.experiment:
@@ -111,6 +110,30 @@ def closest(new: KeyParts, candidates: list[KeyParts]) -> KeyParts | None:
 
 # --- the parts of `reasons` ----------------------------------------------------------------
 
+def _optimizer_reasons(old, new) -> list[str]:
+    """What changed in the optimizer, by name: ``gradient_clip_norm 1.0 → 2.0``."""
+    if old == new:
+        return []
+    described = all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], tuple)
+                    for o in (old, new))
+    if described:
+        out = []
+        for name, a, b in _changed(old[0], new[0]):
+            if name == "param groups":
+                added = sorted(set(b if b is not _MISSING else ()) - set(a if a is not _MISSING else ()))
+                gone = sorted(set(a if a is not _MISSING else ()) - set(b if b is not _MISSING else ()))
+                out += [f"param group `{g}` added" for g in added]
+                out += [f"param group `{g}` removed" for g in gone]
+            elif a is not _MISSING and b is not _MISSING:
+                if isinstance(a, bool) and isinstance(b, bool):
+                    out.append(f"{name} {'turned on' if b else 'turned off'}")
+                else:
+                    out.append(f"{name} {_show(a)} → {_show(b)}")
+        if out:
+            return out
+    return ["the optimizer changed (its type, param groups or static hyperparameters)"]
+
+
 def _code_reasons(old: KeyParts, new: KeyParts) -> list[str]:
     out = []
     for hook, a, b in _changed(old.hooks, new.hooks):
@@ -120,9 +143,17 @@ def _code_reasons(old: KeyParts, new: KeyParts) -> list[str]:
             out.append(f"hook `{hook}` is no longer defined")
         else:
             out.append(f"hook `{hook}` was edited")
-    for key, a, b in _changed(old.helpers, new.helpers):
+    helpers = _changed(old.helpers, new.helpers)
+    # An edit to code changes what it reaches: the names it now uses or no longer uses are
+    # consequences of that edit, not causes. Report the edited code (and changed values).
+    code_edited = bool(out) or any(
+        a is not _MISSING and b is not _MISSING and ":" not in key.rpartition("/")[2]
+        for key, a, b in helpers)
+    for key, a, b in helpers:
         hook, _, item = key.rpartition("/")
         kind, _, name = item.rpartition(":")
+        if code_edited and (a is _MISSING or b is _MISSING):
+            continue
         what = {"global": "module-level value", "closure": "closure variable"}.get(kind, "helper")
         where = f" (reached from hook `{hook}`)" if hook else ""
         verb = ("is now used" if a is _MISSING else "is no longer used" if b is _MISSING
@@ -131,9 +162,16 @@ def _code_reasons(old: KeyParts, new: KeyParts) -> list[str]:
     return out
 
 
-def _input_reasons(old: KeyParts, new: KeyParts) -> list[str]:
-    before = {path: rest for path, *rest in old.inputs}
-    after = {path: rest for path, *rest in new.inputs}
+def _leading(parts: KeyParts) -> int:
+    """Stacking axes in front of each batch input: one for steps_per_call > 1, one for
+    accum > 1 (a change of either reshapes the batch; it is the cause, not the shapes)."""
+    opts = dict(parts.options)
+    return int((opts.get("steps_per_call") or 1) > 1) + int((opts.get("accum") or 1) > 1)
+
+
+def _input_reasons(old: KeyParts, new: KeyParts, lead0: int = 0, lead1: int = 0) -> list[str]:
+    before = {path: _strip(path, rest, lead0) for path, *rest in old.inputs}
+    after = {path: _strip(path, rest, lead1) for path, *rest in new.inputs}
     split = f" on split {new.split!r}" if new.split is not None else ""
     out, partial = [], []
     out += [f"input `{_field(p)}` is no longer passed" for p in before if p not in after]
@@ -144,7 +182,7 @@ def _input_reasons(old: KeyParts, new: KeyParts) -> list[str]:
         if tuple(shape0) != tuple(shape1):
             shrank = (len(shape0) == len(shape1) > 0 and tuple(shape0[1:]) == tuple(shape1[1:])
                       and shape1[0] < shape0[0])
-            if shrank and path.startswith("batch"):
+            if shrank and _is_batch(path):
                 partial.append((path, shape0, shape1))
             else:
                 out.append(f"shape of `{field}` changed {tuple(shape0)} → {tuple(shape1)}")
@@ -160,6 +198,18 @@ def _input_reasons(old: KeyParts, new: KeyParts) -> list[str]:
             f"{f' (and {others})' if others else ''}{split}: a partial batch? use "
             f"drop_last=True"))
     return out
+
+
+def _is_batch(path: str) -> bool:
+    """"batch['img']" or "['batch']['img']" (a keystr of {"batch": ...})."""
+    return path.lstrip("[\"'").startswith("batch")
+
+
+def _strip(path: str, rest, lead: int):
+    shape, *others = rest
+    if lead and _is_batch(path) and len(shape) > lead:
+        shape = tuple(shape)[lead:]
+    return (tuple(shape), *others)
 
 
 def _weak_type_reason(field: str, dtype: str, weak: bool) -> str:
