@@ -68,8 +68,9 @@ class Block(nnx.Module):
         b, t, d = x.shape
         q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
         heads = lambda a: a.reshape(b, t, self.heads, d // self.heads)  # noqa: E731
-        a = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,
-                                         implementation=self.attention)
+        a = jax.nn.dot_product_attention(
+            heads(q), heads(k), heads(v), is_causal=True, implementation=self.attention
+        )
         x = x + self.proj(a.reshape(b, t, d))
         return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
 
@@ -93,7 +94,8 @@ class GPT(nnx.Module):
 def next_token_loss(logits, tokens):
     """Mean cross-entropy of predicting tokens[:, 1:] from logits of tokens[:, :-1]."""
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), tokens[:, 1:]).mean()
+        logits.astype(jnp.float32), tokens[:, 1:]
+    ).mean()
 
 
 def n_params(cfg: GPTConfig) -> int:

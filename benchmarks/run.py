@@ -61,24 +61,57 @@ def cases(profile: str, quick: bool) -> list[dict]:
     q = quick
     if profile == "gpu":  # the GPT first: a run cut short by a time limit still has it
         return [
-            dict(name="gpt", kind="gpt", batch=16, samples=16 * (16 if q else 40), repeats=2,
-                 gpt="gpt2_small", attention="cudnn", precision="bf16"),
+            dict(
+                name="gpt",
+                kind="gpt",
+                batch=16,
+                samples=16 * (16 if q else 40),
+                repeats=2,
+                gpt="gpt2_small",
+                attention="cudnn",
+                precision="bf16",
+            ),
             dict(name="mlp32", kind="mlp", batch=32, samples=32 * (512 if q else 4096), repeats=3),
-            dict(name="mlp1024", kind="mlp", batch=1024, samples=1024 * (64 if q else 512),
-                 repeats=3),
+            dict(
+                name="mlp1024", kind="mlp", batch=1024, samples=1024 * (64 if q else 512), repeats=3
+            ),
             dict(name="cnn", kind="cnn", batch=256, samples=256 * (64 if q else 256), repeats=2),
         ]
     # No fused (lax.scan) variants of the CNN on a CPU: XLA:CPU runs convolutions inside a
     # loop about 10x slower (4-5 steps/s against 46-59 here, by hand and through jaxnitro alike).
     return [
-        dict(name="mlp32", kind="mlp", batch=32, samples=32 * (256 if q else 2048),
-             repeats=2 if q else 5),
-        dict(name="mlp1024", kind="mlp", batch=1024, samples=1024 * (32 if q else 64),
-             repeats=2 if q else 6),
-        dict(name="cnn", kind="cnn", batch=64, samples=64 * (32 if q else 64),
-             repeats=1 if q else 3, fused=False),
-        dict(name="gpt", kind="gpt", batch=8, samples=8 * (16 if q else 32),
-             repeats=1 if q else 3, gpt="tiny", attention=None, precision=None),
+        dict(
+            name="mlp32",
+            kind="mlp",
+            batch=32,
+            samples=32 * (256 if q else 2048),
+            repeats=2 if q else 5,
+        ),
+        dict(
+            name="mlp1024",
+            kind="mlp",
+            batch=1024,
+            samples=1024 * (32 if q else 64),
+            repeats=2 if q else 6,
+        ),
+        dict(
+            name="cnn",
+            kind="cnn",
+            batch=64,
+            samples=64 * (32 if q else 64),
+            repeats=1 if q else 3,
+            fused=False,
+        ),
+        dict(
+            name="gpt",
+            kind="gpt",
+            batch=8,
+            samples=8 * (16 if q else 32),
+            repeats=1 if q else 3,
+            gpt="tiny",
+            attention=None,
+            precision=None,
+        ),
     ]
 
 
@@ -89,9 +122,11 @@ def describe(case: dict) -> str:
         what = "CNN (3 convs 16/32/32, 28×28×1)"
     else:
         c = gpt_config(case)
-        what = (f"GPT {c.layers} layers, d={c.d}, {c.heads} heads, seq {c.seq}, vocab {c.vocab}"
-                f" ({gpt.n_params(c) / 1e6:.1f}M params, {case.get('precision') or 'f32'}, "
-                f"attention {c.attention or 'default'})")
+        what = (
+            f"GPT {c.layers} layers, d={c.d}, {c.heads} heads, seq {c.seq}, vocab {c.vocab}"
+            f" ({gpt.n_params(c) / 1e6:.1f}M params, {case.get('precision') or 'f32'}, "
+            f"attention {c.attention or 'default'})"
+        )
     steps = case["samples"] // case["batch"]
     return f"{what}, RAdam 1e-3, batch {case['batch']}, {steps} steps per epoch"
 
@@ -137,8 +172,7 @@ def make_data(case: dict) -> dict[str, np.ndarray]:
         return {"tokens": gpt.random_tokens(n, gpt_config(case))}
     rng = np.random.default_rng(0)
     shape = (n, 784) if case["kind"] == "mlp" else (n, 28, 28, 1)
-    return {"x": rng.random(shape, dtype=np.float32),
-            "y": rng.integers(0, 10, n, dtype=np.int32)}
+    return {"x": rng.random(shape, dtype=np.float32), "y": rng.integers(0, 10, n, dtype=np.int32)}
 
 
 def classify_loss(logits, y):
@@ -177,8 +211,10 @@ def experiment_for(case: dict):
 def hand_forward_and_loss(case: dict):
     """The same forward and loss as the experiments' hooks, for the hand-written step."""
     if case["kind"] == "gpt":
-        return (lambda model, b: model(b["tokens"][:, :-1]),
-                lambda logits, b: gpt.next_token_loss(logits, b["tokens"]))
+        return (
+            lambda model, b: model(b["tokens"][:, :-1]),
+            lambda logits, b: gpt.next_token_loss(logits, b["tokens"]),
+        )
     return lambda model, b: model(b["x"]), lambda logits, b: classify_loss(logits, b["y"])
 
 
@@ -189,7 +225,7 @@ def init_key(seed: int = 42):
 
 
 def batches_of(data: dict, batch: int, steps: int):
-    return [{k: v[i * batch:(i + 1) * batch] for k, v in data.items()} for i in range(steps)]
+    return [{k: v[i * batch : (i + 1) * batch] for k, v in data.items()} for i in range(steps)]
 
 
 class HandLoop:
@@ -210,8 +246,10 @@ class HandLoop:
         opt_state = tx.init(params)
 
         def cast(tree):
-            return jax.tree.map(lambda a: a.astype(jnp.bfloat16)
-                                if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+            return jax.tree.map(
+                lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                tree,
+            )
 
         def loss_fn(params, batch):
             model = nnx.merge(graphdef, cast(params) if bf16 else params, rest)
@@ -237,11 +275,17 @@ class HandLoop:
         elif way == "device":
             self.fn, self.inputs = jax.jit(step, donate_argnums=(0, 1)), jax.device_put(host)
         else:
-            stacked = {k: v[:self.steps * self.batch].reshape(
-                self.steps // SCAN_K, SCAN_K, self.batch, *v.shape[1:]) for k, v in data.items()}
+            stacked = {
+                k: v[: self.steps * self.batch].reshape(
+                    self.steps // SCAN_K, SCAN_K, self.batch, *v.shape[1:]
+                )
+                for k, v in data.items()
+            }
             self.fn = jax.jit(fused, donate_argnums=(0, 1))
-            self.inputs = [jax.device_put({k: v[i] for k, v in stacked.items()})
-                           for i in range(self.steps // SCAN_K)]
+            self.inputs = [
+                jax.device_put({k: v[i] for k, v in stacked.items()})
+                for i in range(self.steps // SCAN_K)
+            ]
         jax.block_until_ready(self.inputs)
         self.params, self.opt_state, value = self.fn(params, opt_state, self.inputs[0])
         jax.block_until_ready(value)
@@ -264,13 +308,21 @@ class HandLoop:
             self.mean_loss = float(jnp.mean(jnp.concatenate([jnp.ravel(v) for v in values])))
 
     def row(self) -> dict:
-        label = {"host": "hand jit, batches sent per step",
-                 "device": "hand jit, batches on device",
-                 "scan": f"hand jit, lax.scan {SCAN_K} steps per call"}[self.way]
-        return {"way": f"hand_{self.way}", "label": label, "steps_per_s": median(self.rates),
-                "rates": self.rates,
-                "ttfs_s": self.ttfs, "e2e_s": self.ttfs + self.first_loop_s,
-                "programs_compiled": _cache_size(self.fn), "train_loss": self.mean_loss}
+        label = {
+            "host": "hand jit, batches sent per step",
+            "device": "hand jit, batches on device",
+            "scan": f"hand jit, lax.scan {SCAN_K} steps per call",
+        }[self.way]
+        return {
+            "way": f"hand_{self.way}",
+            "label": label,
+            "steps_per_s": median(self.rates),
+            "rates": self.rates,
+            "ttfs_s": self.ttfs,
+            "e2e_s": self.ttfs + self.first_loop_s,
+            "programs_compiled": _cache_size(self.fn),
+            "train_loss": self.mean_loss,
+        }
 
 
 def _cache_size(fn) -> int | None:
@@ -310,9 +362,14 @@ class NitroRuns:
     def _nitro(self):
         self.runs += 1
         loader = jn.DataLoader(self.data, self.case["batch"], drop_last=True)
-        return jn.Nitro(experiment_for(self.case), data={"train": loader},
-                        run_dir=self.workdir / f"spc{self.spc}-{self.runs}", progress=False,
-                        steps_per_call=self.spc, precision=self.case.get("precision"))
+        return jn.Nitro(
+            experiment_for(self.case),
+            data={"train": loader},
+            run_dir=self.workdir / f"spc{self.spc}-{self.runs}",
+            progress=False,
+            steps_per_call=self.spc,
+            precision=self.case.get("precision"),
+        )
 
     def timed(self) -> None:
         t0 = time.perf_counter()
@@ -328,21 +385,30 @@ class NitroRuns:
 
     def row(self) -> dict:
         label = "jaxnitro" + (f", steps_per_call={self.spc}" if self.spc > 1 else "")
-        return {"way": "jaxnitro" if self.spc == 1 else f"jaxnitro_spc{self.spc}", "label": label,
-                "steps_per_s": median(self.rates), "rates": self.rates, "ttfs_s": self.ttfs,
-                "e2e_s": median(self.e2es),
-                "e2e_cold_s": self.e2e_cold, "programs_compiled": self.programs_compiled,
-                "programs_compiled_warm": self.warm_programs,
-                "data_wait_frac": median(self.waits), "data_wait_fracs": self.waits,
-                "data_wait_frac_cold": self.data_line.get("data_wait_frac"),
-                "peak_bytes": self.data_line.get("peak_bytes_in_use"),
-                "plan_bytes": self.plan_bytes, "train_loss": self.train_loss}
+        return {
+            "way": "jaxnitro" if self.spc == 1 else f"jaxnitro_spc{self.spc}",
+            "label": label,
+            "steps_per_s": median(self.rates),
+            "rates": self.rates,
+            "ttfs_s": self.ttfs,
+            "e2e_s": median(self.e2es),
+            "e2e_cold_s": self.e2e_cold,
+            "programs_compiled": self.programs_compiled,
+            "programs_compiled_warm": self.warm_programs,
+            "data_wait_frac": median(self.waits),
+            "data_wait_fracs": self.waits,
+            "data_wait_frac_cold": self.data_line.get("data_wait_frac"),
+            "peak_bytes": self.data_line.get("peak_bytes_in_use"),
+            "plan_bytes": self.plan_bytes,
+            "train_loss": self.train_loss,
+        }
 
 
 def _data_line(n) -> dict:
     """The last `context: data` line of the run's metrics.jsonl (data_wait_frac, peak bytes)."""
-    lines = [ln for ln in jn.read_jsonl(Path(n.run_dir) / "metrics.jsonl")
-             if ln.get("context") == "data"]
+    lines = [
+        ln for ln in jn.read_jsonl(Path(n.run_dir) / "metrics.jsonl") if ln.get("context") == "data"
+    ]
     return lines[-1] if lines else {}
 
 
@@ -362,7 +428,7 @@ def matmul_peak() -> tuple[float, str]:
         out = f(a)
     out.block_until_ready()
     dt = (time.perf_counter() - t0) / reps
-    return 2 * size ** 3 / dt, f"measured {size}³ {jnp.dtype(dtype).name} matmul on {kind}"
+    return 2 * size**3 / dt, f"measured {size}³ {jnp.dtype(dtype).name} matmul on {kind}"
 
 
 # -- one comparison (run in its own process) ------------------------------------------------
@@ -389,9 +455,13 @@ def run_case(case: dict, *, torch_rows: bool = True) -> dict:
         rows = [c.row() for c in contenders]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    out = {"case": case, "work": describe(case), "rows": rows,
-           # the same work: the first epoch's mean loss, by hand and through jaxnitro
-           "train_loss": {r["way"]: r.get("train_loss") for r in rows if r.get("train_loss")}}
+    out = {
+        "case": case,
+        "work": describe(case),
+        "rows": rows,
+        # the same work: the first epoch's mean loss, by hand and through jaxnitro
+        "train_loss": {r["way"]: r.get("train_loss") for r in rows if r.get("train_loss")},
+    }
     if case["kind"] == "gpt":
         cfg = gpt_config(case)
         peak, source = matmul_peak()
@@ -418,34 +488,60 @@ def torch_side(case: dict, data: dict) -> list[dict]:
         import torch_ref
     except ImportError as e:
         note = f"skipped: {e} (pip install torch lightning to measure them)"
-        return [{"way": "torch_eager", "label": "PyTorch eager", "skipped": note},
-                {"way": "lightning", "label": "Lightning fit", "skipped": note}]
-    kw = dict(batch=case["batch"], steps=case["samples"] // case["batch"],
-              gpt_config=gpt_config(case) if case["kind"] == "gpt" else None,
-              bf16=case.get("precision") == "bf16")
+        return [
+            {"way": "torch_eager", "label": "PyTorch eager", "skipped": note},
+            {"way": "lightning", "label": "Lightning fit", "skipped": note},
+        ]
+    kw = dict(
+        batch=case["batch"],
+        steps=case["samples"] // case["batch"],
+        gpt_config=gpt_config(case) if case["kind"] == "gpt" else None,
+        bf16=case.get("precision") == "bf16",
+    )
     rows = []
     eager = torch_ref.eager(case["kind"], data, **kw)
     threads = f", {eager['threads']} CPU thread(s)" if eager.get("threads") else ""
-    rows.append({"way": "torch_eager", "label": f"PyTorch eager, batches on device{threads}",
-                 "steps_per_s": eager["steps_per_s"], "ttfs_s": eager["ttfs_s"],
-                 "e2e_s": eager["ttfs_s"] + eager["seconds"], "peak_bytes": eager["peak_bytes"],
-                 "train_loss": None})
+    rows.append(
+        {
+            "way": "torch_eager",
+            "label": f"PyTorch eager, batches on device{threads}",
+            "steps_per_s": eager["steps_per_s"],
+            "ttfs_s": eager["ttfs_s"],
+            "e2e_s": eager["ttfs_s"] + eager["seconds"],
+            "peak_bytes": eager["peak_bytes"],
+            "train_loss": None,
+        }
+    )
     try:
         fit = torch_ref.lightning_fit(case["kind"], data, **kw)
     except ImportError as e:
         rows.append({"way": "lightning", "label": "Lightning fit", "skipped": f"skipped: {e}"})
     else:
-        rows.append({"way": "lightning", "label": f"Lightning fit, one epoch incl. setup{threads}",
-                     "steps_per_s": fit["steps_per_s"], "e2e_s": fit["e2e_s"]})
+        rows.append(
+            {
+                "way": "lightning",
+                "label": f"Lightning fit, one epoch incl. setup{threads}",
+                "steps_per_s": fit["steps_per_s"],
+                "e2e_s": fit["e2e_s"],
+            }
+        )
     return rows
 
 
 def environment() -> dict:
-    env = {"python": platform.python_version(), "platform": platform.platform(),
-           "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
-           "device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
-           "jax": jax.__version__, "jaxnitro": jn.__version__, "numpy": np.__version__,
-           "git": _git_rev()}
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "device_count": jax.device_count(),
+        "jax": jax.__version__,
+        "jaxnitro": jn.__version__,
+        "numpy": np.__version__,
+        "git": _git_rev(),
+    }
     for name in ("jaxlib", "flax", "optax", "torch", "lightning"):
         try:
             env[name] = __import__(name).__version__
@@ -467,10 +563,20 @@ def _cpu_name() -> str:
 
 def _git_rev() -> str | None:
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                             capture_output=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               text=True, capture_output=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=10,
+        ).stdout.strip()
         return (rev + ("+dirty" if dirty else "")) if rev else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -500,8 +606,10 @@ def add_ratios(result: dict) -> None:
                 continue
             paired = row.get("rates") and len(row["rates"]) == len(ref.get("rates") or ())
             ratios[name] = {
-                "steps_per_s": median([a / b for a, b in zip(row["rates"], ref["rates"],
-                                                             strict=True)]) if paired
+                "steps_per_s": median(
+                    [a / b for a, b in zip(row["rates"], ref["rates"], strict=True)]
+                )
+                if paired
                 else _div(row.get("steps_per_s"), ref.get("steps_per_s")),
                 "e2e": _div(ref.get("e2e_s"), row.get("e2e_s")),  # a speed-up: ref time / ours
                 "e2e_cold": _div(ref.get("e2e_s"), row.get("e2e_cold_s")),
@@ -527,30 +635,61 @@ def targets(results: list[dict], profile: str) -> list[dict]:
     def add(what, measured, required, applies, *, above=True):
         ok = None if measured is None else (measured >= required if above else measured < required)
         here = applies in ("all", profile)
-        out.append({"target": what, "measured": measured, "required": required,
-                    "comparison": ">=" if above else "<", "applies": applies,
-                    "met": ok if here else None,
-                    "status": ("n/a" if measured is None else ("met" if ok else "NOT met"))
-                    if here else f"{applies.upper()} target" + (
-                        "" if measured is None else ", measured here for reference")})
+        out.append(
+            {
+                "target": what,
+                "measured": measured,
+                "required": required,
+                "comparison": ">=" if above else "<",
+                "applies": applies,
+                "met": ok if here else None,
+                "status": ("n/a" if measured is None else ("met" if ok else "NOT met"))
+                if here
+                else f"{applies.upper()} target"
+                + ("" if measured is None else ", measured here for reference"),
+            }
+        )
 
     for case in by:
-        add(f"per-step overhead: jaxnitro / hand per-step loop, {case}",
-            ratio(case, "jaxnitro", "hand"), 0.97, "all")
-    add("steps_per_call=32 / hand per-step loop, mlp32", ratio("mlp32", "jaxnitro_spc32", "hand"),
-        3.0, "gpu")
+        add(
+            f"per-step overhead: jaxnitro / hand per-step loop, {case}",
+            ratio(case, "jaxnitro", "hand"),
+            0.97,
+            "all",
+        )
+    add(
+        "steps_per_call=32 / hand per-step loop, mlp32",
+        ratio("mlp32", "jaxnitro_spc32", "hand"),
+        3.0,
+        "gpu",
+    )
     for case in ("mlp32", "mlp1024"):
-        best = max(filter(None, [ratio(case, "jaxnitro_spc32", "lightning", "e2e_cold"),
-                                 ratio(case, "jaxnitro", "lightning", "e2e_cold")]), default=None)
-        add(f"end to end (cold: setup + compile + epoch) / Lightning fit, {case}", best,
-            30.0 if profile == "gpu" else 10.0, profile)
+        best = max(
+            filter(
+                None,
+                [
+                    ratio(case, "jaxnitro_spc32", "lightning", "e2e_cold"),
+                    ratio(case, "jaxnitro", "lightning", "e2e_cold"),
+                ],
+            ),
+            default=None,
+        )
+        add(
+            f"end to end (cold: setup + compile + epoch) / Lightning fit, {case}",
+            best,
+            30.0 if profile == "gpu" else 10.0,
+            profile,
+        )
     wait = by.get("mlp1024", {}).get("jaxnitro", {}).get("data_wait_frac")
     add("prefetch: data_wait_frac at batch 1024", wait, 0.05, "all", above=False)
-    add("GPT: jaxnitro / hand step, same model code", ratio("gpt", "jaxnitro", "hand"), 0.98,
-        "all")
+    add("GPT: jaxnitro / hand step, same model code", ratio("gpt", "jaxnitro", "hand"), 0.98, "all")
     gpt = by.get("gpt", {}).get("jaxnitro", {})  # MFU of the tiny CPU GPT would mean nothing
-    add("GPT-2 small MFU (bf16, cuDNN attention) on an H200",
-        gpt.get("mfu") if profile == "gpu" else None, 0.40, "gpu")
+    add(
+        "GPT-2 small MFU (bf16, cuDNN attention) on an H200",
+        gpt.get("mfu") if profile == "gpu" else None,
+        0.40,
+        "gpu",
+    )
     return out
 
 
@@ -569,16 +708,23 @@ def _bytes(v):
 
 def markdown(report: dict) -> str:
     env = report["env"]
-    lines = [f"### {report['machine']} · {report['date']}", "",
-             ("JAX on the CPU" if env.get("backend") == "cpu" else
-              f"{env.get('device_count')}× {env.get('device')} ({env.get('backend')})")
-             + f", {env.get('cpu_count')} CPU cores "
-             f"({env.get('cpu')}); Python {env.get('python')}, jax {env.get('jax')}, flax "
-             f"{env.get('flax')}, optax {env.get('optax')}, jaxnitro {env.get('jaxnitro')} "
-             f"(git {env.get('git')}), torch {env.get('torch') or 'not installed'}, lightning "
-             f"{env.get('lightning') or 'not installed'}. Profile `{report['profile']}`"
-             f"{' (quick)' if report['quick'] else ''}; `{report['command']}`, "
-             f"{report['seconds']:.0f} s.", ""]
+    lines = [
+        f"### {report['machine']} · {report['date']}",
+        "",
+        (
+            "JAX on the CPU"
+            if env.get("backend") == "cpu"
+            else f"{env.get('device_count')}× {env.get('device')} ({env.get('backend')})"
+        )
+        + f", {env.get('cpu_count')} CPU cores "
+        f"({env.get('cpu')}); Python {env.get('python')}, jax {env.get('jax')}, flax "
+        f"{env.get('flax')}, optax {env.get('optax')}, jaxnitro {env.get('jaxnitro')} "
+        f"(git {env.get('git')}), torch {env.get('torch') or 'not installed'}, lightning "
+        f"{env.get('lightning') or 'not installed'}. Profile `{report['profile']}`"
+        f"{' (quick)' if report['quick'] else ''}; `{report['command']}`, "
+        f"{report['seconds']:.0f} s.",
+        "",
+    ]
     for res in report["results"]:
         if "error" in res:
             lines += [f"**{res['case']['name']}**: failed: `{res['error']}`", ""]
@@ -586,8 +732,19 @@ def markdown(report: dict) -> str:
         gpt = res["case"]["kind"] == "gpt"
         unit = "tokens/s" if gpt else "samples/s"
         lines += [f"**{res['case']['name']}**: {res['work']}", ""]
-        head = ["way", "steps/s", "× hand", "× Lightning", unit, "end to end s", "e2e × Lightning",
-                "first step s", "compiled", "data wait", "peak / plan"]
+        head = [
+            "way",
+            "steps/s",
+            "× hand",
+            "× Lightning",
+            unit,
+            "end to end s",
+            "e2e × Lightning",
+            "first step s",
+            "compiled",
+            "data wait",
+            "peak / plan",
+        ]
         if gpt:
             head += ["TFLOP/s", "MFU"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -604,38 +761,57 @@ def markdown(report: dict) -> str:
             compiled = _fmt(row.get("programs_compiled"), "d")
             if row.get("programs_compiled_warm") is not None:
                 compiled += f" (warm {row['programs_compiled_warm']})"
-            peak = (f"{_bytes(row.get('peak_bytes'))} / {_bytes(row.get('plan_bytes'))}"
-                    if row.get("plan_bytes") is not None else _bytes(row.get("peak_bytes")))
+            peak = (
+                f"{_bytes(row.get('peak_bytes'))} / {_bytes(row.get('plan_bytes'))}"
+                if row.get("plan_bytes") is not None
+                else _bytes(row.get("peak_bytes"))
+            )
             rate = _fmt(row.get("steps_per_s"))
             if len(row.get("rates") or ()) > 1:
                 rate += f" ({min(row['rates']):,.0f}–{max(row['rates']):,.0f})"
-            cells = [row["label"], rate,
-                     _fmt(r.get("hand", {}).get("steps_per_s"), ".2f", "×"),
-                     _fmt(r.get("lightning", {}).get("steps_per_s"), ".1f", "×"),
-                     _fmt(row.get("units_per_s")), e2e, e2e_l,
-                     _fmt(row.get("ttfs_s"), ".2f"), compiled,
-                     _fmt(row.get("data_wait_frac"), ".1%"), peak]
+            cells = [
+                row["label"],
+                rate,
+                _fmt(r.get("hand", {}).get("steps_per_s"), ".2f", "×"),
+                _fmt(r.get("lightning", {}).get("steps_per_s"), ".1f", "×"),
+                _fmt(row.get("units_per_s")),
+                e2e,
+                e2e_l,
+                _fmt(row.get("ttfs_s"), ".2f"),
+                compiled,
+                _fmt(row.get("data_wait_frac"), ".1%"),
+                peak,
+            ]
             if gpt:
                 cells += [_fmt(row.get("tflops"), ".3g"), _fmt(row.get("mfu"), ".1%")]
             lines.append("| " + " | ".join(cells) + " |")
         notes = []
         losses = res.get("train_loss", {})
         if losses:
-            notes.append("same work, first epoch's mean loss: " + ", ".join(
-                f"{way} {v:.4f}" for way, v in losses.items()))
+            notes.append(
+                "same work, first epoch's mean loss: "
+                + ", ".join(f"{way} {v:.4f}" for way, v in losses.items())
+            )
         if gpt and res.get("peak_source"):
-            notes.append(f"MFU against {res['peak_source']} ({res['peak_flops'] / 1e12:.3g} "
-                         f"TFLOP/s)")
+            notes.append(
+                f"MFU against {res['peak_source']} ({res['peak_flops'] / 1e12:.3g} TFLOP/s)"
+            )
         if notes:
             lines += ["", "; ".join(notes) + "."]
         lines.append("")
     lines += ["**Targets**", "", "| target | measured | required | status |", "|---|---|---|---|"]
     for t in report["targets"]:
         m = t["measured"]
-        shown = "–" if m is None else (f"{m:.1%}" if "frac" in t["target"] or "MFU" in t["target"]
-                                       else f"{m:.2f}×")
-        req = (f"{t['comparison']} {t['required']:.0%}" if "frac" in t["target"] or "MFU"
-               in t["target"] else f"{t['comparison']} {t['required']:g}×")
+        shown = (
+            "–"
+            if m is None
+            else (f"{m:.1%}" if "frac" in t["target"] or "MFU" in t["target"] else f"{m:.2f}×")
+        )
+        req = (
+            f"{t['comparison']} {t['required']:.0%}"
+            if "frac" in t["target"] or "MFU" in t["target"]
+            else f"{t['comparison']} {t['required']:g}×"
+        )
         lines.append(f"| {t['target']} | {shown} | {req} | {t['status']} |")
     return "\n".join(lines) + "\n"
 
@@ -665,15 +841,24 @@ def machine_name(env: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and repeats (a smoke run)")
-    p.add_argument("--gpu", action="store_true",
-                   help="GPU sizes: GPT-2 small (124M, bf16, cuDNN attention); needs a GPU")
-    p.add_argument("--out", default=str(ROOT / "runs" / "bench" / "bench.json"),
-                   help="the JSON file to write (the markdown table goes beside it, .md)")
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="GPU sizes: GPT-2 small (124M, bf16, cuDNN attention); needs a GPU",
+    )
+    p.add_argument(
+        "--out",
+        default=str(ROOT / "runs" / "bench" / "bench.json"),
+        help="the JSON file to write (the markdown table goes beside it, .md)",
+    )
     p.add_argument("--cases", default=None, help="comma-separated subset: mlp32,mlp1024,cnn,gpt")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch and Lightning rows")
     p.add_argument("--inline", action="store_true", help="run every case in this process")
-    p.add_argument("--record", action="store_true",
-                   help="replace this machine's table in benchmarks/RESULTS.md")
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="replace this machine's table in benchmarks/RESULTS.md",
+    )
     p.add_argument("--record-from", metavar="JSON", help="record a saved JSON file and exit")
     p.add_argument("--worker", metavar="CASE", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -681,8 +866,9 @@ def main(argv=None) -> int:
 
     if args.record_from:
         report = json.loads(Path(args.record_from).read_text())
-        report["targets"] = targets([r for r in report["results"] if "rows" in r],
-                                    report["profile"])
+        report["targets"] = targets(
+            [r for r in report["results"] if "rows" in r], report["profile"]
+        )
         record(report, markdown(report))
         print(f"recorded {report['machine']} in {HERE / 'RESULTS.md'}")
         return 0
@@ -714,11 +900,19 @@ def main(argv=None) -> int:
         c0 = time.perf_counter()
         result = run_case(case, torch_rows=not args.no_torch) if args.inline else _spawn(case, args)
         results.append(result)
-        print(f"[bench] {case['name']}: {time.perf_counter() - c0:.1f} s"
-              + (f" FAILED: {result['error']}" if "error" in result else ""), flush=True)
+        print(
+            f"[bench] {case['name']}: {time.perf_counter() - c0:.1f} s"
+            + (f" FAILED: {result['error']}" if "error" in result else ""),
+            flush=True,
+        )
         # Written after every comparison: a run cut short still leaves what it measured.
-        report = build_report(results, profile=profile, quick=args.quick, command=command,
-                              seconds=time.perf_counter() - t0)
+        report = build_report(
+            results,
+            profile=profile,
+            quick=args.quick,
+            command=command,
+            seconds=time.perf_counter() - t0,
+        )
         md = markdown(report)
         out.write_text(json.dumps(report, indent=1, default=_json_default))
         out.with_suffix(".md").write_text(md)
@@ -730,8 +924,9 @@ def main(argv=None) -> int:
     return 1 if any("error" in r for r in results) else 0
 
 
-def build_report(results: list[dict], *, profile: str, quick: bool, command: str,
-                 seconds: float) -> dict:
+def build_report(
+    results: list[dict], *, profile: str, quick: bool, command: str, seconds: float
+) -> dict:
     for r in results:
         if "rows" in r:
             add_ratios(r)
@@ -739,9 +934,15 @@ def build_report(results: list[dict], *, profile: str, quick: bool, command: str
     # memory the workers need).
     env = next((r["env"] for r in results if "env" in r), {})
     return {
-        "date": datetime.date.today().isoformat(), "machine": machine_name(env), "env": env,
-        "profile": profile, "quick": quick, "command": command, "seconds": seconds,
-        "results": results, "targets": targets([r for r in results if "rows" in r], profile),
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_name(env),
+        "env": env,
+        "profile": profile,
+        "quick": quick,
+        "command": command,
+        "seconds": seconds,
+        "results": results,
+        "targets": targets([r for r in results if "rows" in r], profile),
     }
 
 

@@ -111,8 +111,16 @@ def loss_of(kind: str, model, x, y, bf16: bool):
 
 
 # -- the two ways ---------------------------------------------------------------------------
-def eager(kind: str, data, *, batch: int, steps: int, gpt_config=None, bf16: bool = False,
-          warmup: int = 10) -> dict:
+def eager(
+    kind: str,
+    data,
+    *,
+    batch: int,
+    steps: int,
+    gpt_config=None,
+    bf16: bool = False,
+    warmup: int = 10,
+) -> dict:
     """A plain PyTorch loop, batches already on the device; returns steps/s over `steps`.
 
     On a CPU it first picks PyTorch's faster thread count for this work (1 or all cores,
@@ -146,8 +154,15 @@ def eager(kind: str, data, *, batch: int, steps: int, gpt_config=None, bf16: boo
     loss = run(steps)
     dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
-    return {"steps_per_s": steps / dt, "seconds": dt, "ttfs_s": ttfs, "final_loss": float(loss),
-            "peak_bytes": peak, "device": dev, "threads": torch.get_num_threads()}
+    return {
+        "steps_per_s": steps / dt,
+        "seconds": dt,
+        "ttfs_s": ttfs,
+        "final_loss": float(loss),
+        "peak_bytes": peak,
+        "device": dev,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _faster_threads(run) -> int:
@@ -164,8 +179,9 @@ def _faster_threads(run) -> int:
     return max(rates, key=rates.get)
 
 
-def lightning_fit(kind: str, data, *, batch: int, steps: int, gpt_config=None,
-                  bf16: bool = False) -> dict:
+def lightning_fit(
+    kind: str, data, *, batch: int, steps: int, gpt_config=None, bf16: bool = False
+) -> dict:
     """One epoch of `Trainer.fit`, timed end to end (Trainer, setup, DataLoader, steps)."""
     try:
         import lightning as L
@@ -196,11 +212,23 @@ def lightning_fit(kind: str, data, *, batch: int, steps: int, gpt_config=None,
     dev = device()
     t0 = time.perf_counter()
     trainer = L.Trainer(
-        max_epochs=1, limit_train_batches=steps, accelerator="gpu" if dev == "cuda" else "cpu",
-        devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, precision="bf16-mixed" if bf16 else "32-true")
+        max_epochs=1,
+        limit_train_batches=steps,
+        accelerator="gpu" if dev == "cuda" else "cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="bf16-mixed" if bf16 else "32-true",
+    )
     trainer.fit(Module(), dl)
     sync()
     dt = time.perf_counter() - t0
-    return {"steps_per_s": steps / dt, "seconds": dt, "e2e_s": dt, "device": dev,
-            "note": "one epoch incl. Trainer setup"}
+    return {
+        "steps_per_s": steps / dt,
+        "seconds": dt,
+        "e2e_s": dt,
+        "device": dev,
+        "note": "one epoch incl. Trainer setup",
+    }

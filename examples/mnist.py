@@ -41,8 +41,9 @@ class MnistMLP:
         n_val = len(x) // 10
         train, val = slice(0, len(x) - n_val), slice(len(x) - n_val, None)
         return {
-            "train": jn.DataLoader({"img": x[train], "label": y[train]}, batch_size=32,
-                                   shuffle=True, drop_last=True),
+            "train": jn.DataLoader(
+                {"img": x[train], "label": y[train]}, batch_size=32, shuffle=True, drop_last=True
+            ),
             "val": jn.DataLoader({"img": x[val], "label": y[val]}, batch_size=100),
         }
 

@@ -46,8 +46,9 @@ class MnistTutorial:
         n_val = len(x) // 10
         tr, va = slice(0, len(x) - n_val), slice(len(x) - n_val, None)
         return {
-            "train": jn.DataLoader({"img": x[tr], "label": y[tr]}, batch_size=32, shuffle=True,
-                                   drop_last=True),
+            "train": jn.DataLoader(
+                {"img": x[tr], "label": y[tr]}, batch_size=32, shuffle=True, drop_last=True
+            ),
             "val": jn.DataLoader({"img": x[va], "label": y[va]}, batch_size=100),
         }
 

@@ -49,8 +49,11 @@ class Tiny:
     def build_data(self, dist):
         x, y = make_data(self.n_train + self.n_val)
         tr, va = slice(0, self.n_train), slice(self.n_train, None)
-        splits = {"train": jn.DataLoader({"x": x[tr], "y": y[tr]}, batch_size=32,
-                                         shuffle=self.shuffle, drop_last=True)}
+        splits = {
+            "train": jn.DataLoader(
+                {"x": x[tr], "y": y[tr]}, batch_size=32, shuffle=self.shuffle, drop_last=True
+            )
+        }
         if self.n_val:
             splits["val"] = jn.DataLoader({"x": x[va], "y": y[va]}, batch_size=self.val_batch)
         return splits
@@ -87,5 +90,8 @@ def leaves_equal(a, b) -> bool:
 def host_copy(tree):
     """A host snapshot of a pytree (typed PRNG keys as their raw key data)."""
     return jax.tree.map(
-        lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x),
-        tree)
+        lambda x: np.asarray(
+            jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        ),
+        tree,
+    )

@@ -81,8 +81,10 @@ class AnyNet:
 
     def build_data(self, dist):
         x, y = make_data(192)
-        return {"train": jn.DataLoader({"x": x[:128], "y": y[:128]}, 32, shuffle=True, drop_last=True),
-                "val": jn.DataLoader({"x": x[128:], "y": y[128:]}, 32)}
+        return {
+            "train": jn.DataLoader({"x": x[:128], "y": y[:128]}, 32, shuffle=True, drop_last=True),
+            "val": jn.DataLoader({"x": x[128:], "y": y[128:]}, 32),
+        }
 
     def learning_rate(self, group):
         return 1e-2

@@ -31,8 +31,13 @@ def _trees():
     _, opt_state = opt.update(params, opt_state, params)  # non-trivial moments and count
     misc = {
         "bf16": jnp.asarray([1.0, -2.5, 3.1415, 1e-3], dtype=jnp.bfloat16),
-        "ints": [jnp.asarray([1, -7, 2**31 - 1], jnp.int32), jnp.asarray([0, 2**32 - 1], jnp.uint32)],
-        "nested": {"f32": jnp.asarray(np.random.default_rng(0).standard_normal((4, 5)), jnp.float32)},
+        "ints": [
+            jnp.asarray([1, -7, 2**31 - 1], jnp.int32),
+            jnp.asarray([0, 2**32 - 1], jnp.uint32),
+        ],
+        "nested": {
+            "f32": jnp.asarray(np.random.default_rng(0).standard_normal((4, 5)), jnp.float32)
+        },
         "key": jax.random.key(42),
         "none": None,
     }
@@ -40,8 +45,13 @@ def _trees():
 
 
 def _save(ck: TopKCheckpointer, step: int, **metrics) -> Path:
-    return ck.save(epoch=step, step=step * 10, metrics=metrics,
-                   trees={"p": {"w": jnp.full((2,), step, jnp.float32)}}, meta={"note": f"s{step}"})
+    return ck.save(
+        epoch=step,
+        step=step * 10,
+        metrics=metrics,
+        trees={"p": {"w": jnp.full((2,), step, jnp.float32)}},
+        meta={"note": f"s{step}"},
+    )
 
 
 def test_round_trip_bitwise_into_template_structure(tmp_path):
@@ -50,8 +60,11 @@ def test_round_trip_bitwise_into_template_structure(tmp_path):
     ck.bind(tmp_path)
     path = ck.save(epoch=1, step=5, metrics={"val_loss": 0.5}, trees=trees, meta={"data_pos": 17})
     # Abstract templates (ShapeDtypeStruct) for two trees, concrete arrays for the third.
-    templates = {"model": jax.eval_shape(lambda: trees["model"]),
-                 "opt": jax.eval_shape(lambda: trees["opt"]), "misc": trees["misc"]}
+    templates = {
+        "model": jax.eval_shape(lambda: trees["model"]),
+        "opt": jax.eval_shape(lambda: trees["opt"]),
+        "misc": trees["misc"],
+    }
     restored, meta = load_checkpoint(path, templates)
 
     assert meta["data_pos"] == 17 and meta["step"] == 5 and meta["epoch"] == 1
@@ -74,10 +87,13 @@ def test_round_trip_bitwise_into_template_structure(tmp_path):
     assert set(plain["model"]) == {"kernel", "bias"}
 
 
-@pytest.mark.parametrize(("mode", "scores", "best_i"), [
-    ("max", [0.1, 0.9, 0.3, 0.8, 0.2, 0.05], 1),
-    ("min", [0.9, 0.1, 0.7, 0.3, 0.8, 0.95], 1),
-])
+@pytest.mark.parametrize(
+    ("mode", "scores", "best_i"),
+    [
+        ("max", [0.1, 0.9, 0.3, 0.8, 0.2, 0.05], 1),
+        ("min", [0.9, 0.1, 0.7, 0.3, 0.8, 0.95], 1),
+    ],
+)
 def test_top_k_keeps_k_best_plus_newest(tmp_path, mode, scores, best_i):
     ck = TopKCheckpointer(k=2, metric="acc", mode=mode)
     ck.bind(tmp_path)
@@ -109,7 +125,13 @@ def test_names_are_descriptive_sanitised_and_unique(tmp_path):
     assert b.name == a.name + "-1" and a.is_dir() and b.is_dir()
     rows = read_manifest(tmp_path / "checkpoints")
     assert rows[0]["path"] == a.name and rows[0]["score"] == pytest.approx(0.95123456)
-    assert rows[0]["metric"] == metric and set(rows[0]) >= {"name", "epoch", "step", "metrics", "time"}
+    assert rows[0]["metric"] == metric and set(rows[0]) >= {
+        "name",
+        "epoch",
+        "step",
+        "metrics",
+        "time",
+    }
     c = ck.save(epoch=4, step=500, metrics={metric: float("nan")}, trees={}, meta={})
     assert c.name.endswith("=nan")
     row = read_manifest(ck.dir)[-1]
@@ -123,8 +145,15 @@ def _data_files(ckpt: Path) -> list[Path]:
 
 def test_flipped_bytes_in_array_data_are_detected(tmp_path):
     ck = TopKCheckpointer(dir=tmp_path)
-    path = ck.save(epoch=0, step=1, metrics={},
-                   trees={"params": {"w": jnp.asarray(np.random.default_rng(1).random((64, 64)), jnp.float32)}}, meta={})
+    path = ck.save(
+        epoch=0,
+        step=1,
+        metrics={},
+        trees={
+            "params": {"w": jnp.asarray(np.random.default_rng(1).random((64, 64)), jnp.float32)}
+        },
+        meta={},
+    )
     biggest = max(_data_files(path), key=lambda p: p.stat().st_size)
     data = bytearray(biggest.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -166,13 +195,24 @@ def test_bind_adopts_complete_checkpoint_missing_from_manifest(tmp_path):
 
 def test_template_mismatch_lists_differing_paths(tmp_path):
     ck = TopKCheckpointer(dir=tmp_path)
-    path = ck.save(epoch=0, step=0, metrics={}, meta={},
-                   trees={"params": {"a": jnp.zeros((2, 3)), "b": jnp.zeros(4, jnp.int32)}})
+    path = ck.save(
+        epoch=0,
+        step=0,
+        metrics={},
+        meta={},
+        trees={"params": {"a": jnp.zeros((2, 3)), "b": jnp.zeros(4, jnp.int32)}},
+    )
     bad = {"params": {"a": jax.ShapeDtypeStruct((3, 2), jnp.float32), "c": jnp.zeros(4, jnp.int32)}}
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path, bad)
     msg = str(info.value)
-    assert "['a']" in msg and "(3, 2)" in msg and "['b']" in msg and "['c']" in msg and "'params'" in msg
+    assert (
+        "['a']" in msg
+        and "(3, 2)" in msg
+        and "['b']" in msg
+        and "['c']" in msg
+        and "'params'" in msg
+    )
 
 
 def test_bind_on_a_file_names_the_path(tmp_path):

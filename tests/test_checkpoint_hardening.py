@@ -33,16 +33,21 @@ from jaxnitro.errors import CheckpointError, CheckpointWarning
 
 def _trees(step: int = 1):
     rng = np.random.default_rng(step)
-    return {"params": {"w": jnp.asarray(rng.standard_normal((16, 16)), jnp.float32),
-                       "bf16": jnp.asarray([1.0, -2.5, 3.25], jnp.bfloat16),
-                       "key": jax.random.key(step)},
-            "opt": {"count": jnp.asarray(step, jnp.int32)}}
+    return {
+        "params": {
+            "w": jnp.asarray(rng.standard_normal((16, 16)), jnp.float32),
+            "bf16": jnp.asarray([1.0, -2.5, 3.25], jnp.bfloat16),
+            "key": jax.random.key(step),
+        },
+        "opt": {"count": jnp.asarray(step, jnp.int32)},
+    }
 
 
 def _save(ck: TopKCheckpointer, step: int, **metrics) -> Path:
     metrics = metrics or {"val_loss": 1.0 / step}  # (retention keeps only the newest without one)
-    return ck.save(epoch=step, step=step * 10, metrics=metrics, trees=_trees(step),
-                   meta={"note": step})
+    return ck.save(
+        epoch=step, step=step * 10, metrics=metrics, trees=_trees(step), meta={"note": step}
+    )
 
 
 def _bits(x) -> bytes:
@@ -64,8 +69,11 @@ def _edit_meta(ckpt: Path, **changes) -> None:
 
 
 # -- 1. glob characters in the checkpoint path -----------------------------------------------
-@pytest.mark.parametrize("name", ["sweep[lr=0.1]", "a**b", "back\\slash", "x{1,2}", "q?x"],
-                         ids=["brackets", "double-star", "backslash", "braces", "question"])
+@pytest.mark.parametrize(
+    "name",
+    ["sweep[lr=0.1]", "a**b", "back\\slash", "x{1,2}", "q?x"],
+    ids=["brackets", "double-star", "backslash", "braces", "question"],
+)
 def test_glob_characters_in_the_directory_round_trip(tmp_path, monkeypatch, name):
     private_tmp = tmp_path / "tmpdir"
     private_tmp.mkdir()
@@ -75,8 +83,9 @@ def test_glob_characters_in_the_directory_round_trip(tmp_path, monkeypatch, name
     second = _save(ck, 2, val_loss=0.1)  # retention removes the first
     assert not first.exists() and ck.best() == second == ck.latest_valid()
     trees, meta = load_checkpoint(second, {"params": _trees(2)["params"]})
-    assert [_bits(x) for x in jax.tree.leaves(trees["params"])] == \
-        [_bits(x) for x in jax.tree.leaves(_trees(2)["params"])]
+    assert [_bits(x) for x in jax.tree.leaves(trees["params"])] == [
+        _bits(x) for x in jax.tree.leaves(_trees(2)["params"])
+    ]
     assert meta["note"] == 2 and verify_checkpoint(second)["step"] == 20
     assert list(private_tmp.iterdir()) == []  # the symlinks Orbax went through are gone
 
@@ -84,10 +93,14 @@ def test_glob_characters_in_the_directory_round_trip(tmp_path, monkeypatch, name
 def test_a_write_that_does_not_read_back_is_refused_at_save(tmp_path, monkeypatch):
     ck = TopKCheckpointer(dir=tmp_path)
     real = ckmod._orbax_layout
-    monkeypatch.setattr(ckmod, "_orbax_layout",
-                        lambda handler, where: {t: {} for t in real(handler, where)})
-    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*epoch-0001-step-000010"
-                                              r".*did not read back as written.*t0/l0"):
+    monkeypatch.setattr(
+        ckmod, "_orbax_layout", lambda handler, where: {t: {} for t in real(handler, where)}
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"cannot write checkpoint .*epoch-0001-step-000010"
+        r".*did not read back as written.*t0/l0",
+    ):
         _save(ck, 1)
     assert [p.name for p in tmp_path.iterdir()] == []  # no temp entry, nothing listed
 
@@ -96,8 +109,13 @@ def test_a_write_that_does_not_read_back_is_refused_at_save(tmp_path, monkeypatc
 def test_non_finite_values_in_meta_are_stored_as_null_and_never_best(tmp_path):
     ck = TopKCheckpointer(k=3, metric="acc", mode="max", dir=tmp_path)
     history = [{"epoch": 1, "train_loss": float("nan")}, {"epoch": 2, "train_loss": float("inf")}]
-    nan = ck.save(epoch=1, step=1, metrics={"acc": float("nan")}, trees={},
-                  meta={"history": history, "nested": {"x": (float("-inf"), 1.5)}})
+    nan = ck.save(
+        epoch=1,
+        step=1,
+        metrics={"acc": float("nan")},
+        trees={},
+        meta={"history": history, "nested": {"x": (float("-inf"), 1.5)}},
+    )
     assert nan.name.endswith("-acc=nan")
     assert ck.best() is None  # no finite score anywhere
     _, meta = load_checkpoint(nan)
@@ -230,10 +248,20 @@ def test_crafted_manifest_rows_cannot_reach_outside_the_directory(tmp_path):
     ck = TopKCheckpointer(k=1, metric="val_loss", dir=root)
     first = _save(ck, 1, val_loss=0.5)
     [row] = read_manifest(root)
-    evil = [dict(row, name=n, path=p, metrics={"val_loss": 9.0}, step=s) for n, p, s in [
-        ("../victim", "../victim", 0), (str(victim), str(victim), 1), ("..", "../..", 2),
-        ("ok-name", "../victim", 3), ("a\0b", "a\0b", 4), (7, 7, 5)]]
-    (root / "manifest.json").write_text(json.dumps({"format_version": 1, "checkpoints": evil + [row]}))
+    evil = [
+        dict(row, name=n, path=p, metrics={"val_loss": 9.0}, step=s)
+        for n, p, s in [
+            ("../victim", "../victim", 0),
+            (str(victim), str(victim), 1),
+            ("..", "../..", 2),
+            ("ok-name", "../victim", 3),
+            ("a\0b", "a\0b", 4),
+            (7, 7, 5),
+        ]
+    ]
+    (root / "manifest.json").write_text(
+        json.dumps({"format_version": 1, "checkpoints": evil + [row]})
+    )
     with pytest.warns(CheckpointWarning, match=r"ignoring 6 row\(s\).*not a plain entry"):
         assert read_manifest(root) == [row]
     ck2 = TopKCheckpointer(k=1, metric="val_loss", dir=root)
@@ -257,7 +285,10 @@ def test_a_symlinked_row_is_dropped(tmp_path):
     (outside / "meta.json").write_text((real / "meta.json").read_text())
     (root / "link").symlink_to(outside, target_is_directory=True)
     [row] = read_manifest(root)
-    manifest = {"format_version": 1, "checkpoints": [row, dict(row, name="link", path="link", step=99)]}
+    manifest = {
+        "format_version": 1,
+        "checkpoints": [row, dict(row, name="link", path="link", step=99)],
+    }
     (root / "manifest.json").write_text(json.dumps(manifest))
     with pytest.warns(CheckpointWarning, match="'link'"):
         assert read_manifest(root) == [row]
@@ -266,16 +297,33 @@ def test_a_symlinked_row_is_dropped(tmp_path):
 _ROW = {"name": "a", "path": "a", "epoch": 0, "step": 0, "metrics": {}, "time": "t"}
 
 
-@pytest.mark.parametrize("content", [
-    "[]", '{"checkpoints": {}}', '{"checkpoints": [1]}',
-    json.dumps({"checkpoints": [dict(_ROW, step="x")]}),
-    json.dumps({"checkpoints": [dict(_ROW, step=True)]}),
-    json.dumps({"checkpoints": [dict(_ROW, metrics=[1])]}),
-    json.dumps({"checkpoints": [{k: v for k, v in _ROW.items() if k != "epoch"}]}),
-    '{"checkpoints": ' + "[" * 100_000 + "]" * 100_000 + "}",
-    '{"checkpoints": [', b"\xff\xfe".decode("latin-1"),
-], ids=["list", "rows-dict", "row-int", "step-str", "step-bool", "metrics-list", "no-epoch",
-        "deep", "truncated", "bytes"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[]",
+        '{"checkpoints": {}}',
+        '{"checkpoints": [1]}',
+        json.dumps({"checkpoints": [dict(_ROW, step="x")]}),
+        json.dumps({"checkpoints": [dict(_ROW, step=True)]}),
+        json.dumps({"checkpoints": [dict(_ROW, metrics=[1])]}),
+        json.dumps({"checkpoints": [{k: v for k, v in _ROW.items() if k != "epoch"}]}),
+        '{"checkpoints": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"checkpoints": [',
+        b"\xff\xfe".decode("latin-1"),
+    ],
+    ids=[
+        "list",
+        "rows-dict",
+        "row-int",
+        "step-str",
+        "step-bool",
+        "metrics-list",
+        "no-epoch",
+        "deep",
+        "truncated",
+        "bytes",
+    ],
+)
 def test_a_damaged_manifest_is_a_checkpoint_error_and_rebuilt_by_the_writer(tmp_path, content):
     ck = TopKCheckpointer(k=5, dir=tmp_path)
     a, b = _save(ck, 1), _save(ck, 2)
@@ -290,14 +338,28 @@ def test_a_damaged_manifest_is_a_checkpoint_error_and_rebuilt_by_the_writer(tmp_
 
 
 # -- 6. meta.json validation -----------------------------------------------------------------
-@pytest.mark.parametrize(("field", "value"), [
-    ("epoch", 1e9), ("epoch", -1), ("epoch", True), ("step", "x"), ("metrics", {"acc": "high"}),
-    ("metrics", [1]), ("meta", []), ("trees", {"params": {"index": "0"}}), ("time", 3)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("epoch", 1e9),
+        ("epoch", -1),
+        ("epoch", True),
+        ("step", "x"),
+        ("metrics", {"acc": "high"}),
+        ("metrics", [1]),
+        ("meta", []),
+        ("trees", {"params": {"index": "0"}}),
+        ("time", 3),
+    ],
+)
 def test_bad_meta_fields_are_named(tmp_path, field, value):
     path = _save(TopKCheckpointer(dir=tmp_path), 1, val_loss=0.5)
     _edit_meta(path, **{field: value})
-    with pytest.raises(CheckpointError, match=rf"{path.name} is corrupted \(meta.json field "
-                                              rf"'{field}[.a-z]*' must be"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{path.name} is corrupted \(meta.json field "
+        rf"'{field}[.a-z]*' must be",
+    ):
         load_checkpoint(path)
 
 
@@ -307,7 +369,9 @@ def test_edited_meta_fails_its_record_hash(tmp_path):
     assert len(info["record_sha256"]) == 64
     info["meta"]["note"] = 2
     (path / "meta.json").write_text(json.dumps(info))
-    with pytest.raises(CheckpointError, match=r"corrupted \(meta.json does not match its record_sha256"):
+    with pytest.raises(
+        CheckpointError, match=r"corrupted \(meta.json does not match its record_sha256"
+    ):
         verify_checkpoint(path)
     del info["record_sha256"]  # written before the hash existed: loads
     (path / "meta.json").write_text(json.dumps(info))
@@ -328,10 +392,14 @@ def test_a_store_larger_than_meta_says_is_refused_before_reading(tmp_path, monke
     import orbax.checkpoint as ocp
 
     path = TopKCheckpointer(dir=tmp_path).save(
-        epoch=0, step=0, metrics={}, meta={}, trees={"p": {"w": jnp.zeros(2, jnp.float32)}})
+        epoch=0, step=0, metrics={}, meta={}, trees={"p": {"w": jnp.zeros(2, jnp.float32)}}
+    )
     shutil.rmtree(path / "arrays")
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:  # 64 MiB where meta says 8 B
-        c.save(path / "arrays", args=ocp.args.StandardSave({"t0": {"l0": np.ones((4096, 4096), np.float32)}}))
+        c.save(
+            path / "arrays",
+            args=ocp.args.StandardSave({"t0": {"l0": np.ones((4096, 4096), np.float32)}}),
+        )
 
     def no_restore(*args, **kwargs):
         raise AssertionError("an array was read")
@@ -339,8 +407,11 @@ def test_a_store_larger_than_meta_says_is_refused_before_reading(tmp_path, monke
     monkeypatch.setattr(ocp.Checkpointer, "restore", no_restore)
     t0 = time.monotonic()
     for load in (load_checkpoint, verify_checkpoint):
-        with pytest.raises(CheckpointError, match=r"corrupted \(its arrays do not match meta.json: "
-                                                  r"t0/l0: stored \(\(4096, 4096\), 'float32'\)"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"corrupted \(its arrays do not match meta.json: "
+            r"t0/l0: stored \(\(4096, 4096\), 'float32'\)",
+        ):
             load(path)
     assert time.monotonic() - t0 < 5
 
@@ -420,7 +491,9 @@ def test_a_full_disk_at_the_json_writes_is_a_checkpoint_error(tmp_path, monkeypa
 
     monkeypatch.setattr(ckmod, "_write_json", write_json)
     failing.add("meta.json")
-    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*epoch-0001.*\(OSError: \[Errno 28\]"):
+    with pytest.raises(
+        CheckpointError, match=r"cannot write checkpoint .*epoch-0001.*\(OSError: \[Errno 28\]"
+    ):
         _save(ck, 1)
     assert os.listdir(tmp_path) == []
     failing.clear()
@@ -457,9 +530,13 @@ else:
 def test_a_real_file_size_limit_is_a_checkpoint_error(tmp_path):
     if not hasattr(signal, "SIGXFSZ"):
         pytest.skip("no RLIMIT_FSIZE here")
-    out = subprocess.run([sys.executable, "-c", FSIZE_CHILD, str(tmp_path / "ck")],
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = subprocess.run(
+        [sys.executable, "-c", FSIZE_CHILD, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     if "SAVED" in out.stdout:
         pytest.skip("the file size limit did not stop the write here")
     assert "CHECKPOINT_ERROR cannot write checkpoint" in out.stdout, out.stdout + out.stderr[-2000:]
@@ -471,7 +548,9 @@ def test_a_real_file_size_limit_is_a_checkpoint_error(tmp_path):
 def test_a_corrupted_checkpoint_gives_one_short_warning_and_no_tracebacks(tmp_path, capfd):
     ck = TopKCheckpointer(k=5, metric="acc", dir=tmp_path)
     rng = np.random.default_rng(0)
-    many = {"p": {f"w{i}": jnp.asarray(rng.standard_normal((64, 64)), jnp.float32) for i in range(40)}}
+    many = {
+        "p": {f"w{i}": jnp.asarray(rng.standard_normal((64, 64)), jnp.float32) for i in range(40)}
+    }
     good = ck.save(epoch=1, step=1, metrics={"acc": 0.1}, trees=many, meta={})
     bad = ck.save(epoch=2, step=2, metrics={"acc": 0.2}, trees=many, meta={})
     _truncate_data_files(bad)
@@ -506,4 +585,3 @@ def test_a_listed_checkpoint_without_meta_is_reported_and_moved_aside(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert writer.latest() == first
-

@@ -19,8 +19,14 @@ def compile_record(fn, *args, kind=None, **jit_kw):
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    return report.record(kind or fn.__name__, "test", lowered, compiled,
-                         lower_seconds=t1 - t0, compile_seconds=t2 - t1)
+    return report.record(
+        kind or fn.__name__,
+        "test",
+        lowered,
+        compiled,
+        lower_seconds=t1 - t0,
+        compile_seconds=t2 - t1,
+    )
 
 
 def kinds(rec):
@@ -69,6 +75,7 @@ def test_per_parameter_repetition_is_not_a_loop():
             for layer in params:
                 h = jnp.tanh(h @ layer["w"] + layer["b"])
             return h.sum()
+
         grads = jax.grad(loss)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
@@ -76,8 +83,9 @@ def test_per_parameter_repetition_is_not_a_loop():
     lowered = jax.jit(step).lower(layers, tx.init(layers), jnp.ones((2, 8)))
     repeats, _ = report._longest_repeat(report._stablehlo_ops(lowered.as_text()), 256)
     assert repeats >= report.Thresholds().repeats  # the repetition is there ...
-    rec = report.record("train", "test", lowered, lowered.compile(), lower_seconds=0.0,
-                        compile_seconds=0.0)
+    rec = report.record(
+        "train", "test", lowered, lowered.compile(), lower_seconds=0.0, compile_seconds=0.0
+    )
     assert kinds(rec) == []  # ... and is not taken for a loop
 
 
@@ -106,8 +114,12 @@ def test_splat_constants_are_free():
 @pytest.fixture(scope="module")
 def mlp_step_record():
     key1, key2 = jax.random.split(jax.random.key(0))
-    params = {"w1": jax.random.normal(key1, (8, 32)) * 0.1, "b1": jnp.zeros(32),
-              "w2": jax.random.normal(key2, (32, 4)) * 0.1, "b2": jnp.zeros(4)}
+    params = {
+        "w1": jax.random.normal(key1, (8, 32)) * 0.1,
+        "b1": jnp.zeros(32),
+        "w2": jax.random.normal(key2, (32, 4)) * 0.1,
+        "b2": jnp.zeros(4),
+    }
     tx = optax.adam(1e-3)
 
     def train_step(params, opt_state, x, y):
@@ -115,13 +127,15 @@ def mlp_step_record():
             h = jax.nn.relu(x @ params["w1"] + params["b1"])
             logits = h @ params["w2"] + params["b2"]
             return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
         value, grads = jax.value_and_grad(loss)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
     x, y = jnp.ones((64, 8)), jnp.zeros(64, jnp.int32)
-    return compile_record(train_step, params, tx.init(params), x, y, kind="train",
-                          donate_argnums=(0, 1))
+    return compile_record(
+        train_step, params, tx.init(params), x, y, kind="train", donate_argnums=(0, 1)
+    )
 
 
 def test_clean_train_step_has_no_flags_and_populated_fields(mlp_step_record):
@@ -131,14 +145,16 @@ def test_clean_train_step_has_no_flags_and_populated_fields(mlp_step_record):
     assert rec.flops is not None and rec.flops > 0
     m = rec.memory
     assert m["estimate"] > 0 and m["aliased"] > 0  # donated params and optimizer state
-    assert m["estimate"] == (m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"]
-                             + m["code"])
+    assert m["estimate"] == (
+        m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"] + m["code"]
+    )
 
 
 def test_slow_compile_is_flagged_with_the_persistent_cache():
     lowered = jax.jit(scanned).lower(X, W)
-    rec = report.record("eval", "test", lowered, lowered.compile(), lower_seconds=0.1,
-                        compile_seconds=75.0)
+    rec = report.record(
+        "eval", "test", lowered, lowered.compile(), lower_seconds=0.1, compile_seconds=75.0
+    )
     assert kinds(rec) == ["slow_compile"]
     assert "compilation_cache=" in rec.flags[0].message
 

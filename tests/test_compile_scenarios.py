@@ -113,7 +113,7 @@ def test_a_precision_change_is_explained(run_dir):
 
 
 def test_an_unchanged_class_redefinition_compiles_nothing(run_dir):
-    src = textwrap.dedent('''
+    src = textwrap.dedent("""
         import jaxnitro as jn
         from conftest import Tiny
 
@@ -121,7 +121,7 @@ def test_an_unchanged_class_redefinition_compiles_nothing(run_dir):
         class Again(Tiny):
             def loss(self, logits, *, y):
                 return Tiny.loss(self, logits, y=y) * 2.0
-    ''')
+    """)
     ns1, ns2 = {}, {}
     exec(compile(src, "<cell>", "exec"), ns1)
     assert compiled(nitro(ns1["Again"](), run_dir=run_dir / "a")) == 2
@@ -131,7 +131,7 @@ def test_an_unchanged_class_redefinition_compiles_nothing(run_dir):
 
 def _cell(body: str) -> type:
     ns: dict = {}
-    src = textwrap.dedent('''
+    src = textwrap.dedent("""
         import jax, optax
         import jaxnitro as jn
         from conftest import Tiny
@@ -140,7 +140,7 @@ def _cell(body: str) -> type:
         class Edited(Tiny):
             def loss(self, logits, *, y):
                 return {body}
-    ''').format(body=body)
+    """).format(body=body)
     exec(compile(src, "<cell>", "exec"), ns)
     return ns["Edited"]
 
@@ -173,8 +173,11 @@ def test_a_live_handle_warns_and_evaluates_with_the_edited_code(run_dir):
 
     Live.metrics = metrics
     before = misses()
-    with pytest.warns(UserWarning, match=r"`metrics` changed.*the eval program.*programs "
-                                         r"that do not call it are kept"):
+    with pytest.warns(
+        UserWarning,
+        match=r"`metrics` changed.*the eval program.*programs "
+        r"that do not call it are kept",
+    ):
         values = jn.validate(n)
     assert values["acc"] == pytest.approx(0.75)
     assert misses() == before + 1
@@ -238,10 +241,14 @@ def test_a_module_constant_edited_and_reloaded(tmp_path, run_dir):
 
 
 def test_a_helper_reached_as_module_attr_edited_and_reloaded(tmp_path, run_dir):
-    path = _module(tmp_path, "scen_losses", '''
+    path = _module(
+        tmp_path,
+        "scen_losses",
+        """
         def penalty(z):
             return 0.0 * z.sum()
-    ''')
+    """,
+    )
     import scen_losses
 
     @jn.experiment
@@ -252,10 +259,14 @@ def test_a_helper_reached_as_module_attr_edited_and_reloaded(tmp_path, run_dir):
     globals()["LOSSES"] = scen_losses
     n1 = nitro(UsesHelper(n_val=0, max_epochs=1), run_dir=run_dir / "a")
     jn.train(n1)
-    _reload(path, scen_losses, '''
+    _reload(
+        path,
+        scen_losses,
+        """
         def penalty(z):
             return 0.0 * z.sum() + 5.0
-    ''')
+    """,
+    )
     n2 = nitro(UsesHelper(n_val=0, max_epochs=1), run_dir=run_dir / "b")
     result = jn.train(n2)
     assert result.programs_compiled == 1
@@ -270,7 +281,10 @@ def test_a_set_device_sweep_with_a_same_named_loop_variable_compiles_nothing(run
 
         def metrics(self, logits, *, y):
             close = (jnp.abs(logits.max(-1)) < self.tol).sum()
-            return {"acc": ((logits.argmax(-1) == y).sum(), y.shape[0]), "close": (close, y.shape[0])}
+            return {
+                "acc": ((logits.argmax(-1) == y).sum(), y.shape[0]),
+                "close": (close, y.shape[0]),
+            }
 
     n = nitro(Tol(max_epochs=1), run_dir=run_dir)
     jn.train(n)
@@ -358,8 +372,12 @@ def test_an_optimizer_change_is_explained_by_name(run_dir):
 
 
 def test_a_steps_per_call_tail_is_announced_at_setup(run_dir, capsys):
-    n = nitro(Tiny(max_epochs=1, n_train=37 * 32, n_val=0), run_dir=run_dir, steps_per_call=4,
-              progress="plain")
+    n = nitro(
+        Tiny(max_epochs=1, n_train=37 * 32, n_val=0),
+        run_dir=run_dir,
+        steps_per_call=4,
+        progress="plain",
+    )
     jn.train(n)
     out = capsys.readouterr().out
     assert "train (single steps): 37 steps per epoch leave a tail of 1" in out

@@ -51,8 +51,8 @@ os.replace(out + ".part.npz", out)
 print(f"DONE {{n.step}} {{result.stop_reason}}", flush=True)
 """
 
-EPOCHS = 120         # x 8 steps; an epoch (steps, validation, checkpoint) takes ~50 ms here
-KILLS = 22           # SIGKILLs before the run is allowed to finish
+EPOCHS = 120  # x 8 steps; an epoch (steps, validation, checkpoint) takes ~50 ms here
+KILLS = 22  # SIGKILLs before the run is allowed to finish
 STEPS_PER_EPOCH = 8  # Tiny: 256 samples / 32
 
 
@@ -62,8 +62,12 @@ def _complete_steps(ckdir: Path) -> list[int]:
         return []
     steps = []
     for p in ckdir.iterdir():
-        if p.is_dir() and ".tmp-" not in p.name and ".corrupt-" not in p.name \
-                and (p / "meta.json").is_file():
+        if (
+            p.is_dir()
+            and ".tmp-" not in p.name
+            and ".corrupt-" not in p.name
+            and (p / "meta.json").is_file()
+        ):
             steps.append(json.loads((p / "meta.json").read_text())["step"])
     return steps
 
@@ -83,7 +87,11 @@ class _Child:
         self._err = open(err, "w")
         self.proc = subprocess.Popen(
             [sys.executable, str(script), str(run_dir), str(out), str(EPOCHS)],
-            stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            env=env,
+        )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.start: tuple[int, int] | None = None
@@ -134,9 +142,12 @@ def test_sigkill_at_random_times_then_resume_matches_an_uninterrupted_run(tmp_pa
     t_begin = time.monotonic()
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(tests=str(TESTS)))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           # Shared by every child: the reference run compiles, the restarts only read.
-           "JAXNITRO_COMPILATION_CACHE": str(tmp_path / "xla-cache")}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        # Shared by every child: the reference run compiles, the restarts only read.
+        "JAXNITRO_COMPILATION_CACHE": str(tmp_path / "xla-cache"),
+    }
     env.pop("XLA_FLAGS", None)
 
     # 1. The uninterrupted reference run (it also fills the compilation cache).
@@ -197,7 +208,8 @@ def test_sigkill_at_random_times_then_resume_matches_an_uninterrupted_run(tmp_pa
             step, epoch = child.start
             assert step == expected, (
                 f"cycle {cycle}: resumed at step {step}, but the newest complete checkpoint "
-                f"is at step {expected} (complete: {sorted(steps)})\n{child.stderr()}")
+                f"is at step {expected} (complete: {sorted(steps)})\n{child.stderr()}"
+            )
             assert step == epoch * STEPS_PER_EPOCH, (step, epoch)
             resumed_from.add(step)
         log.append((cycle, mode, child.start, interrupted))
@@ -208,8 +220,10 @@ def test_sigkill_at_random_times_then_resume_matches_an_uninterrupted_run(tmp_pa
     assert rc == 0, err
     assert start is not None and start[0] == expected, (start, expected)
 
-    print(f"{kills} kills ({mid_write} mid-write), resumed from {len(resumed_from)} "
-          f"checkpoints, {time.monotonic() - t_begin:.0f}s; {log}")
+    print(
+        f"{kills} kills ({mid_write} mid-write), resumed from {len(resumed_from)} "
+        f"checkpoints, {time.monotonic() - t_begin:.0f}s; {log}"
+    )
     assert kills >= 20, log
     assert mid_write >= 5, f"only {mid_write} kills hit a checkpoint write: {log}"
     assert len(resumed_from) >= 5, f"restarts resumed from too few checkpoints: {log}"
@@ -228,10 +242,16 @@ def test_sigkill_at_random_times_then_resume_matches_an_uninterrupted_run(tmp_pa
 # -- the pieces ------------------------------------------------------------------------
 def _save(ck: TopKCheckpointer, step: int) -> Path:
     rand = np.random.default_rng(step).standard_normal((64, 64))  # incompressible, not inlined
-    trees = {"params": {"w": jnp.asarray(rand, jnp.float32),
-                        "b": jnp.arange(8, dtype=jnp.int32) + step}}
-    return ck.save(epoch=step, step=step * 10, metrics={"val_loss": 1.0 / step}, trees=trees,
-                   meta={"note": step})
+    trees = {
+        "params": {"w": jnp.asarray(rand, jnp.float32), "b": jnp.arange(8, dtype=jnp.int32) + step}
+    }
+    return ck.save(
+        epoch=step,
+        step=step * 10,
+        metrics={"val_loss": 1.0 / step},
+        trees=trees,
+        meta={"note": step},
+    )
 
 
 def _data_files(ckpt: Path) -> list[Path]:

@@ -12,7 +12,10 @@ from jaxnitro.data import DataLoader, Prefetcher, check_batch, pad_batch, skip
 
 
 def data(n=10, d=3):
-    return {"x": np.arange(n * d, dtype=np.float32).reshape(n, d), "y": np.arange(n, dtype=np.int32)}
+    return {
+        "x": np.arange(n * d, dtype=np.float32).reshape(n, d),
+        "y": np.arange(n, dtype=np.int32),
+    }
 
 
 def ys(loader_or_batches):
@@ -39,6 +42,7 @@ def call_with_timeout(fn, seconds=5.0):
 
 
 # ---------------------------------------------------------------- batching
+
 
 def test_batches_in_order_with_sizes():
     loader = DataLoader(data(10), batch_size=4)
@@ -86,6 +90,7 @@ def test_accepts_jax_arrays_and_lists():
 
 
 # ---------------------------------------------------------------- shuffle
+
 
 def test_shuffle_is_a_permutation_per_epoch():
     loader = DataLoader(data(50), batch_size=7, shuffle=True, seed=1)
@@ -157,6 +162,7 @@ def test_skip_on_a_plain_iterable():
 
 # ---------------------------------------------------------------- loader errors
 
+
 @pytest.mark.parametrize("bad", [[np.zeros(3)], np.zeros((3, 2)), (np.zeros(3),), {}])
 def test_non_dict_input_is_a_data_error(bad):
     with pytest.raises(jn.DataError, match="dict"):
@@ -177,11 +183,14 @@ def test_scalar_field_is_refused():
         DataLoader({"x": np.zeros((10, 2)), "s": np.float32(1.0)}, batch_size=2)
 
 
-@pytest.mark.parametrize("arr", [
-    np.array(["a", "b", "c"]),
-    np.array([b"a", b"b", b"c"]),
-    np.array([{}, {}, {}], dtype=object),
-])
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.array(["a", "b", "c"]),
+        np.array([b"a", b"b", b"c"]),
+        np.array([{}, {}, {}], dtype=object),
+    ],
+)
 def test_object_or_string_dtype_is_refused(arr):
     with pytest.raises(jn.DataError, match="'names'") as ei:
         DataLoader({"x": np.zeros((3, 2)), "names": arr}, batch_size=2)
@@ -206,6 +215,7 @@ def test_numpy_int_batch_size_is_fine():
 
 
 # ---------------------------------------------------------------- check_batch / pad_batch
+
 
 def test_check_batch_returns_batch_size():
     assert check_batch({"x": np.zeros((4, 3)), "y": np.zeros(4)}, "train") == 4
@@ -257,6 +267,7 @@ def test_pad_batch_full_batch_unchanged():
 
 
 # ---------------------------------------------------------------- Prefetcher
+
 
 def identity_prepare(host):
     return host, host["y"].shape[0]

@@ -25,8 +25,10 @@ def test_defaults():
     assert es.stopped_epoch is None and not es.should_stop
 
 
-@pytest.mark.parametrize(("mode", "suggest"), [("maximum", "max"), ("mni", "min"), ("MAX", "max"),
-                                               ("lower", "min"), ("higher", "max")])
+@pytest.mark.parametrize(
+    ("mode", "suggest"),
+    [("maximum", "max"), ("mni", "min"), ("MAX", "max"), ("lower", "min"), ("higher", "max")],
+)
 def test_bad_mode_is_a_config_error_with_did_you_mean(mode, suggest):
     with pytest.raises(ConfigError, match=r"mode=.*invalid.*'min'.*'max'") as ei:
         EarlyStopping(mode=mode)
@@ -150,8 +152,11 @@ def test_epochs_need_not_start_at_one_or_be_contiguous():
 # -- misuse ------------------------------------------------------------------------------
 def test_missing_metric_names_it_and_the_ones_given():
     es = EarlyStopping(metric="accuracy", mode="max")
-    with pytest.raises(ConfigError, match=r"monitors 'accuracy'.*\['acc', 'val_loss'\].*"
-                                          r"Did you mean 'acc'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"monitors 'accuracy'.*\['acc', 'val_loss'\].*"
+        r"Did you mean 'acc'\?",
+    ):
         es.update(1, {"acc": 0.5, "val_loss": 1.0})
     assert es.last_epoch is None  # a refused update changes nothing
 
@@ -160,8 +165,11 @@ def test_check_metric_for_setup():
     es = EarlyStopping(metric="val_los")
     es2 = EarlyStopping(metric="acc")
     es2.check_metric(["acc", "val_loss"])
-    with pytest.raises(ConfigError, match=r"never produces.*\['acc', 'val_loss'\].*"
-                                          r"Did you mean 'val_loss'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"never produces.*\['acc', 'val_loss'\].*"
+        r"Did you mean 'val_loss'\?",
+    ):
         es.check_metric(["val_loss", "acc"])
 
 
@@ -200,8 +208,13 @@ def test_state_dict_is_json_safe_and_round_trips():
     state = json.loads(json.dumps(es.state_dict(), allow_nan=False))
     es2 = EarlyStopping(metric="acc", mode="max", patience=3, min_delta=0.0)
     es2.load_state_dict(state)
-    assert (es2.best, es2.best_epoch, es2.bad_epochs, es2.stopped_epoch, es2.last_epoch) == \
-           (0.7, 2, 1, None, 3)
+    assert (es2.best, es2.best_epoch, es2.bad_epochs, es2.stopped_epoch, es2.last_epoch) == (
+        0.7,
+        2,
+        1,
+        None,
+        3,
+    )
     assert es2.state_dict() == es.state_dict()
 
 
@@ -219,8 +232,9 @@ def test_resume_continues_exactly_like_an_uninterrupted_run():
         saved = json.dumps(first.state_dict())
         second = EarlyStopping(patience=3, min_delta=0.005)
         second.load_state_dict(json.loads(saved))
-        got += [second.update(e, {"val_loss": v})
-                for e, v in enumerate(values[cut:], start=cut + 1)]
+        got += [
+            second.update(e, {"val_loss": v}) for e, v in enumerate(values[cut:], start=cut + 1)
+        ]
         assert got == want, cut
         assert second.state_dict() == straight.state_dict()
     assert straight.stopped_epoch == 8

@@ -46,7 +46,7 @@ def check(excinfo, *patterns: str) -> str:
 def batches(n_batches=8, bs=32, seed=0, **extra):
     """A list of dict batches (a re-iterable split), Tiny's fields x/y."""
     x, y = make_data(n_batches * bs, seed)
-    out = [{"x": x[i * bs:(i + 1) * bs], "y": y[i * bs:(i + 1) * bs]} for i in range(n_batches)]
+    out = [{"x": x[i * bs : (i + 1) * bs], "y": y[i * bs : (i + 1) * bs]} for i in range(n_batches)]
     for b in out:
         b.update(extra)
     return out
@@ -84,18 +84,21 @@ def test_graphconst_hashing_by_identity():
 
 def test_graphconst_driver_field():
     with pytest.raises(jn.ConfigError) as e:
+
         @jn.experiment
         class Bad:
             max_epochs: jn.GraphConst[int] = 3
-    check(e, r"Bad\.max_epochs is a driver setting and cannot be GraphConst",
-          r"Remove the marker")
+
+    check(e, r"Bad\.max_epochs is a driver setting and cannot be GraphConst", r"Remove the marker")
 
 
 def test_bare_marker_without_type():
     with pytest.raises(jn.ConfigError) as e:
+
         @jn.experiment
         class Bad:
             width: jn.GraphConst = 3
+
     check(e, r"bare jn\.GraphConst needs a type", r"jn\.GraphConst\[float\]")
 
 
@@ -139,8 +142,12 @@ def test_host_field_read_in_traced_code(run_dir):
 
     with pytest.raises(jn.HostFieldError) as e:
         nitro(ReadsHost(), run_dir=run_dir)  # metric names are traced at setup
-    check(e, r"metrics\(\) read Host field 'n_train' of ReadsHost inside traced code",
-          r"jn\.GraphConst\[int\]", r"jn\.Device\[int\]")
+    check(
+        e,
+        r"metrics\(\) read Host field 'n_train' of ReadsHost inside traced code",
+        r"jn\.GraphConst\[int\]",
+        r"jn\.Device\[int\]",
+    )
 
 
 def test_missing_hook(run_dir):
@@ -168,8 +175,12 @@ def test_misspelled_hook(run_dir):
 
     with pytest.raises(jn.HookError) as e:
         nitro(Typo(), run_dir=run_dir)
-    check(e, r"Typo\.metric looks like a misspelled hook and would never be called",
-          r"Did you mean 'metrics'\?", r"prefix it with '_' if it is a helper")
+    check(
+        e,
+        r"Typo\.metric looks like a misspelled hook and would never be called",
+        r"Did you mean 'metrics'\?",
+        r"prefix it with '_' if it is a helper",
+    )
 
 
 def test_hook_with_wrong_signature(run_dir):
@@ -180,8 +191,12 @@ def test_hook_with_wrong_signature(run_dir):
 
     with pytest.raises(jn.HookError) as e:
         nitro(PositionalLabel(), run_dir=run_dir)
-    check(e, r"PositionalLabel\.loss\(self, logits, y\) has the wrong signature",
-          r"expected loss\(self, outputs, \*, <batch fields>\)", r"put them after a '\*'")
+    check(
+        e,
+        r"PositionalLabel\.loss\(self, logits, y\) has the wrong signature",
+        r"expected loss\(self, outputs, \*, <batch fields>\)",
+        r"put them after a '\*'",
+    )
 
 
 def test_forward_with_too_few_parameters(run_dir):
@@ -192,8 +207,11 @@ def test_forward_with_too_few_parameters(run_dir):
 
     with pytest.raises(jn.HookError) as e:
         nitro(NoState(), run_dir=run_dir)
-    check(e, r"NoState\.forward.*has the wrong signature",
-          r"forward\(self, model, params, state, \*, <batch fields>\)")
+    check(
+        e,
+        r"NoState\.forward.*has the wrong signature",
+        r"forward\(self, model, params, state, \*, <batch fields>\)",
+    )
 
 
 def test_batch_missing_a_routed_field(run_dir):
@@ -204,8 +222,11 @@ def test_batch_missing_a_routed_field(run_dir):
 
     with pytest.raises(jn.RoutingError) as e:
         nitro(WantsLabel(), run_dir=run_dir)
-    check(e, r"loss\(\) needs batch field\(s\) \['label'\] but the 'train' batches have \['x', 'y'\]",
-          r"Rename the keyword parameter or add the field to the data")
+    check(
+        e,
+        r"loss\(\) needs batch field\(s\) \['label'\] but the 'train' batches have \['x', 'y'\]",
+        r"Rename the keyword parameter or add the field to the data",
+    )
 
 
 def test_build_model_returning_a_module(run_dir):
@@ -214,12 +235,16 @@ def test_build_model_returning_a_module(run_dir):
         def build_model(self, rng):
             from conftest import TinyMLP
             from flax import nnx
+
             return TinyMLP(16, rngs=nnx.Rngs(rng))
 
     with pytest.raises(jn.HookError) as e:
         nitro(RawModule(), run_dir=run_dir)
-    check(e, r"RawModule\.build_model must return \(model, params, state\), got TinyMLP",
-          r"return jn\.split_model\(module\)")
+    check(
+        e,
+        r"RawModule\.build_model must return \(model, params, state\), got TinyMLP",
+        r"return jn\.split_model\(module\)",
+    )
 
 
 def test_build_data_returning_a_list(run_dir):
@@ -230,8 +255,12 @@ def test_build_data_returning_a_list(run_dir):
 
     with pytest.raises(jn.HookError) as e:
         nitro(ListData(), run_dir=run_dir)
-    check(e, r"build_data must return a dict of splits", r"\{'train': loader, 'val': loader\}",
-          r"got list")
+    check(
+        e,
+        r"build_data must return a dict of splits",
+        r"\{'train': loader, 'val': loader\}",
+        r"got list",
+    )
 
 
 def test_forward_not_returning_a_pair(run_dir):
@@ -242,9 +271,12 @@ def test_forward_not_returning_a_pair(run_dir):
 
     with pytest.raises(jn.HookError) as e:
         nitro(LogitsOnly(), run_dir=run_dir)
-    check(e, r"LogitsOnly\.forward must return \(outputs, new_state\), got ArrayImpl|"
-             r"LogitsOnly\.forward must return \(outputs, new_state\), got \w+",
-          r"return jn\.apply\(model, params, state, x\)")
+    check(
+        e,
+        r"LogitsOnly\.forward must return \(outputs, new_state\), got ArrayImpl|"
+        r"LogitsOnly\.forward must return \(outputs, new_state\), got \w+",
+        r"return jn\.apply\(model, params, state, x\)",
+    )
 
 
 def test_loss_returning_a_non_scalar(run_dir):
@@ -255,8 +287,11 @@ def test_loss_returning_a_non_scalar(run_dir):
 
     with pytest.raises(jn.HookError) as e:
         nitro(PerExample(), run_dir=run_dir)
-    check(e, r"loss\(\) must return a scalar, got an array of shape \(20,\)",
-          r"return losses\.mean\(\)")
+    check(
+        e,
+        r"loss\(\) must return a scalar, got an array of shape \(20,\)",
+        r"return losses\.mean\(\)",
+    )
 
 
 def test_loss_returning_an_integer(run_dir):
@@ -267,8 +302,11 @@ def test_loss_returning_an_integer(run_dir):
 
     with pytest.raises(jn.HookError) as e:
         nitro(IntLoss(), run_dir=run_dir)
-    check(e, r"loss\(\) must return a floating-point scalar, got dtype int32",
-          r"integer loss has no gradient")
+    check(
+        e,
+        r"loss\(\) must return a floating-point scalar, got dtype int32",
+        r"integer loss has no gradient",
+    )
 
 
 def test_metrics_returning_a_bare_number(run_dir):
@@ -279,9 +317,12 @@ def test_metrics_returning_a_bare_number(run_dir):
 
     with pytest.raises(jn.MetricsError) as e:
         nitro(BareMetrics(), run_dir=run_dir)
-    check(e, r"metrics\(\) must return a dict name -> \(sum, count\), got an array of shape "
-             r"\(\) \(float32\)",
-          r"return \{'acc': \(\(logits\.argmax\(-1\) == label\)\.sum\(\), label\.shape\[0\]\)\}")
+    check(
+        e,
+        r"metrics\(\) must return a dict name -> \(sum, count\), got an array of shape "
+        r"\(\) \(float32\)",
+        r"return \{'acc': \(\(logits\.argmax\(-1\) == label\)\.sum\(\), label\.shape\[0\]\)\}",
+    )
 
 
 def test_metric_value_neither_a_pair_nor_valid(run_dir):
@@ -292,8 +333,12 @@ def test_metric_value_neither_a_pair_nor_valid(run_dir):
 
     with pytest.raises(jn.MetricsError) as e:
         nitro(BareValue(), run_dir=run_dir)
-    check(e, r"returned 'acc' as an array of shape \(\) \(float32\)", r"each metric is \(sum, count\)",
-          r"\(total, None\) for a value that is summed and never divided")
+    check(
+        e,
+        r"returned 'acc' as an array of shape \(\) \(float32\)",
+        r"each metric is \(sum, count\)",
+        r"\(total, None\) for a value that is summed and never divided",
+    )
 
 
 def test_metric_triple_is_refused(run_dir):
@@ -327,8 +372,11 @@ def test_metric_sum_that_is_not_numeric(run_dir):
 
     with pytest.raises(jn.MetricsError) as e:
         nitro(StringSum(), run_dir=run_dir)
-    check(e, r"returned a sum for 'acc' that is not numeric \('correct'\)",
-          r"e\.g\. \(correct\.sum\(\), label\.shape\[0\]\)")
+    check(
+        e,
+        r"returned a sum for 'acc' that is not numeric \('correct'\)",
+        r"e\.g\. \(correct\.sum\(\), label\.shape\[0\]\)",
+    )
 
 
 def test_metric_count_that_is_not_a_scalar(run_dir):
@@ -372,8 +420,11 @@ def test_derive_setting_an_unknown_field(run_dir):
 
     with pytest.raises(jn.ConfigError) as e:
         nitro(UnknownDerive(), run_dir=run_dir)
-    check(e, r"Tiny has no field 'widht'|UnknownDerive has no field 'widht'",
-          r"Did you mean 'width'\?")
+    check(
+        e,
+        r"Tiny has no field 'widht'|UnknownDerive has no field 'widht'",
+        r"Did you mean 'width'\?",
+    )
 
 
 def test_model_error_inside_forward_names_the_hook_and_shapes(run_dir):
@@ -394,8 +445,11 @@ def test_optimizer_hook_returning_junk(run_dir):
 
     with pytest.raises(jn.ConfigError) as e:
         nitro(JunkOptimizer(), run_dir=run_dir)
-    check(e, r"optimizer\('default'\) must return an optax factory such as optax\.adamw",
-          r"got 'adam'")
+    check(
+        e,
+        r"optimizer\('default'\) must return an optax factory such as optax\.adamw",
+        r"got 'adam'",
+    )
 
 
 def test_optimizer_hook_returning_a_transformation_with_a_schedule(run_dir):
@@ -405,8 +459,11 @@ def test_optimizer_hook_returning_a_transformation_with_a_schedule(run_dir):
             return optax.adam(1e-3)
 
     with pytest.raises(jn.ConfigError) as e:
-        nitro(FixedTx(), run_dir=run_dir,
-              schedules={"opt.learning_rate": jn.schedules.warmup_cosine()})
+        nitro(
+            FixedTx(),
+            run_dir=run_dir,
+            schedules={"opt.learning_rate": jn.schedules.warmup_cosine()},
+        )
     check(e, r"returned a ready optax transformation", r"Return the factory instead")
 
 
@@ -429,8 +486,11 @@ def test_learning_rate_zero_everywhere(run_dir):
 
     with pytest.raises(jn.ConfigError) as e:
         nitro(Frozen(), run_dir=run_dir)
-    check(e, r"every parameter group has learning rate 0: nothing would train",
-          r"Set a positive rate in learning_rate\(self, group\)")
+    check(
+        e,
+        r"every parameter group has learning rate 0: nothing would train",
+        r"Set a positive rate in learning_rate\(self, group\)",
+    )
 
 
 def test_negative_learning_rate(run_dir):
@@ -460,8 +520,11 @@ def test_fields_with_different_batch_sizes():
     x, y = make_data(64)
     with pytest.raises(jn.DataError) as e:
         jn.DataLoader({"x": x, "y": y[:60]}, 32)
-    check(e, r"fields must share their leading \(sample\) dimension; got \{'x': 64, 'y': 60\}",
-          r"Batch dimension comes first")
+    check(
+        e,
+        r"fields must share their leading \(sample\) dimension; got \{'x': 64, 'y': 60\}",
+        r"Batch dimension comes first",
+    )
 
 
 def test_batch_fields_with_different_batch_sizes(run_dir):
@@ -469,15 +532,22 @@ def test_batch_fields_with_different_batch_sizes(run_dir):
     bad[0] = {"x": bad[0]["x"], "y": bad[0]["y"][:16]}
     with pytest.raises(jn.DataError) as e:
         nitro(run_dir=run_dir, data={"train": bad})
-    check(e, r"the 'train' batch fields disagree on the batch size \(leading dimension\): "
-             r"\{'x': 32, 'y': 16\}", r"slice all fields with the same indices")
+    check(
+        e,
+        r"the 'train' batch fields disagree on the batch size \(leading dimension\): "
+        r"\{'x': 32, 'y': 16\}",
+        r"slice all fields with the same indices",
+    )
 
 
 def test_empty_batch_dict(run_dir):
     with pytest.raises(jn.DataError) as e:
         nitro(run_dir=run_dir, data={"train": [{}, {}]})
-    check(e, r"the 'train' split yielded an empty batch \(a dict with no fields\)",
-          r"Yield dicts of arrays")
+    check(
+        e,
+        r"the 'train' split yielded an empty batch \(a dict with no fields\)",
+        r"Yield dicts of arrays",
+    )
 
 
 def test_batch_key_set_changing_mid_epoch(run_dir):
@@ -486,8 +556,11 @@ def test_batch_key_set_changing_mid_epoch(run_dir):
     n = nitro(run_dir=run_dir, data={"train": bad}, max_epochs=1)
     with pytest.raises(jn.DataError) as e:
         jn.train(n)
-    check(e, r"the 'train' batch fields changed mid-run: expected \['x', 'y'\], got \['w', 'x', 'y'\]",
-          r"Every batch of a split must carry the same fields")
+    check(
+        e,
+        r"the 'train' batch fields changed mid-run: expected \['x', 'y'\], got \['w', 'x', 'y'\]",
+        r"Every batch of a split must carry the same fields",
+    )
 
 
 def test_non_array_field():
@@ -509,8 +582,11 @@ def test_object_dtype():
     names = np.array(["cat", "dog"] * 32, dtype=object)
     with pytest.raises(jn.DataError) as e:
         jn.DataLoader({"x": x, "name": names}, 32)
-    check(e, r"batch field 'name' has dtype object, which cannot go to a device",
-          r"Encode it as numbers")
+    check(
+        e,
+        r"batch field 'name' has dtype object, which cannot go to a device",
+        r"Encode it as numbers",
+    )
 
 
 def test_string_dtype():
@@ -526,24 +602,37 @@ def test_scalar_batch_field(run_dir):
         b["scale"] = np.float32(2.0)
     with pytest.raises(jn.DataError) as e:
         nitro(run_dir=run_dir, data={"train": bad})
-    check(e, r"batch field 'scale' of split 'train' is a scalar", r"batch dimension first",
-          r"np\.full\(batch_size, value\)", r"make it an experiment field")
+    check(
+        e,
+        r"batch field 'scale' of split 'train' is a scalar",
+        r"batch dimension first",
+        r"np\.full\(batch_size, value\)",
+        r"make it an experiment field",
+    )
 
 
 def test_scalar_dataloader_field():
     x, y = make_data(64)
     with pytest.raises(jn.DataError) as e:
         jn.DataLoader({"x": x, "y": y, "temperature": 0.5}, 32)
-    check(e, r"DataLoader field 'temperature' is a scalar", r"np\.full\(n, value\)",
-          r"make it an experiment field")
+    check(
+        e,
+        r"DataLoader field 'temperature' is a scalar",
+        r"np\.full\(n, value\)",
+        r"make it an experiment field",
+    )
 
 
 def test_split_yielding_tuples(run_dir):
     x, y = make_data(64)
     with pytest.raises(jn.DataError) as e:
         nitro(run_dir=run_dir, data={"train": [(x[:32], y[:32]), (x[32:], y[32:])]})
-    check(e, r"the 'train' split yielded a tuple", r"batches are dicts of arrays",
-          r"Wrap your arrays in jn\.DataLoader")
+    check(
+        e,
+        r"the 'train' split yielded a tuple",
+        r"batches are dicts of arrays",
+        r"Wrap your arrays in jn\.DataLoader",
+    )
 
 
 @pytest.fixture
@@ -555,8 +644,11 @@ def ragged_train(run_dir):
 def test_ragged_train_loader(run_dir, ragged_train):
     with pytest.raises(jn.DataError) as e:
         nitro(run_dir=run_dir, data=ragged_train)
-    check(e, r"the 'train' split has 250 samples, which batch_size=32 does not divide",
-          r"Pass drop_last=True to the train DataLoader")
+    check(
+        e,
+        r"the 'train' split has 250 samples, which batch_size=32 does not divide",
+        r"Pass drop_last=True to the train DataLoader",
+    )
 
 
 def test_short_batch_in_a_train_list(run_dir):
@@ -571,15 +663,20 @@ def test_short_batch_in_a_train_list(run_dir):
 def test_accum_not_dividing_the_epoch(run_dir):
     with pytest.raises(jn.ConfigError) as e:
         nitro(run_dir=run_dir, accum=3)
-    check(e, r"accum=3 does not divide the 8 train batches of an epoch",
-          r"Use accum in \[1, 2, 4\]")
+    check(
+        e, r"accum=3 does not divide the 8 train batches of an epoch", r"Use accum in \[1, 2, 4\]"
+    )
 
 
 def test_one_shot_iterator_split(run_dir):
     with pytest.raises(jn.DataError) as e:
         nitro(run_dir=run_dir, data={"train": iter(batches())})
-    check(e, r"split 'train' is a one-shot iterator", r"empty after the first epoch",
-          r"Pass a re-iterable \(a list of batches or a jn\.DataLoader\)")
+    check(
+        e,
+        r"split 'train' is a one-shot iterator",
+        r"empty after the first epoch",
+        r"Pass a re-iterable \(a list of batches or a jn\.DataLoader\)",
+    )
 
 
 def test_generator_split(run_dir):
@@ -604,8 +701,9 @@ def test_empty_split(run_dir):
 def test_no_train_split(run_dir):
     with pytest.raises(jn.DataError) as e:
         nitro(run_dir=run_dir, data={"trian": batches()})
-    check(e, r"splits \['trian'\] but no 'train' split, which is required",
-          r"Did you mean 'trian'\?")
+    check(
+        e, r"splits \['trian'\] but no 'train' split, which is required", r"Did you mean 'trian'\?"
+    )
 
 
 def test_dataloader_bad_batch_size():
@@ -619,8 +717,11 @@ def test_dataloader_given_arrays_not_a_dict():
     x, y = make_data(64)
     with pytest.raises(jn.DataError) as e:
         jn.DataLoader((x, y), 32)
-    check(e, r"DataLoader takes a non-empty dict of arrays \{field: array\}, got tuple",
-          r"jn\.DataLoader\(\{'img': x, 'label': y\}, 32\)")
+    check(
+        e,
+        r"DataLoader takes a non-empty dict of arrays \{field: array\}, got tuple",
+        r"jn\.DataLoader\(\{'img': x, 'label': y\}, 32\)",
+    )
 
 
 def test_nan_loss_names_step_and_epoch(run_dir):
@@ -630,16 +731,22 @@ def test_nan_loss_names_step_and_epoch(run_dir):
     n = nitro(run_dir=run_dir, data=data, max_epochs=2)
     with pytest.raises(jn.NonFiniteLossError) as e:
         jn.train(n)
-    check(e, r"the training loss is nan at step 4 \(epoch 1, batch 3\)",
-          r"Lower the learning rate, check the data for NaN/inf, or add gradient clipping")
+    check(
+        e,
+        r"the training loss is nan at step 4 \(epoch 1, batch 3\)",
+        r"Lower the learning rate, check the data for NaN/inf, or add gradient clipping",
+    )
 
 
 # ----------------------------------------------------------------------- driver settings
 def test_nitro_given_the_class(run_dir):
     with pytest.raises(jn.ConfigError) as e:
         jn.Nitro(Tiny, run_dir=run_dir)
-    check(e, r"Nitro takes an experiment instance, got the class Tiny",
-          r"pass an instance: jn\.Nitro\(MyExp\(\)\)")
+    check(
+        e,
+        r"Nitro takes an experiment instance, got the class Tiny",
+        r"pass an instance: jn\.Nitro\(MyExp\(\)\)",
+    )
 
 
 def test_nitro_given_a_plain_object(run_dir):
@@ -660,15 +767,19 @@ def test_misspelled_nitro_keyword(run_dir):
 def test_bad_precision(run_dir):
     with pytest.raises(jn.ConfigError) as e:
         nitro(run_dir=run_dir, precision="bfloat16")
-    check(e, r"precision='bfloat16'", r"use 'f32' \(the default\) or 'bf16'",
-          r"Did you mean 'bf16'\?")
+    check(
+        e, r"precision='bfloat16'", r"use 'f32' \(the default\) or 'bf16'", r"Did you mean 'bf16'\?"
+    )
 
 
-@pytest.mark.parametrize(("kw", "pattern"), [
-    ({"seed": "42"}, r"seed must be an int >= 0, got '42'"),
-    ({"max_epochs": 0}, r"max_epochs must be an int >= 1, got 0"),
-    ({"accum": 0}, r"accum must be an int >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        ({"seed": "42"}, r"seed must be an int >= 0, got '42'"),
+        ({"max_epochs": 0}, r"max_epochs must be an int >= 1, got 0"),
+        ({"accum": 0}, r"accum must be an int >= 1, got 0"),
+    ],
+)
 def test_bad_int_settings(run_dir, kw, pattern):
     with pytest.raises(jn.ConfigError) as e:
         nitro(run_dir=run_dir, **kw)
@@ -684,8 +795,12 @@ def test_checkpointer_of_the_wrong_type(run_dir):
 def test_bad_topk_mode():
     with pytest.raises(jn.ConfigError) as e:
         jn.TopKCheckpointer(metric="acc", mode="maximize")
-    check(e, r"checkpoint mode='maximize' is invalid", r"valid modes are 'min', 'max'",
-          r"Did you mean 'max'\?")
+    check(
+        e,
+        r"checkpoint mode='maximize' is invalid",
+        r"valid modes are 'min', 'max'",
+        r"Did you mean 'max'\?",
+    )
 
 
 def test_bad_topk_k():
@@ -703,15 +818,23 @@ def test_bad_early_stopping_mode():
 def test_monitored_metric_absent(run_dir):
     with pytest.raises(jn.ConfigError) as e:
         nitro(run_dir=run_dir, checkpointer=jn.TopKCheckpointer(metric="accuracy", mode="max"))
-    check(e, r"the checkpointer monitors 'accuracy', which this run never produces",
-          r"validation produces \['acc', 'val_loss'\]", r"Did you mean 'acc'\?")
+    check(
+        e,
+        r"the checkpointer monitors 'accuracy', which this run never produces",
+        r"validation produces \['acc', 'val_loss'\]",
+        r"Did you mean 'acc'\?",
+    )
 
 
 def test_early_stopping_metric_absent(run_dir):
     with pytest.raises(jn.ConfigError) as e:
         nitro(run_dir=run_dir, early_stop=EarlyStopping(metric="accuracy", mode="max"))
-    check(e, r"early stopping monitors 'accuracy', which this run never produces",
-          r"'acc'.*'val_loss'", r"Did you mean 'acc'\?")
+    check(
+        e,
+        r"early stopping monitors 'accuracy', which this run never produces",
+        r"'acc'.*'val_loss'",
+        r"Did you mean 'acc'\?",
+    )
 
 
 def test_early_stop_of_the_wrong_type(run_dir):
@@ -729,8 +852,12 @@ def test_monitored_metric_without_a_val_split(run_dir):
 def test_unknown_schedule_key(run_dir):
     with pytest.raises(jn.ConfigError) as e:
         nitro(run_dir=run_dir, schedules={"opt.learning_rat": jn.schedules.warmup_cosine()})
-    check(e, r"unknown schedule key 'opt\.learning_rat'", r"valid keys:",
-          r"Did you mean 'opt\.learning_rate'\?")
+    check(
+        e,
+        r"unknown schedule key 'opt\.learning_rat'",
+        r"valid keys:",
+        r"Did you mean 'opt\.learning_rate'\?",
+    )
 
 
 def test_schedule_key_without_a_prefix(run_dir):
@@ -748,8 +875,11 @@ def test_schedule_of_a_graphconst_field(run_dir):
 def test_schedule_that_is_not_a_factory(run_dir):
     with pytest.raises(jn.ConfigError) as e:
         nitro(run_dir=run_dir, schedules={"opt.learning_rate": "cosine"})
-    check(e, r"schedule 'opt\.learning_rate' must be a factory f\(total_steps\)",
-          r"a number, or an optax schedule; got 'cosine'")
+    check(
+        e,
+        r"schedule 'opt\.learning_rate' must be a factory f\(total_steps\)",
+        r"a number, or an optax schedule; got 'cosine'",
+    )
 
 
 def test_run_dir_that_is_a_file(tmp_path):
@@ -772,7 +902,9 @@ def test_unwritable_run_dir(tmp_path):
     try:
         with pytest.raises(jn.ConfigError) as e:
             nitro(run_dir=parent / "run")
-        check(e, rf"cannot create run_dir {re.escape(str(parent / 'run'))}", r"Pick a writable path")
+        check(
+            e, rf"cannot create run_dir {re.escape(str(parent / 'run'))}", r"Pick a writable path"
+        )
     finally:
         if os.geteuid() != 0:
             parent.chmod(0o700)
@@ -782,8 +914,11 @@ def test_n_devices_larger_than_visible(run_dir):
     visible = len(jax.devices())
     with pytest.raises(jn.ConfigError) as e:
         nitro(run_dir=run_dir, n_devices=visible + 7)
-    check(e, rf"n_devices={visible + 7} but only {visible} device\(s\) are visible",
-          r"XLA_FLAGS=--xla_force_host_platform_device_count=")
+    check(
+        e,
+        rf"n_devices={visible + 7} but only {visible} device\(s\) are visible",
+        r"XLA_FLAGS=--xla_force_host_platform_device_count=",
+    )
 
 
 def test_n_devices_not_positive(run_dir):
@@ -796,26 +931,32 @@ def test_n_devices_not_positive(run_dir):
 def test_batch_not_divisible_by_devices(tmp_path):
     """Needs 2 (fake) devices, so it runs in a subprocess."""
     script = tmp_path / "two_devices.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {str(TESTS)!r})
         import jaxnitro as jn
         from conftest import Tiny, nitro
         out = {{}}
         try:
-            nitro(Tiny(val_batch=25), run_dir={str(tmp_path / 'run')!r}, n_devices=2)
+            nitro(Tiny(val_batch=25), run_dir={str(tmp_path / "run")!r}, n_devices=2)
         except Exception as e:
             out["odd"] = [type(e).__name__, isinstance(e, jn.JaxnitroError), str(e)]
         try:
-            nitro(Tiny(), run_dir={str(tmp_path / 'run3')!r}, n_devices=3)
+            nitro(Tiny(), run_dir={str(tmp_path / "run3")!r}, n_devices=3)
         except Exception as e:
             out["three"] = [type(e).__name__, isinstance(e, jn.JaxnitroError), str(e)]
         print("RESULT" + json.dumps(out))
-    """))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    """)
+    )
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     kind, ours, msg = out["odd"]
@@ -847,8 +988,12 @@ def test_predict_given_a_bare_array(trained):
     x, _ = make_data(4)
     with pytest.raises(jn.DataError) as e:
         jn.predict(n, x)
-    check(e, r"predict takes a dict batch \(or a loader of them\), got a bare ndarray",
-          r"forward\(\) expects the field\(s\) \['x'\]", r"jn\.predict\(n, \{'x': x\}\)")
+    check(
+        e,
+        r"predict takes a dict batch \(or a loader of them\), got a bare ndarray",
+        r"forward\(\) expects the field\(s\) \['x'\]",
+        r"jn\.predict\(n, \{'x': x\}\)",
+    )
 
 
 def test_predict_batch_missing_a_field(trained):
@@ -863,8 +1008,12 @@ def test_set_device_on_a_graphconst(trained):
     n, _ = trained
     with pytest.raises(jn.ConfigError) as e:
         jn.set_device(n, width=32)
-    check(e, r"set_device cannot change GraphConst field 'width'",
-          r"build a new Nitro \(one recompile\)", r"Only jn\.Device fields are live inputs")
+    check(
+        e,
+        r"set_device cannot change GraphConst field 'width'",
+        r"build a new Nitro \(one recompile\)",
+        r"Only jn\.Device fields are live inputs",
+    )
 
 
 def test_set_device_on_a_host_field(trained):
@@ -885,8 +1034,11 @@ def test_set_device_changing_the_shape(trained):
     n, _ = trained
     with pytest.raises(jn.ConfigError) as e:
         jn.set_device(n, smoothing=np.zeros(3, np.float32))
-    check(e, r"would change its shape/dtype from \(\)/float32 to \(3,\)/float32",
-          r"Pass a value of the same shape and dtype")
+    check(
+        e,
+        r"would change its shape/dtype from \(\)/float32 to \(3,\)/float32",
+        r"Pass a value of the same shape and dtype",
+    )
 
 
 def test_device_value_of_a_non_device_field(trained):
@@ -901,8 +1053,12 @@ def test_resume_with_changed_config(trained, tmp_path):
     _, run_dir = trained
     with pytest.raises(jn.CheckpointError) as e:
         nitro(Tiny(max_epochs=2, width=32), run_dir=run_dir, resume="auto")
-    check(e, r"cannot resume from .*epoch-0001.*its GraphConst config differs",
-          r"'width': \(\['int', 16\], \['int', 32\]\)|width", r"start a new run_dir")
+    check(
+        e,
+        r"cannot resume from .*epoch-0001.*its GraphConst config differs",
+        r"'width': \(\['int', 16\], \['int', 32\]\)|width",
+        r"start a new run_dir",
+    )
 
 
 def test_resume_true_without_a_checkpoint(run_dir):
@@ -921,8 +1077,11 @@ def test_checkpoint_path_that_is_not_a_checkpoint(run_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(jn.CheckpointError) as e:
         nitro(run_dir=run_dir, checkpoint=tmp_path / "empty")
-    check(e, r"empty is not a complete checkpoint \(no meta\.json\)",
-          r"pass a path returned by TopKCheckpointer\.save\(\), latest\(\) or best\(\)")
+    check(
+        e,
+        r"empty is not a complete checkpoint \(no meta\.json\)",
+        r"pass a path returned by TopKCheckpointer\.save\(\), latest\(\) or best\(\)",
+    )
 
 
 def _copy_newest(trained, tmp_path) -> Path:
@@ -976,9 +1135,12 @@ def test_checkpoint_of_another_model(trained, tmp_path):
     ckpt = _copy_newest(trained, tmp_path)
     with pytest.raises(jn.CheckpointError) as e:
         nitro(Tiny(width=8), run_dir=tmp_path / "other", checkpoint=ckpt)
-    check(e, r"tree 'params' does not match its template",
-          r"template \(8, 8\) float32, checkpoint \(8, 16\) float32",
-          r"Build the template from the same model/optimizer configuration")
+    check(
+        e,
+        r"tree 'params' does not match its template",
+        r"template \(8, 8\) float32, checkpoint \(8, 16\) float32",
+        r"Build the template from the same model/optimizer configuration",
+    )
 
 
 # --------------------------------------------------------------- surface checks (hardening)
@@ -986,8 +1148,7 @@ def test_checkpoint_of_another_model(trained, tmp_path):
 def test_mutable_experiment_default(kind):
     default = {"list": [1, 2], "dict": {"a": 1}, "ndarray": np.zeros(3)}[kind]
     with pytest.raises(jn.ConfigError) as e:
-        jn.experiment(type("Mutable", (), {"__annotations__": {"sizes": object},
-                                           "sizes": default}))
+        jn.experiment(type("Mutable", (), {"__annotations__": {"sizes": object}, "sizes": default}))
     check(e, r"Mutable.sizes has a mutable default", r"default_factory")
 
 
@@ -1015,8 +1176,10 @@ def test_logger_without_the_protocol(run_dir):
     check(e, r"lacks the jn.Logger method\(s\)", r"log_metrics")
 
 
-@pytest.mark.parametrize("text,expected", [("1GB", 10**9), ("512MiB", 512 * 2**20),
-                                           ("1.5 GiB", int(1.5 * 2**30)), (4096, 4096)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [("1GB", 10**9), ("512MiB", 512 * 2**20), ("1.5 GiB", int(1.5 * 2**30)), (4096, 4096)],
+)
 def test_memory_budget_sizes_are_parsed(run_dir, text, expected):
     assert nitro(run_dir=run_dir, memory_budget=text).memory_budget == expected
 
@@ -1049,8 +1212,11 @@ def test_preset_override_typo_names_the_override():
 
     with pytest.raises(jn.ConfigError) as e:
         WithPresets2.from_preset("small", widht=4)
-    check(e, r"from_preset\('small', \.\.\.\) got an override for unknown field 'widht'",
-          r"Did you mean 'width'")
+    check(
+        e,
+        r"from_preset\('small', \.\.\.\) got an override for unknown field 'widht'",
+        r"Did you mean 'width'",
+    )
 
 
 def test_run_dir_in_use_by_another_handle(run_dir):
@@ -1061,8 +1227,12 @@ def test_run_dir_in_use_by_another_handle(run_dir):
     try:
         with pytest.raises(RunLockedError) as e:
             jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir))
-        check(e, r"is in use by another handle in this process", r"another run_dir",
-              r"wait for it to finish")
+        check(
+            e,
+            r"is in use by another handle in this process",
+            r"another run_dir",
+            r"wait for it to finish",
+        )
     finally:
         other.lock.release()
 

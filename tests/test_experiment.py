@@ -55,6 +55,7 @@ def by_name(cls):
 
 # ---------------------------------------------------------------- the dataclass
 
+
 def test_experiment_is_frozen_keyword_only_dataclass():
     e = Exp(width=64)
     assert dataclasses.is_dataclass(e)
@@ -141,6 +142,7 @@ def test_hash_inside_a_string_default_is_not_a_comment():
 
 def test_bare_marker_needs_a_type():
     with pytest.raises(jn.ConfigError, match=r"GraphConst\[float\]"):
+
         @jn.experiment
         class Bare:
             x: jn.GraphConst = 1
@@ -160,6 +162,7 @@ def test_string_annotations_are_resolved():
 
 
 # ---------------------------------------------------------------- typed conversion
+
 
 def test_graphconst_int_given_integral_float_is_converted():
     e = Exp(width=3.0)
@@ -224,6 +227,7 @@ def test_device_float_accepts_an_array():
 
 # ---------------------------------------------------------------- definition-time refusals
 
+
 @pytest.mark.parametrize("field", sorted(DRIVER_FIELDS))
 def test_driver_fields_cannot_be_graphconst(field):
     ns = {"__annotations__": {field: jn.GraphConst[int]}, field: 1}
@@ -243,6 +247,7 @@ def test_driver_fields_as_host_or_device_are_fine():
 
 def test_driver_field_refused_in_class_body_syntax():
     with pytest.raises(jn.ConfigError, match="max_epochs"):
+
         @jn.experiment
         class Bad:
             max_epochs: jn.GraphConst[int] = 5
@@ -309,6 +314,7 @@ def test_identity_hashed_host_field_is_fine():
 
 
 # ---------------------------------------------------------------- presets and replace
+
 
 def test_from_preset_applies_the_preset():
     e = Exp.from_preset("small")
@@ -407,6 +413,7 @@ def test_inherited_fields():
 
 
 # ---------------------------------------------------------------- compile view
+
 
 def view(exp=None, hook="forward", **device):
     exp = exp if exp is not None else Exp()

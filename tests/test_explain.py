@@ -14,9 +14,11 @@ BASE = KeyParts(
     optimizer=("radam",),
     hooks=(("forward", "f0"), ("loss", "l0")),
     helpers=(("loss/penalty", "p0"), ("loss/global:SCALE", "s0")),
-    inputs=(("batch['img']", (32, 784), "float32", False),
-            ("batch['label']", (32,), "int32", False),
-            ("extras['device']['smoothing']", (), "float32", False)),
+    inputs=(
+        ("batch['img']", (32, 784), "float32", False),
+        ("batch['label']", (32,), "int32", False),
+        ("extras['device']['smoothing']", (), "float32", False),
+    ),
     split="train",
     options=(("accum", 1), ("steps_per_call", 1), ("precision", None)),
 )
@@ -36,7 +38,8 @@ def test_graph_const_change_names_field_and_values():
 
 def test_edited_hook():
     assert reasons(BASE, change(hooks=(("forward", "f0"), ("loss", "l1")))) == [
-        "hook `loss` was edited"]
+        "hook `loss` was edited"
+    ]
 
 
 def test_edited_helper_is_named_not_the_hook():
@@ -45,25 +48,33 @@ def test_edited_helper_is_named_not_the_hook():
 
 
 def test_edited_hook_and_helper_are_both_named():
-    new = change(hooks=(("forward", "f0"), ("loss", "l1")),
-                 helpers=(("loss/penalty", "p1"), ("loss/global:SCALE", "s0")))
-    assert reasons(BASE, new) == ["hook `loss` was edited",
-                                  "helper `penalty` (reached from hook `loss`) was edited"]
+    new = change(
+        hooks=(("forward", "f0"), ("loss", "l1")),
+        helpers=(("loss/penalty", "p1"), ("loss/global:SCALE", "s0")),
+    )
+    assert reasons(BASE, new) == [
+        "hook `loss` was edited",
+        "helper `penalty` (reached from hook `loss`) was edited",
+    ]
 
 
 def test_changed_module_level_value():
     new = change(helpers=(("loss/penalty", "p0"), ("loss/global:SCALE", "s1")))
-    assert reasons(BASE, new) == [
-        "module-level value `SCALE` (reached from hook `loss`) changed"]
+    assert reasons(BASE, new) == ["module-level value `SCALE` (reached from hook `loss`) changed"]
 
 
 def test_partial_batch_suggests_drop_last():
-    new = change(inputs=(("batch['img']", (17, 784), "float32", False),
-                         ("batch['label']", (17,), "int32", False),
-                         BASE.inputs[2]))
+    new = change(
+        inputs=(
+            ("batch['img']", (17, 784), "float32", False),
+            ("batch['label']", (17,), "int32", False),
+            BASE.inputs[2],
+        )
+    )
     assert reasons(BASE, new) == [
         "batch shape (32, 784) → (17, 784) for `img` (and `label`) on split 'train': "
-        "a partial batch? use drop_last=True"]
+        "a partial batch? use drop_last=True"
+    ]
 
 
 def test_other_shape_change_has_no_drop_last_hint():
@@ -78,7 +89,8 @@ def test_weak_type_names_the_python_scalar():
     new = change(inputs=(*BASE.inputs[:2], ("extras['device']['smoothing']", (), "float32", True)))
     assert reasons(BASE, new) == [
         "`smoothing` arrived as a weakly typed value (a Python float?): pass "
-        "jnp.float32(...) or declare it jn.Device[float]"]
+        "jnp.float32(...) or declare it jn.Device[float]"
+    ]
 
 
 def test_dtype_change():
@@ -87,8 +99,9 @@ def test_dtype_change():
 
 
 def test_optimizer_and_option_changes():
-    new = change(optimizer=("adamw",),
-                 options=(("accum", 4), ("steps_per_call", 1), ("precision", "bf16")))
+    new = change(
+        optimizer=("adamw",), options=(("accum", 4), ("steps_per_call", 1), ("precision", "bf16"))
+    )
     got = reasons(BASE, new)
     assert "accum 1 → 4" in got and "precision None → 'bf16'" in got
     assert any(r.startswith("the optimizer changed") for r in got)

@@ -54,10 +54,15 @@ def test_identical_redefinition_matches(name):
     assert fingerprint(load(HOOK, fresh())["hook"]) == fingerprint(load(HOOK, fresh())["hook"])
 
 
-@pytest.mark.parametrize("edit", [("x * SCALE", "x * SCALE * 1.5"),  # another constant path
-                                  ("y=3", "y=4"),                     # a default
-                                  ("helper(x) + other(y)", "helper(x) - other(y)"),  # an op
-                                  ("return x + 1", "return x + 2")])   # a constant in a helper
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ("x * SCALE", "x * SCALE * 1.5"),  # another constant path
+        ("y=3", "y=4"),  # a default
+        ("helper(x) + other(y)", "helper(x) - other(y)"),  # an op
+        ("return x + 1", "return x + 2"),
+    ],
+)  # a constant in a helper
 def test_edited_body_changes(edit):
     before = fingerprint(load(HOOK)["hook"])
     assert fingerprint(load(HOOK.replace(*edit))["hook"]) != before
@@ -93,9 +98,9 @@ def test_helper_of_helper_within_depth():
     load("def helper(x):\n    return x - SCALE\n", ns)
     assert fingerprint(ns["top"]) != fp
     # depth=0 hashes top's own code and only the names of what it calls
-    assert fingerprint(ns["top"], depth=0) == fingerprint(load(HOOK + "\ndef top(x):\n"
-                                                                "    return hook(x)\n")["top"],
-                                                           depth=0)
+    assert fingerprint(ns["top"], depth=0) == fingerprint(
+        load(HOOK + "\ndef top(x):\n    return hook(x)\n")["top"], depth=0
+    )
 
 
 def test_module_constant_read_changes_digest_unrelated_does_not():
@@ -134,7 +139,8 @@ def test_attribute_reads_are_not_global_dependencies():
 def test_renamed_attribute_still_changes_the_code_digest():
     src = "def f(obj):\n    return obj.{name} * 2\n"
     assert fingerprint(load(src.format(name="tol"))["f"]) != fingerprint(
-        load(src.format(name="eps"))["f"])
+        load(src.format(name="eps"))["f"]
+    )
 
 
 def test_stored_global_is_not_a_dependency():
@@ -145,8 +151,9 @@ def test_stored_global_is_not_a_dependency():
 
 
 def test_enum_member_value_counts():
-    src = ("import enum\nclass Mode(enum.Enum):\n    A = {v}\n"
-           "def f(x):\n    return x * Mode.A.value\n")
+    src = (
+        "import enum\nclass Mode(enum.Enum):\n    A = {v}\ndef f(x):\n    return x * Mode.A.value\n"
+    )
     assert fingerprint(load(src.format(v=1))["f"]) == fingerprint(load(src.format(v=1))["f"])
     assert fingerprint(load(src.format(v=1))["f"]) != fingerprint(load(src.format(v=2))["f"])
 
@@ -163,13 +170,16 @@ def test_global_array_constant():
 def make_scaled(k, *, act=None):
     def scaled(x):
         return act(x * k) if act else x * k
+
     return scaled
 
 
 def test_closure_value_changes_digest():
     assert fingerprint(make_scaled(2.0)) == fingerprint(make_scaled(2.0))
     assert fingerprint(make_scaled(2.0)) != fingerprint(make_scaled(3.0))
-    assert fingerprint(make_scaled(2.0)) != fingerprint(make_scaled(2))  # int vs float traces differently
+    assert fingerprint(make_scaled(2.0)) != fingerprint(
+        make_scaled(2)
+    )  # int vs float traces differently
     assert fingerprint(make_scaled(1.0, act=jnp.tanh)) != fingerprint(make_scaled(1.0, act=jnp.sin))
     assert "closure:k" in describe_reach(make_scaled(2.0))
 
@@ -259,7 +269,9 @@ def test_wrapped_follows_to_the_user_function_and_keeps_the_wrapper():
             @functools.wraps(fn)
             def wrapper(*args):
                 return fn(*args) * k
+
             return wrapper
+
         return outer
 
     src = "def f(x):\n    return x + {c}\n"
@@ -292,8 +304,10 @@ def test_recursion_terminates():
 
 
 def test_library_functions_are_hashed_by_name():
-    ns = load("import jax.numpy as jnp\nfrom jax.numpy import sum as jsum\n"
-              "def f(x):\n    return jnp.sum(x) + jsum(x)\n")
+    ns = load(
+        "import jax.numpy as jnp\nfrom jax.numpy import sum as jsum\n"
+        "def f(x):\n    return jnp.sum(x) + jsum(x)\n"
+    )
     assert fingerprint(jnp.sum) == fingerprint(jnp.sum)
     assert fingerprint(jnp.sum) != fingerprint(jnp.mean)
     reach = describe_reach(ns["f"])

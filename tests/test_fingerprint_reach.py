@@ -83,8 +83,7 @@ def hook(x):
 """
 
 
-def write_losses(files, *, scale=1.0, weight=0.5, body="WEIGHT * (z ** 2).mean()",
-                 extra=""):
+def write_losses(files, *, scale=1.0, weight=0.5, body="WEIGHT * (z ** 2).mean()", extra=""):
     files.write("losses_{tag}.py", LOSSES.format(scale=scale, weight=weight, body=body) + extra)
 
 
@@ -131,8 +130,9 @@ def test_module_constant_read_inside_the_module_function(files):
     write_losses(files, weight=0.25)
     importlib.reload(losses)
     assert fingerprint(hooks.hook) != fp
-    assert [k.rpartition(".")[2].rpartition(":")[2]
-            for k in changed(reach, describe_reach(hooks.hook))] == ["WEIGHT"]
+    assert [
+        k.rpartition(".")[2].rpartition(":")[2] for k in changed(reach, describe_reach(hooks.hook))
+    ] == ["WEIGHT"]
     losses.WEIGHT = 0.5  # set back (a notebook assigning it): the same program again
     assert fingerprint(hooks.hook) == fp
 
@@ -151,12 +151,15 @@ def test_module_bound_to_a_global_in_a_notebook_cell(files):
 def test_from_package_import_module(files):
     files.write("pkg_{tag}/__init__.py", "")
     files.write("pkg_{tag}/mod.py", "def fn(x):\n    return x + {k}\n".replace("{k}", "1"))
-    files.write("hooks_{tag}.py", """
+    files.write(
+        "hooks_{tag}.py",
+        """
     from pkg_{tag} import mod
 
     def hook(x):
         return mod.fn(x)
-    """)
+    """,
+    )
     mod, hooks = files.load("pkg_{tag}.mod"), files.load("hooks_{tag}")
     fp = fingerprint(hooks.hook)
     importlib.reload(mod)
@@ -170,12 +173,15 @@ def test_from_package_import_module(files):
 def test_dotted_chain_through_a_package(files):
     files.write("pkg_{tag}/__init__.py", "")
     files.write("pkg_{tag}/sub.py", "FACTOR = 2\n\ndef fn(x):\n    return x * FACTOR\n")
-    files.write("hooks_{tag}.py", """
+    files.write(
+        "hooks_{tag}.py",
+        """
     import pkg_{tag}.sub
 
     def hook(x):
         return pkg_{tag}.sub.fn(x) + pkg_{tag}.sub.FACTOR
-    """)
+    """,
+    )
     sub, hooks = files.load("pkg_{tag}.sub"), files.load("hooks_{tag}")
     fp = fingerprint(hooks.hook)
     files.write("pkg_{tag}/sub.py", "FACTOR = 2\n\ndef fn(x):\n    return x * FACTOR - 1\n")
@@ -193,6 +199,7 @@ def test_module_in_a_closure_cell(files):
     def make(m):
         def hook(x):
             return m.penalty(x) * m.SCALE
+
         return hook
 
     fp = fingerprint(make(losses))
@@ -205,7 +212,9 @@ def test_module_in_a_closure_cell(files):
 
 
 def test_module_helpers_use_the_same_depth_budget(files):
-    files.write("helpers_{tag}.py", """
+    files.write(
+        "helpers_{tag}.py",
+        """
     def a(x):
         return b(x)
 
@@ -214,14 +223,16 @@ def test_module_helpers_use_the_same_depth_budget(files):
 
     def c(x):
         return x + {k}
-    """.replace("{k}", "1"))
+    """.replace("{k}", "1"),
+    )
     helpers = files.load("helpers_{tag}")
     ns = load("def hook(x):\n    return H.a(x)\n")
     ns["H"] = helpers
     direct = load("def hook(x):\n    return a(x)\n")
     direct["a"] = helpers.a
-    fps = {d: (fingerprint(ns["hook"], depth=d), fingerprint(direct["hook"], depth=d))
-           for d in (2, 3)}
+    fps = {
+        d: (fingerprint(ns["hook"], depth=d), fingerprint(direct["hook"], depth=d)) for d in (2, 3)
+    }
     helpers.b = lambda x: x - 1  # a level-2 helper (hook -> a -> b): inside depth 2
     assert fingerprint(ns["hook"]) != fps[2][0]
     assert fingerprint(direct["hook"]) != fps[2][1]
@@ -245,7 +256,9 @@ def test_library_module_attributes_stay_by_name():
     """)
     reach = describe_reach(ns["hook"])
     assert set(reach) == {"hook", "global:json", "global:os", "global:np", "global:jnp"}
-    assert fingerprint(ns["hook"]) == fingerprint(load(textwrap.dedent("""
+    assert fingerprint(ns["hook"]) == fingerprint(
+        load(
+            textwrap.dedent("""
     import json
     import os.path
     import numpy as np
@@ -253,15 +266,27 @@ def test_library_module_attributes_stay_by_name():
 
     def hook(x):
         return jnp.mean(np.sum(x)) + len(json.dumps(os.path.join("a", "b")))
-    """))["hook"])
+    """)
+        )["hook"]
+    )
 
 
 def test_explanation_names_the_module_helper(files):
     write_losses(files)
     files.write("hooks_{tag}.py", HOOKS)
     losses, hooks = files.load("losses_{tag}"), files.load("hooks_{tag}")
-    parts = KeyParts(kind="train", experiment="E", graph_consts=(), model=(), optimizer=(),
-                     hooks=(), helpers=(), inputs=(), split=None, options=())
+    parts = KeyParts(
+        kind="train",
+        experiment="E",
+        graph_consts=(),
+        model=(),
+        optimizer=(),
+        hooks=(),
+        helpers=(),
+        inputs=(),
+        split=None,
+        options=(),
+    )
 
     def keyed():
         own, reached = hook_parts({"loss": hooks.hook})
@@ -302,13 +327,16 @@ def hook(x):
 """
 
 
-@pytest.mark.parametrize("edit", [
-    ("return x * self.k", "return x * self.k * self.k"),      # a method the hook never names
-    ("FACTOR = 2.0", "FACTOR = 3.0"),                          # a class-level value
-    ("return x\n", "return -x\n"),                            # a staticmethod
-    ("return 0.0", "return 1.0"),                             # a property
-    ("self.k = k", "self.k = 2 * k"),                         # __init__
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ("return x * self.k", "return x * self.k * self.k"),  # a method the hook never names
+        ("FACTOR = 2.0", "FACTOR = 3.0"),  # a class-level value
+        ("return x\n", "return -x\n"),  # a staticmethod
+        ("return 0.0", "return 1.0"),  # a property
+        ("self.k = k", "self.k = 2 * k"),  # __init__
+    ],
+)
 def test_instantiated_user_class_is_hashed_by_content(edit):
     ns = load(SCALER)
     fp, reach = fingerprint(ns["hook"]), describe_reach(ns["hook"])
@@ -428,25 +456,34 @@ def test_user_nnx_module_by_content_library_bases_by_name():
 
 
 def test_user_class_in_a_module_file_is_user_code(files):
-    files.write("layers_{tag}.py", """
+    files.write(
+        "layers_{tag}.py",
+        """
     class Head:
         def __call__(self, x):
             return x * 2
-    """)
-    files.write("hooks_{tag}.py", """
+    """,
+    )
+    files.write(
+        "hooks_{tag}.py",
+        """
     import layers_{tag}
 
     def hook(x):
         return layers_{tag}.Head()(x)
-    """)
+    """,
+    )
     layers, hooks = files.load("layers_{tag}"), files.load("hooks_{tag}")
     fp = fingerprint(hooks.hook)
     assert "Head.__call__" in describe_reach(hooks.hook)
-    files.write("layers_{tag}.py", """
+    files.write(
+        "layers_{tag}.py",
+        """
     class Head:
         def __call__(self, x):
             return x * 3
-    """)
+    """,
+    )
     importlib.reload(layers)
     assert fingerprint(hooks.hook) != fp
 

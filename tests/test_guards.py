@@ -69,7 +69,7 @@ def test_helper_method_edit_is_seen(run_dir):
     assert jn.cache_stats()["misses"] == misses + 1
 
 
-MODULE = '''
+MODULE = """
 import jax, optax
 import jaxnitro as jn
 from conftest import Tiny
@@ -83,7 +83,7 @@ def penalty(logits):
 class Reloadable(Tiny):
     def loss(self, logits, *, y):
         return SCALE * Tiny.loss(self, logits, y=y) + penalty(logits)
-'''
+"""
 
 
 @pytest.mark.parametrize("edit", ["helper", "constant", "unchanged"])
@@ -188,7 +188,7 @@ def test_inspect_prints_binding_groups_programs_and_memory(run_dir, capsys):
     assert result.memory
 
 
-PERSIST = textwrap.dedent('''
+PERSIST = textwrap.dedent("""
     import sys, jax
     sys.path.insert(0, {tests!r})
     import jaxnitro as jn
@@ -199,7 +199,7 @@ PERSIST = textwrap.dedent('''
     from conftest import Tiny, nitro
     jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir={run!r}))
     print("HITS", len(hits))
-''')
+""")
 
 
 def test_persistent_compilation_cache_is_reused_by_a_second_process(tmp_path):
@@ -208,8 +208,12 @@ def test_persistent_compilation_cache_is_reused_by_a_second_process(tmp_path):
     tests = os.path.dirname(__file__)
     script.write_text(PERSIST.format(tests=tests, cache=str(cache), run=str(tmp_path / "run")))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    outs = [subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                           env=env, timeout=300) for _ in range(2)]
+    outs = [
+        subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+        )
+        for _ in range(2)
+    ]
     for o in outs:
         assert o.returncode == 0, o.stderr[-2000:]
     first = int(outs[0].stdout.split("HITS")[-1])
@@ -218,12 +222,14 @@ def test_persistent_compilation_cache_is_reused_by_a_second_process(tmp_path):
     assert any(cache.iterdir())
 
 
-
 def test_compile_options_reach_xla_and_the_key(run_dir):
     jn.cache_reset()
     jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "a"))
-    n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "b",
-              compile_options={"xla_embed_ir_in_executable": True})
+    n = nitro(
+        Tiny(max_epochs=1, n_val=0),
+        run_dir=run_dir / "b",
+        compile_options={"xla_embed_ir_in_executable": True},
+    )
     jn.train(n)
     assert jn.cache_stats()["misses"] == 2  # a new program for the new options
     assert any("compile option" in r for w in jn.explain(n) for r in w["reasons"])

@@ -62,9 +62,11 @@ def test_setup_writes_nothing_and_a_fresh_handle_after_a_run_just_works(run_dir)
 
 def test_stale_lock_of_a_killed_process_is_taken_over(run_dir):
     run_dir.mkdir(parents=True)
-    code = (f"import sys, time; sys.path.insert(0, {os.path.dirname(jn.__file__)!r}+'/..');"
-            f"from jaxnitro.runlock import RunLock; l = RunLock({str(run_dir)!r}); "
-            f"assert l.try_acquire('train'); print('HELD', flush=True); time.sleep(60)")
+    code = (
+        f"import sys, time; sys.path.insert(0, {os.path.dirname(jn.__file__)!r}+'/..');"
+        f"from jaxnitro.runlock import RunLock; l = RunLock({str(run_dir)!r}); "
+        f"assert l.try_acquire('train'); print('HELD', flush=True); time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "HELD"
     n = nitro(Tiny(max_epochs=1), run_dir=run_dir)
@@ -76,7 +78,7 @@ def test_stale_lock_of_a_killed_process_is_taken_over(run_dir):
         assert jn.train(n).stop_reason == "completed"
 
 
-TRAINER = textwrap.dedent('''
+TRAINER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     import jaxnitro as jn
@@ -85,7 +87,7 @@ TRAINER = textwrap.dedent('''
     n = jn.Nitro(Tiny(max_epochs={epochs}, n_train=2048), run_dir={run!r}, progress=False)
     r = jn.train(n)
     print("END", r.stop_reason, n.step, flush=True)
-''')
+""")
 
 
 @pytest.mark.slow
@@ -93,9 +95,13 @@ def test_a_reader_evaluates_while_a_trainer_runs_and_never_disturbs_it(tmp_path)
     run = tmp_path / "run"
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER.format(tests=TESTS, run=str(run), epochs=40))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     try:
         for line in proc.stdout:
             if line.startswith("PHASE Checkpointing"):
@@ -135,14 +141,20 @@ class NoPositives(Tiny):
 
     def metrics(self, logits, *, y):
         hit = ((logits.argmax(-1) == 9) & (y == 9)).sum()
-        return {"acc": ((logits.argmax(-1) == y).sum(), y.shape[0]),
-                "recall9": (hit, (y == 9).sum())}
+        return {
+            "acc": ((logits.argmax(-1) == y).sum(), y.shape[0]),
+            "recall9": (hit, (y == 9).sum()),
+        }
 
 
 def test_a_nan_validation_metric_is_logged_null_stored_and_never_best(run_dir):
     es = jn.EarlyStopping(metric="recall9", mode="max", patience=5)
-    n = nitro(NoPositives(max_epochs=3), run_dir=run_dir, early_stop=es,
-              checkpointer=jn.TopKCheckpointer(k=1, metric="recall9", mode="max"))
+    n = nitro(
+        NoPositives(max_epochs=3),
+        run_dir=run_dir,
+        early_stop=es,
+        checkpointer=jn.TopKCheckpointer(k=1, metric="recall9", mode="max"),
+    )
     result = jn.train(n)
     assert result.stop_reason == "completed" and np.isnan(result.history[-1]["recall9"])
     val = [ln for ln in lines(run_dir / "metrics.jsonl") if ln.get("context") == "validate"]
@@ -150,8 +162,13 @@ def test_a_nan_validation_metric_is_logged_null_stored_and_never_best(run_dir):
     assert n.checkpointer.best() is None and result.best_checkpoint == n.checkpointer.latest()
     assert es.best is None
     # and the run resumes from its checkpoint (the meta's NaN is stored as null)
-    again = nitro(NoPositives(max_epochs=4), run_dir=run_dir, resume="auto", early_stop=es,
-                  checkpointer=jn.TopKCheckpointer(k=1, metric="recall9", mode="max"))
+    again = nitro(
+        NoPositives(max_epochs=4),
+        run_dir=run_dir,
+        resume="auto",
+        early_stop=es,
+        checkpointer=jn.TopKCheckpointer(k=1, metric="recall9", mode="max"),
+    )
     assert again.step == 24 and again.history_rows[-1]["recall9"] is None
 
 
@@ -164,8 +181,10 @@ def test_on_nonfinite_skip_end_to_end(run_dir):
         def build_data(self, dist):
             vx, vy = make_data(60, seed=3)
             vx[0] = np.nan  # and a NaN in the val data: val_loss is NaN
-            return {"train": jn.DataLoader({"x": x, "y": y}, 32, drop_last=True),
-                    "val": jn.DataLoader({"x": vx, "y": vy}, 20)}
+            return {
+                "train": jn.DataLoader({"x": x, "y": y}, 32, drop_last=True),
+                "val": jn.DataLoader({"x": vx, "y": vy}, 20),
+            }
 
     n = nitro(Poisoned(max_epochs=2), run_dir=run_dir, on_nonfinite="skip")
     result = jn.train(n)
@@ -211,10 +230,14 @@ def test_a_sum_count_loss_is_exact_for_every_val_batch_size(run_dir):
     truth = (per * (yv != 0)).sum() / (yv != 0).sum()
     got = []
     for bs in (100, 30, 16, 1):
-        data = {"train": n.splits["train"], "val": jn.DataLoader({"x": xv, "y": yv}, bs),
-                "test": jn.DataLoader({"x": xv, "y": yv}, bs)}
-        m = nitro(Weighted(), run_dir=run_dir / f"b{bs}", data=data,
-                  checkpoint=n.checkpointer.latest())
+        data = {
+            "train": n.splits["train"],
+            "val": jn.DataLoader({"x": xv, "y": yv}, bs),
+            "test": jn.DataLoader({"x": xv, "y": yv}, bs),
+        }
+        m = nitro(
+            Weighted(), run_dir=run_dir / f"b{bs}", data=data, checkpoint=n.checkpointer.latest()
+        )
         got.append(jn.validate(m)["val_loss"])
         test = jn.evaluate(m, split="test")
         assert "test_loss" in test and "val_loss" not in test
@@ -225,7 +248,7 @@ def test_a_sum_count_loss_is_exact_for_every_val_batch_size(run_dir):
 # ---------------------------------------------------------------- 9. one-shot iterables
 def _batches(n=8, bs=32):
     x, y = make_data(n * bs)
-    return [{"x": x[i * bs:(i + 1) * bs], "y": y[i * bs:(i + 1) * bs]} for i in range(n)]
+    return [{"x": x[i * bs : (i + 1) * bs], "y": y[i * bs : (i + 1) * bs]} for i in range(n)]
 
 
 def test_a_source_that_returns_the_same_iterator_is_refused_at_setup(run_dir):
@@ -256,7 +279,9 @@ def test_setup_iterates_a_source_once_and_a_short_epoch_warns(run_dir):
 
     n = nitro(Tiny(max_epochs=3, n_val=0), run_dir=run_dir, data={"train": Shared()})
     assert Shared.passes == 1
-    with pytest.warns(UserWarning, match=r"epoch 2 yielded 7 train batches, but the split's len\(\) is 8"):
+    with pytest.warns(
+        UserWarning, match=r"epoch 2 yielded 7 train batches, but the split's len\(\) is 8"
+    ):
         jn.train(n)
 
 
@@ -265,19 +290,26 @@ def test_training_a_finished_handle_says_how_to_extend_it(run_dir):
     n = nitro(Tiny(max_epochs=1), run_dir=run_dir)
     jn.train(n)
     before = (run_dir / "metrics.jsonl").read_text()
-    with pytest.warns(UserWarning, match=r"already trained to max_epochs=1.*resume='auto', max_epochs=2"):
+    with pytest.warns(
+        UserWarning, match=r"already trained to max_epochs=1.*resume='auto', max_epochs=2"
+    ):
         result = jn.train(n)
     assert result.stop_reason == "completed" and n.step == 8
     assert (run_dir / "metrics.jsonl").read_text() == before  # nothing logged
 
 
 def test_extending_a_scheduled_run_warns_about_the_horizon(run_dir):
-    table = {"opt.learning_rate": jn.schedules.warmup_cosine(warmup=2)} \
-        if hasattr(jn.schedules, "warmup_cosine") else {"opt.learning_rate": lambda total: (lambda s: 1 - s / total)}
+    table = (
+        {"opt.learning_rate": jn.schedules.warmup_cosine(warmup=2)}
+        if hasattr(jn.schedules, "warmup_cosine")
+        else {"opt.learning_rate": lambda total: lambda s: 1 - s / total}
+    )
     n = nitro(Tiny(max_epochs=1), run_dir=run_dir, schedules=table)
     jn.train(n)
     n.max_epochs = 2
-    with pytest.warns(UserWarning, match=r"resolved at setup for 8 steps.*resume='auto', max_epochs=2"):
+    with pytest.warns(
+        UserWarning, match=r"resolved at setup for 8 steps.*resume='auto', max_epochs=2"
+    ):
         jn.train(n)
     with pytest.warns(UserWarning, match=r"schedules spanned 8 steps into one of 24"):
         nitro(Tiny(max_epochs=3), run_dir=run_dir, schedules=table, resume="auto")
@@ -307,8 +339,12 @@ def test_a_resume_writes_a_marker_and_dedupe_keeps_the_last_record(run_dir):
     log = run_dir / "metrics.jsonl"
     with open(log, "a") as fh:  # what a kill after step 11 leaves: 3 steps never checkpointed
         for step in (9, 10, 11):
-            fh.write(json.dumps({"type": "metrics", "context": "train", "epoch": 2,
-                                 "step": step, "loss": 9.0}) + "\n")
+            fh.write(
+                json.dumps(
+                    {"type": "metrics", "context": "train", "epoch": 2, "step": step, "loss": 9.0}
+                )
+                + "\n"
+            )
     jn.train(nitro(Tiny(max_epochs=2), run_dir=run_dir, resume="auto"))
     raw = jn.read_jsonl(log)
     marker = [ln for ln in raw if ln.get("key") == "resumed"]
@@ -323,8 +359,11 @@ def test_a_later_batch_with_other_features_names_split_batch_and_field(run_dir):
     good = _batches(8)
     bad = [dict(b) for b in good]
     bad[5] = {"x": np.zeros((32, 9), np.float32), "y": bad[5]["y"]}
-    with pytest.raises(jn.DataError, match=r"batch 5 of split 'train': field 'x' has per-sample "
-                                           r"shape \(9,\).*first batch had \(8,\)"):
+    with pytest.raises(
+        jn.DataError,
+        match=r"batch 5 of split 'train': field 'x' has per-sample "
+        r"shape \(9,\).*first batch had \(8,\)",
+    ):
         jn.train(nitro(Tiny(n_val=0), run_dir=run_dir / "a", data={"train": bad}))
     val = [dict(b) for b in good]
     val[2] = {"x": val[2]["x"].astype(np.int32), "y": val[2]["y"]}
@@ -377,7 +416,7 @@ def test_a_failing_validation_keeps_the_epochs_training(run_dir):
     assert resumed.epoch == 2 and resumed.step == 16
 
 
-SETUP_CHILD = textwrap.dedent('''
+SETUP_CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     import jaxnitro as jn
@@ -392,7 +431,7 @@ SETUP_CHILD = textwrap.dedent('''
 
     jn.Nitro(Slow(), run_dir={run!r}, progress=False)
     print("NOT REACHED", flush=True)
-''')
+""")
 
 
 @pytest.mark.slow
@@ -400,9 +439,13 @@ def test_sigterm_during_setup_exits_143_with_a_finish_line(tmp_path):
     run = tmp_path / "run"
     script = tmp_path / "child.py"
     script.write_text(SETUP_CHILD.format(tests=TESTS, run=str(run)))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.stdout.readline().strip() == "BUILDING"
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
@@ -412,7 +455,7 @@ def test_sigterm_during_setup_exits_143_with_a_finish_line(tmp_path):
     assert finish["phase"] == "setup"
 
 
-COMPILE_CHILD = textwrap.dedent('''
+COMPILE_CHILD = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     import jax
@@ -430,7 +473,7 @@ COMPILE_CHILD = textwrap.dedent('''
     jn.on_phase(lambda phase, step, epoch, info: print("PHASE", phase, flush=True))
     r = jn.train(jn.Nitro(SlowCompile(max_epochs=1), run_dir={run!r}, progress=False))
     print("END", r.stop_reason, flush=True)
-''')
+""")
 
 
 @pytest.mark.slow
@@ -438,9 +481,13 @@ def test_a_second_ctrl_c_during_compile_aborts(tmp_path):
     run = tmp_path / "run"
     script = tmp_path / "child.py"
     script.write_text(COMPILE_CHILD.format(tests=TESTS, run=str(run)))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     for line in proc.stdout:
         if line.startswith("PHASE Compiling"):
             break

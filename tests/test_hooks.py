@@ -30,17 +30,21 @@ def make(**methods):
 
 # ---------------------------------------------------------------- required hooks
 
+
 def test_complete_experiment_passes():
     routes = check_hooks(Base)
     assert set(routes) == {"forward", "loss"}
 
 
-@pytest.mark.parametrize("hook, signature", [
-    ("build_model", "build_model(self, rng)"),
-    ("build_data", "build_data(self, dist)"),
-    ("forward", "forward(self, model, params, state, *, <batch fields>)"),
-    ("loss", "loss(self, outputs, *, <batch fields>)"),
-])
+@pytest.mark.parametrize(
+    "hook, signature",
+    [
+        ("build_model", "build_model(self, rng)"),
+        ("build_data", "build_data(self, dist)"),
+        ("forward", "forward(self, model, params, state, *, <batch fields>)"),
+        ("loss", "loss(self, outputs, *, <batch fields>)"),
+    ],
+)
 def test_missing_required_hook_is_listed_with_signature(hook, signature):
     ns = {k: v for k, v in vars(Base).items() if not k.startswith("__")}
     del ns[hook]
@@ -75,10 +79,16 @@ def test_misspelled_required_hook_gets_did_you_mean():
     assert "Did you mean 'forwrd'" in msg
 
 
-@pytest.mark.parametrize("typo, hook", [
-    ("metric", "metrics"), ("train_metric", "train_metrics"), ("optimiser", "optimizer"),
-    ("schedule", "schedules"), ("learning_rates", "learning_rate"),
-])
+@pytest.mark.parametrize(
+    "typo, hook",
+    [
+        ("metric", "metrics"),
+        ("train_metric", "train_metrics"),
+        ("optimiser", "optimizer"),
+        ("schedule", "schedules"),
+        ("learning_rates", "learning_rate"),
+    ],
+)
 def test_misspelled_optional_hook_gets_did_you_mean(typo, hook):
     cls = make(**{typo: lambda self, logits, *, label: {}})
     with pytest.raises(jn.HookError) as ei:
@@ -96,11 +106,15 @@ def test_helpers_are_not_taken_for_typos():
 
 # ---------------------------------------------------------------- signatures
 
-@pytest.mark.parametrize("forward", [
-    lambda self, model, params, *, img: img,  # too few
-    lambda self, model, params, state, img: img,  # batch field given positionally
-    lambda self, model, *, img: img,
-])
+
+@pytest.mark.parametrize(
+    "forward",
+    [
+        lambda self, model, params, *, img: img,  # too few
+        lambda self, model, params, state, img: img,  # batch field given positionally
+        lambda self, model, *, img: img,
+    ],
+)
 def test_forward_with_wrong_positional_params(forward):
     with pytest.raises(jn.HookError) as ei:
         check_hooks(make(forward=forward))
@@ -128,6 +142,7 @@ def test_varargs_forward_is_accepted():
 
 
 # ---------------------------------------------------------------- routes
+
 
 def test_keyword_only_params_route_required_and_optional_fields():
     def loss(self, logits, *, label, weight=None, mask=None):
@@ -188,6 +203,7 @@ def test_routes_work_on_a_jn_experiment():
 
 # ---------------------------------------------------------------- check_batch
 
+
 def test_check_batch_accepts_a_complete_batch():
     routes = check_hooks(Base)
     check_batch(routes, {"img", "label", "extra"}, "train")
@@ -229,6 +245,7 @@ def test_check_batch_restricted_to_some_hooks():
 
 # ---------------------------------------------------------------- device_fields
 
+
 def test_device_fields_are_only_those_some_hook_names():
     routes = check_hooks(Base)
     assert device_fields(routes, {"img", "label", "filename_id"}) == ("img", "label")
@@ -250,7 +267,9 @@ def test_device_fields_take_all_with_var_keyword():
     assert device_fields(routes, {"img", "label", "junk"}) == ("img", "junk", "label")
     # restricted to hooks that do not take all, junk stays on the host
     assert device_fields(routes, {"img", "label", "junk"}, hooks={"forward", "loss"}) == (
-        "img", "label")
+        "img",
+        "label",
+    )
 
 
 def test_route_is_a_frozen_value():

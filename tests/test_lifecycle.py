@@ -31,8 +31,18 @@ def phases_of(n, **kw):
 def test_phase_sequence_with_and_without_validation(run_dir):
     jn.cache_reset()
     seen = phases_of(nitro(Tiny(max_epochs=2), run_dir=run_dir / "a"))
-    assert seen == ["Starting", "Compiling", "Compiling", "Training", "Evaluating",
-                    "Checkpointing", "Training", "Evaluating", "Checkpointing", "Done"]
+    assert seen == [
+        "Starting",
+        "Compiling",
+        "Compiling",
+        "Training",
+        "Evaluating",
+        "Checkpointing",
+        "Training",
+        "Evaluating",
+        "Checkpointing",
+        "Done",
+    ]
     seen = phases_of(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "b"))
     assert seen == ["Starting", "Training", "Checkpointing", "Done"]  # the program was cached
 
@@ -84,8 +94,13 @@ def jax_leaves(tree):
 
 def test_resume_is_exact_with_accumulation_schedules_and_dropout(run_dir):
     def make(epochs, where, **kw):
-        return nitro(Tiny(dropout=0.2, max_epochs=epochs, n_val=0), run_dir=run_dir / where,
-                     accum=2, schedules={"opt.learning_rate": optim.warmup_cosine(2)}, **kw)
+        return nitro(
+            Tiny(dropout=0.2, max_epochs=epochs, n_val=0),
+            run_dir=run_dir / where,
+            accum=2,
+            schedules={"opt.learning_rate": optim.warmup_cosine(2)},
+            **kw,
+        )
 
     straight = make(4, "straight")
     jn.train(straight)
@@ -100,8 +115,11 @@ def test_resume_is_exact_with_accumulation_schedules_and_dropout(run_dir):
 
 
 def test_history_marks_the_best_row(run_dir):
-    n = nitro(Tiny(max_epochs=3), run_dir=run_dir,
-              checkpointer=jn.TopKCheckpointer(metric="acc", mode="max"))
+    n = nitro(
+        Tiny(max_epochs=3),
+        run_dir=run_dir,
+        checkpointer=jn.TopKCheckpointer(metric="acc", mode="max"),
+    )
     jn.train(n)
     h = jn.history(n)
     accs = h["acc"]
@@ -110,7 +128,7 @@ def test_history_marks_the_best_row(run_dir):
     assert list(df["best"]).count(True) == 1 and df.loc[df["best"], "acc"].item() == max(accs)
 
 
-CHILD = textwrap.dedent('''
+CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     import jaxnitro as jn
@@ -128,7 +146,7 @@ CHILD = textwrap.dedent('''
     jn.on_phase(lambda p, s, e, i: print("PHASE", p, flush=True), nitro=n)
     r = jn.train(n)
     print("END", r.stop_reason, n.step, flush=True)
-''')
+""")
 
 
 EPOCHS = 20  # long enough (seconds) that the signal lands mid-run on a fast machine
@@ -137,9 +155,13 @@ EPOCHS = 20  # long enough (seconds) that the signal lands mid-run on a fast mac
 def _child(tmp_path, run, epochs):
     script = tmp_path / f"child_{epochs}.py"
     script.write_text(CHILD.format(tests=os.path.dirname(__file__), run=str(run), epochs=epochs))
-    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
 
 
 def _wait_training(proc, timeout=120):
@@ -250,14 +272,19 @@ def test_a_different_seed_on_resume_is_replaced_with_a_warning(run_dir):
 def test_unplanned_compiles_are_reported_at_the_end(run_dir, capsys):
     jn.cache_reset()
     x, y = make_data(320)
-    batches = [{"x": x[i:i + 32], "y": y[i:i + 32]} for i in range(0, 320, 32)]  # 10, no len()
+    batches = [{"x": x[i : i + 32], "y": y[i : i + 32]} for i in range(0, 320, 32)]  # 10, no len()
 
     class NoLen:
         def __iter__(self):
             return iter(batches)
 
-    n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir, data={"train": NoLen()},
-              steps_per_call=4, progress="plain")
+    n = nitro(
+        Tiny(max_epochs=1, n_val=0),
+        run_dir=run_dir,
+        data={"train": NoLen()},
+        steps_per_call=4,
+        progress="plain",
+    )
     result = jn.train(n)
     assert n.step == 10 and result.programs_compiled == 2  # 2 fused calls, then 2 single steps
     assert "this run compiled 2 programs; its plan expected 1" in capsys.readouterr().out

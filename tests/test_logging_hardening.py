@@ -86,11 +86,14 @@ def test_a_link_appearing_after_the_check_is_refused(tmp_path, monkeypatch):
     assert target.read_text() == "foreign\n"
 
 
-@pytest.mark.parametrize("content", [
-    b"id,loss\n1,0.5\n2,0.4",                       # a CSV, last line without newline
-    b'{"event": "start"}\n{"event": "stop", "t": 1',  # JSONL, but not jaxnitro's
-    b"\x00\x01binary",
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"id,loss\n1,0.5\n2,0.4",  # a CSV, last line without newline
+        b'{"event": "start"}\n{"event": "stop", "t": 1',  # JSONL, but not jaxnitro's
+        b"\x00\x01binary",
+    ],
+)
 def test_foreign_file_is_refused_and_left_byte_for_byte(tmp_path, content):
     path = tmp_path / "data.jsonl"
     path.write_bytes(content)
@@ -116,11 +119,14 @@ def test_empty_existing_file_is_fine(tmp_path):
     assert [r["type"] for r in read_jsonl(path)] == ["params"]
 
 
-@pytest.mark.parametrize("first", [
-    '{"type": "params", "seed": 1}\n',
-    '{"type":"metrics","context":"train","step":1}\n',  # compact JSON: still a jaxnitro line
-    '{"type": "params", "config": {"wid',                # a kill cut the first line itself
-])
+@pytest.mark.parametrize(
+    "first",
+    [
+        '{"type": "params", "seed": 1}\n',
+        '{"type":"metrics","context":"train","step":1}\n',  # compact JSON: still a jaxnitro line
+        '{"type": "params", "config": {"wid',  # a kill cut the first line itself
+    ],
+)
 def test_jaxnitro_logs_are_appended_to(tmp_path, first):
     path = _jaxnitro_log(tmp_path / "m.jsonl", first)
     log = JSONLogger(path)
@@ -207,8 +213,8 @@ def test_disk_full_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     monkeypatch.setattr(log._fh, "write", full)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        log.log_metrics({"loss": 0.5}, context="train", epoch=1, step=1)   # fast path: ok
-        log.log_metrics({"loss": 0.4}, context="train", epoch=1, step=2)   # fails
+        log.log_metrics({"loss": 0.5}, context="train", epoch=1, step=1)  # fast path: ok
+        log.log_metrics({"loss": 0.4}, context="train", epoch=1, step=2)  # fails
         for step in range(3, 50):
             log.log_metrics({"loss": 0.3}, context="train", epoch=1, step=step)
         log.log_metrics({"acc": np.float32(0.9)}, context="validate", epoch=1, step=49)
@@ -328,9 +334,13 @@ _FSIZE_CHILD = textwrap.dedent("""
 
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE/SIGXFSZ semantics")
 def test_file_size_limit_in_a_subprocess(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(tmp_path)],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _FSIZE_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     path = tmp_path / "metrics.jsonl"
@@ -357,8 +367,10 @@ def test_file_size_limit_in_a_subprocess(tmp_path):
 
 def test_read_jsonl_skips_unreadable_lines_with_one_warning(tmp_path):
     path = tmp_path / "m.jsonl"
-    path.write_bytes(b'{"type": "params"}\n{"type": "metr\n\n[1, 2]\n'
-                     b'{"type": "metrics", "step": 1}\n\xff\xfe garbage\n{"type": "finish"')
+    path.write_bytes(
+        b'{"type": "params"}\n{"type": "metr\n\n[1, 2]\n'
+        b'{"type": "metrics", "step": 1}\n\xff\xfe garbage\n{"type": "finish"'
+    )
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         rows = read_jsonl(path)
@@ -386,16 +398,30 @@ def _write_rows(path, rows):
 
 
 def test_dedupe_keeps_the_last_line_per_context_and_step(tmp_path):
-    rows = [{"type": "params", "seed": 0}, _m(1, loss=1.0), _m(2, loss=2.0),
-            _m(2, "validate", acc=0.1), {"type": "other", "note": "a"}, _m(1, loss=1.5),
-            {"type": "other", "note": "a"}, _m(3, loss=3.0), _m(2, "validate", acc=0.2)]
+    rows = [
+        {"type": "params", "seed": 0},
+        _m(1, loss=1.0),
+        _m(2, loss=2.0),
+        _m(2, "validate", acc=0.1),
+        {"type": "other", "note": "a"},
+        _m(1, loss=1.5),
+        {"type": "other", "note": "a"},
+        _m(3, loss=3.0),
+        _m(2, "validate", acc=0.2),
+    ]
     path = _write_rows(tmp_path / "m.jsonl", rows)
     assert read_jsonl(path) == rows  # dedupe is off by default
     got = read_jsonl(path, dedupe=True)
     # Survivors keep the position of their last occurrence; non-metrics lines all stay.
-    assert got == [{"type": "params", "seed": 0}, _m(2, loss=2.0), {"type": "other", "note": "a"},
-                   _m(1, loss=1.5), {"type": "other", "note": "a"}, _m(3, loss=3.0),
-                   _m(2, "validate", acc=0.2)]
+    assert got == [
+        {"type": "params", "seed": 0},
+        _m(2, loss=2.0),
+        {"type": "other", "note": "a"},
+        _m(1, loss=1.5),
+        {"type": "other", "note": "a"},
+        _m(3, loss=3.0),
+        _m(2, "validate", acc=0.2),
+    ]
 
 
 def test_dedupe_keeps_lines_of_different_splits(tmp_path):
@@ -405,33 +431,51 @@ def test_dedupe_keeps_lines_of_different_splits(tmp_path):
 
 
 def test_dedupe_drops_the_timeline_a_kill_lost(tmp_path):
-    marker = {"type": "other", "key": "resumed", "from_step": 4,
-              "from_checkpoint": "ck/epoch-0001", "time": 1.0}
-    rows = ([{"type": "params"}] + [_m(s, loss=float(s)) for s in range(1, 7)]
-            + [_m(4, "validate", acc=0.5), _m(4, "data", n=1), _m(6, "data", n=2)]
-            + [_m(9, "validate", acc=0.1)]  # a step the resumed run never re-logs
-            + [{"type": "params"}, marker]
-            + [_m(s, loss=s + 0.5) for s in range(5, 9)] + [_m(8, "validate", acc=0.6)]
-            + [{"type": "finish", "status": "completed"}])
+    marker = {
+        "type": "other",
+        "key": "resumed",
+        "from_step": 4,
+        "from_checkpoint": "ck/epoch-0001",
+        "time": 1.0,
+    }
+    rows = (
+        [{"type": "params"}]
+        + [_m(s, loss=float(s)) for s in range(1, 7)]
+        + [_m(4, "validate", acc=0.5), _m(4, "data", n=1), _m(6, "data", n=2)]
+        + [_m(9, "validate", acc=0.1)]  # a step the resumed run never re-logs
+        + [{"type": "params"}, marker]
+        + [_m(s, loss=s + 0.5) for s in range(5, 9)]
+        + [_m(8, "validate", acc=0.6)]
+        + [{"type": "finish", "status": "completed"}]
+    )
     path = _write_rows(tmp_path / "m.jsonl", rows)
     got = read_jsonl(path, dedupe=True)
     train = [(r["step"], r["loss"]) for r in got if r.get("context") == "train"]
-    assert train == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.5), (6, 6.5), (7, 7.5),
-                     (8, 8.5)]
+    assert train == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.5), (6, 6.5), (7, 7.5), (8, 8.5)]
     assert [(r["step"], r["acc"]) for r in got if r.get("context") == "validate"] == [
-        (4, 0.5), (8, 0.6)]
+        (4, 0.5),
+        (8, 0.6),
+    ]
     assert [r["step"] for r in got if r.get("context") == "data"] == [4]
     assert [r["type"] for r in got if r["type"] != "metrics"] == [
-        "params", "params", "other", "finish"]
+        "params",
+        "params",
+        "other",
+        "finish",
+    ]
 
 
 def test_dedupe_with_two_resumes(tmp_path):
     def marker(n):
         return {"type": "other", "key": "resumed", "from_step": n, "from_checkpoint": "c"}
 
-    rows = ([_m(s, loss=0.0) for s in (1, 2, 3, 4, 5)] + [marker(2)]
-            + [_m(s, loss=1.0) for s in (3, 4, 5, 6)] + [marker(4)]
-            + [_m(s, loss=2.0) for s in (5, 6)])
+    rows = (
+        [_m(s, loss=0.0) for s in (1, 2, 3, 4, 5)]
+        + [marker(2)]
+        + [_m(s, loss=1.0) for s in (3, 4, 5, 6)]
+        + [marker(4)]
+        + [_m(s, loss=2.0) for s in (5, 6)]
+    )
     path = _write_rows(tmp_path / "m.jsonl", rows)
     got = [(r["step"], r["loss"]) for r in read_jsonl(path, dedupe=True) if r["type"] == "metrics"]
     assert got == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0), (5, 2.0), (6, 2.0)]
@@ -472,7 +516,15 @@ def test_kill_and_resume_end_to_end(tmp_path):
     with pytest.warns(LogWarning, match="line 9"):
         rows = read_jsonl(tmp_path / "metrics.jsonl", dedupe=True)
     assert [(r["step"], r["loss"]) for r in rows if r.get("context") == "train"] == [
-        (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.5), (6, 6.5), (7, 7.5), (8, 8.5)]
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 4.0),
+        (5, 5.5),
+        (6, 6.5),
+        (7, 7.5),
+        (8, 8.5),
+    ]
     assert rows[-1]["type"] == "finish"
 
 
@@ -551,12 +603,19 @@ def test_fast_path_accepts_numpy_step_and_epoch(tmp_path):
 # ---------------------------------------------------------------- 5. History and NaN
 
 
-@pytest.mark.parametrize("nan", [float("nan"), np.float32("nan"), np.float64("nan"),
-                                 jnp.float32(jnp.nan), np.array(np.nan)])
+@pytest.mark.parametrize(
+    "nan",
+    [float("nan"), np.float32("nan"), np.float64("nan"), jnp.float32(jnp.nan), np.array(np.nan)],
+)
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_history_best_never_picks_nan(nan, mode):
-    rows = [{"epoch": 1, "m": nan}, {"epoch": 2, "m": 0.5}, {"epoch": 3, "m": nan},
-            {"epoch": 4, "m": 0.7}, {"epoch": 5, "m": nan}]
+    rows = [
+        {"epoch": 1, "m": nan},
+        {"epoch": 2, "m": 0.5},
+        {"epoch": 3, "m": nan},
+        {"epoch": 4, "m": 0.7},
+        {"epoch": 5, "m": nan},
+    ]
     best = History(rows, metric="m", mode=mode).best
     assert best["epoch"] == (2 if mode == "min" else 4)
 
@@ -572,5 +631,5 @@ def test_history_best_skips_infinities_and_all_nan():
 
 
 def test_history_best_ignores_an_int_beyond_float_range():
-    rows = [{"epoch": 1, "m": 10 ** 400}, {"epoch": 2, "m": 3}]
+    rows = [{"epoch": 1, "m": 10**400}, {"epoch": 2, "m": 3}]
     assert History(rows, metric="m", mode="max").best["epoch"] == 2

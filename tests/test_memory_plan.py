@@ -18,8 +18,12 @@ BATCH = 256
 
 def init_state():
     key1, key2 = jax.random.split(jax.random.key(0))
-    params = {"w1": jax.random.normal(key1, (8, 256)) * 0.1, "b1": jnp.zeros(256),
-              "w2": jax.random.normal(key2, (256, 4)) * 0.1, "b2": jnp.zeros(4)}
+    params = {
+        "w1": jax.random.normal(key1, (8, 256)) * 0.1,
+        "b1": jnp.zeros(256),
+        "w2": jax.random.normal(key2, (256, 4)) * 0.1,
+        "b2": jnp.zeros(4),
+    }
     return params, TX.init(params)
 
 
@@ -49,10 +53,17 @@ def batch_bytes(batch_size):
 
 def make_plan(compiled, batch_size=BATCH, *, capacity, source="memory_budget", staging=0):
     params, opt_state = jax.eval_shape(init_state)
-    return memory.plan({"train": compiled}, params=params, opt_state=opt_state,
-                       model_state={}, batch_bytes=batch_bytes(batch_size), batches_in_flight=2,
-                       checkpoint_staging_bytes=staging, capacity=capacity,
-                       capacity_source=source)
+    return memory.plan(
+        {"train": compiled},
+        params=params,
+        opt_state=opt_state,
+        model_state={},
+        batch_bytes=batch_bytes(batch_size),
+        batches_in_flight=2,
+        checkpoint_staging_bytes=staging,
+        capacity=capacity,
+        capacity_source=source,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +73,13 @@ def compiled():
 
 def test_estimate_is_xla_memory_analysis(compiled):
     m = compiled.memory_analysis()
-    expected = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+    expected = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+        + m.generated_code_size_in_bytes
+    )
     p = make_plan(compiled, capacity=1 << 40)
     (program,) = p.programs
     assert m.alias_size_in_bytes > 0  # the donated state is not counted twice
@@ -76,9 +92,17 @@ def test_estimate_is_xla_memory_analysis(compiled):
 
 def test_the_largest_program_sets_the_total_not_the_sum(compiled):
     small = compile_step(8)
-    p = memory.plan({"eval": small, "train": compiled}, params={}, opt_state={},
-                    model_state={}, batch_bytes=0, batches_in_flight=0,
-                    checkpoint_staging_bytes=0, capacity=1 << 40, capacity_source="x")
+    p = memory.plan(
+        {"eval": small, "train": compiled},
+        params={},
+        opt_state={},
+        model_state={},
+        batch_bytes=0,
+        batches_in_flight=0,
+        checkpoint_staging_bytes=0,
+        capacity=1 << 40,
+        capacity_source="x",
+    )
     train, evaluation = p.largest, p.programs[0]
     assert train.name == "train" and evaluation.name == "eval"
     assert p.total == train.estimate > evaluation.estimate > 0  # max, not sum
@@ -102,8 +126,15 @@ def test_check_fails_with_the_table_when_nothing_fits(compiled):
         memory.check(p, batch_size=BATCH, n_devices=1)
     message = str(info.value)
     assert isinstance(info.value, MemoryError)
-    for row in ("params", "optimizer state", "temporaries", "batches in flight", "total",
-                "capacity (memory_budget)", "1.0 KiB"):
+    for row in (
+        "params",
+        "optimizer state",
+        "temporaries",
+        "batches in flight",
+        "total",
+        "capacity (memory_budget)",
+        "1.0 KiB",
+    ):
         assert row in message, row
     # params and optimizer state alone exceed 1 KiB: no batch size can help, and it says so
     assert "a smaller batch alone will not do" in message

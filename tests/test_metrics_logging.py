@@ -43,11 +43,13 @@ def test_normalize_refuses_a_non_scalar_count():
 
 
 def test_normalize_returns_arrays_and_widens_bools():
-    out = metrics.normalize({
-        "acc": (jnp.array([True, False, True]).sum(), 3),
-        "hits": (jnp.array(True), 1),
-        "cm": (jnp.eye(3, dtype=jnp.int32), None),
-    })
+    out = metrics.normalize(
+        {
+            "acc": (jnp.array([True, False, True]).sum(), 3),
+            "hits": (jnp.array(True), 1),
+            "cm": (jnp.eye(3, dtype=jnp.int32), None),
+        }
+    )
     total, count = out["acc"]
     assert int(total) == 2 and int(count) == 3
     assert out["hits"][0].dtype == jnp.int32
@@ -69,10 +71,12 @@ def test_sum_then_divide_once_is_exact_not_mean_of_means():
 
 
 def test_finalize_divides_counted_metrics_once():
-    values, raw = metrics.finalize({
-        "acc": (np.int32(7), np.int32(10)),
-        "loss": (np.float32(5.0), np.float32(2.0)),
-    })
+    values, raw = metrics.finalize(
+        {
+            "acc": (np.int32(7), np.int32(10)),
+            "loss": (np.float32(5.0), np.float32(2.0)),
+        }
+    )
     assert values["acc"] == pytest.approx(0.7)
     assert values["loss"] == pytest.approx(2.5)
     assert float(raw["loss"][0]) == 5.0 and float(raw["loss"][1]) == 2.0
@@ -124,10 +128,22 @@ def test_json_logger_line_types(tmp_path):
     log.finish("completed", best=0.94)
     log.close()
     rows = lines(log.path)
-    assert [r["type"] for r in rows] == ["params", "metrics", "metrics", "metrics", "other", "finish"]
+    assert [r["type"] for r in rows] == [
+        "params",
+        "metrics",
+        "metrics",
+        "metrics",
+        "other",
+        "finish",
+    ]
     assert rows[0]["width"] == 128 and rows[0]["lr"] == 1e-3
     assert {k: rows[1][k] for k in ("type", "context", "epoch", "step", "loss")} == {
-        "type": "metrics", "context": "train", "epoch": 1, "step": 4, "loss": 0.31}
+        "type": "metrics",
+        "context": "train",
+        "epoch": 1,
+        "step": 4,
+        "loss": 0.31,
+    }
     assert rows[2]["context"] == "validate" and rows[2]["acc"] == 0.94
     assert rows[3]["context"] == "data"
     assert rows[4]["note"] == "hello"
@@ -150,10 +166,20 @@ def test_json_logger_appends_on_reopen(tmp_path):
 def test_json_logger_writes_non_finite_as_null(tmp_path):
     log = JSONLogger(tmp_path / "m.jsonl")
     log.open(tmp_path, resume=False)
-    log.log_metrics({"loss": float("nan"), "up": float("inf"), "down": -np.inf,
-                     "f32": np.float32("nan"), "arr": np.array([1.0, np.nan]),
-                     "nested": {"x": [float("inf"), 2.0]}, "ok": jnp.float32(0.5)},
-                    context="train", epoch=1, step=1)
+    log.log_metrics(
+        {
+            "loss": float("nan"),
+            "up": float("inf"),
+            "down": -np.inf,
+            "f32": np.float32("nan"),
+            "arr": np.array([1.0, np.nan]),
+            "nested": {"x": [float("inf"), 2.0]},
+            "ok": jnp.float32(0.5),
+        },
+        context="train",
+        epoch=1,
+        step=1,
+    )
     log.close()
     text = (tmp_path / "m.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
@@ -168,12 +194,23 @@ def test_json_logger_writes_non_finite_as_null(tmp_path):
 def test_json_logger_converts_numpy_scalars(tmp_path):
     log = JSONLogger(tmp_path / "m.jsonl")
     log.open(tmp_path, resume=False)
-    log.log_metrics({"acc": np.float64(0.25), "n": np.int64(3), "flag": np.bool_(True)},
-                    context="validate", epoch=np.int32(2), step=np.int64(10))
+    log.log_metrics(
+        {"acc": np.float64(0.25), "n": np.int64(3), "flag": np.bool_(True)},
+        context="validate",
+        epoch=np.int32(2),
+        step=np.int64(10),
+    )
     log.close()
     row = lines(tmp_path / "m.jsonl")[0]
-    assert row == {"type": "metrics", "context": "validate", "epoch": 2, "step": 10,
-                   "acc": 0.25, "n": 3, "flag": True}
+    assert row == {
+        "type": "metrics",
+        "context": "validate",
+        "epoch": 2,
+        "step": 10,
+        "acc": 0.25,
+        "n": 3,
+        "flag": True,
+    }
 
 
 def test_json_logger_flushes_every_line(tmp_path):
@@ -208,8 +245,12 @@ def test_history_best_by_max():
 
 
 def test_history_best_skips_missing_and_non_finite():
-    rows = [{"epoch": 1, "acc": float("nan")}, {"epoch": 2}, {"epoch": 3, "acc": 0.1},
-            {"epoch": 4, "acc": None}]
+    rows = [
+        {"epoch": 1, "acc": float("nan")},
+        {"epoch": 2},
+        {"epoch": 3, "acc": 0.1},
+        {"epoch": 4, "acc": None},
+    ]
     assert History(rows, metric="acc", mode="max").best["epoch"] == 3
     assert History([{"epoch": 1}], metric="acc").best is None
     assert History([], metric="acc").best is None
@@ -217,8 +258,12 @@ def test_history_best_skips_missing_and_non_finite():
 
 def test_history_best_with_numpy_and_jax_scalars():
     # finalize_metrics may return numpy/jax scalars (np.mean of a float32 array is np.float32).
-    rows = [{"epoch": 1, "recall": np.float32(0.5)}, {"epoch": 2, "recall": np.float32(0.9)},
-            {"epoch": 3, "recall": jnp.float32(0.7)}, {"epoch": 4, "recall": np.array([1.0])}]
+    rows = [
+        {"epoch": 1, "recall": np.float32(0.5)},
+        {"epoch": 2, "recall": np.float32(0.9)},
+        {"epoch": 3, "recall": jnp.float32(0.7)},
+        {"epoch": 4, "recall": np.array([1.0])},
+    ]
     assert History(rows, metric="recall", mode="max").best["epoch"] == 2
     assert History(rows, metric="recall", mode="min").best["epoch"] == 1
 
@@ -262,8 +307,10 @@ def test_mnist_shipped_subset(no_env):
 
 def fake_npz(path, n_train=6, n_test=0):
     rng = np.random.default_rng(0)
-    arrays = {"x_train": rng.integers(0, 256, size=(n_train, 28, 28), dtype=np.uint8),
-              "y_train": (np.arange(n_train) % 10).astype(np.uint8)}
+    arrays = {
+        "x_train": rng.integers(0, 256, size=(n_train, 28, 28), dtype=np.uint8),
+        "y_train": (np.arange(n_train) % 10).astype(np.uint8),
+    }
     arrays["x_train"][0, 0, 0] = 255
     if n_test:
         arrays["x_test"] = rng.integers(0, 256, size=(n_test, 28, 28), dtype=np.uint8)

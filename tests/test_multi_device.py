@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     import jax, numpy as np
@@ -35,17 +35,21 @@ SCRIPT = textwrap.dedent('''
         nitro(Tiny(), run_dir={tmp!r} + "/bad", n_devices=8)
     except jn.ConfigError as e:
         print("ERR", e)
-''')
+""")
 
 
 @pytest.mark.multi_device
 def test_four_fake_devices_match_one(tmp_path):
     script = tmp_path / "md.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                         timeout=300)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+    }
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     diff = float(out.stdout.split("DIFF")[1].split()[0])
     assert diff < 1e-5  # the data-parallel mean gradient equals the single-device one

@@ -61,8 +61,9 @@ def hand_run(exp, tx, *, batch=32, steps=8):
         return optax.apply_updates(p, u), o
 
     for i in range(steps):
-        params, opt_state = step(params, opt_state, x[i * batch:(i + 1) * batch],
-                                 y[i * batch:(i + 1) * batch])
+        params, opt_state = step(
+            params, opt_state, x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch]
+        )
     return params
 
 
@@ -86,8 +87,10 @@ def test_default_is_radam_at_1e3_matching_hand_optax(run_dir):
 def test_weight_decay_equals_optax_adamw_with_the_bias_mask(run_dir):
     n = nitro(Opt(max_epochs=1, rule="adam", wd=0.1), run_dir=run_dir)
     jn.train(n)
-    ref = hand_run(Opt(), optax.adamw(1e-2, weight_decay=0.1,
-                                       mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
+    ref = hand_run(
+        Opt(),
+        optax.adamw(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+    )
     assert allclose(n.params, ref)
 
 
@@ -98,7 +101,8 @@ def test_clipping_equals_optax_chain_and_zero_adds_nothing(run_dir):
     assert allclose(n.params, ref)
     unclipped = nitro(Opt(max_epochs=1, rule="sgd"), run_dir=run_dir / "b")
     assert not isinstance(unclipped.opt_state, tuple) or not any(
-        isinstance(s, optax.ClipByGlobalNormState) for s in unclipped.opt_state)
+        isinstance(s, optax.ClipByGlobalNormState) for s in unclipped.opt_state
+    )
     assert "clip" not in repr(type(unclipped.opt_state)).lower()
 
 
@@ -147,8 +151,9 @@ def test_decay_toward_initial_weights(run_dir):
     zero = nitro(Anchored(max_epochs=1, rule="sgd", wd=0.5, anchor="zero"), run_dir=run_dir / "b")
     jn.train(zero)
     k0 = start["hidden"]["kernel"][...]
-    np.testing.assert_allclose(host_copy(zero.params)["hidden"]["kernel"][...],
-                               k0 * (1 - 1e-2 * 0.5) ** 8, rtol=1e-5)
+    np.testing.assert_allclose(
+        host_copy(zero.params)["hidden"]["kernel"][...], k0 * (1 - 1e-2 * 0.5) ** 8, rtol=1e-5
+    )
 
 
 def test_schedules_never_recompile_and_follow_the_factory(run_dir):
@@ -197,7 +202,9 @@ def test_schedule_key_errors(run_dir):
 
 
 def test_schedule_past_the_horizon_holds_and_warns(run_dir):
-    n = nitro(Opt(max_epochs=1), run_dir=run_dir, schedules={"opt.learning_rate": optim.linear(1.0, 0.5)})
+    n = nitro(
+        Opt(max_epochs=1), run_dir=run_dir, schedules={"opt.learning_rate": optim.linear(1.0, 0.5)}
+    )
     n.max_epochs = 2  # train past the horizon the schedule was built for
     with pytest.warns(UserWarning, match="horizon"):
         jn.train(n)
@@ -206,7 +213,9 @@ def test_schedule_past_the_horizon_holds_and_warns(run_dir):
 
 
 def test_accum_must_divide_the_epoch_and_names_valid_settings(run_dir):
-    with pytest.raises(jn.ConfigError, match=r"accum=3 does not divide the 8 train batches.*\[1, 2, 4\]"):
+    with pytest.raises(
+        jn.ConfigError, match=r"accum=3 does not divide the 8 train batches.*\[1, 2, 4\]"
+    ):
         nitro(Opt(), run_dir=run_dir, accum=3)
 
 
@@ -219,8 +228,11 @@ def test_accumulation_equals_the_big_batch_step(run_dir):
     assert allclose(small.params, big.params, atol=1e-6)
     lines = [json.loads(s) for s in (run_dir / "acc" / "metrics.jsonl").read_text().splitlines()]
     losses = [ln["loss"] for ln in lines if ln.get("context") == "train"]
-    big_losses = [json.loads(s)["loss"] for s in (run_dir / "big" / "metrics.jsonl").read_text()
-                  .splitlines() if '"train"' in s]
+    big_losses = [
+        json.loads(s)["loss"]
+        for s in (run_dir / "big" / "metrics.jsonl").read_text().splitlines()
+        if '"train"' in s
+    ]
     np.testing.assert_allclose(losses, big_losses, rtol=1e-5)  # the step's loss, not loss / k
 
 
@@ -327,5 +339,8 @@ def test_rule_hyperparameter_schedule_and_ambiguous_keys(run_dir):
     b1 = float(optim.read_hyper(n.optimizer, n.opt_state)["opt.default.b1"])
     assert b1 == pytest.approx(0.9 + (0.5 - 0.9) * 7 / 7, rel=1e-6)
     with pytest.raises(jn.ConfigError, match="another key sets too"):
-        nitro(Opt(), run_dir=run_dir / "b", schedules={"opt.learning_rate": 1.0,
-                                                       "opt.default.learning_rate": 0.5})
+        nitro(
+            Opt(),
+            run_dir=run_dir / "b",
+            schedules={"opt.learning_rate": 1.0, "opt.default.learning_rate": 0.5},
+        )

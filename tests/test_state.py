@@ -61,8 +61,8 @@ def test_train_step_matches_a_hand_written_optax_step():
     batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
     tx = optax.sgd(0.1)
     expected = jax.tree.map(
-        lambda p, g: p - 0.1 * g, params,
-        jax.grad(lambda p: mse(model, p, state, batch)[0])(params))
+        lambda p, g: p - 0.1 * g, params, jax.grad(lambda p: mse(model, p, state, batch)[0])(params)
+    )
     ts = jn.TrainState.create(model, jax.tree.map(jnp.copy, params), state, tx)
     ts, _, _ = jn.train_step(mse, ts, batch)
     for a, b in zip(jax.tree.leaves(ts.params), jax.tree.leaves(expected), strict=True):
@@ -86,8 +86,9 @@ def test_train_step_rejects_a_non_scalar_loss():
         return ((pred - batch["y"]) ** 2).sum(-1), state
 
     with pytest.raises(jn.HookError, match=r"scalar.*\(4,\)"):
-        jn.train_step(per_sample, ts, {"x": np.ones((4, 2), np.float32),
-                                       "y": np.ones((4, 2), np.float32)})
+        jn.train_step(
+            per_sample, ts, {"x": np.ones((4, 2), np.float32), "y": np.ones((4, 2), np.float32)}
+        )
 
 
 def test_optimizer_key_is_kept_per_transformation_and_tells_rates_apart():

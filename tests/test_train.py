@@ -14,7 +14,9 @@ import jaxnitro as jn
 
 def test_train_and_val_compile_two_programs_then_nothing(run_dir):
     jn.cache_reset()
-    result = jn.train(nitro(run_dir=run_dir, checkpointer=jn.TopKCheckpointer(metric="acc", mode="max")))
+    result = jn.train(
+        nitro(run_dir=run_dir, checkpointer=jn.TopKCheckpointer(metric="acc", mode="max"))
+    )
     stats = jn.cache_stats()
     assert stats["misses"] == 2 and stats["entries"] == 2
     assert result.programs_compiled == 2
@@ -116,8 +118,9 @@ def test_resume_equals_a_straight_run_bitwise(run_dir):
     jn.train(straight)
     first = nitro(exp.__class__(dropout=0.2, max_epochs=2), run_dir=run_dir / "resumed")
     jn.train(first)
-    second = nitro(exp.__class__(dropout=0.2, max_epochs=4), run_dir=run_dir / "resumed",
-                   resume="auto")
+    second = nitro(
+        exp.__class__(dropout=0.2, max_epochs=4), run_dir=run_dir / "resumed", resume="auto"
+    )
     assert second.epoch == 2 and second.step == first.step
     result = jn.train(second)
     assert second.step == straight.step == 4 * 8
@@ -153,7 +156,9 @@ def test_short_train_batch_is_a_setup_error(run_dir):
 
 
 def test_checkpointer_metric_never_produced(run_dir):
-    with pytest.raises(jn.ConfigError, match=r"'accuracy'.*\['acc', 'val_loss'\].*Did you mean 'acc'"):
+    with pytest.raises(
+        jn.ConfigError, match=r"'accuracy'.*\['acc', 'val_loss'\].*Did you mean 'acc'"
+    ):
         nitro(run_dir=run_dir, checkpointer=jn.TopKCheckpointer(metric="accuracy", mode="max"))
 
 
@@ -210,8 +215,10 @@ def test_seed_controls_init_and_shuffle(run_dir):
 
 def test_request_stop_ends_with_requested(run_dir):
     n = nitro(Tiny(max_epochs=3), run_dir=run_dir)
-    jn.on_phase(lambda phase, step, epoch, info: jn.request_stop(n) if phase == "Training" else None,
-                nitro=n)
+    jn.on_phase(
+        lambda phase, step, epoch, info: jn.request_stop(n) if phase == "Training" else None,
+        nitro=n,
+    )
     result = jn.train(n)
     assert result.stop_reason == "requested"
     assert n.step == 1
@@ -250,8 +257,12 @@ def test_stop_mid_epoch_then_resume_equals_straight_run(run_dir):
     jn.train(straight)
     first = nitro(Tiny(max_epochs=2), run_dir=run_dir / "stopped")
     # "Training" is entered once the train program is compiled: the run stops after step 1.
-    jn.on_phase(lambda phase, step, epoch, info: jn.request_stop(first)
-                if phase == "Training" and step == 0 else None, nitro=first)
+    jn.on_phase(
+        lambda phase, step, epoch, info: (
+            jn.request_stop(first) if phase == "Training" and step == 0 else None
+        ),
+        nitro=first,
+    )
     assert jn.train(first).stop_reason == "requested"
     assert first.step == 1 and first.epoch == 0 and first.batch_in_epoch == 1
     resumed = nitro(Tiny(max_epochs=2), run_dir=run_dir / "stopped", resume="auto")

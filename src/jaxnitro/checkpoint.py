@@ -42,12 +42,20 @@ import numpy as np
 
 from jaxnitro.errors import CheckpointError, CheckpointWarning, ConfigError, did_you_mean
 
-__all__ = ["TopKCheckpointer", "load_checkpoint", "read_manifest", "validate_int", "verify_checkpoint"]
+__all__ = [
+    "TopKCheckpointer",
+    "load_checkpoint",
+    "read_manifest",
+    "validate_int",
+    "verify_checkpoint",
+]
 
 FORMAT_VERSION = 1
 MANIFEST, META, ARRAYS, LOCK = "manifest.json", "meta.json", "arrays", ".jaxnitro.lock"
 _TMP = ".tmp-"  # in-progress or abandoned entries are named "<name>.tmp-<pid>"
-_CORRUPT = ".corrupt-"  # checkpoints that failed verification are moved aside as "<name>.corrupt-<n>"
+_CORRUPT = (
+    ".corrupt-"  # checkpoints that failed verification are moved aside as "<name>.corrupt-<n>"
+)
 _TMP_RE, _CORRUPT_RE = re.compile(r"\.tmp-(\d+)$"), re.compile(r"\.corrupt-\d+$")
 _GLOB = frozenset("[]*?\\{}")  # Orbax/TensorStore treat these as patterns in the paths they get
 _MODES = ("min", "max")
@@ -96,9 +104,14 @@ class _DropClosedLoopNoise:
 
     def __call__(self, unraisable: Any) -> None:
         exc = unraisable.exc_value
-        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and any(
+        if (
+            isinstance(exc, RuntimeError)
+            and str(exc) == "Event loop is closed"
+            and any(
                 f.f_code.co_name == "call_soon_threadsafe"
-                for f, _ in traceback.walk_tb(unraisable.exc_traceback)):
+                for f, _ in traceback.walk_tb(unraisable.exc_traceback)
+            )
+        ):
             return
         self.previous(unraisable)
 
@@ -186,7 +199,8 @@ def _write_failed(path: Path, exc: BaseException) -> CheckpointError:
     return CheckpointError(
         f"cannot write checkpoint {path} ({why}); {free} on "
         f"{path.parent}. Nothing half-written was kept. Free disk space (or raise the quota), "
-        "or pass TopKCheckpointer(dir=) on a larger disk.")
+        "or pass TopKCheckpointer(dir=) on a larger disk."
+    )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -214,8 +228,12 @@ def _is_stale_temp(entry: Path) -> bool:
 
 def _plain_name(name: Any) -> bool:
     """One ordinary path component: no separators, not '.'/'..', not absolute, no NUL."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
-            and not any(sep in name for sep in {"/", "\\", os.sep, os.altsep or "/"}))
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "\0" not in name
+        and not any(sep in name for sep in {"/", "\\", os.sep, os.altsep or "/"})
+    )
 
 
 def _is_symlink(path: Path) -> bool:
@@ -235,8 +253,10 @@ def _orbax_path(directory: Path):
     safe = Path(tempfile.mkdtemp(prefix="jaxnitro-"))
     try:
         if _GLOB & set(str(safe)):
-            raise CheckpointError(f"the temporary directory {safe.parent} contains one of "
-                                  f"{''.join(sorted(_GLOB))}; set TMPDIR to a plain path")
+            raise CheckpointError(
+                f"the temporary directory {safe.parent} contains one of "
+                f"{''.join(sorted(_GLOB))}; set TMPDIR to a plain path"
+            )
         os.symlink(directory, safe / "c", target_is_directory=True)
         yield safe / "c"
     finally:
@@ -306,7 +326,9 @@ def _record_hash(info: dict) -> str:
     """sha256 of meta.json's canonical JSON, less this hash and the trees' own sha256 fields
     (those verify themselves against the arrays: an edit shows as a checksum mismatch)."""
     body = {k: v for k, v in info.items() if k != "record_sha256"}
-    body["trees"] = {n: {k: v for k, v in t.items() if k != "sha256"} for n, t in info["trees"].items()}
+    body["trees"] = {
+        n: {k: v for k, v in t.items() if k != "sha256"} for n, t in info["trees"].items()
+    }
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -346,7 +368,10 @@ def _like(template_leaf: Any, arr: np.ndarray, spec: dict) -> Any:
 
 def _check_template(ckpt: Path, name: str, template: Any, leaves: list[dict]) -> None:
     """Compare a template with meta.json's leaf specs, before any array is read."""
-    wanted = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(template)[0]}
+    wanted = {
+        jax.tree_util.keystr(p): leaf
+        for p, leaf in jax.tree_util.tree_flatten_with_path(template)[0]
+    }
     stored = {leaf["path"]: leaf for leaf in leaves}
     problems = [f"{p}: missing from checkpoint" for p in wanted if p not in stored]
     problems += [f"{p}: in checkpoint but not in template" for p in stored if p not in wanted]
@@ -356,14 +381,18 @@ def _check_template(ckpt: Path, name: str, template: Any, leaves: list[dict]) ->
             shape, dtype = tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None)
             # Python-scalar template leaves are weakly typed: compare their shape only.
             if shape != tuple(spec["shape"]) or (dtype is not None and str(dtype) != spec["dtype"]):
-                problems.append(f"{p}: template {shape} {dtype}, "
-                                f"checkpoint {tuple(spec['shape'])} {spec['dtype']}")
+                problems.append(
+                    f"{p}: template {shape} {dtype}, "
+                    f"checkpoint {tuple(spec['shape'])} {spec['dtype']}"
+                )
     if problems:
         more = f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else ""
         raise CheckpointError(
             f"checkpoint {ckpt}: tree {name!r} does not match its template:\n  "
-            + "\n  ".join(problems[:5]) + more
-            + "\nBuild the template from the same model/optimizer configuration that was saved.")
+            + "\n  ".join(problems[:5])
+            + more
+            + "\nBuild the template from the same model/optimizer configuration that was saved."
+        )
 
 
 def _assemble(template: Any, stored: dict[str, tuple]) -> Any:
@@ -383,28 +412,40 @@ def _orbax_layout(handler: Any, where: Path) -> dict:
     """{"t<i>": {"l<j>": (shape, dtype)}} as Orbax's metadata records it (no array is read).
     From the handler: Checkpointer.metadata() would swallow the reason it cannot be read."""
     tree = handler.metadata(where).tree
-    return {t: {k: (tuple(m.shape), str(np.dtype(m.dtype))) for k, m in leaves.items()}
-            for t, leaves in tree.items()}
+    return {
+        t: {k: (tuple(m.shape), str(np.dtype(m.dtype))) for k, m in leaves.items()}
+        for t, leaves in tree.items()
+    }
 
 
 def _layout_diff(want: dict, got: dict) -> str:
     keys = sorted({(t, k) for t in {**want, **got} for k in {**want.get(t, {}), **got.get(t, {})}})
-    diff = [f"{t}/{k}: stored {got.get(t, {}).get(k, 'nothing')}, expected {want.get(t, {}).get(k, 'nothing')}"
-            for t, k in keys if want.get(t, {}).get(k) != got.get(t, {}).get(k)]
+    diff = [
+        f"{t}/{k}: stored {got.get(t, {}).get(k, 'nothing')}, expected {want.get(t, {}).get(k, 'nothing')}"
+        for t, k in keys
+        if want.get(t, {}).get(k) != got.get(t, {}).get(k)
+    ]
     return "; ".join(diff[:3]) + (f"; ... {len(diff) - 3} more" if len(diff) > 3 else "")
 
 
 def _verify_written(ocp: Any, handler: Any, where: Path, item: dict) -> None:
     """Read back a fresh write cheaply: every leaf's shape/dtype, and the smallest leaf's bytes."""
-    want = {t: {k: (a.shape, str(a.dtype)) for k, a in leaves.items()} for t, leaves in item.items()}
+    want = {
+        t: {k: (a.shape, str(a.dtype)) for k, a in leaves.items()} for t, leaves in item.items()
+    }
     got = _orbax_layout(handler, where)
     if got != want:
         raise _Unverified(f"the arrays did not read back as written ({_layout_diff(want, got)})")
     t, k = min(((t, k) for t in item for k in item[t]), key=lambda tk: item[tk[0]][tk[1]].nbytes)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-        back = reader.restore(where, args=ocp.args.PyTreeRestore(
-            item={t: {k: item[t][k]}}, partial_restore=True,
-            restore_args={t: {k: ocp.RestoreArgs(restore_type=np.ndarray)}}))
+        back = reader.restore(
+            where,
+            args=ocp.args.PyTreeRestore(
+                item={t: {k: item[t][k]}},
+                partial_restore=True,
+                restore_args={t: {k: ocp.RestoreArgs(restore_type=np.ndarray)}},
+            ),
+        )
     if _checksum([""], [np.asarray(back[t][k])]) != _checksum([""], [item[t][k]]):
         raise _Unverified(f"array {t}/{k} did not read back as written")
 
@@ -435,16 +476,19 @@ def _write_checkpoint(target: Path, trees: dict[str, Any], record: dict) -> None
 
 def _bad_field(ckpt: Path, field: str, value: Any, want: str) -> CheckpointError:
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-    return CheckpointError(f"checkpoint {ckpt} is corrupted ({META} field {field!r} must be "
-                           f"{want}, got {shown}); use another checkpoint")
+    return CheckpointError(
+        f"checkpoint {ckpt} is corrupted ({META} field {field!r} must be "
+        f"{want}, got {shown}); use another checkpoint"
+    )
 
 
 def _is_int(value: Any, minimum: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-def validate_int(meta: dict, key: str, path: str | os.PathLike, *, minimum: int = 0,
-                 default: int | None = None) -> int:
+def validate_int(
+    meta: dict, key: str, path: str | os.PathLike, *, minimum: int = 0, default: int | None = None
+) -> int:
     """``meta[key]`` as an int >= ``minimum``, else a CheckpointError naming the field and path.
 
     A missing (or null) value gives ``default`` when one is given. For the user meta of a
@@ -464,8 +508,10 @@ def _check_record(ckpt: Path, info: dict) -> None:
         validate_int(info, key, ckpt)
     metrics = info.get("metrics")
     if not isinstance(metrics, dict) or not all(
-            isinstance(k, str) and (v is None or (isinstance(v, int | float) and not isinstance(v, bool)))
-            for k, v in metrics.items()):
+        isinstance(k, str)
+        and (v is None or (isinstance(v, int | float) and not isinstance(v, bool)))
+        for k, v in metrics.items()
+    ):
         raise _bad_field(ckpt, "metrics", metrics, "a dict of str -> float or null")
     for key, kind in (("meta", dict), ("time", str)):
         if not isinstance(info.get(key), kind):
@@ -482,15 +528,29 @@ def _check_record(ckpt: Path, info: dict) -> None:
         if not isinstance(t.get("sha256"), str) or not isinstance(leaves, list):
             raise _bad_field(ckpt, f"trees.{name}", t, "{index, sha256: str, leaves: list}")
         for j, leaf in enumerate(leaves):
-            ok = (isinstance(leaf, dict) and isinstance(leaf.get("path"), str)
-                  and isinstance(leaf.get("dtype"), str) and isinstance(leaf.get("prng_impl", 0), str | None)
-                  and isinstance(leaf.get("shape"), list) and all(_is_int(n) for n in leaf["shape"])
-                  and isinstance(leaf.get("keys"), list) and all(
-                      isinstance(e, list) and len(e) == 2 and e[0] in ("i", "f", "a", "d")
-                      and isinstance(e[1], str | int) for e in leaf["keys"]))
+            ok = (
+                isinstance(leaf, dict)
+                and isinstance(leaf.get("path"), str)
+                and isinstance(leaf.get("dtype"), str)
+                and isinstance(leaf.get("prng_impl", 0), str | None)
+                and isinstance(leaf.get("shape"), list)
+                and all(_is_int(n) for n in leaf["shape"])
+                and isinstance(leaf.get("keys"), list)
+                and all(
+                    isinstance(e, list)
+                    and len(e) == 2
+                    and e[0] in ("i", "f", "a", "d")
+                    and isinstance(e[1], str | int)
+                    for e in leaf["keys"]
+                )
+            )
             if not ok:
-                raise _bad_field(ckpt, f"trees.{name}.leaves[{j}]", leaf,
-                                 "{path, keys, shape: [int >= 0], dtype: str, prng_impl}")
+                raise _bad_field(
+                    ckpt,
+                    f"trees.{name}.leaves[{j}]",
+                    leaf,
+                    "{path, keys, shape: [int >= 0], dtype: str, prng_impl}",
+                )
 
 
 def _read_meta(ckpt: Path) -> dict:
@@ -498,15 +558,21 @@ def _read_meta(ckpt: Path) -> dict:
     try:
         info = json.loads((ckpt / META).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {META}); pass a path "
-                              "returned by TopKCheckpointer.save(), latest() or best()") from None
+        raise CheckpointError(
+            f"{ckpt} is not a complete checkpoint (no {META}); pass a path "
+            "returned by TopKCheckpointer.save(), latest() or best()"
+        ) from None
     except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"checkpoint {ckpt} is corrupted (unreadable {META}: {_short(exc)})") from exc
+        raise CheckpointError(
+            f"checkpoint {ckpt} is corrupted (unreadable {META}: {_short(exc)})"
+        ) from exc
     if not isinstance(info, dict):
         raise CheckpointError(f"checkpoint {ckpt} is corrupted ({META} is not a JSON object)")
     if info.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {ckpt} has format_version "
-                              f"{info.get('format_version')!r}; this jaxnitro reads {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"checkpoint {ckpt} has format_version "
+            f"{info.get('format_version')!r}; this jaxnitro reads {FORMAT_VERSION}"
+        )
     _check_record(ckpt, info)
     # Checkpoints written before the record hash existed have none; any other is verified.
     if "record_sha256" in info:
@@ -515,15 +581,20 @@ def _read_meta(ckpt: Path) -> dict:
         except (TypeError, ValueError, RecursionError):
             same = False
         if not same:
-            raise CheckpointError(f"checkpoint {ckpt} is corrupted ({META} does not match its "
-                                  "record_sha256: it was edited or damaged); use another checkpoint")
+            raise CheckpointError(
+                f"checkpoint {ckpt} is corrupted ({META} does not match its "
+                "record_sha256: it was edited or damaged); use another checkpoint"
+            )
     return info
 
 
 def _read_arrays(ckpt: Path, info: dict) -> dict:
     """Restore exactly the arrays meta.json describes, after Orbax's metadata agrees with it."""
-    want = {f"t{t['index']}": {f"l{j}": _stored_layout(leaf) for j, leaf in enumerate(t["leaves"])}
-            for t in info["trees"].values() if t["leaves"]}
+    want = {
+        f"t{t['index']}": {f"l{j}": _stored_layout(leaf) for j, leaf in enumerate(t["leaves"])}
+        for t in info["trees"].values()
+        if t["leaves"]
+    }
     if not want:
         return {}
     if not (ckpt / ARRAYS).is_dir():
@@ -534,21 +605,27 @@ def _read_arrays(ckpt: Path, info: dict) -> dict:
         with ckptr, _orbax_path(ckpt) as where:
             got = _orbax_layout(handler, where / ARRAYS)
             if got != want:  # read nothing sized by the store itself: it may be crafted
-                raise CheckpointError(f"checkpoint {ckpt} is corrupted (its arrays do not match "
-                                      f"{META}: {_layout_diff(want, got)})")
-            target = {t: {k: jax.ShapeDtypeStruct(s, jnp.dtype(d)) for k, (s, d) in leaves.items()}
-                      for t, leaves in want.items()}  # ShapeDtypeStruct targets restore as numpy
+                raise CheckpointError(
+                    f"checkpoint {ckpt} is corrupted (its arrays do not match "
+                    f"{META}: {_layout_diff(want, got)})"
+                )
+            target = {
+                t: {k: jax.ShapeDtypeStruct(s, jnp.dtype(d)) for k, (s, d) in leaves.items()}
+                for t, leaves in want.items()
+            }  # ShapeDtypeStruct targets restore as numpy
             return ckptr.restore(where / ARRAYS, args=ocp.args.StandardRestore(target))
     except CheckpointError:
         raise
     except Exception as exc:  # any storage-level failure means the same to the caller
-        raise CheckpointError(f"checkpoint {ckpt} is corrupted (unreadable arrays: "
-                              f"{_short(exc, within=ckpt)})") from exc
+        raise CheckpointError(
+            f"checkpoint {ckpt} is corrupted (unreadable arrays: {_short(exc, within=ckpt)})"
+        ) from exc
 
 
 # ----------------------------------------------------------------------------- public API
-def load_checkpoint(path: str | os.PathLike,
-                    templates: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict]:
+def load_checkpoint(
+    path: str | os.PathLike, templates: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict]:
     """Load ``(trees, meta)`` from a checkpoint directory, verifying its checksums.
 
     Each tree named in ``templates`` (a pytree of arrays or ``jax.ShapeDtypeStruct``) comes back
@@ -564,28 +641,38 @@ def load_checkpoint(path: str | os.PathLike,
     templates = templates or {}
     unknown = sorted(set(templates) - set(info["trees"]))
     if unknown:
-        raise CheckpointError(f"checkpoint {ckpt} has no tree(s) {unknown}; it holds "
-                              f"{sorted(info['trees'])}." + did_you_mean(unknown[0], info["trees"]))
+        raise CheckpointError(
+            f"checkpoint {ckpt} has no tree(s) {unknown}; it holds "
+            f"{sorted(info['trees'])}." + did_you_mean(unknown[0], info["trees"])
+        )
     for name, template in templates.items():
         _check_template(ckpt, name, template, info["trees"][name]["leaves"])
     try:
         arrays = _read_arrays(ckpt, info)
     except (KeyError, TypeError, ValueError) as exc:  # e.g. an unknown dtype or PRNG impl
-        raise CheckpointError(f"checkpoint {ckpt} is corrupted (bad leaf spec in {META}: {_short(exc)})") from exc
+        raise CheckpointError(
+            f"checkpoint {ckpt} is corrupted (bad leaf spec in {META}: {_short(exc)})"
+        ) from exc
     trees = {}
     for name, spec in info["trees"].items():
         leaves = spec["leaves"]
         stored = arrays.get(f"t{spec['index']}", {})
         values = [np.asarray(stored[f"l{j}"]) for j in range(len(leaves))]
         if _checksum([leaf["path"] for leaf in leaves], values) != spec["sha256"]:
-            raise CheckpointError(f"checkpoint {ckpt} is corrupted (checksum mismatch in tree {name!r})")
+            raise CheckpointError(
+                f"checkpoint {ckpt} is corrupted (checksum mismatch in tree {name!r})"
+            )
         pairs = list(zip(leaves, values, strict=True))
         if name in templates:
             trees[name] = _assemble(templates[name], {leaf["path"]: (v, leaf) for leaf, v in pairs})
         else:
             trees[name] = _nest([(leaf["keys"], v) for leaf, v in pairs])
-    return trees, {"epoch": info["epoch"], "step": info["step"], "metrics": info["metrics"],
-                   **info["meta"]}
+    return trees, {
+        "epoch": info["epoch"],
+        "step": info["step"],
+        "metrics": info["metrics"],
+        **info["meta"],
+    }
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict:
@@ -600,7 +687,9 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever broke, the checkpoint is unusable
-        raise CheckpointError(f"checkpoint {path} is corrupted ({type(exc).__name__}: {_short(exc)})") from exc
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted ({type(exc).__name__}: {_short(exc)})"
+        ) from exc
     return meta
 
 
@@ -641,12 +730,20 @@ def _read_rows(root: Path, *, quiet: bool = False) -> tuple[list[dict], int]:
     # renames `root / path`, so '../x', '/abs' or a symlink would reach outside it.
     good, dropped = [], []
     for r in rows:
-        (good if _plain_name(r.get("name")) and r.get("path") == r["name"]
-         and not _is_symlink(root / r["name"]) else dropped).append(r)
+        (
+            good
+            if _plain_name(r.get("name"))
+            and r.get("path") == r["name"]
+            and not _is_symlink(root / r["name"])
+            else dropped
+        ).append(r)
     if dropped and not quiet:
-        warnings.warn(f"checkpoint manifest {path}: ignoring {len(dropped)} row(s) whose name/path "
-                      f"is not a plain entry of {root} (e.g. {dropped[0].get('path')!r})",
-                      CheckpointWarning, stacklevel=3)
+        warnings.warn(
+            f"checkpoint manifest {path}: ignoring {len(dropped)} row(s) whose name/path "
+            f"is not a plain entry of {root} (e.g. {dropped[0].get('path')!r})",
+            CheckpointWarning,
+            stacklevel=3,
+        )
     return good, len(dropped)
 
 
@@ -659,17 +756,25 @@ def read_manifest(dir: str | os.PathLike) -> list[dict]:
     try:
         return _read_rows(Path(dir))[0]
     except _BadManifest as exc:
-        raise CheckpointError(f"checkpoint manifest {Path(dir) / MANIFEST} is unreadable ({exc}); "
-                              "delete it and call TopKCheckpointer.bind(), which rebuilds it from "
-                              "meta.json files") from exc
+        raise CheckpointError(
+            f"checkpoint manifest {Path(dir) / MANIFEST} is unreadable ({exc}); "
+            "delete it and call TopKCheckpointer.bind(), which rebuilds it from "
+            "meta.json files"
+        ) from exc
 
 
 def _complete_dirs(root: Path) -> list[Path]:
     """Finished checkpoint directories on disk (no temp entry, none moved aside, no symlink)."""
     if not root.is_dir():
         return []
-    return [p for p in sorted(root.iterdir()) if _TMP not in p.name and _CORRUPT not in p.name
-            and not p.is_symlink() and (p / META).is_file()]
+    return [
+        p
+        for p in sorted(root.iterdir())
+        if _TMP not in p.name
+        and _CORRUPT not in p.name
+        and not p.is_symlink()
+        and (p / META).is_file()
+    ]
 
 
 def _allowed_entry(entry: Path, listed: set[str]) -> bool:
@@ -679,21 +784,32 @@ def _allowed_entry(entry: Path, listed: set[str]) -> bool:
         return True
     if name.startswith(".nfs"):  # NFS keeps deleted-but-open files of ours under this name
         return True
-    return not entry.is_symlink() and entry.is_dir() and (name in listed or (entry / META).is_file())
+    return (
+        not entry.is_symlink() and entry.is_dir() and (name in listed or (entry / META).is_file())
+    )
 
 
 class TopKCheckpointer:
     """Keep the ``k`` best checkpoints by ``metric`` (``mode`` "min"/"max") plus the newest."""
 
-    def __init__(self, k: int = 3, metric: str = "val_loss", mode: str = "min",
-                 dir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        k: int = 3,
+        metric: str = "val_loss",
+        mode: str = "min",
+        dir: str | os.PathLike | None = None,
+    ) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"checkpoint k={k!r} is invalid; pass an int >= 1 (how many to keep)")
         if mode not in _MODES:
-            raise ConfigError(f"checkpoint mode={mode!r} is invalid; valid modes are "
-                              f"{', '.join(map(repr, _MODES))}." + did_you_mean(str(mode), _MODES, cutoff=0.4))
+            raise ConfigError(
+                f"checkpoint mode={mode!r} is invalid; valid modes are "
+                f"{', '.join(map(repr, _MODES))}." + did_you_mean(str(mode), _MODES, cutoff=0.4)
+            )
         if not isinstance(metric, str) or not metric:
-            raise ConfigError(f"checkpoint metric={metric!r} is invalid; pass a name like 'val_loss'")
+            raise ConfigError(
+                f"checkpoint metric={metric!r} is invalid; pass a name like 'val_loss'"
+            )
         self.k, self.metric, self.mode = k, metric, mode
         # Orbax requires absolute paths; resolve now so a later chdir cannot move the run.
         self.dir: Path | None = Path(dir).absolute() if dir is not None else None
@@ -725,27 +841,36 @@ class TopKCheckpointer:
         d = self.dir
         self._bound = False  # until this bind succeeds (a refused dir must not be written to)
         if d.exists() and not d.is_dir():
-            raise CheckpointError(f"checkpoint directory {d} exists as a file; remove it or pass dir=")
+            raise CheckpointError(
+                f"checkpoint directory {d} exists as a file; remove it or pass dir="
+            )
         if not writer:
             self._bound, self._writer = True, False
             return
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise CheckpointError(f"cannot create checkpoint directory {d} ({exc}); pass a writable dir=") from exc
+            raise CheckpointError(
+                f"cannot create checkpoint directory {d} ({exc}); pass a writable dir="
+            ) from exc
         if not os.access(d, os.W_OK | os.X_OK):
-            raise CheckpointError(f"checkpoint directory {d} is not writable; fix its permissions or pass dir=")
+            raise CheckpointError(
+                f"checkpoint directory {d} is not writable; fix its permissions or pass dir="
+            )
         try:
             listed = {r["name"] for r in _read_rows(d, quiet=True)[0]}
         except _BadManifest:
             listed = set()
-        foreign = sorted(e.name + "/" * e.is_dir() for e in d.iterdir() if not _allowed_entry(e, listed))
+        foreign = sorted(
+            e.name + "/" * e.is_dir() for e in d.iterdir() if not _allowed_entry(e, listed)
+        )
         if foreign:
             more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
             raise CheckpointError(
                 f"checkpoint directory {d} holds entries jaxnitro did not create: "
                 f"{', '.join(map(repr, foreign[:3]))}{more}. Retention deletes inside it, so pass an "
-                f"empty or new dir= (e.g. {d / 'checkpoints'}) or a run's checkpoints directory.")
+                f"empty or new dir= (e.g. {d / 'checkpoints'}) or a run's checkpoints directory."
+            )
         for entry in d.iterdir():  # leftovers of killed writers; live writers' entries stay
             if _is_stale_temp(entry):
                 if entry.is_dir() and not entry.is_symlink():
@@ -764,16 +889,25 @@ class TopKCheckpointer:
     def _root(self) -> Path:
         if not self._bound:
             if self.dir is None:
-                raise CheckpointError("TopKCheckpointer has no directory; call bind(run_dir) or pass dir=")
+                raise CheckpointError(
+                    "TopKCheckpointer has no directory; call bind(run_dir) or pass dir="
+                )
             self.bind(self.dir)
         return self.dir  # type: ignore[return-value]
 
     def _row(self, name: str, info: dict) -> dict:
         run_id = info.get("meta", {}).get("run_id")
-        return {"name": name, "path": name, "epoch": info["epoch"], "step": info["step"],
-                "metric": self.metric, "score": info["metrics"].get(self.metric),
-                "metrics": info["metrics"], "time": info["time"],
-                "run_id": run_id if isinstance(run_id, str) else None}
+        return {
+            "name": name,
+            "path": name,
+            "epoch": info["epoch"],
+            "step": info["step"],
+            "metric": self.metric,
+            "score": info["metrics"].get(self.metric),
+            "metrics": info["metrics"],
+            "time": info["time"],
+            "run_id": run_id if isinstance(run_id, str) else None,
+        }
 
     def _rows_from(self, dirs: list[Path]) -> list[dict]:
         """Rows for checkpoint directories from their meta.json, oldest first (bad ones warned)."""
@@ -785,13 +919,16 @@ class TopKCheckpointer:
                 warnings.warn(f"not listing checkpoint {p}: {exc}", CheckpointWarning, stacklevel=3)
         return sorted(rows, key=lambda r: (r["step"], r["time"]))
 
-    def save(self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any],
-             meta: dict) -> Path:
+    def save(
+        self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any], meta: dict
+    ) -> Path:
         """Write one checkpoint durably, then list it in the manifest, then apply retention."""
         root = self._root()
         if not self._writer:
-            raise CheckpointError(f"this TopKCheckpointer is bound read-only to {root} "
-                                  "(bind(..., writer=False)); call bind(run_dir) to save")
+            raise CheckpointError(
+                f"this TopKCheckpointer is bound read-only to {root} "
+                "(bind(..., writer=False)); call bind(run_dir) to save"
+            )
         if meta is not None and not isinstance(meta, dict):
             raise CheckpointError(f"checkpoint meta must be a dict, got {type(meta).__name__}")
         try:  # what _read_meta would refuse is refused here, not when resuming
@@ -799,26 +936,36 @@ class TopKCheckpointer:
         except (TypeError, ValueError, OverflowError):
             counters = (-1, -1)
         if min(counters) < 0:
-            raise CheckpointError(f"checkpoint epoch and step must be ints >= 0; pass the run's "
-                                  f"counters, got epoch={epoch!r}, step={step!r}")
+            raise CheckpointError(
+                f"checkpoint epoch and step must be ints >= 0; pass the run's "
+                f"counters, got epoch={epoch!r}, step={step!r}"
+            )
         epoch, step = counters
         raw = dict(metrics or {})
         clean = {str(k): _finite_or_none(k, v) for k, v in raw.items()}
         name = f"epoch-{epoch:04d}-step-{step:06d}"
         if self.metric in raw:  # the raw value, so "nan"/"inf" stay visible in the name
-            name += "-{}={:.6g}".format(re.sub(r"[^A-Za-z0-9_.]", "_", self.metric)[:40],
-                                        float(raw[self.metric]))
+            name += "-{}={:.6g}".format(
+                re.sub(r"[^A-Za-z0-9_.]", "_", self.metric)[:40], float(raw[self.metric])
+            )
         base, n = name, 0
         while (root / name).exists():  # same epoch/step saved twice: keep both
             n += 1
             name = f"{base}-{n}"
-        record = {"format_version": FORMAT_VERSION, "epoch": epoch, "step": step,
-                  "metrics": clean, "time": datetime.now(UTC).isoformat(timespec="microseconds"),
-                  "meta": meta or {}}
+        record = {
+            "format_version": FORMAT_VERSION,
+            "epoch": epoch,
+            "step": step,
+            "metrics": clean,
+            "time": datetime.now(UTC).isoformat(timespec="microseconds"),
+            "meta": meta or {},
+        }
         try:
             record = json.loads(json.dumps(_nonfinite_to_none(record), allow_nan=False))
         except (TypeError, ValueError, RecursionError) as exc:
-            raise CheckpointError(f"checkpoint meta must be plain JSON (str/number/list/dict): {exc}") from exc
+            raise CheckpointError(
+                f"checkpoint meta must be plain JSON (str/number/list/dict): {exc}"
+            ) from exc
         tmp = root / f"{name}{_TMP}{os.getpid()}"
         try:
             with _writing(tmp):
@@ -864,7 +1011,11 @@ class TopKCheckpointer:
         # From the row's metrics, not its stored score, so a dir reused with another metric works.
         # A missing, null or non-finite score is never "best": it is ranked after every number.
         value = row.get("metrics", {}).get(self.metric)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
             return None
         return value
 
@@ -884,8 +1035,12 @@ class TopKCheckpointer:
         try:
             rows, dropped = _read_rows(root)
         except _BadManifest as exc:
-            warnings.warn(f"checkpoint manifest {root / MANIFEST} is unreadable ({exc}); rebuilt "
-                          f"it from the checkpoints' {META} files", CheckpointWarning, stacklevel=4)
+            warnings.warn(
+                f"checkpoint manifest {root / MANIFEST} is unreadable ({exc}); rebuilt "
+                f"it from the checkpoints' {META} files",
+                CheckpointWarning,
+                stacklevel=4,
+            )
             rows, dropped = self._rows_from(_complete_dirs(root)), 1
         if dropped and self._writer:
             self._write_manifest(rows)
@@ -906,8 +1061,12 @@ class TopKCheckpointer:
         if lost:
             moved = self._quarantine(lost, good) if self._writer else {}
             aside = f"; moved aside to {', '.join(p.name for p in moved.values())}" if moved else ""
-            warnings.warn(f"checkpoint(s) {', '.join(lost)} in {root} lost their {META} and are "
-                          f"ignored{aside}", CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"checkpoint(s) {', '.join(lost)} in {root} lost their {META} and are "
+                f"ignored{aside}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
         return good
 
     def latest(self) -> Path | None:
@@ -928,8 +1087,9 @@ class TopKCheckpointer:
         rows = self.records()
         # Newest written first, across every run in the directory: resuming continues the
         # run that wrote last, even if an older run reached a higher step.
-        order = sorted(range(len(rows)), key=lambda i: (rows[i]["time"], rows[i]["step"], i),
-                       reverse=True)
+        order = sorted(
+            range(len(rows)), key=lambda i: (rows[i]["time"], rows[i]["step"], i), reverse=True
+        )
         skipped: list[tuple[str, Path, str]] = []
         found = None
         for i in order:
@@ -942,13 +1102,23 @@ class TopKCheckpointer:
                 continue
             found = path
             break
-        moved = (self._quarantine([s[0] for s in skipped], rows)
-                 if skipped and quarantine and self._writer else {})
+        moved = (
+            self._quarantine([s[0] for s in skipped], rows)
+            if skipped and quarantine and self._writer
+            else {}
+        )
         for name, path, why in skipped:
-            where = f"using {found.name} instead" if found is not None else "no valid checkpoint remains"
+            where = (
+                f"using {found.name} instead"
+                if found is not None
+                else "no valid checkpoint remains"
+            )
             aside = f" Moved aside to {moved[name]}." if name in moved else ""
-            warnings.warn(f"skipping corrupted checkpoint {path} ({why}); {where}.{aside}",
-                          CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"skipping corrupted checkpoint {path} ({why}); {where}.{aside}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
         return found
 
     def _quarantine(self, names: list[str], rows: list[dict]) -> dict[str, Path]:

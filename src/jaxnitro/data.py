@@ -38,15 +38,25 @@ class DataLoader:
         (32, 784)
     """
 
-    def __init__(self, data: Mapping[str, Any], batch_size: int, *, shuffle: bool = False,
-                 drop_last: bool = False, seed: int | None = None):
+    def __init__(
+        self,
+        data: Mapping[str, Any],
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        seed: int | None = None,
+    ):
         if not isinstance(data, Mapping) or not data:
             raise DataError(
                 f"DataLoader takes a non-empty dict of arrays {{field: array}}, got "
                 f"{type(data).__name__}. Example: jn.DataLoader({{'img': x, 'label': y}}, 32)."
             )
-        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) \
-                or batch_size < 1:
+        if (
+            not isinstance(batch_size, (int, np.integer))
+            or isinstance(batch_size, bool)
+            or batch_size < 1
+        ):
             raise DataError(f"DataLoader batch_size must be a positive int, got {batch_size!r}.")
         self.data = {k: _as_array(k, v) for k, v in data.items()}
         scalars = [k for k, v in self.data.items() if v.ndim == 0]
@@ -55,7 +65,8 @@ class DataLoader:
                 f"DataLoader field {scalars[0]!r} is a scalar, without the leading (sample) "
                 f"dimension every field needs (batch dimension first). Give it one row per "
                 f"sample (np.full(n, value), or np.asarray(per_sample_values)), or make it an "
-                f"experiment field.")
+                f"experiment field."
+            )
         sizes = {k: (v.shape[0] if v.ndim else None) for k, v in self.data.items()}
         if None in sizes.values() or len(set(sizes.values())) != 1:
             raise DataError(
@@ -66,7 +77,8 @@ class DataLoader:
         if self.num_samples == 0:
             raise DataError(
                 f"DataLoader got 0 samples (fields {sorted(self.data)} are all empty): it would "
-                f"yield no batch. Check the loading or filtering that produced the arrays.")
+                f"yield no batch. Check the loading or filtering that produced the arrays."
+            )
         self.batch_size = int(batch_size)
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
         self.epoch = 0
@@ -115,16 +127,25 @@ class DataLoader:
             lo, hi = i * self.batch_size, (i + k) * self.batch_size
             shape = (k, self.batch_size)
             if order is None:
-                yield {f: self.data[f][lo:hi].reshape(shape + self.data[f].shape[1:])
-                       for f in fields}, k
+                yield (
+                    {
+                        f: self.data[f][lo:hi].reshape(shape + self.data[f].shape[1:])
+                        for f in fields
+                    },
+                    k,
+                )
             else:
                 idx = order[lo:hi]
-                yield {f: self.data[f][idx].reshape(shape + self.data[f].shape[1:])
-                       for f in fields}, k
+                yield (
+                    {f: self.data[f][idx].reshape(shape + self.data[f].shape[1:]) for f in fields},
+                    k,
+                )
 
     def __repr__(self) -> str:
-        return (f"DataLoader({self.num_samples} samples, batch_size={self.batch_size}, "
-                f"shuffle={self.shuffle}, drop_last={self.drop_last}, fields={sorted(self.data)})")
+        return (
+            f"DataLoader({self.num_samples} samples, batch_size={self.batch_size}, "
+            f"shuffle={self.shuffle}, drop_last={self.drop_last}, fields={sorted(self.data)})"
+        )
 
 
 def _as_array(name: str, value) -> np.ndarray:
@@ -164,9 +185,11 @@ def check_batch(batch, split: str, *, expect_fields: frozenset | None = None) ->
     for k, v in batch.items():
         v = _as_array(k, v)
         if v.ndim == 0:
-            raise DataError(f"batch field {k!r} of split {split!r} is a scalar; batch dimension "
-                            f"first: give it one row per sample (e.g. np.full(batch_size, value)), "
-                            f"or make it an experiment field (jn.Device for a traced value).")
+            raise DataError(
+                f"batch field {k!r} of split {split!r} is a scalar; batch dimension "
+                f"first: give it one row per sample (e.g. np.full(batch_size, value)), "
+                f"or make it an experiment field (jn.Device for a traced value)."
+            )
         sizes[k] = v.shape[0]
     if len(set(sizes.values())) > 1:
         raise DataError(
@@ -175,8 +198,10 @@ def check_batch(batch, split: str, *, expect_fields: frozenset | None = None) ->
             f"all fields with the same indices, or use jn.DataLoader, which does."
         )
     if not sizes:
-        raise DataError(f"the {split!r} split yielded an empty batch (a dict with no fields). "
-                        f"Yield dicts of arrays such as {{'img': x, 'label': y}}.")
+        raise DataError(
+            f"the {split!r} split yielded an empty batch (a dict with no fields). "
+            f"Yield dicts of arrays such as {{'img': x, 'label': y}}."
+        )
     return next(iter(sizes.values()))
 
 
@@ -194,7 +219,9 @@ def batch_specs(batch: Mapping[str, Any], split: str) -> dict[str, tuple[tuple, 
             warnings.warn(
                 f"split {split!r}: field {k!r} is float64; JAX computes in float32 (x64 is "
                 f"off), so every batch is cast. Convert it once (x.astype(np.float32)) to "
-                f"silence this and halve the transfer.", stacklevel=4)
+                f"silence this and halve the transfer.",
+                stacklevel=4,
+            )
         specs[k] = (tuple(np.shape(v)[1:]), canonical)
     return specs
 
@@ -211,7 +238,8 @@ def check_specs(batch: Mapping[str, Any], split: str, index: int, specs: dict) -
                 f"batch {index} of split {split!r}: field {k!r} has per-sample shape "
                 f"{got_shape} and dtype {raw}, but the split's first batch had {shape} and "
                 f"{dtype}. Every batch of a split shares one program: make the field the same "
-                f"shape and dtype in every batch (pad or crop features, cast with .astype).")
+                f"shape and dtype in every batch (pad or crop features, cast with .astype)."
+            )
 
 
 def pad_batch(batch: Mapping[str, np.ndarray], size: int) -> dict[str, np.ndarray]:

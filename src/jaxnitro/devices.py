@@ -21,8 +21,12 @@ class DeviceInfo:
     n_devices: int | None
 
 
-def setup_devices(backend: str | None = None, n_devices: int | None = None,
-                  *, compilation_cache: str | os.PathLike | None = None) -> DeviceInfo:
+def setup_devices(
+    backend: str | None = None,
+    n_devices: int | None = None,
+    *,
+    compilation_cache: str | os.PathLike | None = None,
+) -> DeviceInfo:
     """Pick the backend (before the first `Nitro`) and pin how many devices runs use.
 
     Example:
@@ -96,7 +100,9 @@ def check_cache_trust(path: str) -> list[str]:
             f"the compilation cache {path} is not private: {' and '.join(problems)}. Its "
             f"entries are executables loaded as they are, so anyone who can write there can "
             f"change what this process computes. Use a directory only you can write to "
-            f"(chmod 700 {p}).", stacklevel=3)
+            f"(chmod 700 {p}).",
+            stacklevel=3,
+        )
     return problems
 
 

@@ -59,28 +59,51 @@ class EarlyStopping:
         False
     """
 
-    def __init__(self, metric: str = "val_loss", mode: str = "min", patience: int = 5,
-                 min_delta: float = 1e-4) -> None:
+    def __init__(
+        self,
+        metric: str = "val_loss",
+        mode: str = "min",
+        patience: int = 5,
+        min_delta: float = 1e-4,
+    ) -> None:
         if not isinstance(metric, str) or not metric:
-            raise ConfigError(f"EarlyStopping metric={metric!r} is invalid; pass the name of a "
-                              f"validation metric, e.g. metric='val_loss' or metric='acc'.")
+            raise ConfigError(
+                f"EarlyStopping metric={metric!r} is invalid; pass the name of a "
+                f"validation metric, e.g. metric='val_loss' or metric='acc'."
+            )
         if mode not in _MODES:
             hint = did_you_mean(str(mode), _MODES, cutoff=0.4)
             if not hint and isinstance(mode, str):
                 low = mode.lower()
-                hint = did_you_mean("min" if low.startswith(("min", "low", "dec", "les"))
-                                    else "max" if low.startswith(("max", "high", "inc", "gre"))
-                                    else low, _MODES, cutoff=0.4)
-            raise ConfigError(f"EarlyStopping mode={mode!r} is invalid; valid modes are 'min' "
-                              f"(lower is better, e.g. a loss) and 'max' (higher is better, "
-                              f"e.g. accuracy).{hint}")
+                hint = did_you_mean(
+                    "min"
+                    if low.startswith(("min", "low", "dec", "les"))
+                    else "max"
+                    if low.startswith(("max", "high", "inc", "gre"))
+                    else low,
+                    _MODES,
+                    cutoff=0.4,
+                )
+            raise ConfigError(
+                f"EarlyStopping mode={mode!r} is invalid; valid modes are 'min' "
+                f"(lower is better, e.g. a loss) and 'max' (higher is better, "
+                f"e.g. accuracy).{hint}"
+            )
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ConfigError(f"EarlyStopping patience={patience!r} is invalid; pass an int >= 1 "
-                              f"(how many epochs without improvement to allow before stopping).")
-        if isinstance(min_delta, bool) or not isinstance(min_delta, int | float) \
-                or not math.isfinite(min_delta) or min_delta < 0:
-            raise ConfigError(f"EarlyStopping min_delta={min_delta!r} is invalid; pass a finite "
-                              f"number >= 0 (the margin an epoch must beat the best value by).")
+            raise ConfigError(
+                f"EarlyStopping patience={patience!r} is invalid; pass an int >= 1 "
+                f"(how many epochs without improvement to allow before stopping)."
+            )
+        if (
+            isinstance(min_delta, bool)
+            or not isinstance(min_delta, int | float)
+            or not math.isfinite(min_delta)
+            or min_delta < 0
+        ):
+            raise ConfigError(
+                f"EarlyStopping min_delta={min_delta!r} is invalid; pass a finite "
+                f"number >= 0 (the margin an epoch must beat the best value by)."
+            )
         self.metric, self.mode = metric, mode
         self.patience, self.min_delta = patience, float(min_delta)
         self.reset()
@@ -110,7 +133,8 @@ class EarlyStopping:
             raise ConfigError(
                 f"early stopping monitors {self.metric!r}, which this run never produces; "
                 f"validation produces {names}.{did_you_mean(self.metric, names)} Pass "
-                f"EarlyStopping(metric=...) with one of these (and a 'val' split).")
+                f"EarlyStopping(metric=...) with one of these (and a 'val' split)."
+            )
 
     def improves(self, value: float | None) -> bool:
         """Whether ``value`` would count as an improvement over ``best`` (no state change)."""
@@ -135,16 +159,20 @@ class EarlyStopping:
             raise ValueError(
                 f"EarlyStopping.update(epoch={epoch}) after epoch {self.last_epoch}: call update "
                 f"once per finished epoch, with increasing epochs (after a resume, restore the "
-                f"saved state with load_state_dict instead of replaying epochs).")
+                f"saved state with load_state_dict instead of replaying epochs)."
+            )
         if not isinstance(metrics, Mapping):
-            raise TypeError(f"EarlyStopping.update(metrics=...) takes a dict name -> value, got "
-                            f"{type(metrics).__name__}.")
+            raise TypeError(
+                f"EarlyStopping.update(metrics=...) takes a dict name -> value, got "
+                f"{type(metrics).__name__}."
+            )
         if self.metric not in metrics:
             names = sorted(map(str, metrics))
             raise ConfigError(
                 f"early stopping monitors {self.metric!r}, but epoch {epoch}'s metrics are "
                 f"{names}.{did_you_mean(self.metric, names)} Pass EarlyStopping(metric=...) "
-                f"with one of these.")
+                f"with one of these."
+            )
         value = _as_float(self.metric, metrics[self.metric])
         self.last_epoch = epoch
         if self.improves(value):
@@ -160,10 +188,18 @@ class EarlyStopping:
     # -- persistence -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of the settings and counters (store it in the checkpoint)."""
-        return {"version": _STATE_VERSION, "metric": self.metric, "mode": self.mode,
-                "patience": self.patience, "min_delta": self.min_delta, "best": self.best,
-                "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs,
-                "stopped_epoch": self.stopped_epoch, "last_epoch": self.last_epoch}
+        return {
+            "version": _STATE_VERSION,
+            "metric": self.metric,
+            "mode": self.mode,
+            "patience": self.patience,
+            "min_delta": self.min_delta,
+            "best": self.best,
+            "best_epoch": self.best_epoch,
+            "bad_epochs": self.bad_epochs,
+            "stopped_epoch": self.stopped_epoch,
+            "last_epoch": self.last_epoch,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the counters saved by ``state_dict`` (on resume).
@@ -173,19 +209,27 @@ class EarlyStopping:
         resumed run may change them.
         """
         if not isinstance(state, Mapping):
-            raise TypeError(f"EarlyStopping.load_state_dict takes the dict state_dict() "
-                            f"returned, got {type(state).__name__}.")
-        missing = [k for k in ("metric", "mode", "best", "best_epoch", "bad_epochs",
-                               "stopped_epoch") if k not in state]
+            raise TypeError(
+                f"EarlyStopping.load_state_dict takes the dict state_dict() "
+                f"returned, got {type(state).__name__}."
+            )
+        missing = [
+            k
+            for k in ("metric", "mode", "best", "best_epoch", "bad_epochs", "stopped_epoch")
+            if k not in state
+        ]
         if missing:
-            raise ValueError(f"EarlyStopping.load_state_dict: the state lacks {missing}; pass "
-                             f"what state_dict() returned.")
+            raise ValueError(
+                f"EarlyStopping.load_state_dict: the state lacks {missing}; pass "
+                f"what state_dict() returned."
+            )
         if (state["metric"], state["mode"]) != (self.metric, self.mode):
             raise ConfigError(
                 f"cannot restore early stopping: the checkpoint monitored {state['metric']!r} "
                 f"(mode {state['mode']!r}) but this run monitors {self.metric!r} (mode "
                 f"{self.mode!r}). Resume with the same EarlyStopping(metric=, mode=), or start "
-                f"a new run_dir.")
+                f"a new run_dir."
+            )
         best = state["best"]
         self.best = None if best is None else float(best)
         self.best_epoch = None if state["best_epoch"] is None else int(state["best_epoch"])
@@ -195,9 +239,11 @@ class EarlyStopping:
         self.last_epoch = None if last is None else int(last)
 
     def __repr__(self) -> str:
-        return (f"EarlyStopping(metric={self.metric!r}, mode={self.mode!r}, "
-                f"patience={self.patience}, min_delta={self.min_delta:g}; best={self.best}, "
-                f"best_epoch={self.best_epoch}, bad_epochs={self.bad_epochs})")
+        return (
+            f"EarlyStopping(metric={self.metric!r}, mode={self.mode!r}, "
+            f"patience={self.patience}, min_delta={self.min_delta:g}; best={self.best}, "
+            f"best_epoch={self.best_epoch}, bad_epochs={self.bad_epochs})"
+        )
 
 
 def _as_float(name: str, value: Any) -> float | None:
@@ -205,10 +251,13 @@ def _as_float(name: str, value: Any) -> float | None:
         return None
     shape = getattr(value, "shape", ())
     if shape not in ((), (1,)):
-        raise MetricsError(f"early stopping monitors {name!r}, whose value has shape {shape}; "
-                           f"it needs a scalar metric (sum, count) pair, not a per-class array.")
+        raise MetricsError(
+            f"early stopping monitors {name!r}, whose value has shape {shape}; "
+            f"it needs a scalar metric (sum, count) pair, not a per-class array."
+        )
     try:
         return float(value[0] if shape == (1,) else value)
     except (TypeError, ValueError):
-        raise MetricsError(f"early stopping monitors {name!r}, whose value {value!r} is not a "
-                           f"number.") from None
+        raise MetricsError(
+            f"early stopping monitors {name!r}, whose value {value!r} is not a number."
+        ) from None

@@ -58,7 +58,9 @@ def did_you_mean(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -
     candidates = list(candidates)
     matches = difflib.get_close_matches(name, candidates, n=1, cutoff=cutoff)
     if not matches and len(name) >= 3:  # 'accuracy' for 'acc': an abbreviation is close too
-        matches = [c for c in candidates if len(c) >= 3 and (c.startswith(name) or name.startswith(c))][:1]
+        matches = [
+            c for c in candidates if len(c) >= 3 and (c.startswith(name) or name.startswith(c))
+        ][:1]
     return f" Did you mean {matches[0]!r}?" if matches else ""
 
 

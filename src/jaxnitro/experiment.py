@@ -148,7 +148,9 @@ def _convert(name: str, kind: str, typ, value):
     if typ is bool:
         if isinstance(value, bool) or (hasattr(value, "dtype") and str(value.dtype) == "bool"):
             return bool(value) if kind == GRAPH else value
-        raise ConfigError(f"field {name!r} is declared bool but got {value!r} ({type(value).__name__}).")
+        raise ConfigError(
+            f"field {name!r} is declared bool but got {value!r} ({type(value).__name__})."
+        )
     if typ is int:
         if isinstance(value, bool):
             raise ConfigError(f"field {name!r} is declared int but got the bool {value!r}.")
@@ -173,7 +175,9 @@ def _convert(name: str, kind: str, typ, value):
             f"field {name!r} is declared float but got {value!r} ({type(value).__name__})."
         )
     if typ is str and not isinstance(value, str):
-        raise ConfigError(f"field {name!r} is declared str but got {value!r} ({type(value).__name__}).")
+        raise ConfigError(
+            f"field {name!r} is declared str but got {value!r} ({type(value).__name__})."
+        )
     if typ is tuple and isinstance(value, list):
         return tuple(value)
     if typ in (int, float, str, tuple) or kind != HOST:
@@ -185,11 +189,15 @@ def _convert(name: str, kind: str, typ, value):
 
 
 def _is_int_scalar(v) -> bool:
-    return getattr(v, "shape", None) == () and getattr(getattr(v, "dtype", None), "kind", "") in "iu"
+    return (
+        getattr(v, "shape", None) == () and getattr(getattr(v, "dtype", None), "kind", "") in "iu"
+    )
 
 
 def _is_real_scalar(v) -> bool:
-    return getattr(v, "shape", None) == () and getattr(getattr(v, "dtype", None), "kind", "") in "iuf"
+    return (
+        getattr(v, "shape", None) == () and getattr(getattr(v, "dtype", None), "kind", "") in "iuf"
+    )
 
 
 def check_hashable(name: str, value) -> None:
@@ -264,7 +272,8 @@ def experiment(cls=None, /):
             raise ConfigError(
                 f"{cls.__name__}.{name} has a mutable default ({kind_name}), which every "
                 f"instance would share. Use a tuple (or a frozen dataclass), or build it per "
-                f"instance: {name}: ... = dataclasses.field(default_factory=lambda: ...).")
+                f"instance: {name}: ... = dataclasses.field(default_factory=lambda: ...)."
+            )
         if isinstance(default, dataclasses.Field):
             factory = default.default_factory
             default = default.default if factory is dataclasses.MISSING else factory()
@@ -299,16 +308,23 @@ def _checked_init(cls, init):
         if args:
             raise ConfigArgumentError(
                 f"{cls.__name__} takes keyword arguments only, e.g. {cls.__name__}("
-                f"{next(iter(cls.__jn_fields__), 'field')}=...); got {len(args)} positional.")
+                f"{next(iter(cls.__jn_fields__), 'field')}=...); got {len(args)} positional."
+            )
         unknown = [k for k in kwargs if k not in cls.__jn_fields__]
         if unknown:
             raise ConfigArgumentError(
                 f"{cls.__name__} has no field {unknown[0]!r}; fields: {sorted(cls.__jn_fields__)}."
-                + did_you_mean(unknown[0], cls.__jn_fields__))
-        missing = [f.name for f in cls.__jn_fields__.values()
-                   if f.default is dataclasses.MISSING and f.name not in kwargs]
+                + did_you_mean(unknown[0], cls.__jn_fields__)
+            )
+        missing = [
+            f.name
+            for f in cls.__jn_fields__.values()
+            if f.default is dataclasses.MISSING and f.name not in kwargs
+        ]
         if missing:
-            raise ConfigArgumentError(f"{cls.__name__} needs a value for field(s) {missing} (no default).")
+            raise ConfigArgumentError(
+                f"{cls.__name__} needs a value for field(s) {missing} (no default)."
+            )
         init(self, **kwargs)
 
     return __init__
@@ -327,7 +343,8 @@ def _from_preset(cls, name: str, **overrides):
         if key not in known:
             raise ConfigError(
                 f"{cls.__name__}.from_preset({name!r}, ...) got an override for unknown field "
-                f"{key!r}; fields: {sorted(known)}." + did_you_mean(key, known))
+                f"{key!r}; fields: {sorted(known)}." + did_you_mean(key, known)
+            )
     values = {**table[name], **overrides}
     for key in values:
         if key not in known:
@@ -399,11 +416,18 @@ def _view_class(cls: type) -> type:
     def __repr__(self):
         return f"<compile view of {cls.__name__}>"
 
-    view_cls = type(f"{cls.__name__}CompileView", (cls,), {
-        "__getattribute__": __getattribute__, "__setattr__": __setattr__,
-        "__repr__": __repr__, "__hash__": object.__hash__, "__eq__": object.__eq__,
-        "__module__": cls.__module__,
-    })
+    view_cls = type(
+        f"{cls.__name__}CompileView",
+        (cls,),
+        {
+            "__getattribute__": __getattribute__,
+            "__setattr__": __setattr__,
+            "__repr__": __repr__,
+            "__hash__": object.__hash__,
+            "__eq__": object.__eq__,
+            "__module__": cls.__module__,
+        },
+    )
     _view_classes[cls] = view_cls
     return view_cls
 

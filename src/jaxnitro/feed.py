@@ -54,7 +54,8 @@ def train_units(n, loader, start: int, epoch: int):
             raise DataError(
                 f"a train batch of epoch {epoch + 1} has {got} samples, not {bs}: a short "
                 f"train batch would need its own program. Drop it (drop_last=True) or make "
-                f"the split divide by the batch size.")
+                f"the split divide by the batch size."
+            )
         group.append(host)
         if len(group) == size:
             yield _stack(group, info["fields"]), size
@@ -95,8 +96,11 @@ def train_prepare(n, epoch: int):
     def hyper_for(first: int, s: int):
         if not n.schedules.fns and s in constant:
             return constant[s]
-        hv = np.stack([n.hyper_values(t) for t in range(first, first + s)]) if s > 1 \
+        hv = (
+            np.stack([n.hyper_values(t) for t in range(first, first + s)])
+            if s > 1
             else n.hyper_values(first)
+        )
         # Scheduled or constant, the same kind of input: the program must not depend on it.
         arr = _put(n, hv, n._rep)
         if not n.schedules.fns:
@@ -109,7 +113,8 @@ def train_prepare(n, epoch: int):
             raise DataError(
                 f"the train split ended with {k % accum} batch(es) that do not fill an "
                 f"accumulation group of accum={accum}. Make the number of batches per epoch a "
-                f"multiple of accum.")
+                f"multiple of accum."
+            )
         steps = k // accum
         # A tail that does not fill a call runs step by step (the single-step program).
         splits = [(0, spc)] if steps == spc else [(i * accum, 1) for i in range(steps)]
@@ -124,7 +129,7 @@ def train_prepare(n, epoch: int):
                 if not lead:  # one step, one micro-batch: the batch itself
                     batch[f] = _put(n, arr[offset], sharding)
                     continue
-                part = arr[offset:offset + s * accum]
+                part = arr[offset : offset + s * accum]
                 batch[f] = _put(n, part.reshape(lead + part.shape[1:]), sharding)
             first = next_step[0]
             next_step[0] += s

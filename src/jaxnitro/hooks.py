@@ -54,9 +54,7 @@ def _own_hook(cls, name: str):
 
 def check_hooks(cls) -> dict[str, Route]:
     """Validate the experiment's hooks; return the routes of the traced ones that exist."""
-    methods = {
-        n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n, None))
-    }
+    methods = {n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n, None))}
     known = set(REQUIRED) | set(OPTIONAL) | {"from_preset"}
     missing = [h for h in REQUIRED if _own_hook(cls, h) is None]
     if missing:
@@ -86,9 +84,7 @@ def _route(cls_name: str, hook: str, fn, n_pos: int) -> Route:
     except (TypeError, ValueError):
         return Route(hook, (), (), True)
     params = list(sig.parameters.values())[1:]  # drop self
-    positional = [
-        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     has_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
     required_pos = [p for p in positional if p.default is p.empty]
     if (len(positional) < n_pos and not has_varargs) or len(required_pos) > n_pos:

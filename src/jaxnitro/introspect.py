@@ -29,8 +29,11 @@ def compile_report(n: Nitro) -> list[report.CompileRecord]:
 
 def explain(n: Nitro) -> list[dict]:
     """Why each program this Nitro compiled differs from the closest one compiled before."""
-    return [{"kind": p.kind, "label": p.label, "reasons": list(p.reasons)}
-            for p in n.__dict__.get("compiled_programs", []) if p.reasons]
+    return [
+        {"kind": p.kind, "label": p.label, "reasons": list(p.reasons)}
+        for p in n.__dict__.get("compiled_programs", [])
+        if p.reasons
+    ]
 
 
 def memory_plan(n: Nitro, *, prefetch_depth: int = 2) -> memory.MemoryPlan:
@@ -44,10 +47,15 @@ def memory_plan(n: Nitro, *, prefetch_depth: int = 2) -> memory.MemoryPlan:
     c = n.carry
     return memory.plan(
         {name: p.compiled for name, p in progs.items()},
-        params=c.params, opt_state=c.opt_state, model_state=c.model_state,
-        batch_bytes=batch_bytes, batches_in_flight=prefetch_depth + 1,
+        params=c.params,
+        opt_state=c.opt_state,
+        model_state=c.model_state,
+        batch_bytes=batch_bytes,
+        batches_in_flight=prefetch_depth + 1,
         checkpoint_staging_bytes=memory.tree_bytes((c.params, c.opt_state, c.model_state)),
-        capacity=capacity, capacity_source=source)
+        capacity=capacity,
+        capacity_source=source,
+    )
 
 
 def check_memory(n: Nitro) -> memory.MemoryPlan:
@@ -73,12 +81,16 @@ def inspect(n: Nitro, *, show: bool = True) -> Inspection:
     """Print the binding report, parameter groups, compile report and memory plan."""
     plan = memory_plan(n)
     result = Inspection(
-        binding=_binding(n), groups=_groups(n),
-        compile_report="programs\n" + "\n".join(
-            f"  {note}" for note in programs.plan_notes(n, train="train" in n.splits))
-        + "\n" + report.format_table(
-            p.record for p in n.__dict__.get("used_programs", {}).values() if p.record),
-        memory=plan.table())
+        binding=_binding(n),
+        groups=_groups(n),
+        compile_report="programs\n"
+        + "\n".join(f"  {note}" for note in programs.plan_notes(n, train="train" in n.splits))
+        + "\n"
+        + report.format_table(
+            p.record for p in n.__dict__.get("used_programs", {}).values() if p.record
+        ),
+        memory=plan.table(),
+    )
     if show:
         n.display.line(str(result)) if n.display.mode != "off" else print(result)
     return result
@@ -94,8 +106,10 @@ def _binding(n: Nitro) -> str:
         rows.append(f"{hook}() receives: {names or '(no batch fields)'}")
     for split, info in n.batch_info.items():
         host_only = sorted(set(info["keys"]) - set(info["fields"]))
-        rows.append(f"split {split!r}: batch {info['batch_size']}, to device {list(info['fields'])}"
-                    + (f", host only {host_only}" if host_only else ""))
+        rows.append(
+            f"split {split!r}: batch {info['batch_size']}, to device {list(info['fields'])}"
+            + (f", host only {host_only}" if host_only else "")
+        )
     return "binding\n" + "\n".join(rows)
 
 
@@ -103,15 +117,21 @@ def _groups(n: Nitro) -> str:
     opt = n.optimizer
     rows = [f"{'group':<12} {'rule':<24} {'rate':>10} {'decay':>8} {'params':>12}"]
     for g, spec in sorted(opt.groups.items()):
-        rule = getattr(spec.factory, "__name__", None) or getattr(
-            getattr(spec.factory, "func", None), "__name__", None) or "transform"
-        rows.append(f"{g:<12} {rule:<24} {spec.rate:>10.3g} {spec.weight_decay:>8.3g} "
-                    f"{spec.count:>12,}")
+        rule = (
+            getattr(spec.factory, "__name__", None)
+            or getattr(getattr(spec.factory, "func", None), "__name__", None)
+            or "transform"
+        )
+        rows.append(
+            f"{g:<12} {rule:<24} {spec.rate:>10.3g} {spec.weight_decay:>8.3g} {spec.count:>12,}"
+        )
     extra = [f"clip global norm {opt.clip:g}" if opt.clip else "no clipping"]
     if n.schedules.fns:
         extra.append("schedules: " + ", ".join(sorted(n.schedules.fns)))
-    extra.append(f"accum {n.accum}, steps_per_call {n.steps_per_call}, precision {n.precision}, "
-                 f"{n.total_steps} optimizer steps planned")
+    extra.append(
+        f"accum {n.accum}, steps_per_call {n.steps_per_call}, precision {n.precision}, "
+        f"{n.total_steps} optimizer steps planned"
+    )
     return "parameter groups\n" + "\n".join(rows + extra)
 
 

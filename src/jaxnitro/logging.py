@@ -23,7 +23,9 @@ class Logger(Protocol):
 
     def open(self, run_dir: Path, *, resume: bool) -> None: ...
     def log_params(self, params: dict[str, Any]) -> None: ...
-    def log_metrics(self, metrics: dict[str, Any], *, context: str, epoch: int, step: int) -> None: ...
+    def log_metrics(
+        self, metrics: dict[str, Any], *, context: str, epoch: int, step: int
+    ) -> None: ...
     def log_other(self, values: dict[str, Any]) -> None: ...
     def finish(self, status: str, **info: Any) -> None: ...
     def close(self) -> None: ...
@@ -113,7 +115,9 @@ class JSONLogger:
             raise LogWriteError(
                 f"cannot open the metrics log {self.path}: {e} ({_free(self.path)}). Pass "
                 "JSONLogger(path=) a writable location, or another run_dir.",
-                path=self.path, cause=e) from e
+                path=self.path,
+                cause=e,
+            ) from e
         self.error = None
 
     def close(self) -> None:
@@ -162,7 +166,10 @@ class JSONLogger:
         self.error = LogWriteError(
             f"could not write the metrics log {self.path}: {e!r} ({_free(self.path)}). "
             "Training goes on; later log lines are not written. Free some space and resume "
-            "(or call logger.open() again) to log again.", path=self.path, cause=e)
+            "(or call logger.open() again) to log again.",
+            path=self.path,
+            cause=e,
+        )
         warnings.warn(str(self.error), LogWarning, stacklevel=4)
 
     def _write(self, obj: dict) -> None:
@@ -175,8 +182,11 @@ class JSONLogger:
 
     def log_metrics(self, metrics, *, context: str, epoch: int, step: int) -> None:
         line = {"type": "metrics", "context": context, "epoch": epoch, "step": step, **metrics}
-        if (type(step) is int and type(epoch) is int
-                and all(type(v) is float for v in metrics.values())):  # per-step train line
+        if (
+            type(step) is int
+            and type(epoch) is int
+            and all(type(v) is float for v in metrics.values())
+        ):  # per-step train line
             if self._fh is not None:
                 for k, v in metrics.items():
                     if not math.isfinite(v):
@@ -191,8 +201,14 @@ class JSONLogger:
     def log_resumed(self, from_step: int, checkpoint: str | os.PathLike) -> None:
         """Mark a resume: the lines after this one continue from `from_step` (the restored
         checkpoint's step). `read_jsonl(..., dedupe=True)` uses it to drop the lost timeline."""
-        self.log_other({"key": "resumed", "from_step": int(from_step),
-                        "from_checkpoint": str(checkpoint), "time": time.time()})
+        self.log_other(
+            {
+                "key": "resumed",
+                "from_step": int(from_step),
+                "from_checkpoint": str(checkpoint),
+                "time": time.time(),
+            }
+        )
 
     def finish(self, status: str, **info) -> None:
         """Write the `finish` line. Best-effort: never raises (the driver calls it inside its
@@ -201,8 +217,11 @@ class JSONLogger:
             self._write({"type": "finish", "status": status, "time": time.time(), **info})
         except Exception as e:  # e.g. an info value whose repr() raises
             try:
-                warnings.warn(f"could not write the finish line to {self.path}: {e!r}",
-                              LogWarning, stacklevel=2)
+                warnings.warn(
+                    f"could not write the finish line to {self.path}: {e!r}",
+                    LogWarning,
+                    stacklevel=2,
+                )
             except Exception:  # warnings turned into errors: still never raise here
                 pass
 
@@ -227,7 +246,8 @@ def _symlink_error(path: Path) -> ConfigError:
     return ConfigError(
         f"{path} is a symbolic link; jaxnitro never writes a log through a link (it could "
         "point at a file that is not a jaxnitro log). Remove the link, or pass "
-        "JSONLogger(path=) a regular file path.")
+        "JSONLogger(path=) a regular file path."
+    )
 
 
 def _open_append(path: Path):
@@ -241,8 +261,9 @@ def _open_append(path: Path):
     if st is not None and stat.S_ISLNK(st.st_mode):
         raise _symlink_error(path)
     if st is not None and not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{path} exists and is not a regular file; pass JSONLogger(path=) "
-                          "a regular file path.")
+        raise ConfigError(
+            f"{path} exists and is not a regular file; pass JSONLogger(path=) a regular file path."
+        )
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW, 0o644)
     except OSError as e:
@@ -252,15 +273,18 @@ def _open_append(path: Path):
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{path} exists and is not a regular file; pass "
-                              "JSONLogger(path=) a regular file path.")
+            raise ConfigError(
+                f"{path} exists and is not a regular file; pass "
+                "JSONLogger(path=) a regular file path."
+            )
         if st.st_size > 0:
             head, ends_with_newline = _read_ends(path, st)
             if not _is_jaxnitro_log(head):
                 raise ConfigError(
                     f"{path} exists and is not a jaxnitro metrics log; pass another path "
                     "(JSONLogger(path=...) or another run_dir). jaxnitro only appends to its "
-                    "own logs and never rewrites a file it did not create.")
+                    "own logs and never rewrites a file it did not create."
+                )
             if not ends_with_newline:  # a kill cut the last line: keep it, as its own line
                 os.write(fd, b"\n")
         return os.fdopen(fd, "ab", buffering=0)
@@ -332,9 +356,12 @@ def read_jsonl(path: str | os.PathLike, *, dedupe: bool = False) -> list[dict]:
                 bad.append(lineno)
     if bad:
         listed = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-        warnings.warn(f"{path}: skipped {len(bad)} unreadable line(s) (line {listed}); a "
-                      "process killed mid-write leaves a partial line.", LogWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"{path}: skipped {len(bad)} unreadable line(s) (line {listed}); a "
+            "process killed mid-write leaves a partial line.",
+            LogWarning,
+            stacklevel=2,
+        )
     return _dedupe(rows) if dedupe else rows
 
 

@@ -64,18 +64,25 @@ def train(n: Nitro) -> TrainResult:
         >>> result.history.best["acc"]
     """
     if "train" not in n.splits:
-        raise DataError("jn.train needs a 'train' split; the data has "
-                        f"{sorted(n.splits)}.")
+        raise DataError(f"jn.train needs a 'train' split; the data has {sorted(n.splits)}.")
     if n.epoch >= n.max_epochs:
         warnings.warn(
             f"{n.cls.__name__} has already trained to max_epochs={n.max_epochs} (epoch "
             f"{n.epoch}, step {n.step}): nothing to train. To train further, continue from its "
             f"checkpoint in a new handle with a larger max_epochs: jn.Nitro(exp, "
             f"run_dir='{n.run_dir}', resume='auto', max_epochs={n.max_epochs + 1}) (schedules "
-            f"then span the new length).", stacklevel=2)
-        return TrainResult(history=history(n), best_checkpoint=_best_checkpoint(n),
-                           stop_reason="completed", best_metric=_best_metric(n),
-                           steps_per_second=0.0, programs_compiled=0, wall_seconds=0.0)
+            f"then span the new length).",
+            stacklevel=2,
+        )
+        return TrainResult(
+            history=history(n),
+            best_checkpoint=_best_checkpoint(n),
+            stop_reason="completed",
+            best_metric=_best_metric(n),
+            steps_per_second=0.0,
+            programs_compiled=0,
+            wall_seconds=0.0,
+        )
     _check_horizon(n)
     with writing(n, "train"):
         return _train(n)
@@ -113,19 +120,31 @@ def _train(n: Nitro) -> TrainResult:
     n.stop_requested = False
     compiled = cache.cache_stats()["misses"] - misses0
     result = TrainResult(
-        history=history(n), best_checkpoint=_best_checkpoint(n),
-        stop_reason=stop_reason, best_metric=_best_metric(n),
+        history=history(n),
+        best_checkpoint=_best_checkpoint(n),
+        stop_reason=stop_reason,
+        best_metric=_best_metric(n),
         steps_per_second=steps_run / seconds_run if seconds_run else 0.0,
-        programs_compiled=compiled, wall_seconds=time.perf_counter() - t_start)
-    n.logger.finish(stop_reason, stop_reason=stop_reason, step=n.step, epoch=n.epoch,
-                    programs_compiled=compiled, steps_per_s=result.steps_per_second,
-                    skipped_steps=n.skipped_steps)
+        programs_compiled=compiled,
+        wall_seconds=time.perf_counter() - t_start,
+    )
+    n.logger.finish(
+        stop_reason,
+        stop_reason=stop_reason,
+        step=n.step,
+        epoch=n.epoch,
+        programs_compiled=compiled,
+        steps_per_s=result.steps_per_second,
+        skipped_steps=n.skipped_steps,
+    )
     records = [p.record for p in n.__dict__.get("compiled_programs", [])[-compiled:] if compiled]
     if records:
         n.display.line(report.format_table(records))
     if compiled > len(plan.programs):
-        n.display.line(f"this run compiled {compiled} programs; its plan expected "
-                       f"{len(plan.programs)}. jn.explain(n) says why.")
+        n.display.line(
+            f"this run compiled {compiled} programs; its plan expected "
+            f"{len(plan.programs)}. jn.explain(n) says why."
+        )
     _summary(n, result)
     if stop_reason == "preempted":
         raise SystemExit(143)  # the conventional SIGTERM status: terminated, not completed
@@ -152,7 +171,9 @@ def _check_horizon(n: Nitro) -> None:
         f"for {n.total_steps} steps ({n.total_steps // spe} epochs): past step "
         f"{n.total_steps} they hold their last value. To extend a scheduled run, continue in "
         f"a new handle, which spans the schedules over the new length: jn.Nitro(exp, "
-        f"run_dir='{n.run_dir}', resume='auto', max_epochs={n.max_epochs}).", stacklevel=3)
+        f"run_dir='{n.run_dir}', resume='auto', max_epochs={n.max_epochs}).",
+        stacklevel=3,
+    )
 
 
 @contextlib.contextmanager
@@ -169,9 +190,11 @@ def writing(n: Nitro, purpose: str, *, required: bool = True):
     elif not n.lock.try_acquire(purpose):
         if not n.__dict__.get("_read_only_warned"):
             n.__dict__["_read_only_warned"] = True
-            warnings.warn(f"run_dir {n.run_dir} is being written by {n.lock.describe()}; "
-                          f"this handle only reads it: results are returned, not logged.",
-                          stacklevel=4)
+            warnings.warn(
+                f"run_dir {n.run_dir} is being written by {n.lock.describe()}; "
+                f"this handle only reads it: results are returned, not logged.",
+                stacklevel=4,
+            )
         yield False
         return
     opened = False
@@ -186,8 +209,14 @@ def writing(n: Nitro, purpose: str, *, required: bool = True):
                 n.logger.log_params(n.params_line)
             if n.resume_path is not None and not n.resume_marked:
                 n.resume_marked = True
-                n.logger.log_other({"key": "resumed", "from_step": n.step,
-                                    "from_checkpoint": str(n.resume_path), "time": time.time()})
+                n.logger.log_other(
+                    {
+                        "key": "resumed",
+                        "from_step": n.step,
+                        "from_checkpoint": str(n.resume_path),
+                        "time": time.time(),
+                    }
+                )
         yield True
     finally:
         try:
@@ -207,8 +236,9 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
     total = len(loader) if hasattr(loader, "__len__") else None
     n.display.start_epoch(epoch, n.max_epochs, total, n.batch_in_epoch)
     feed_cls = data_mod.InlineFeed if n.direct_feed else data_mod.Prefetcher
-    stream = feed_cls(feed.train_units(n, loader, n.batch_in_epoch, epoch),
-                      feed.train_prepare(n, epoch))
+    stream = feed_cls(
+        feed.train_units(n, loader, n.batch_in_epoch, epoch), feed.train_prepare(n, epoch)
+    )
     pending: collections.deque = collections.deque()
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -221,7 +251,8 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
                 if prog is None:
                     c0 = time.perf_counter()
                     prog = n.programs[("train", steps)] = programs.train_program(
-                        n, dev_batch, hyper, steps)
+                        n, dev_batch, hyper, steps
+                    )
                     compile_s += time.perf_counter() - c0
                 n._leaves, out = prog(n._leaves, dev_batch, extras, hyper)
                 n.batch_in_epoch += steps * n.accum
@@ -230,8 +261,9 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
             if len(pending) >= 2 * _READBACK_CHUNK:
                 _drain(n, pending, _READBACK_CHUNK, epoch, losses)
                 elapsed = time.perf_counter() - t0 - compile_s
-                n.display.update(n.batch_in_epoch, losses[-1],
-                                 len(losses) / elapsed if elapsed > 0 else None)
+                n.display.update(
+                    n.batch_in_epoch, losses[-1], len(losses) / elapsed if elapsed > 0 else None
+                )
             if n.stop_requested:
                 break
         _drain(n, pending, len(pending), epoch, losses)
@@ -240,11 +272,17 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
     jax.block_until_ready(n._leaves)
     seconds = time.perf_counter() - t0 - compile_s
     wait_frac = min(1.0, stream.wait_seconds / seconds) if seconds > 0 else 0.0
-    n.logger.log_metrics({"data_wait_frac": wait_frac,
-                          "steps_per_s": len(losses) / seconds if seconds else None,
-                          "peak_bytes_in_use": introspect.peak_memory(n),
-                          "skipped_steps": n.skipped_steps},
-                         context="data", epoch=epoch + 1, step=n.step)
+    n.logger.log_metrics(
+        {
+            "data_wait_frac": wait_frac,
+            "steps_per_s": len(losses) / seconds if seconds else None,
+            "peak_bytes_in_use": introspect.peak_memory(n),
+            "skipped_steps": n.skipped_steps,
+        },
+        context="data",
+        epoch=epoch + 1,
+        step=n.step,
+    )
     _check_epoch_length(n, epoch, total)
     if total is None or n.batch_in_epoch >= total or not n.stop_requested:
         n.epoch += 1
@@ -264,16 +302,24 @@ def _check_epoch_length(n: Nitro, epoch: int, total: int | None) -> None:
     if expected is not None and seen < expected:
         warnings.warn(
             f"epoch {epoch + 1} yielded {seen} train batches, but "
-            + (f"the split's len() is {expected}" if total is not None
-               else f"the first epoch had {expected}")
+            + (
+                f"the split's len() is {expected}"
+                if total is not None
+                else f"the first epoch had {expected}"
+            )
             + ". A source whose iterator is shared between passes runs dry; make __iter__ "
-              "start a new pass (or use jn.DataLoader).", stacklevel=3)
+            "start a new pass (or use jn.DataLoader).",
+            stacklevel=3,
+        )
 
 
 def _end_epoch(n: Nitro, epoch: int, losses: list[float], seconds: float) -> str:
     """Validate, record, log, checkpoint, and decide whether to stop; returns the stop reason."""
-    row = {"epoch": epoch + 1, "step": n.step,
-           "train_loss": float(np.mean(losses)) if losses else None}
+    row = {
+        "epoch": epoch + 1,
+        "step": n.step,
+        "train_loss": float(np.mean(losses)) if losses else None,
+    }
     if "val" in n.splits and not n.preempted:  # preemption leaves no time to validate
         n.display.phase("validating")
         try:
@@ -285,9 +331,12 @@ def _end_epoch(n: Nitro, epoch: int, losses: list[float], seconds: float) -> str
             with contextlib.suppress(Exception):
                 _checkpoint(n, row, stop_reason="error", validated=False)
             raise
-        n.logger.log_metrics({k: v for k, v in row.items() if k not in ("epoch", "step")
-                              and _is_scalar(v)},
-                             context="validate", epoch=epoch + 1, step=n.step)
+        n.logger.log_metrics(
+            {k: v for k, v in row.items() if k not in ("epoch", "step") and _is_scalar(v)},
+            context="validate",
+            epoch=epoch + 1,
+            step=n.step,
+        )
     _record_row(n, row)
     reason = "completed"
     finished = n.batch_in_epoch == 0  # the epoch ran to its end
@@ -309,8 +358,9 @@ def _record_row(n: Nitro, row: dict) -> None:
         n.history_rows.append(row)
 
 
-def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
-           losses: list[float]) -> None:
+def _drain(
+    n: Nitro, pending: collections.deque, count: int, epoch: int, losses: list[float]
+) -> None:
     """Read back and log the oldest `count` dispatches' outputs in one transfer."""
     items = [pending.popleft() for _ in range(count)]
     if not items:
@@ -324,8 +374,9 @@ def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
         hosts += [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(len(outs))]
     for (last_step, last_batch, steps, _), host in zip(items, hosts, strict=True):
         for j in range(steps):  # a fused call returns one row per optimizer step
-            row = {k: float(np.asarray(v).reshape(-1)[j] if steps > 1 else v)
-                   for k, v in host.items()}
+            row = {
+                k: float(np.asarray(v).reshape(-1)[j] if steps > 1 else v) for k, v in host.items()
+            }
             step = last_step - steps + 1 + j
             if row.get("skipped"):
                 n.skipped_steps += 1
@@ -335,7 +386,8 @@ def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
                     f"the training loss is {row['loss']} at step {step} (epoch {epoch + 1}, "
                     f"batch {batch}). Lower the learning rate, check the data for NaN/inf, or "
                     f"add gradient clipping (or pass on_nonfinite='skip' to skip such steps). "
-                    + _last_good(n))
+                    + _last_good(n)
+                )
             if not row.get("skipped"):
                 losses.append(row["loss"])
             n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
@@ -343,8 +395,11 @@ def _drain(n: Nitro, pending: collections.deque, count: int, epoch: int,
 
 def _last_good(n: Nitro) -> str:
     latest = n.checkpointer.latest()
-    return (f"The last good checkpoint is {latest}." if latest is not None else
-            "There is no checkpoint yet (the first is written at the end of epoch 1).")
+    return (
+        f"The last good checkpoint is {latest}."
+        if latest is not None
+        else "There is no checkpoint yet (the first is written at the end of epoch 1)."
+    )
 
 
 def _is_scalar(v) -> bool:
@@ -353,18 +408,27 @@ def _is_scalar(v) -> bool:
 
 def _epoch_summary(row: dict, rate: float) -> str:
     parts = [f"train_loss {row['train_loss']:.4f}" if row.get("train_loss") is not None else ""]
-    parts += [f"{k} {v:.4f}" for k, v in row.items()
-              if k not in ("epoch", "step", "train_loss") and isinstance(v, float)]
+    parts += [
+        f"{k} {v:.4f}"
+        for k, v in row.items()
+        if k not in ("epoch", "step", "train_loss") and isinstance(v, float)
+    ]
     parts.append(f"{rate:,.0f} steps/s")
     return " · ".join(p for p in parts if p)
 
 
-def _checkpoint(n: Nitro, row: dict, *, stop_reason: str | None = None,
-                validated: bool = True) -> None:
+def _checkpoint(
+    n: Nitro, row: dict, *, stop_reason: str | None = None, validated: bool = True
+) -> None:
     metrics = {k: v for k, v in row.items() if isinstance(v, float)}
     meta = {
-        "run_id": n.run_id, "validated": validated, "total_steps": n.total_steps,
-        "epoch": n.epoch, "batch_in_epoch": n.batch_in_epoch, "step": n.step, "seed": n.seed,
+        "run_id": n.run_id,
+        "validated": validated,
+        "total_steps": n.total_steps,
+        "epoch": n.epoch,
+        "batch_in_epoch": n.batch_in_epoch,
+        "step": n.step,
+        "seed": n.seed,
         "config": _jsonable(dict(graph_key(n.experiment))),
         "experiment": n.cls.__qualname__,
         "history": _jsonable(n.history_rows),
@@ -372,25 +436,34 @@ def _checkpoint(n: Nitro, row: dict, *, stop_reason: str | None = None,
         "stop_reason": stop_reason,
         "early_stop": n.early_stop.state_dict() if n.early_stop is not None else None,
     }
-    trees = {"params": n.carry.params, "model_state": n.carry.model_state,
-             "opt_state": n.carry.opt_state}
+    trees = {
+        "params": n.carry.params,
+        "model_state": n.carry.model_state,
+        "opt_state": n.carry.opt_state,
+    }
     n.checkpointer.save(epoch=row["epoch"], step=n.step, metrics=metrics, trees=trees, meta=meta)
 
 
 def _summary(n: Nitro, r: TrainResult) -> None:
     metric = n.checkpointer.metric
-    best = f"best {metric} {r.best_metric:.4f}" if isinstance(r.best_metric, float) else "no validation"
+    best = (
+        f"best {metric} {r.best_metric:.4f}"
+        if isinstance(r.best_metric, float)
+        else "no validation"
+    )
     n.display.line(
         f"done ({r.stop_reason}) · {best} · checkpoint {r.best_checkpoint} · "
         f"{r.programs_compiled} program(s) compiled · {r.steps_per_second:,.0f} steps/s · "
-        f"{r.wall_seconds:.1f}s")
+        f"{r.wall_seconds:.1f}s"
+    )
 
 
 # -- evaluation ------------------------------------------------------------------------
 def _check_split(n: Nitro, split: str) -> None:
     if split not in n.splits:
-        raise DataError(f"no split {split!r}; the data has {sorted(n.splits)}."
-                        + did_you_mean(split, n.splits))
+        raise DataError(
+            f"no split {split!r}; the data has {sorted(n.splits)}." + did_you_mean(split, n.splits)
+        )
 
 
 def _evaluate(n: Nitro, split: str) -> dict[str, Any]:
@@ -405,9 +478,11 @@ def _evaluate(n: Nitro, split: str) -> dict[str, Any]:
     try:
         for dev_batch, size, _ in stream:
             if size > bs:
-                raise DataError(f"a {split!r} batch has {size} rows, more than the first "
-                                f"batch's {bs}; batches of a split share one size (the last may "
-                                f"be shorter).")
+                raise DataError(
+                    f"a {split!r} batch has {size} rows, more than the first "
+                    f"batch's {bs}; batches of a split share one size (the last may "
+                    f"be shorter)."
+                )
             n_valid = None if size == bs else size
             if totals is None:
                 shapes = programs.eval_metric_shapes(n, split)
@@ -450,9 +525,12 @@ def evaluate(n: Nitro, split: str = "test") -> dict[str, Any]:
     values = _evaluate(n, split)
     with writing(n, "evaluate", required=False) as may_write:
         if may_write:
-            n.logger.log_metrics({"split": split, **{k: v for k, v in values.items()
-                                                    if _is_scalar(v)}},
-                                 context="validate", epoch=n.epoch, step=n.step)
+            n.logger.log_metrics(
+                {"split": split, **{k: v for k, v in values.items() if _is_scalar(v)}},
+                context="validate",
+                epoch=n.epoch,
+                step=n.step,
+            )
     set_phase(n, phase if phase not in ("Starting", "Evaluating") else "Done")
     return values
 
@@ -467,13 +545,17 @@ def predict(n: Nitro, batch_or_loader):
     programs.check_stale(n)
     if isinstance(batch_or_loader, Mapping):
         return _predict_batch(n, batch_or_loader, pad_to=None)
-    if isinstance(batch_or_loader, (np.ndarray, jax.Array)) or not hasattr(batch_or_loader, "__iter__"):
+    if isinstance(batch_or_loader, (np.ndarray, jax.Array)) or not hasattr(
+        batch_or_loader, "__iter__"
+    ):
         fields = n.routes["forward"].required
         raise DataError(
             f"predict takes a dict batch (or a loader of them), got a bare "
             f"{type(batch_or_loader).__name__}. forward() expects the field(s) {list(fields)}: "
-            f"pass e.g. jn.predict(n, {{{fields[0]!r}: x}})." if fields else
-            f"predict takes a dict batch, got {type(batch_or_loader).__name__}.")
+            f"pass e.g. jn.predict(n, {{{fields[0]!r}: x}})."
+            if fields
+            else f"predict takes a dict batch, got {type(batch_or_loader).__name__}."
+        )
     return _predict_lazy(n, batch_or_loader)
 
 
@@ -487,15 +569,19 @@ def _predict_batch(n: Nitro, batch, *, pad_to: int | None):
     route = n.routes["forward"]
     missing = [f for f in route.required if f not in batch]
     if missing:
-        raise DataError(f"predict: forward() needs field(s) {missing}; the batch has "
-                        f"{sorted(batch)}." + "".join(did_you_mean(m, batch) for m in missing))
+        raise DataError(
+            f"predict: forward() needs field(s) {missing}; the batch has "
+            f"{sorted(batch)}." + "".join(did_you_mean(m, batch) for m in missing)
+        )
     fields = [f for f in batch if route.takes_all or f in route.required or f in route.optional]
     size = data_mod.check_batch({f: batch[f] for f in fields}, "predict")
     if pad_to is None:  # a dict batch of any size: a bounded set of programs
         cap = _predict_cap(n)
         if size > cap:  # in pieces of the largest bucket, outputs joined (batch first)
-            pieces = [_predict_batch(n, {f: batch[f][i:i + cap] for f in fields}, pad_to=None)
-                      for i in range(0, size, cap)]
+            pieces = [
+                _predict_batch(n, {f: batch[f][i : i + cap] for f in fields}, pad_to=None)
+                for i in range(0, size, cap)
+            ]
             return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *pieces)
         pad_to = _bucket(size, cap)
     target = pad_to if pad_to and size < pad_to else size
@@ -510,8 +596,9 @@ def _predict_batch(n: Nitro, batch, *, pad_to: int | None):
     out = jax.device_get(prog(n.carry.params, n.carry.model_state, dev, n.extras()))
     if target == size:
         return out
-    return jax.tree.map(lambda a: a[:size] if getattr(a, "ndim", 0) and a.shape[0] == target
-                        else a, out)
+    return jax.tree.map(
+        lambda a: a[:size] if getattr(a, "ndim", 0) and a.shape[0] == target else a, out
+    )
 
 
 def _predict_cap(n: Nitro) -> int:
@@ -541,23 +628,32 @@ def set_device(n: Nitro, **values) -> None:
     for name, value in values.items():
         info = known.get(name)
         if info is None:
-            raise ConfigError(f"{n.cls.__name__} has no field {name!r}." + did_you_mean(name, known))
+            raise ConfigError(
+                f"{n.cls.__name__} has no field {name!r}." + did_you_mean(name, known)
+            )
         if info.marker != DEVICE:
-            why = ("it is baked into the compiled program; build a new Nitro (one recompile)"
-                   if info.marker == GRAPH else
-                   "it is driver-only; use dataclasses.replace on the experiment")
-            raise ConfigError(f"set_device cannot change {info.marker} field {name!r}: {why}. "
-                              f"Only jn.Device fields are live inputs.")
+            why = (
+                "it is baked into the compiled program; build a new Nitro (one recompile)"
+                if info.marker == GRAPH
+                else "it is driver-only; use dataclasses.replace on the experiment"
+            )
+            raise ConfigError(
+                f"set_device cannot change {info.marker} field {name!r}: {why}. "
+                f"Only jn.Device fields are live inputs."
+            )
         new = n._device_value(name, value)
         old = n.device_values[name]
         if new.shape != old.shape or new.dtype != old.dtype:
             raise ConfigError(
                 f"set_device({name}=...) would change its shape/dtype from {old.shape}/"
                 f"{old.dtype} to {new.shape}/{new.dtype}, which needs a new program. Pass a "
-                f"value of the same shape and dtype.")
+                f"value of the same shape and dtype."
+            )
         if f"device.{name}" in n.schedules.fns:
-            raise ConfigError(f"set_device cannot change {name!r}: a schedule drives it "
-                              f"(schedule key 'device.{name}'). Change the schedule instead.")
+            raise ConfigError(
+                f"set_device cannot change {name!r}: a schedule drives it "
+                f"(schedule key 'device.{name}'). Change the schedule instead."
+            )
         n.device_values[name] = new
     n.__dict__.pop("_hyper_cache", None)
     n.experiment = replace(n.experiment, **values)
@@ -566,8 +662,10 @@ def set_device(n: Nitro, **values) -> None:
 def device_value(n: Nitro, name: str):
     """The current host value of a Device field."""
     if name not in n.device_values:
-        raise ConfigError(f"{name!r} is not a Device field; Device fields: "
-                          f"{sorted(n.device_values)}." + did_you_mean(name, n.device_values))
+        raise ConfigError(
+            f"{name!r} is not a Device field; Device fields: "
+            f"{sorted(n.device_values)}." + did_you_mean(name, n.device_values)
+        )
     arr = np.asarray(jax.device_get(n.device_values[name]))
     return arr.item() if arr.ndim == 0 else arr
 

@@ -32,7 +32,8 @@ def _numeric(hook: str, name: str, part: str, value):
     if arr is None or not (jnp.issubdtype(arr.dtype, jnp.number) or arr.dtype == jnp.bool_):
         raise MetricsError(
             f"{hook}() returned a {part} for {name!r} that is not numeric ({value!r:.60}); the "
-            f"sum and the count are numbers or arrays, e.g. (correct.sum(), label.shape[0]).")
+            f"sum and the count are numbers or arrays, e.g. (correct.sum(), label.shape[0])."
+        )
     return arr
 
 
@@ -46,11 +47,16 @@ def normalize(out, hook: str = "metrics") -> dict[str, tuple[Any, Any]]:
     result = {}
     for name, value in out.items():
         if not isinstance(name, str):
-            raise MetricsError(f"{hook}() returned a non-string metric name {name!r}; name "
-                               f"metrics with strings, e.g. {{'acc': (correct, count)}}.")
+            raise MetricsError(
+                f"{hook}() returned a non-string metric name {name!r}; name "
+                f"metrics with strings, e.g. {{'acc': (correct, count)}}."
+            )
         if not (isinstance(value, (tuple, list)) and len(value) == 2):
-            what = (f"a {len(value)}-element {type(value).__name__}"
-                    if isinstance(value, (tuple, list)) else _describe(value))
+            what = (
+                f"a {len(value)}-element {type(value).__name__}"
+                if isinstance(value, (tuple, list))
+                else _describe(value)
+            )
             raise MetricsError(
                 f"{hook}() returned {name!r} as {what}; each metric is "
                 f"(sum, count), e.g. {name!r}: (correct.sum(), label.shape[0]), or (total, None) "

@@ -53,8 +53,7 @@ class Dist:
     mesh: Any
 
 
-_SETTINGS = ("seed", "run_dir", "n_devices", "max_epochs", "logger", "checkpointer",
-             "early_stop")
+_SETTINGS = ("seed", "run_dir", "n_devices", "max_epochs", "logger", "checkpointer", "early_stop")
 
 
 class Nitro:
@@ -65,12 +64,30 @@ class Nitro:
         >>> result = jn.train(n)
     """
 
-    def __init__(self, exp, *, seed: int | None = None, run_dir=None, n_devices: int | None = None,
-                 accum: int = 1, steps_per_call: int = 1, max_epochs: int | None = None,
-                 schedules=None, precision: str | None = None, logger=None, checkpointer=None,
-                 early_stop=None, resume: bool | str = False, checkpoint=None, data=None,
-                 memory_budget: int | None = None, compile_options: dict | None = None,
-                 progress: bool | str | None = None, on_nonfinite: str = "error", **unknown):
+    def __init__(
+        self,
+        exp,
+        *,
+        seed: int | None = None,
+        run_dir=None,
+        n_devices: int | None = None,
+        accum: int = 1,
+        steps_per_call: int = 1,
+        max_epochs: int | None = None,
+        schedules=None,
+        precision: str | None = None,
+        logger=None,
+        checkpointer=None,
+        early_stop=None,
+        resume: bool | str = False,
+        checkpoint=None,
+        data=None,
+        memory_budget: int | None = None,
+        compile_options: dict | None = None,
+        progress: bool | str | None = None,
+        on_nonfinite: str = "error",
+        **unknown,
+    ):
         if not is_experiment(exp) or isinstance(exp, type):
             what = f"the class {exp.__name__}" if isinstance(exp, type) else type(exp).__name__
             raise ConfigError(
@@ -79,10 +96,14 @@ class Nitro:
             )
         if unknown:
             name = next(iter(unknown))
-            options = sorted(p for p in inspect.signature(Nitro.__init__).parameters
-                             if p not in ("self", "exp", "unknown"))
-            raise ConfigArgumentError(f"Nitro has no option {name!r}; options: {options}."
-                                      + did_you_mean(name, options))
+            options = sorted(
+                p
+                for p in inspect.signature(Nitro.__init__).parameters
+                if p not in ("self", "exp", "unknown")
+            )
+            raise ConfigArgumentError(
+                f"Nitro has no option {name!r}; options: {options}." + did_you_mean(name, options)
+            )
         settings = {k: v for k, v in locals().items() if k not in ("self", "exp", "unknown")}
         with signals.terminate_during_setup():
             try:
@@ -95,10 +116,12 @@ class Nitro:
         """SIGTERM during setup: a `finish` line (status preempted) if the run dir is free."""
         with contextlib.suppress(Exception):
             log = getattr(self, "logger", None) or _logger_setting(
-                logger if logger is not None else getattr(exp, "logger", None))
+                logger if logger is not None else getattr(exp, "logger", None)
+            )
             path = getattr(self, "run_dir", None) or _run_dir_setting(
                 run_dir if run_dir is not None else getattr(exp, "run_dir", None),
-                type(exp).__name__)
+                type(exp).__name__,
+            )
             lock = RunLock(path)
             if lock.try_acquire("setup"):
                 try:
@@ -108,51 +131,91 @@ class Nitro:
                 finally:
                     lock.release()
 
-    def _setup(self, exp, *, seed, run_dir, n_devices, accum, steps_per_call, max_epochs,
-               schedules, precision, logger, checkpointer, early_stop, resume, checkpoint, data,
-               memory_budget, compile_options, progress, on_nonfinite) -> None:
+    def _setup(
+        self,
+        exp,
+        *,
+        seed,
+        run_dir,
+        n_devices,
+        accum,
+        steps_per_call,
+        max_epochs,
+        schedules,
+        precision,
+        logger,
+        checkpointer,
+        early_stop,
+        resume,
+        checkpoint,
+        data,
+        memory_budget,
+        compile_options,
+        progress,
+        on_nonfinite,
+    ) -> None:
         cls = type(exp)
         self.routes = hooks.check_hooks(cls)
-        given = {"seed": seed, "run_dir": run_dir, "n_devices": n_devices,
-                 "max_epochs": max_epochs, "logger": logger, "checkpointer": checkpointer,
-                 "early_stop": early_stop}
+        given = {
+            "seed": seed,
+            "run_dir": run_dir,
+            "n_devices": n_devices,
+            "max_epochs": max_epochs,
+            "logger": logger,
+            "checkpointer": checkpointer,
+            "early_stop": early_stop,
+        }
         # A keyword wins over an experiment field of the same name, which wins over the default.
         s = {k: (v if v is not None else getattr(exp, k, None)) for k, v in given.items()}
         self.seed = 42 if s["seed"] is None else _int_setting("seed", s["seed"], minimum=0)
-        self.max_epochs = 1 if s["max_epochs"] is None else _int_setting(
-            "max_epochs", s["max_epochs"], minimum=1)
+        self.max_epochs = (
+            1 if s["max_epochs"] is None else _int_setting("max_epochs", s["max_epochs"], minimum=1)
+        )
         self.run_dir = _run_dir_setting(s["run_dir"], cls.__name__)
         self.accum = _int_setting("accum", accum, minimum=1)
         self.steps_per_call = _int_setting("steps_per_call", steps_per_call, minimum=1)
         if precision not in (None, "f32", "bf16"):
-            raise ConfigError(f"precision={precision!r}; use 'f32' (the default) or 'bf16' "
-                              f"(bf16 compute, f32 master weights and optimizer state)."
-                              + did_you_mean(str(precision), ["f32", "bf16"]))
+            raise ConfigError(
+                f"precision={precision!r}; use 'f32' (the default) or 'bf16' "
+                f"(bf16 compute, f32 master weights and optimizer state)."
+                + did_you_mean(str(precision), ["f32", "bf16"])
+            )
         self.precision = precision or "f32"
         # Nitro(schedules=...) replaces the experiment's schedules() table; it does not merge.
-        self._schedule_table = dict(schedules if schedules is not None else
-                                    (exp.schedules() if hasattr(cls, "schedules") else {}) or {})
+        self._schedule_table = dict(
+            schedules
+            if schedules is not None
+            else (exp.schedules() if hasattr(cls, "schedules") else {}) or {}
+        )
         self.memory_budget = _bytes_setting("memory_budget", memory_budget)
         if compile_options is not None and not isinstance(compile_options, Mapping):
-            raise ConfigError(f"compile_options must be a dict of XLA options, got "
-                              f"{type(compile_options).__name__}.")
+            raise ConfigError(
+                f"compile_options must be a dict of XLA options, got "
+                f"{type(compile_options).__name__}."
+            )
         self.compile_options = dict(compile_options or {})
         for k, v in self.compile_options.items():  # XLA flags: name -> bool/int/float/str
             if not isinstance(k, str) or not isinstance(v, (bool, int, float, str)):
-                raise ConfigError(f"compile_options maps XLA option names to bool, int, float "
-                                  f"or str, got {k!r}: {v!r}; e.g. "
-                                  f"{{'xla_cpu_enable_fast_math': False}}.")
+                raise ConfigError(
+                    f"compile_options maps XLA option names to bool, int, float "
+                    f"or str, got {k!r}: {v!r}; e.g. "
+                    f"{{'xla_cpu_enable_fast_math': False}}."
+                )
         if on_nonfinite not in ("error", "skip"):
-            raise ConfigError(f"on_nonfinite={on_nonfinite!r}; use 'error' (stop with the step "
-                              f"and epoch) or 'skip' (skip the update and count it)."
-                              + did_you_mean(str(on_nonfinite), ["error", "skip"]))
+            raise ConfigError(
+                f"on_nonfinite={on_nonfinite!r}; use 'error' (stop with the step "
+                f"and epoch) or 'skip' (skip the update and count it)."
+                + did_you_mean(str(on_nonfinite), ["error", "skip"])
+            )
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
         self.preempted = False
         if progress not in (None, True, False, "rich", "plain", "off"):
-            raise ConfigError(f"progress={progress!r}; use True (a live display on a terminal, "
-                              f"plain lines otherwise), 'rich', 'plain' or False/'off'."
-                              + did_you_mean(str(progress), ["rich", "plain", "off"]))
+            raise ConfigError(
+                f"progress={progress!r}; use True (a live display on a terminal, "
+                f"plain lines otherwise), 'rich', 'plain' or False/'off'."
+                + did_you_mean(str(progress), ["rich", "plain", "off"])
+            )
         self.display = Display(progress)
         self.phase = "Starting"
         self.stop_requested = False
@@ -167,12 +230,18 @@ class Nitro:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"cannot create run_dir {self.run_dir}: {e}. Pick a writable path.") from e
+            raise ConfigError(
+                f"cannot create run_dir {self.run_dir}: {e}. Pick a writable path."
+            ) from e
 
-        self.checkpointer = s["checkpointer"] if s["checkpointer"] is not None else TopKCheckpointer()
+        self.checkpointer = (
+            s["checkpointer"] if s["checkpointer"] is not None else TopKCheckpointer()
+        )
         self._checkpointer_named = s["checkpointer"] is not None
         if not isinstance(self.checkpointer, TopKCheckpointer):
-            raise ConfigError(f"checkpointer must be a jn.TopKCheckpointer, got {type(self.checkpointer).__name__}.")
+            raise ConfigError(
+                f"checkpointer must be a jn.TopKCheckpointer, got {type(self.checkpointer).__name__}."
+            )
         # Setup never writes the run's files: the run lock (one writer per run dir) is taken
         # by `jn.train` and by an evaluation that logs. Only finding the checkpoint to resume
         # from takes it briefly, since that may move a corrupted checkpoint aside.
@@ -187,7 +256,8 @@ class Nitro:
                 warnings.warn(
                     f"resuming with seed {meta['seed']} from the checkpoint instead of "
                     f"{self.seed}: the shuffle order and dropout must continue as they were.",
-                    stacklevel=4)
+                    stacklevel=4,
+                )
                 self.seed = _meta_int(meta, "seed", self.resume_path)
         self.checkpointer.for_run(self.run_id)
 
@@ -205,8 +275,9 @@ class Nitro:
         # One CPU device: programs take numpy batches directly (no transfer to make).
         self.direct_feed = self.n_devices == 1 and self.mesh.devices.flat[0].platform == "cpu"
         self.batch_sharding = data_mod.batch_sharding(self.mesh)
-        self.device_values = {k: self._device_value(k, v)
-                              for k, v in field_values(exp, DEVICE).items()}
+        self.device_values = {
+            k: self._device_value(k, v) for k, v in field_values(exp, DEVICE).items()
+        }
 
         # Model.
         init_key, rng = jax.random.split(jax.random.PRNGKey(self.seed))
@@ -229,26 +300,35 @@ class Nitro:
         self.steps_per_epoch = self._steps_per_epoch()
         self.total_steps = (self.steps_per_epoch or 0) * self.max_epochs
         if self._schedule_table and not self.steps_per_epoch:
-            raise ConfigError("schedules need the number of steps per epoch, but the 'train' "
-                              "split has no len(); use a jn.DataLoader or give it __len__.")
+            raise ConfigError(
+                "schedules need the number of steps per epoch, but the 'train' "
+                "split has no len(); use a jn.DataLoader or give it __len__."
+            )
         markers = {f.name: f.marker for f in fields(exp)}
         self.schedules = optim.resolve_schedules(
-            self._schedule_table, opt=self.optimizer, device_fields=markers,
-            total_steps=max(self.total_steps, 1))
+            self._schedule_table,
+            opt=self.optimizer,
+            device_fields=markers,
+            total_steps=max(self.total_steps, 1),
+        )
         # Scalar float Device fields travel with the per-step hyperparameters, scheduled or
         # not, so scheduling one (or not) never changes the program.
         self.hyper_keys = [("opt", k) for k in sorted(self.optimizer.hyper_paths)] + [
-            ("device", k) for k, v in self.device_values.items()
-            if v.shape == () and jnp.issubdtype(v.dtype, jnp.floating)]
+            ("device", k)
+            for k, v in self.device_values.items()
+            if v.shape == () and jnp.issubdtype(v.dtype, jnp.floating)
+        ]
         for key in self.schedules.fns:
             if key.startswith("device.") and ("device", key[7:]) not in self.hyper_keys:
-                raise ConfigError(f"schedule {key!r}: only scalar float Device fields can be "
-                                  f"scheduled.")
+                raise ConfigError(
+                    f"schedule {key!r}: only scalar float Device fields can be scheduled."
+                )
         opt_state = jax.jit(self.tx.init, out_shardings=self._rep)(params)
         # Every leaf of the carry lives replicated on the mesh, as the train step returns it,
         # so the program's input avals (and key) are the same at step 1 and step N.
         self.carry = jax.device_put(
-            Carry(params, model_state, opt_state, jnp.zeros((), jnp.int32)), self._rep)
+            Carry(params, model_state, opt_state, jnp.zeros((), jnp.int32)), self._rep
+        )
         self.epoch = 0
         self.batch_in_epoch = 0
         self.host_step = 0
@@ -263,7 +343,9 @@ class Nitro:
                     f"resuming a run whose schedules spanned {horizon} steps into one of "
                     f"{self.total_steps} (max_epochs={self.max_epochs}): the schedules are "
                     f"stretched to the new length, so from step {self.host_step} on the "
-                    f"scheduled values differ from the original run's.", stacklevel=4)
+                    f"scheduled values differ from the original run's.",
+                    stacklevel=4,
+                )
         elif checkpoint is not None:
             self._restore(Path(checkpoint), full=False)
 
@@ -271,8 +353,11 @@ class Nitro:
         self.logger_open = False  # opened by the first entry point that writes (loop.writing)
         self.resume_marked = False
         self.params_line = {
-            "experiment": cls.__name__, "seed": self.seed, "max_epochs": self.max_epochs,
-            "n_devices": self.n_devices, "backend": jax.default_backend(),
+            "experiment": cls.__name__,
+            "seed": self.seed,
+            "max_epochs": self.max_epochs,
+            "n_devices": self.n_devices,
+            "backend": jax.default_backend(),
             "run_id": self.run_id,
             "config": {f.name: _jsonable(getattr(exp, f.name)) for f in fields(exp)},
             "markers": {f.name: f.marker for f in fields(exp)},
@@ -313,8 +398,10 @@ class Nitro:
         return self.host_step
 
     def __repr__(self) -> str:
-        return (f"Nitro({type(self.experiment).__name__}, step={self.step}, epoch={self.epoch}, "
-                f"phase={self.phase}, run_dir='{self.run_dir}')")
+        return (
+            f"Nitro({type(self.experiment).__name__}, step={self.step}, epoch={self.epoch}, "
+            f"phase={self.phase}, run_dir='{self.run_dir}')"
+        )
 
     # -- setup pieces ------------------------------------------------------------------
     def _resume_record(self, resume) -> Path | None:
@@ -333,18 +420,22 @@ class Nitro:
             if latest is None and resume is True:
                 raise CheckpointError(
                     f"resume=True but {self.checkpointer.dir} holds no checkpoint. Use "
-                    f"resume='auto' to start fresh when there is none.")
+                    f"resume='auto' to start fresh when there is none."
+                )
             return latest
         if not isinstance(resume, (str, os.PathLike)):
-            raise ConfigError(f"resume={resume!r}; use False, 'auto' (continue from the newest "
-                              f"checkpoint in run_dir if any), True (it must exist) or a "
-                              f"checkpoint path.")
+            raise ConfigError(
+                f"resume={resume!r}; use False, 'auto' (continue from the newest "
+                f"checkpoint in run_dir if any), True (it must exist) or a "
+                f"checkpoint path."
+            )
         path = Path(resume)
         if not path.exists():
             raise CheckpointError(
                 f"resume={resume!r}: no such checkpoint. Pass a checkpoint directory (e.g. "
                 f"TopKCheckpointer(dir=...).latest()), or resume='auto' to continue from the "
-                f"newest one in run_dir.")
+                f"newest one in run_dir."
+            )
         return path
 
     def _build_data(self, exp, data) -> dict[str, Any]:
@@ -352,18 +443,21 @@ class Nitro:
         if not isinstance(splits, Mapping):
             raise HookError(
                 f"build_data must return a dict of splits like {{'train': loader, 'val': loader}}, "
-                f"got {type(splits).__name__}.")
+                f"got {type(splits).__name__}."
+            )
         splits = dict(splits)
         if splits and "train" not in splits:
             raise DataError(
                 f"the data has splits {sorted(splits)} but no 'train' split, which is required."
-                + did_you_mean("train", splits))
+                + did_you_mean("train", splits)
+            )
         for name, src in splits.items():
             if isinstance(src, Iterator):
                 raise DataError(
                     f"split {name!r} is a one-shot iterator ({type(src).__name__}): it would be "
                     f"empty after the first epoch. Pass a re-iterable (a list of batches or a "
-                    f"jn.DataLoader).")
+                    f"jn.DataLoader)."
+                )
             if isinstance(src, data_mod.DataLoader) and src.seed is None:
                 src.seed = self.seed  # the Nitro seed controls shuffling
         return splits
@@ -374,7 +468,9 @@ class Nitro:
             return exp
         updates = derive(exp, self.splits) or {}
         if not isinstance(updates, Mapping):
-            raise HookError(f"derive must return a dict field -> value, got {type(updates).__name__}.")
+            raise HookError(
+                f"derive must return a dict field -> value, got {type(updates).__name__}."
+            )
         return replace(exp, **updates)
 
     def _device_value(self, name: str, value) -> jax.Array:
@@ -389,8 +485,14 @@ class Nitro:
         return jax.device_put(arr, self._rep)
 
     def _replicate(self, tree):
-        return jax.tree.map(lambda x: jax.device_put(x, self._rep, may_alias=False)
-                            if isinstance(x, (jax.Array, np.ndarray)) else x, tree)
+        return jax.tree.map(
+            lambda x: (
+                jax.device_put(x, self._rep, may_alias=False)
+                if isinstance(x, (jax.Array, np.ndarray))
+                else x
+            ),
+            tree,
+        )
 
     def _check_splits(self) -> dict[str, dict]:
         """Route every split's first batch through the hooks; check sizes and devices."""
@@ -404,19 +506,25 @@ class Nitro:
                     f"split {split!r} ({type(src).__name__}) returns the same iterator each "
                     f"time it is iterated, so it would be empty after the first epoch. Make "
                     f"__iter__ start a new pass (e.g. a generator function), or pass a "
-                    f"jn.DataLoader or a list of batches.")
+                    f"jn.DataLoader or a list of batches."
+                )
             first = next(it, None)
             close = getattr(it, "close", None)
             if close is not None:
                 close()
             if first is None:
-                raise DataError(f"split {split!r} is empty (it yielded no batch). Remove the "
-                                f"split, or check what build_data loads.")
+                raise DataError(
+                    f"split {split!r} is empty (it yielded no batch). Remove the "
+                    f"split, or check what build_data loads."
+                )
             bs = data_mod.check_batch(first, split)
             train = split == "train"
-            needed = ("forward", "loss", "train_metrics") if train else ("forward", "loss", "metrics")
-            hooks.check_batch(self.routes, first, split,
-                              hooks=needed if train else ("forward", "metrics"))
+            needed = (
+                ("forward", "loss", "train_metrics") if train else ("forward", "loss", "metrics")
+            )
+            hooks.check_batch(
+                self.routes, first, split, hooks=needed if train else ("forward", "metrics")
+            )
             loss_ok = all(f in first for f in self.routes["loss"].required)
             use = needed if loss_ok else ("forward", "metrics")
             fields = hooks.device_fields(self.routes, first, hooks=use)
@@ -425,15 +533,22 @@ class Nitro:
                     f"the 'train' split has {src.num_samples} samples, which batch_size="
                     f"{src.batch_size} does not divide: the last train batch would be short "
                     f"({src.num_samples % src.batch_size}) and need its own program. Pass "
-                    f"drop_last=True to the train DataLoader.")
+                    f"drop_last=True to the train DataLoader."
+                )
             if bs % self.n_devices:
                 raise DataError(
                     f"the {split!r} batch size {bs} does not divide by the {self.n_devices} "
                     f"devices of the data mesh. Use a batch size that is a multiple of "
-                    f"{self.n_devices}.")
-            info[split] = {"batch_size": bs, "fields": fields, "keys": frozenset(first),
-                           "has_loss": loss_ok, "first": first,
-                           "specs": data_mod.batch_specs(first, split)}
+                    f"{self.n_devices}."
+                )
+            info[split] = {
+                "batch_size": bs,
+                "fields": fields,
+                "keys": frozenset(first),
+                "has_loss": loss_ok,
+                "first": first,
+                "specs": data_mod.batch_specs(first, split),
+            }
         return info
 
     def _steps_per_epoch(self) -> int | None:
@@ -443,13 +558,16 @@ class Nitro:
             return None
         batches = len(loader)
         if batches % self.accum:
-            near = sorted({d for d in range(1, batches + 1) if batches % d == 0},
-                          key=lambda d: (abs(d - self.accum), d))[:3]
+            near = sorted(
+                {d for d in range(1, batches + 1) if batches % d == 0},
+                key=lambda d: (abs(d - self.accum), d),
+            )[:3]
             raise ConfigError(
                 f"accum={self.accum} does not divide the {batches} train batches of an epoch, "
                 f"so the last optimizer step would be short. Use accum in {sorted(near)}, or "
                 f"change the batch size or the number of samples (drop_last=True drops a "
-                f"final partial batch).")
+                f"final partial batch)."
+            )
         return batches // self.accum
 
     def hyper_values(self, step: int) -> np.ndarray:
@@ -497,14 +615,16 @@ class Nitro:
                 raise ConfigError(
                     f"the checkpointer monitors {metric!r} but the data has no 'val' split, so "
                     f"no metric is ever produced. Add a 'val' split, or use the default "
-                    f"checkpointer (keeps the newest).")
+                    f"checkpointer (keeps the newest)."
+                )
             return
         names = self.eval_metric_names("val")
         if metric not in names:
             if self._checkpointer_named:
                 raise ConfigError(
                     f"the checkpointer monitors {metric!r}, which this run never produces; "
-                    f"validation produces {names}." + did_you_mean(metric, names))
+                    f"validation produces {names}." + did_you_mean(metric, names)
+                )
             self.checkpointer.metric = names[0] if names else metric
 
     def _check_early_stop(self) -> None:
@@ -515,8 +635,10 @@ class Nitro:
         if es.metric not in produced:
             raise ConfigError(
                 f"early stopping monitors {es.metric!r}, which this run never produces; it "
-                f"produces {produced}." + did_you_mean(es.metric, produced)
-                + ("" if "val" in self.splits else " Add a 'val' split for validation metrics."))
+                f"produces {produced}."
+                + did_you_mean(es.metric, produced)
+                + ("" if "val" in self.splits else " Add a 'val' split for validation metrics.")
+            )
 
     def _restore(self, path: Path, *, full: bool) -> None:
         templates = {"params": self.carry.params, "model_state": self.carry.model_state}
@@ -527,26 +649,37 @@ class Nitro:
             want = _jsonable(dict(graph_key(self.experiment)))
             have = meta.get("config")
             if have is not None and have != want:
-                diff = {k: (have.get(k), want.get(k)) for k in set(have) | set(want)
-                        if have.get(k) != want.get(k)}
+                diff = {
+                    k: (have.get(k), want.get(k))
+                    for k in set(have) | set(want)
+                    if have.get(k) != want.get(k)
+                }
                 raise CheckpointError(
                     f"cannot resume from {path}: its GraphConst config differs from this run's "
                     f"(field: checkpoint → now): {diff}. Resume with the same config, or start "
-                    f"a new run_dir.")
+                    f"a new run_dir."
+                )
         try:
             trees, meta = load_checkpoint(path, templates)
         except CheckpointError as e:
-            what = {"params": "the model structure (layers, widths, parameter names)",
-                    "model_state": "the model state (batch statistics, RNG streams)",
-                    "opt_state": "the optimizer state layout (param groups, optimizer rules, "
-                                 "clipping or scheduled hyperparameters)"}
+            what = {
+                "params": "the model structure (layers, widths, parameter names)",
+                "model_state": "the model state (batch statistics, RNG streams)",
+                "opt_state": "the optimizer state layout (param groups, optimizer rules, "
+                "clipping or scheduled hyperparameters)",
+            }
             tree = next((t for t in what if f"tree '{t}' does not match" in str(e)), None)
             if tree is None:
                 raise
-            fix = ("Resume with the same settings, or pass checkpoint=path to load the weights "
-                   "only." if tree == "opt_state" else "Resume with the same model.")
-            raise CheckpointError(f"cannot {'resume' if full else 'load weights'} from {path}: "
-                                  f"{what[tree]} differs from this run's. {fix}\n{e}") from e
+            fix = (
+                "Resume with the same settings, or pass checkpoint=path to load the weights only."
+                if tree == "opt_state"
+                else "Resume with the same model."
+            )
+            raise CheckpointError(
+                f"cannot {'resume' if full else 'load weights'} from {path}: "
+                f"{what[tree]} differs from this run's. {fix}\n{e}"
+            ) from e
         except Exception as e:  # noqa: BLE001 - add which checkpoint and why
             raise CheckpointError(f"cannot load checkpoint {path}: {e}") from e
         params = self._replicate(trees["params"])
@@ -554,18 +687,25 @@ class Nitro:
         if full:
             self.carry = jax.device_put(
                 Carry(params, mstate, trees["opt_state"], jnp.asarray(meta["step"], jnp.int32)),
-                self._rep)
+                self._rep,
+            )
             self.host_step = _meta_int(meta, "step", path)
             # Every epoch takes at least one step: a larger epoch is a damaged or edited meta.
             self.epoch = _meta_int(meta, "epoch", path, maximum=self.host_step)
-            self.batch_in_epoch = _meta_int(meta, "batch_in_epoch", path, default=0,
-                                            maximum=self.steps_per_epoch and
-                                            self.steps_per_epoch * self.accum)
+            self.batch_in_epoch = _meta_int(
+                meta,
+                "batch_in_epoch",
+                path,
+                default=0,
+                maximum=self.steps_per_epoch and self.steps_per_epoch * self.accum,
+            )
             self.skipped_steps = _meta_int(meta, "skipped_steps", path, default=0)
             history = meta.get("history", [])
             if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
-                raise CheckpointError(f"checkpoint {path}: meta field 'history' must be a list "
-                                      f"of rows, got {type(history).__name__}.")
+                raise CheckpointError(
+                    f"checkpoint {path}: meta field 'history' must be a list "
+                    f"of rows, got {type(history).__name__}."
+                )
             self.history_rows = list(history)
             self._early_stop_state = meta.get("early_stop")
             self.resumed_total_steps = meta.get("total_steps")
@@ -583,42 +723,65 @@ def _read_meta(path: Path) -> dict:
     return full.get("meta", full)
 
 
-def _meta_int(meta: dict, key: str, path: Path, *, default: int | None = None,
-              maximum: int | None = None) -> int:
+def _meta_int(
+    meta: dict, key: str, path: Path, *, default: int | None = None, maximum: int | None = None
+) -> int:
     """An integer field of a checkpoint's meta, validated (a bad one names the field)."""
     value = meta.get(key, default)
     if value is None and default is not None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 \
-            or (maximum is not None and value > maximum):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < 0
+        or (maximum is not None and value > maximum)
+    ):
         bound = f" and <= {maximum}" if maximum is not None else ""
         raise CheckpointError(
             f"checkpoint {path}: meta field {key!r} is {value!r}; it must be an int >= 0{bound}. "
             f"The checkpoint's meta.json is damaged or was edited; resume from another "
-            f"checkpoint (TopKCheckpointer.records()) or start a new run.")
+            f"checkpoint (TopKCheckpointer.records()) or start a new run."
+        )
     return value
 
 
 def _resumed_run_id(meta: dict, fallback: str) -> str:
     run_id = meta.get("run_id")
-    return run_id if isinstance(run_id, str) and re.fullmatch(r"[0-9a-zA-Z_-]{1,64}", run_id) \
+    return (
+        run_id
+        if isinstance(run_id, str) and re.fullmatch(r"[0-9a-zA-Z_-]{1,64}", run_id)
         else fallback
+    )
 
 
 def _run_dir_setting(value, default_name: str) -> Path:
     if value is None:
         return Path("runs") / default_name
     if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"run_dir must be a path (str or pathlib.Path), got "
-                          f"{type(value).__name__} {value!r}; e.g. run_dir='runs/{default_name}'.")
+        raise ConfigError(
+            f"run_dir must be a path (str or pathlib.Path), got "
+            f"{type(value).__name__} {value!r}; e.g. run_dir='runs/{default_name}'."
+        )
     if not str(os.fspath(value)).strip():
-        raise ConfigError(f"run_dir is empty; pass a directory, e.g. run_dir='runs/{default_name}' "
-                          f"(or leave it out for that default).")
+        raise ConfigError(
+            f"run_dir is empty; pass a directory, e.g. run_dir='runs/{default_name}' "
+            f"(or leave it out for that default)."
+        )
     return Path(value)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def _bytes_setting(name: str, value) -> int | None:
@@ -629,16 +792,19 @@ def _bytes_setting(name: str, value) -> int | None:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         unit = m and m.group(2).lower()
         if not m or unit not in _UNITS:
-            raise ConfigError(f"{name}={value!r} is not a size; pass bytes as an int or a "
-                              f"string like '1GB' or '512MiB' (units: B, KB, MB, GB, TB, KiB, "
-                              f"MiB, GiB, TiB).")
+            raise ConfigError(
+                f"{name}={value!r} is not a size; pass bytes as an int or a "
+                f"string like '1GB' or '512MiB' (units: B, KB, MB, GB, TB, KiB, "
+                f"MiB, GiB, TiB)."
+            )
         value = float(m.group(1)) * _UNITS[unit]
         if not math.isfinite(value):
             raise ConfigError(f"{name} is not finite.")
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ConfigError(f"{name} must be a positive number of bytes (or '1GB', '512MiB'), "
-                          f"got {value!r}.")
+        raise ConfigError(
+            f"{name} must be a positive number of bytes (or '1GB', '512MiB'), got {value!r}."
+        )
     return int(value)
 
 
@@ -649,13 +815,19 @@ def _logger_setting(value):
         raise ConfigError(
             f"logger= takes one logger; got a {type(value).__name__} of {len(value)}. Several "
             f"loggers at once are not supported yet: pick one (the JSONL log is the default), "
-            f"or write a jn.Logger that forwards to several.")
-    missing = [m for m in ("open", "log_params", "log_metrics", "log_other", "finish", "close")
-               if not callable(getattr(value, m, None))]
+            f"or write a jn.Logger that forwards to several."
+        )
+    missing = [
+        m
+        for m in ("open", "log_params", "log_metrics", "log_other", "finish", "close")
+        if not callable(getattr(value, m, None))
+    ]
     if missing:
-        raise ConfigError(f"logger {type(value).__name__} lacks the jn.Logger method(s) "
-                          f"{missing}; implement open, log_params, log_metrics, log_other, "
-                          f"finish and close (see jn.Logger).")
+        raise ConfigError(
+            f"logger {type(value).__name__} lacks the jn.Logger method(s) "
+            f"{missing}; implement open, log_params, log_metrics, log_other, "
+            f"finish and close (see jn.Logger)."
+        )
     return value
 
 

@@ -72,8 +72,9 @@ def decoupled_decay(weight_decay, *, toward_initial: bool) -> optax.GradientTran
         if params is None:
             raise ValueError("decoupled_decay needs params")
         if toward_initial:
-            updates = jax.tree.map(lambda u, p, a: u - weight_decay * (p - a),
-                                   updates, params, state.anchor)
+            updates = jax.tree.map(
+                lambda u, p, a: u - weight_decay * (p - a), updates, params, state.anchor
+            )
         else:
             updates = jax.tree.map(lambda u, p: u - weight_decay * p, updates, params)
         return updates, state
@@ -113,15 +114,15 @@ def _group_rule(factory, decay_mask, toward_initial, hp_names):
     def rule(learning_rate, weight_decay, **hps):
         return optax.chain(
             factory(learning_rate=1.0, **own_decay, **hps),
-            optax.masked(decoupled_decay(weight_decay, toward_initial=toward_initial),
-                         decay_mask),
+            optax.masked(decoupled_decay(weight_decay, toward_initial=toward_initial), decay_mask),
             optax.scale(learning_rate),
         )
 
     # inject_hyperparams binds by signature: name every injected hyperparameter explicitly.
     kw = inspect.Parameter.POSITIONAL_OR_KEYWORD
     rule.__signature__ = inspect.Signature(
-        [inspect.Parameter(n, kw) for n in ("learning_rate", "weight_decay", *hp_names)])
+        [inspect.Parameter(n, kw) for n in ("learning_rate", "weight_decay", *hp_names)]
+    )
     return rule
 
 
@@ -140,7 +141,9 @@ def _factory_hparams(factory) -> list[str]:
     return out
 
 
-def build(exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str = "zero") -> Optimizer:
+def build(
+    exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str = "zero"
+) -> Optimizer:
     """Build the optax transformation from the experiment's optimization hooks."""
     if decay_anchor not in ("zero", "w0"):
         raise ConfigError(f"decay_anchor={decay_anchor!r}; use 'zero' or 'w0'.")
@@ -161,14 +164,22 @@ def build(exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str =
     transforms: dict[str, optax.GradientTransformation] = {}
     hyper_paths: dict[str, tuple[str, str]] = {}
     for g in names:
-        count = sum(int(np.prod(np.shape(x))) for x, lab in
-                    zip(jax.tree.leaves(params), jax.tree.leaves(labels), strict=True) if lab == g)
-        rule, rate, wd = rule_of(g), _number("learning_rate", g, rate_of(g)), \
-            _number("weight_decay", g, decay_of(g))
+        count = sum(
+            int(np.prod(np.shape(x)))
+            for x, lab in zip(jax.tree.leaves(params), jax.tree.leaves(labels), strict=True)
+            if lab == g
+        )
+        rule, rate, wd = (
+            rule_of(g),
+            _number("learning_rate", g, rate_of(g)),
+            _number("weight_decay", g, decay_of(g)),
+        )
         anchor = anchor_of(g)
         if anchor not in ("zero", "w0"):
-            raise ConfigError(f"decay_anchor({g!r}) returned {anchor!r}; use 'zero' or 'w0' "
-                              f"(decay toward the initial weights).")
+            raise ConfigError(
+                f"decay_anchor({g!r}) returned {anchor!r}; use 'zero' or 'w0' "
+                f"(decay toward the initial weights)."
+            )
         if rate < 0 or not math.isfinite(rate):
             raise ConfigError(f"learning_rate for group {g!r} must be finite and >= 0, got {rate}.")
         if isinstance(rule, optax.GradientTransformation):
@@ -178,45 +189,55 @@ def build(exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str =
                     f"optimizer({g!r}) returned a ready optax transformation, whose learning "
                     f"rate and decay are fixed inside it, but the run also sets "
                     f"{'weight decay' if wd else tuned}. Return the factory instead, e.g. "
-                    f"`return optax.adam` or `functools.partial(optax.sgd, momentum=0.9)`.")
+                    f"`return optax.adam` or `functools.partial(optax.sgd, momentum=0.9)`."
+                )
             groups[g] = GroupSpec(g, None, rule, rate, wd, count)
             transforms[g] = rule
             continue
         if not callable(rule):
-            raise ConfigError(f"optimizer({g!r}) must return an optax factory such as optax.adamw "
-                              f"or an optax.GradientTransformation, got {rule!r}.")
+            raise ConfigError(
+                f"optimizer({g!r}) must return an optax factory such as optax.adamw "
+                f"or an optax.GradientTransformation, got {rule!r}."
+            )
         groups[g] = GroupSpec(g, rule, None, rate, wd, count)
         if rate == 0.0:
             transforms[g] = optax.set_to_zero()  # frozen by its own rate
             continue
+
         # A callable mask: inside multi_transform it sees only this group's leaves.
         def decay_mask(ps):
             return jax.tree_util.tree_map_with_path(
-                lambda p, leaf: not bool(no_decay(path_str(p), leaf)), ps)
+                lambda p, leaf: not bool(no_decay(path_str(p), leaf)), ps
+            )
 
-        hps = {hp: None for hp in _factory_hparams(rule)
-               if f"opt.{hp}" in scheduled or f"opt.{g}.{hp}" in scheduled}
+        hps = {
+            hp: None
+            for hp in _factory_hparams(rule)
+            if f"opt.{hp}" in scheduled or f"opt.{g}.{hp}" in scheduled
+        }
         defaults = _defaults(rule)
         injected = {hp: jnp.float32(defaults[hp]) for hp in hps}
         decays = wd != 0 or "opt.weight_decay" in scheduled or f"opt.{g}.weight_decay" in scheduled
         if decays:
             transforms[g] = optax.inject_hyperparams(
-                _group_rule(rule, decay_mask, anchor == "w0", tuple(hps)))(
-                learning_rate=jnp.float32(rate), weight_decay=jnp.float32(wd), **injected)
+                _group_rule(rule, decay_mask, anchor == "w0", tuple(hps))
+            )(learning_rate=jnp.float32(rate), weight_decay=jnp.float32(wd), **injected)
         else:
             # No decay: the factory itself with its rate injected, as lean as a hand-written
             # optimizer (no unit-rate pass, decay pass or extra scaling over the params).
             own = {"weight_decay": 0.0} if "weight_decay" in defaults else {}
             factory = functools.partial(rule, **own) if own else rule
             transforms[g] = optax.inject_hyperparams(factory)(
-                learning_rate=jnp.float32(rate), **injected)
+                learning_rate=jnp.float32(rate), **injected
+            )
         for hp in ("learning_rate", *(("weight_decay",) if decays else ()), *hps):
             hyper_paths[f"opt.{g}.{hp}"] = (g, hp)
 
     if all(spec.rate == 0.0 for spec in groups.values()):
         raise ConfigError(
             "every parameter group has learning rate 0: nothing would train. Set a positive "
-            "rate in learning_rate(self, group) (a single group may be frozen with 0).")
+            "rate in learning_rate(self, group) (a single group may be frozen with 0)."
+        )
     tx = transforms[names[0]] if len(names) == 1 else optax.multi_transform(transforms, labels)
     if clip > 0:  # 0 adds no ops
         tx = optax.chain(optax.clip_by_global_norm(clip), tx)
@@ -225,8 +246,10 @@ def build(exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str =
 
 def _number(hook: str, group: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ConfigError(f"{hook}({group!r}) returned {value!r}; return a float (e.g. "
-                          f"`return 1e-3`), not {type(value).__name__}.")
+        raise ConfigError(
+            f"{hook}({group!r}) returned {value!r}; return a float (e.g. "
+            f"`return 1e-3`), not {type(value).__name__}."
+        )
     return float(value)
 
 
@@ -240,8 +263,9 @@ def _defaults(factory) -> dict[str, Any]:
 def _label(group_of, path, leaf) -> str:
     g = group_of(path_str(path), leaf)
     if not isinstance(g, str):
-        raise ConfigError(f"param_group must return a group name (str), got {g!r} for "
-                          f"{path_str(path)!r}.")
+        raise ConfigError(
+            f"param_group must return a group name (str), got {g!r} for {path_str(path)!r}."
+        )
     return g
 
 
@@ -272,8 +296,9 @@ def _with_hyper(state, hps: Mapping[str, Any]):
 def read_hyper(opt: Optimizer, opt_state) -> dict[str, Any]:
     """{"opt.<group>.<hp>": value} as stored in the optimizer state."""
     states = _group_states(opt, opt_state)
-    return {key: _hyper_holder(states[g]).hyperparams[hp]
-            for key, (g, hp) in opt.hyper_paths.items()}
+    return {
+        key: _hyper_holder(states[g]).hyperparams[hp] for key, (g, hp) in opt.hyper_paths.items()
+    }
 
 
 def write_hyper(opt: Optimizer, opt_state, values: Mapping[str, Any]):
@@ -324,14 +349,18 @@ class Schedules:
         """Values for optimizer step `step` (0-based) as float32 host scalars."""
         if step >= self.total_steps and not self._warned and self.fns:
             self._warned = True
-            warnings.warn(f"training past the schedule horizon ({self.total_steps} steps): "
-                          f"the last scheduled values hold.", stacklevel=3)
+            warnings.warn(
+                f"training past the schedule horizon ({self.total_steps} steps): "
+                f"the last scheduled values hold.",
+                stacklevel=3,
+            )
         t = min(step, self.total_steps - 1)
         return {k: np.float32(f(t) * self.multiplier.get(k, 1.0)) for k, f in self.fns.items()}
 
 
-def resolve_schedules(table: Mapping[str, Any], *, opt: Optimizer, device_fields: Mapping[str, str],
-                      total_steps: int) -> Schedules:
+def resolve_schedules(
+    table: Mapping[str, Any], *, opt: Optimizer, device_fields: Mapping[str, str], total_steps: int
+) -> Schedules:
     """Check keys and build per-step functions.
 
     Keys: "opt.learning_rate" (every group), "opt.<group>.learning_rate", "opt.<hp>",
@@ -347,8 +376,10 @@ def resolve_schedules(table: Mapping[str, Any], *, opt: Optimizer, device_fields
         fn = _as_fn(key, value, total_steps)
         for t in targets:
             if t in fns:
-                raise ConfigError(f"schedule key {key!r} sets {t!r}, which another key sets too; "
-                                  f"give each target one schedule.")
+                raise ConfigError(
+                    f"schedule key {key!r} sets {t!r}, which another key sets too; "
+                    f"give each target one schedule."
+                )
             fns[t] = fn
             if t.endswith(".learning_rate") and t.startswith("opt."):
                 mult[t] = opt.groups[opt.hyper_paths[t][0]].rate
@@ -357,18 +388,21 @@ def resolve_schedules(table: Mapping[str, Any], *, opt: Optimizer, device_fields
 
 def _targets(key: str, groups, known_opt, device_fields) -> list[str]:
     if key.startswith("device."):
-        name = key[len("device."):]
+        name = key[len("device.") :]
         kind = device_fields.get(name)
         if kind == "Device":
             return [key]
         if kind is not None:
-            raise ConfigError(f"schedule {key!r}: {name!r} is a {kind} field; only jn.Device "
-                              f"fields can be scheduled (a GraphConst would recompile each step).")
-        raise ConfigError(f"schedule {key!r}: no field {name!r}."
-                          + did_you_mean(name, [k for k, v in device_fields.items()
-                                                if v == "Device"]))
+            raise ConfigError(
+                f"schedule {key!r}: {name!r} is a {kind} field; only jn.Device "
+                f"fields can be scheduled (a GraphConst would recompile each step)."
+            )
+        raise ConfigError(
+            f"schedule {key!r}: no field {name!r}."
+            + did_you_mean(name, [k for k, v in device_fields.items() if v == "Device"])
+        )
     if key.startswith("opt."):
-        rest = key[len("opt."):]
+        rest = key[len("opt.") :]
         if rest.count(".") == 1:
             g, hp = rest.split(".")
             if f"opt.{g}.{hp}" in known_opt:
@@ -378,10 +412,13 @@ def _targets(key: str, groups, known_opt, device_fields) -> list[str]:
             if hits:
                 return sorted(hits)
         valid = sorted({f"opt.{k.split('.')[2]}" for k in known_opt} | known_opt)
-        raise ConfigError(f"unknown schedule key {key!r}; valid keys: {valid}."
-                          + did_you_mean(key, valid))
-    raise ConfigError(f"schedule key {key!r} must start with 'opt.' or 'device.'."
-                      + did_you_mean(key, ["opt.learning_rate"]))
+        raise ConfigError(
+            f"unknown schedule key {key!r}; valid keys: {valid}." + did_you_mean(key, valid)
+        )
+    raise ConfigError(
+        f"schedule key {key!r} must start with 'opt.' or 'device.'."
+        + did_you_mean(key, ["opt.learning_rate"])
+    )
 
 
 def _as_fn(key: str, value, total_steps: int) -> Callable[[int], float]:
@@ -389,13 +426,17 @@ def _as_fn(key: str, value, total_steps: int) -> Callable[[int], float]:
         v = float(value)
         return lambda step: v
     if not callable(value):
-        raise ConfigError(f"schedule {key!r} must be a factory f(total_steps) -> (step -> value), "
-                          f"a number, or an optax schedule; got {value!r}.")
+        raise ConfigError(
+            f"schedule {key!r} must be a factory f(total_steps) -> (step -> value), "
+            f"a number, or an optax schedule; got {value!r}."
+        )
     # A factory takes total_steps and returns a callable; an optax schedule returns a number.
     try:
         out = value(total_steps)
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"schedule {key!r} failed when called with total_steps={total_steps}: {e}") from e
+        raise ConfigError(
+            f"schedule {key!r} failed when called with total_steps={total_steps}: {e}"
+        ) from e
     if callable(out):
         return lambda step: float(out(step))
     return lambda step: float(value(step))
@@ -404,44 +445,54 @@ def _as_fn(key: str, value, total_steps: int) -> Callable[[int], float]:
 # -- the common schedules (factories; values are multipliers of the group's rate) ------------
 def warmup_cosine(warmup: float | int = 0.05, final: float = 0.0):
     """Linear warmup from 0 to 1 (a fraction of total steps, or a step count), then cosine to `final`."""
+
     def factory(total):
         w = int(warmup * total) if isinstance(warmup, float) and warmup < 1 else int(warmup)
         return optax.warmup_cosine_decay_schedule(0.0, 1.0, max(w, 0), max(total, w + 1), final)
+
     return factory
 
 
 def one_cycle(peak_fraction: float = 0.3, div: float = 25.0, final_div: float = 1e4):
     """The one-cycle policy as a multiplier peaking at 1."""
+
     def factory(total):
         return optax.cosine_onecycle_schedule(total, 1.0, peak_fraction, div, final_div)
+
     return factory
 
 
 def linear(start: float = 1.0, end: float = 0.0):
     """Linear from `start` to `end` over the run."""
+
     def factory(total):
         return optax.linear_schedule(start, end, max(total - 1, 1))
+
     return factory
 
 
 def step_decay(every: int, factor: float = 0.1):
     """Multiply by `factor` every `every` steps."""
+
     def factory(total):
         return lambda step: factor ** (step // every)
+
     return factory
 
 
 def constant(value: float = 1.0):
     """A constant value (switching to or from it never recompiles)."""
-    return lambda total: (lambda step: value)
+    return lambda total: lambda step: value
 
 
 def describe(opt: Optimizer) -> tuple[tuple[str, Any], ...]:
     """The optimizer's structure in the user's terms, for explaining a recompile:
     ``(("gradient_clip_norm", 1.0), ("param groups", ("decay", "default")),
     ("optimizer of group 'default'", "radam"), ("weight decay in group 'default'", True))``."""
-    out: list[tuple[str, Any]] = [("gradient_clip_norm", opt.clip),
-                                  ("param groups", tuple(sorted(opt.groups)))]
+    out: list[tuple[str, Any]] = [
+        ("gradient_clip_norm", opt.clip),
+        ("param groups", tuple(sorted(opt.groups))),
+    ]
     for g, spec in sorted(opt.groups.items()):
         out.append((f"optimizer of group {g!r}", _rule_name(spec)))
         out.append((f"weight decay in group {g!r}", f"opt.{g}.weight_decay" in opt.hyper_paths))

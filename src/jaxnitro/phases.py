@@ -36,5 +36,8 @@ def set_phase(n, phase: str, *, info: dict | None = None, force: bool = False) -
         except Exception as e:  # noqa: BLE001 - a monitor must never kill the run
             if id(fn) not in failed:
                 failed.add(id(fn))
-                warnings.warn(f"phase monitor {getattr(fn, '__qualname__', fn)!r} raised {e!r}; "
-                              f"it stays registered, this is reported once.", stacklevel=2)
+                warnings.warn(
+                    f"phase monitor {getattr(fn, '__qualname__', fn)!r} raised {e!r}; "
+                    f"it stays registered, this is reported once.",
+                    stacklevel=2,
+                )

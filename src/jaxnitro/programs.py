@@ -29,15 +29,22 @@ from .step import loss_parts, make_eval_step, make_train_step, scalar_loss, slic
 _TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics")
 # The hooks each kind of program traces: a program's key holds their fingerprints only, so
 # editing `metrics` never invalidates the train program.
-_KIND_HOOKS = {"train": ("forward", "loss", "train_metrics"),
-               "eval": ("forward", "loss", "metrics"),
-               "predict": ("forward",)}
+_KIND_HOOKS = {
+    "train": ("forward", "loss", "train_metrics"),
+    "eval": ("forward", "loss", "metrics"),
+    "predict": ("forward",),
+}
 
 
 def _forward(n, device, params, model_state, batch):
     try:
-        out = n.cls.forward(CompileView(n.experiment, device, "forward"), n.model, params,
-                            model_state, **n.routes["forward"].select(batch))
+        out = n.cls.forward(
+            CompileView(n.experiment, device, "forward"),
+            n.model,
+            params,
+            model_state,
+            **n.routes["forward"].select(batch),
+        )
     except Exception as e:
         if not isinstance(e, JaxnitroError):  # the model's own error: say where it happened
             shapes = {k: f"{tuple(v.shape)} {v.dtype}" for k, v in batch.items()}
@@ -47,13 +54,15 @@ def _forward(n, device, params, model_state, batch):
         raise HookError(
             f"{n.cls.__name__}.forward must return (outputs, new_state), got "
             f"{type(out).__name__}. Return what jn.apply returns: "
-            f"`return jn.apply(model, params, state, x)`.")
+            f"`return jn.apply(model, params, state, x)`."
+        )
     return out
 
 
 def _cast_floats(tree, dtype):
     return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, tree)
+        lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, tree
+    )
 
 
 def train_loss_fn(n):
@@ -76,20 +85,26 @@ def train_loss_fn(n):
         if bf16:
             outputs = _cast_floats(outputs, jnp.float32)
             new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, model_state)
-        loss = n.cls.loss(CompileView(n.experiment, device, "loss"), outputs,
-                          **n.routes["loss"].select(batch))
+        loss = n.cls.loss(
+            CompileView(n.experiment, device, "loss"), outputs, **n.routes["loss"].select(batch)
+        )
         aux = {}
         if "train_metrics" in n.routes:
-            got = n.cls.train_metrics(CompileView(n.experiment, device, "train_metrics"), outputs,
-                                      **n.routes["train_metrics"].select(batch))
+            got = n.cls.train_metrics(
+                CompileView(n.experiment, device, "train_metrics"),
+                outputs,
+                **n.routes["train_metrics"].select(batch),
+            )
             if not isinstance(got, dict):
-                raise HookError(f"train_metrics must return a dict name -> scalar, got "
-                                f"{type(got).__name__}.")
+                raise HookError(
+                    f"train_metrics must return a dict name -> scalar, got {type(got).__name__}."
+                )
             for k, v in got.items():
                 v = jnp.asarray(v)
                 if v.shape != ():
-                    raise HookError(f"train_metrics {k!r} has shape {v.shape}; each train "
-                                    f"metric is a scalar.")
+                    raise HookError(
+                        f"train_metrics {k!r} has shape {v.shape}; each train metric is a scalar."
+                    )
                 aux[k] = v.astype(jnp.float32)
         return loss, (new_state, aux)
 
@@ -111,8 +126,9 @@ def eval_metrics_fn(n, split: str):
         if has_loss:
             # Exact over the split: a scalar mean is weighted by the batch's rows, a
             # (sum, count) loss by its count, so the total divides once to sum / count.
-            raw = n.cls.loss(CompileView(n.experiment, device, "loss"), outputs,
-                             **n.routes["loss"].select(batch))
+            raw = n.cls.loss(
+                CompileView(n.experiment, device, "loss"), outputs, **n.routes["loss"].select(batch)
+            )
             if isinstance(raw, (tuple, list)) and len(raw) == 2:
                 total, count = loss_parts(raw)
                 totals["val_loss"] = (total, count.astype(jnp.float32))
@@ -120,8 +136,11 @@ def eval_metrics_fn(n, split: str):
                 loss = scalar_loss(raw)
                 totals["val_loss"] = (loss * rows, jnp.asarray(rows, jnp.int32))
         if "metrics" in n.routes:
-            got = n.cls.metrics(CompileView(n.experiment, device, "metrics"), outputs,
-                                **n.routes["metrics"].select(batch))
+            got = n.cls.metrics(
+                CompileView(n.experiment, device, "metrics"),
+                outputs,
+                **n.routes["metrics"].select(batch),
+            )
             totals.update(metrics_mod.normalize(got))
         return totals
 
@@ -164,8 +183,7 @@ def hook_prints(n, kind: str | None = None) -> tuple:
     """(name, fingerprint) of every function a `kind` of program traces (all kinds: None);
     part of that program's key."""
     hooks = _TRACED_HOOKS if kind is None else _KIND_HOOKS[kind]
-    return tuple(sorted((name, fingerprint(fn))
-                        for name, fn in traced_functions(n, hooks).items()))
+    return tuple(sorted((name, fingerprint(fn)) for name, fn in traced_functions(n, hooks).items()))
 
 
 def _base_key(n, kind: str) -> tuple:
@@ -174,7 +192,8 @@ def _base_key(n, kind: str) -> tuple:
         n.__dict__["_prints"] = hook_prints(n)
     return (
         kind,
-        n.cls.__module__, n.cls.__qualname__,
+        n.cls.__module__,
+        n.cls.__qualname__,
         graph_key(n.experiment),
         cache.freeze(models.structure_key(n.model)),
         prints,
@@ -184,20 +203,33 @@ def _base_key(n, kind: str) -> tuple:
     )
 
 
-def _parts(n, kind: str, split: str | None, named_inputs: dict, options: dict,
-           optimizer=None) -> explain.KeyParts:
+def _parts(
+    n, kind: str, split: str | None, named_inputs: dict, options: dict, optimizer=None
+) -> explain.KeyParts:
     hooks, helpers = explain.hook_parts(traced_functions(n, _KIND_HOOKS[kind]))
     rows = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(named_inputs)[0]:
         rows.append((jax.tree_util.keystr(path), *cache.input_spec(leaf)))
     return explain.KeyParts(
-        kind=kind, experiment=n.cls.__qualname__,
+        kind=kind,
+        experiment=n.cls.__qualname__,
         graph_consts=tuple(field_values(n.experiment, GRAPH).items()),
-        model=cache.freeze(models.structure_key(n.model)), optimizer=optimizer,
-        hooks=hooks, helpers=helpers, inputs=tuple(rows), split=split,
-        options=tuple(sorted({**options, "mesh": mesh_id(n.mesh),
-                              **{f"compile option {k}": v
-                                 for k, v in n.compile_options.items()}}.items())))
+        model=cache.freeze(models.structure_key(n.model)),
+        optimizer=optimizer,
+        hooks=hooks,
+        helpers=helpers,
+        inputs=tuple(rows),
+        split=split,
+        options=tuple(
+            sorted(
+                {
+                    **options,
+                    "mesh": mesh_id(n.mesh),
+                    **{f"compile option {k}": v for k, v in n.compile_options.items()},
+                }.items()
+            )
+        ),
+    )
 
 
 def check_stale(n) -> None:
@@ -212,11 +244,18 @@ def check_stale(n) -> None:
     was, now = dict(old), dict(new)
     edited = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
     # Only the programs that trace the edited code: the others stay valid and cached.
-    stale = [p for p in n.__dict__.get("used_programs", {}).values()
-             if any(now.get(name) != digest for name, digest in p.deps)]
+    stale = [
+        p
+        for p in n.__dict__.get("used_programs", {}).values()
+        if any(now.get(name) != digest for name, digest in p.deps)
+    ]
     kinds = sorted({p.kind for p in stale})
-    dropped = cache.drop(lambda p: p.key[1:3] == (n.cls.__module__, n.cls.__qualname__)
-                         and any(now.get(name) != digest for name, digest in p.deps))
+    dropped = cache.drop(
+        lambda p: (
+            p.key[1:3] == (n.cls.__module__, n.cls.__qualname__)
+            and any(now.get(name) != digest for name, digest in p.deps)
+        )
+    )
     n.programs = {}
     n.__dict__["_prints"] = new
     n.__dict__["_slots"] = set()  # the recompiles that follow are explained here, not again
@@ -224,7 +263,9 @@ def check_stale(n) -> None:
     warnings.warn(
         f"{n.cls.__name__}: {', '.join(f'`{e}`' for e in edited)} changed since this Nitro "
         f"compiled its programs; {dropped} stale program(s) dropped{which}, they will be "
-        f"recompiled; programs that do not call it are kept.", stacklevel=3)
+        f"recompiled; programs that do not call it are kept.",
+        stacklevel=3,
+    )
 
 
 def _on_compile(n):
@@ -247,26 +288,51 @@ def _on_compile(n):
 def _acquire(n, key, lower, *, kind: str, label: str, parts, hooks) -> cache.Program:
     """get_or_compile, plus this run's bookkeeping: reports, logs, recompile warnings."""
     before = cache.cache_stats()["misses"]
-    prog = cache.get_or_compile(key, lower, kind=kind, label=label, devices=mesh_id(n.mesh),
-                                parts=parts, hooks=hooks, compile_options=n.compile_options,
-                                on_compile=_on_compile(n), deps=hook_prints(n, kind))
+    prog = cache.get_or_compile(
+        key,
+        lower,
+        kind=kind,
+        label=label,
+        devices=mesh_id(n.mesh),
+        parts=parts,
+        hooks=hooks,
+        compile_options=n.compile_options,
+        on_compile=_on_compile(n),
+        deps=hook_prints(n, kind),
+    )
     used = n.__dict__.setdefault("used_programs", {})
     compiled_here = cache.cache_stats()["misses"] > before
     # A planned variant (the ragged last eval batch, a tail of single steps) is its own slot.
-    slot = (kind, parts.split, dict(parts.options).get("rows"),
-            dict(parts.options).get("steps_per_call"))
+    slot = (
+        kind,
+        parts.split,
+        dict(parts.options).get("rows"),
+        dict(parts.options).get("steps_per_call"),
+    )
     slots = n.__dict__.setdefault("_slots", set())
     if compiled_here:
         n.__dict__.setdefault("compiled_programs", []).append(prog)
         rec = prog.record
         log = n.logger.log_other if n.logger_open else (lambda _: None)  # readers log nothing
-        log({"compile": {
-            "kind": kind, "label": label, "trace_s": rec.trace_seconds,
-            "lower_s": rec.lower_seconds, "compile_s": rec.compile_seconds,
-            "hlo_ops": rec.hlo_ops, "stablehlo_ops": rec.stablehlo_ops,
-            "text_bytes": rec.text_bytes, "constant_bytes": rec.constant_bytes,
-            "flops": rec.flops, "memory": rec.memory, "reasons": list(prog.reasons),
-            "flags": [f.message for f in rec.flags]}})
+        log(
+            {
+                "compile": {
+                    "kind": kind,
+                    "label": label,
+                    "trace_s": rec.trace_seconds,
+                    "lower_s": rec.lower_seconds,
+                    "compile_s": rec.compile_seconds,
+                    "hlo_ops": rec.hlo_ops,
+                    "stablehlo_ops": rec.stablehlo_ops,
+                    "text_bytes": rec.text_bytes,
+                    "constant_bytes": rec.constant_bytes,
+                    "flops": rec.flops,
+                    "memory": rec.memory,
+                    "reasons": list(prog.reasons),
+                    "flags": [f.message for f in rec.flags],
+                }
+            }
+        )
         for flag in rec.flags:
             warnings.warn(flag.message, stacklevel=4)
         if slot in slots:
@@ -280,17 +346,32 @@ def _acquire(n, key, lower, *, kind: str, label: str, parts, hooks) -> cache.Pro
 def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
     """The fused train step for these shapes (compiled once per process)."""
     extras = n.extras()
-    key = (*_base_key(n, "train"), n.accum, steps_per_call, n.precision, n.on_nonfinite,
-           cache.optimizer_key(n.tx),
-           cache.avals((n.carry, batch, extras, hyper)))
+    key = (
+        *_base_key(n, "train"),
+        n.accum,
+        steps_per_call,
+        n.precision,
+        n.on_nonfinite,
+        cache.optimizer_key(n.tx),
+        cache.avals((n.carry, batch, extras, hyper)),
+    )
     step = make_train_step(
-        train_loss_fn(n), n.tx, accum=n.accum, steps_per_call=steps_per_call,
+        train_loss_fn(n),
+        n.tx,
+        accum=n.accum,
+        steps_per_call=steps_per_call,
         write_hyper=functools.partial(optim.write_hyper, n.optimizer),
-        unpack_hyper=n.unpack_hyper, skip_nonfinite=n.on_nonfinite == "skip")
-    parts = _parts(n, "train", "train", {"batch": batch, "extras": extras["device"]},
-                   {"accum": n.accum, "steps_per_call": steps_per_call,
-                    "precision": n.precision},
-                   optimizer=(optim.describe(n.optimizer), cache.optimizer_key(n.tx)))
+        unpack_hyper=n.unpack_hyper,
+        skip_nonfinite=n.on_nonfinite == "skip",
+    )
+    parts = _parts(
+        n,
+        "train",
+        "train",
+        {"batch": batch, "extras": extras["device"]},
+        {"accum": n.accum, "steps_per_call": steps_per_call, "precision": n.precision},
+        optimizer=(optim.describe(n.optimizer), cache.optimizer_key(n.tx)),
+    )
     label = n.cls.__name__ + (f", {steps_per_call} steps per call" if steps_per_call > 1 else "")
     carry_def = n._carry_def
 
@@ -299,37 +380,61 @@ def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
         return jax.tree.leaves(carry), out
 
     return _acquire(
-        n, key, lambda: jax.jit(flat_step, donate_argnums=(0,), out_shardings=n._rep).trace(
-            n._leaves, batch, extras, hyper),
-        kind="train", label=label, parts=parts,
-        hooks=tuple(h for h in ("forward", "loss", "train_metrics") if h in n.routes))
+        n,
+        key,
+        lambda: jax.jit(flat_step, donate_argnums=(0,), out_shardings=n._rep).trace(
+            n._leaves, batch, extras, hyper
+        ),
+        kind="train",
+        label=label,
+        parts=parts,
+        hooks=tuple(h for h in ("forward", "loss", "train_metrics") if h in n.routes),
+    )
 
 
 def eval_metric_shapes(n, split: str) -> dict:
     """Abstract {name: (sum, count)} of the eval step on the split's first batch."""
     info = n.batch_info[split]
     first = info["first"]
-    batch = {k: jax.ShapeDtypeStruct(first[k].shape, jnp.asarray(first[k][:1]).dtype)
-             for k in info["fields"]}
+    batch = {
+        k: jax.ShapeDtypeStruct(first[k].shape, jnp.asarray(first[k][:1]).dtype)
+        for k in info["fields"]
+    }
     fn = eval_metrics_fn(n, split)
-    return jax.eval_shape(lambda p, s, b, e: fn(p, s, b, e, None),
-                          n.carry.params, n.carry.model_state, batch, n.extras())
+    return jax.eval_shape(
+        lambda p, s, b, e: fn(p, s, b, e, None),
+        n.carry.params,
+        n.carry.model_state,
+        batch,
+        n.extras(),
+    )
 
 
 def eval_program(n, split: str, batch, totals, n_valid: int | None) -> cache.Program:
     """Forward + metrics added into running totals; one program per ragged width."""
     extras = n.extras()
-    key = (*_base_key(n, "eval"), split == "train", n.batch_info[split]["has_loss"], n_valid,
-           cache.avals((n.carry.params, n.carry.model_state, batch, extras, totals)))
+    key = (
+        *_base_key(n, "eval"),
+        split == "train",
+        n.batch_info[split]["has_loss"],
+        n_valid,
+        cache.avals((n.carry.params, n.carry.model_state, batch, extras, totals)),
+    )
     step = make_eval_step(eval_metrics_fn(n, split), n_valid)
     args = (n.carry.params, n.carry.model_state, batch, extras, totals)
     label = split if n_valid is None else f"{split}, last batch of {n_valid}"
-    parts = _parts(n, "eval", split, {"batch": batch, "extras": extras["device"]},
-                   {"rows": n_valid})
+    parts = _parts(
+        n, "eval", split, {"batch": batch, "extras": extras["device"]}, {"rows": n_valid}
+    )
     return _acquire(
-        n, key, lambda: jax.jit(step, donate_argnums=(4,), out_shardings=n._rep).trace(*args),
-        kind="eval", label=label, parts=parts,
-        hooks=tuple(h for h in ("forward", "loss", "metrics") if h in n.routes))
+        n,
+        key,
+        lambda: jax.jit(step, donate_argnums=(4,), out_shardings=n._rep).trace(*args),
+        kind="eval",
+        label=label,
+        parts=parts,
+        hooks=tuple(h for h in ("forward", "loss", "metrics") if h in n.routes),
+    )
 
 
 def predict_program(n, batch, n_valid: int | None) -> cache.Program:
@@ -343,13 +448,24 @@ def predict_program(n, batch, n_valid: int | None) -> cache.Program:
             outputs, _ = _forward(n, device, params, model_state, batch)
         return slice_rows(outputs, n_valid, size)
 
-    key = (*_base_key(n, "predict"), n_valid,
-           cache.avals((n.carry.params, n.carry.model_state, batch, extras)))
+    key = (
+        *_base_key(n, "predict"),
+        n_valid,
+        cache.avals((n.carry.params, n.carry.model_state, batch, extras)),
+    )
     args = (n.carry.params, n.carry.model_state, batch, extras)
-    parts = _parts(n, "predict", None, {"batch": batch, "extras": extras["device"]},
-                   {"rows": n_valid})
-    return _acquire(n, key, lambda: jax.jit(predict_step).trace(*args), kind="predict",
-                    label=n.cls.__name__, parts=parts, hooks=("forward",))
+    parts = _parts(
+        n, "predict", None, {"batch": batch, "extras": extras["device"]}, {"rows": n_valid}
+    )
+    return _acquire(
+        n,
+        key,
+        lambda: jax.jit(predict_step).trace(*args),
+        kind="predict",
+        label=n.cls.__name__,
+        parts=parts,
+        hooks=("forward",),
+    )
 
 
 def planned(n, *, train: bool = True) -> dict[str, cache.Program]:
@@ -371,8 +487,8 @@ def planned(n, *, train: bool = True) -> dict[str, cache.Program]:
         out["train"] = train_program(n, batch, hyper, steps)
         spe = n.steps_per_epoch
         if steps > 1 and spe and spe % steps:
-            one = {f: a[:n.accum] for f, a in stacked.items()}
-            single, = prepare((one, n.accum))[0]
+            one = {f: a[: n.accum] for f, a in stacked.items()}
+            (single,) = prepare((one, n.accum))[0]
             out["train (single steps)"] = train_program(n, single[0], single[1], 1)
     if "val" in n.splits:
         bs = n.batch_info["val"]["batch_size"]
@@ -395,8 +511,11 @@ def plan_notes(n, *, train: bool = True) -> list[str]:
     notes = []
     spe, spc = n.steps_per_epoch, n.steps_per_call
     if train and "train" in n.splits:
-        notes.append(f"train: {spc} optimizer steps per call" if spc > 1 else
-                     "train: one optimizer step per call")
+        notes.append(
+            f"train: {spc} optimizer steps per call"
+            if spc > 1
+            else "train: one optimizer step per call"
+        )
         if spc > 1 and spe and spe % spc:
             divisors = [d for d in range(2, spe + 1) if spe % d == 0][:4]
             notes.append(
@@ -404,7 +523,8 @@ def plan_notes(n, *, train: bool = True) -> list[str]:
                 f"does not fill steps_per_call={spc}; it runs as single steps, a second train "
                 f"program. A steps_per_call dividing {spe}"
                 + (f" (e.g. {', '.join(map(str, divisors))})" if divisors else "")
-                + " avoids it.")
+                + " avoids it."
+            )
     if "val" in n.splits:
         notes.append("eval: the 'val' split")
         loader = n.splits["val"]
@@ -413,5 +533,6 @@ def plan_notes(n, *, train: bool = True) -> list[str]:
             notes.append(
                 f"eval (last batch): the 'val' split's {loader.num_samples} samples leave a last "
                 f"batch of {rows} (batch_size {loader.batch_size}), padded in a program of its "
-                f"own; a batch size dividing {loader.num_samples} avoids it.")
+                f"own; a batch size dividing {loader.num_samples} avoids it."
+            )
     return notes

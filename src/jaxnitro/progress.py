@@ -53,8 +53,7 @@ class Display:
 
                 def tick():
                     while not stop.wait(0.5):
-                        status.update(
-                            f"compiling the {what}… {time.perf_counter() - t0:.1f}s")
+                        status.update(f"compiling the {what}… {time.perf_counter() - t0:.1f}s")
 
                 t = threading.Thread(target=tick, daemon=True)
                 t.start()
@@ -74,19 +73,27 @@ class Display:
         if self.mode != "rich":
             return
         self._progress = Progress(
-            SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
-            MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[rate]} steps/s"), TimeElapsedColumn(),
-            TimeRemainingColumn(), console=self.console, transient=False,
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[rate]} steps/s"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
         )
         self._progress.start()
-        self._task = self._progress.add_task(self._epoch_label, total=total, completed=done,
-                                             loss="–", rate="–")
+        self._task = self._progress.add_task(
+            self._epoch_label, total=total, completed=done, loss="–", rate="–"
+        )
 
     def update(self, done: int, loss: float | None, rate: float | None) -> None:
         if self._progress is not None:
             self._progress.update(
-                self._task, completed=done,
+                self._task,
+                completed=done,
                 loss=f"{loss:.4f}" if loss is not None else "–",
                 rate=f"{rate:,.0f}" if rate else "–",
             )

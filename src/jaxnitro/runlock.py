@@ -63,10 +63,13 @@ class RunLock:
             fd = os.open(self.path, flags, 0o644)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise ConfigError(f"{self.path} is a symlink; jaxnitro never follows links for "
-                                  f"files it writes. Remove it.") from e
-            raise ConfigError(f"cannot open the run lock {self.path}: {e}. Pick a writable "
-                              f"run_dir.") from e
+                raise ConfigError(
+                    f"{self.path} is a symlink; jaxnitro never follows links for "
+                    f"files it writes. Remove it."
+                ) from e
+            raise ConfigError(
+                f"cannot open the run lock {self.path}: {e}. Pick a writable run_dir."
+            ) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -75,10 +78,18 @@ class RunLock:
         previous = self.holder()
         if previous.get("pid") is not None and not previous.get("released"):
             who = _describe(previous)
-            warnings.warn(f"taking over the run lock {self.path} left by {who}, which is no "
-                          f"longer running (it did not finish cleanly).", stacklevel=3)
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "purpose": purpose,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "released": False}
+            warnings.warn(
+                f"taking over the run lock {self.path} left by {who}, which is no "
+                f"longer running (it did not finish cleanly).",
+                stacklevel=3,
+            )
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "purpose": purpose,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "released": False,
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd, self._depth = fd, 1
@@ -93,7 +104,8 @@ class RunLock:
                 f"interleave and each run's retention deletes the other's checkpoints. Use "
                 f"another run_dir (jn.Nitro(exp, run_dir='runs/other')), or wait for it to "
                 f"finish. To evaluate while it trains, load its checkpoint from another "
-                f"run_dir: jn.Nitro(exp, run_dir='runs/eval', checkpoint=path).")
+                f"run_dir: jn.Nitro(exp, run_dir='runs/eval', checkpoint=path)."
+            )
 
     def release(self) -> None:
         if self._fd is None:

@@ -31,8 +31,11 @@ def graceful_stop(n):
             signal.signal(signal.SIGINT, previous_int)
             raise KeyboardInterrupt
         n.stop_requested = True
-        print("\nstopping after this step (validate, checkpoint); Ctrl-C again to abort",
-              file=sys.stderr, flush=True)
+        print(
+            "\nstopping after this step (validate, checkpoint); Ctrl-C again to abort",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def on_terminate(signum, frame):
         n.stop_requested = True
@@ -103,8 +106,10 @@ def terminate_during_setup():
     """During `Nitro(...)` setup, SIGTERM raises `SetupTerminated` so setup can log a finish
     line and exit 143, instead of the process dying with no trace. A handler someone else
     installed (a launcher, jax.distributed) is left alone."""
-    if threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
         yield
         return
 

@@ -44,8 +44,15 @@ class TrainState:
     tx: Any = dataclasses.field(metadata={"static": True})
 
     @classmethod
-    def create(cls, model, params, state=None, tx: optax.GradientTransformation | None = None,
-               *, seed: int = 0) -> TrainState:
+    def create(
+        cls,
+        model,
+        params,
+        state=None,
+        tx: optax.GradientTransformation | None = None,
+        *,
+        seed: int = 0,
+    ) -> TrainState:
         """Initialize the optimizer state (default RAdam at 1e-3) and the step counter."""
         tx = tx if tx is not None else default_optimizer()
         if not hasattr(tx, "init") or not hasattr(tx, "update"):
@@ -54,8 +61,15 @@ class TrainState:
                 f"e.g. optax.adam(1e-3)."
             )
         state = {} if state is None else state
-        return cls(params=params, state=state, opt_state=jax.jit(tx.init)(params),
-                   step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed), model=model, tx=tx)
+        return cls(
+            params=params,
+            state=state,
+            opt_state=jax.jit(tx.init)(params),
+            step=jnp.zeros((), jnp.int32),
+            rng=jax.random.PRNGKey(seed),
+            model=model,
+            tx=tx,
+        )
 
     def replace(self, **changes) -> TrainState:
         return dataclasses.replace(self, **changes)
@@ -67,7 +81,9 @@ def _split_loss_output(out):
         loss, new_state, *rest = out
         aux = rest[0] if rest else {}
         if not isinstance(aux, dict):
-            raise HookError(f"the loss function's aux output must be a dict, got {type(aux).__name__}.")
+            raise HookError(
+                f"the loss function's aux output must be a dict, got {type(aux).__name__}."
+            )
         return loss, new_state, aux
     return out, None, {}
 
@@ -80,7 +96,9 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
     with a fresh per-step RNG. The input state's buffers are donated: keep the returned state.
     """
     model, tx = state.model, state.tx
-    batch = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, (np.ndarray, list)) else x, batch)
+    batch = jax.tree.map(
+        lambda x: jnp.asarray(x) if isinstance(x, (np.ndarray, list)) else x, batch
+    )
 
     def inner(params, model_state, batch, extras, rng):
         with models.mode(train=True, rng=rng):
@@ -105,7 +123,8 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
         label=getattr(loss_fn, "__qualname__", "loss_fn"),
     )
     carry, out = prog(carry, batch, extras, hyper)
-    new = state.replace(params=carry.params, state=carry.model_state,
-                        opt_state=carry.opt_state, step=carry.step)
+    new = state.replace(
+        params=carry.params, state=carry.model_state, opt_state=carry.opt_state, step=carry.step
+    )
     loss = out.pop("loss")
     return new, loss, out

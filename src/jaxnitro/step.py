@@ -46,7 +46,8 @@ def scalar_loss(value, hook: str = "loss") -> jax.Array:
         raise HookError(
             f"{hook}() must return a floating-point scalar, got dtype {value.dtype}. An integer "
             f"loss has no gradient: compute it in floating point (e.g. "
-            f"optax.softmax_cross_entropy_with_integer_labels(...).mean()) or .astype(jnp.float32).")
+            f"optax.softmax_cross_entropy_with_integer_labels(...).mean()) or .astype(jnp.float32)."
+        )
     return value
 
 
@@ -55,16 +56,25 @@ def loss_parts(value, hook: str = "loss") -> tuple[jax.Array, jax.Array]:
     if isinstance(value, (tuple, list)) and len(value) == 2:
         total, count = scalar_loss(value[0], hook), jnp.asarray(value[1])
         if count.shape != ():
-            raise HookError(f"{hook}() returned (sum, count) with a count of shape {count.shape}; "
-                            f"the count is a scalar (samples or tokens in the sum).")
+            raise HookError(
+                f"{hook}() returned (sum, count) with a count of shape {count.shape}; "
+                f"the count is a scalar (samples or tokens in the sum)."
+            )
         return total, count.astype(total.dtype)
     value = scalar_loss(value, hook)
     return value, jnp.ones((), value.dtype)
 
 
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, accum: int = 1,
-                    steps_per_call: int = 1, write_hyper=None, unpack_hyper=None,
-                    skip_nonfinite: bool = False):
+def make_train_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    *,
+    accum: int = 1,
+    steps_per_call: int = 1,
+    write_hyper=None,
+    unpack_hyper=None,
+    skip_nonfinite: bool = False,
+):
     """Build the fused train step: gradient (accumulated in-graph), one optimizer update.
 
     With `accum=k` the batch arrives stacked as (k, micro_batch, ...) and the k micro-batches
@@ -95,7 +105,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, accum:
         zeros = jax.tree.map(jnp.zeros_like, params)
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), model_state)
         (g_sum, n_sum, c_sum, model_state), auxs = jax.lax.scan(
-            micro, init, (batch, jnp.arange(accum)))
+            micro, init, (batch, jnp.arange(accum))
+        )
         aux = jax.tree.map(lambda a: a[-1], auxs)  # the closing micro-batch's train metrics
         return jax.tree.map(lambda g: g / c_sum, g_sum), n_sum / c_sum, model_state, aux
 
@@ -103,8 +114,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, *, accum:
         rng = jax.random.fold_in(extras["rng"], carry.step)
         hyper = unpack_hyper(hyper) if unpack_hyper is not None else (hyper or {})
         extras = {**extras, "device": {**extras.get("device", {}), **hyper.get("device", {})}}
-        grads, loss, model_state, aux = grads_of(carry.params, carry.model_state, batch,
-                                                 extras, rng)
+        grads, loss, model_state, aux = grads_of(
+            carry.params, carry.model_state, batch, extras, rng
+        )
         opt_state = carry.opt_state
         if write_hyper is not None and hyper.get("opt"):
             opt_state = write_hyper(opt_state, hyper["opt"])

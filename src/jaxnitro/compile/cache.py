@@ -90,8 +90,13 @@ def input_spec(x) -> tuple[tuple, str, bool]:
     import numpy as np
 
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-        weak = bool(getattr(jax.typeof(x) if isinstance(x, jax.Array) and hasattr(jax, "typeof")
-                            else x, "weak_type", False))
+        weak = bool(
+            getattr(
+                jax.typeof(x) if isinstance(x, jax.Array) and hasattr(jax, "typeof") else x,
+                "weak_type",
+                False,
+            )
+        )
         return tuple(x.shape), str(x.dtype), weak
     if isinstance(x, (bool, int, float, complex)):
         return (), str(jnp.asarray(x).dtype), True
@@ -145,11 +150,19 @@ def optimizer_key(tx) -> Hashable:
     return key
 
 
-def get_or_compile(key: Hashable, lower: Callable[[], Any], *, kind: str, label: str = "",
-                   devices: tuple = (), parts=None, hooks: tuple[str, ...] = (),
-                   compile_options: dict | None = None,
-                   on_compile: Callable[[str, str], Any] | None = None,
-                   deps: tuple = ()) -> Program:
+def get_or_compile(
+    key: Hashable,
+    lower: Callable[[], Any],
+    *,
+    kind: str,
+    label: str = "",
+    devices: tuple = (),
+    parts=None,
+    hooks: tuple[str, ...] = (),
+    compile_options: dict | None = None,
+    on_compile: Callable[[str, str], Any] | None = None,
+    deps: tuple = (),
+) -> Program:
     """Return the cached program for `key`, compiling it (once per process) on a miss.
 
     `lower()` returns a `jax.stages.Traced` or `Lowered`. Two keys that lower to identical
@@ -173,8 +186,13 @@ def get_or_compile(key: Hashable, lower: Callable[[], Any], *, kind: str, label:
         lowered = staged
     t2 = time.perf_counter()
     # Same text, devices and pytree signature => the same executable is correct to share.
-    ident = (lowered.as_text(), repr(devices), repr(lowered.in_tree), repr(lowered.out_tree),
-             repr(sorted((compile_options or {}).items())))
+    ident = (
+        lowered.as_text(),
+        repr(devices),
+        repr(lowered.in_tree),
+        repr(lowered.out_tree),
+        repr(sorted((compile_options or {}).items())),
+    )
     text_key = hashlib.sha256("\x00".join(ident).encode()).hexdigest()
     with _lock:
         twin = _by_text.get(text_key)
@@ -184,17 +202,28 @@ def get_or_compile(key: Hashable, lower: Callable[[], Any], *, kind: str, label:
             return twin
     ctx = on_compile(kind, label) if on_compile is not None else contextlib.nullcontext()
     with ctx:
-        compiled = lowered.compile(compiler_options=compile_options) if compile_options \
+        compiled = (
+            lowered.compile(compiler_options=compile_options)
+            if compile_options
             else lowered.compile()
+        )
     t3 = time.perf_counter()
     lower_seconds = t2 - (t1 if trace_seconds is not None else t0)
-    rec = report.record(kind, label, lowered, compiled, lower_seconds=lower_seconds,
-                        compile_seconds=t3 - t2, trace_seconds=trace_seconds,
-                        hooks=hooks or ("forward", "loss"))
+    rec = report.record(
+        kind,
+        label,
+        lowered,
+        compiled,
+        lower_seconds=lower_seconds,
+        compile_seconds=t3 - t2,
+        trace_seconds=trace_seconds,
+        hooks=hooks or ("forward", "loss"),
+    )
     with _lock:
         why = _why(parts)
-        prog = Program(kind, key, compiled, lower_seconds, t3 - t2, label, parts, rec, why,
-                       tuple(deps))
+        prog = Program(
+            kind, key, compiled, lower_seconds, t3 - t2, label, parts, rec, why, tuple(deps)
+        )
         _stats["misses"] += 1
         _entries[key] = prog
         _by_text[text_key] = prog
@@ -205,8 +234,13 @@ def _why(parts) -> tuple[str, ...]:
     """Reasons this program differs from the closest one already compiled (same kind first)."""
     if parts is None:
         return ()
-    known = [p.parts for p in _by_text.values() if p.parts is not None
-             and p.parts.kind == parts.kind and p.parts.experiment == parts.experiment]
+    known = [
+        p.parts
+        for p in _by_text.values()
+        if p.parts is not None
+        and p.parts.kind == parts.kind
+        and p.parts.experiment == parts.experiment
+    ]
     old = explain.closest(parts, known)
     return tuple(explain.reasons(old, parts)) if old is not None else ()
 

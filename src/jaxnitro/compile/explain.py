@@ -53,8 +53,9 @@ class KeyParts:
     options: tuple[tuple[str, Any], ...]
 
 
-def hook_parts(hooks: Mapping[str, Callable]) -> tuple[tuple[tuple[str, str], ...],
-                                                       tuple[tuple[str, str], ...]]:
+def hook_parts(
+    hooks: Mapping[str, Callable],
+) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
     """``(hooks, helpers)`` fields of a `KeyParts` for hook name -> function.
 
     The hook's own entry in `describe_reach` goes to ``hooks``, everything it reached to
@@ -78,14 +79,15 @@ def reasons(old: KeyParts, new: KeyParts) -> list[str]:
       >>> reasons(cached, missed)
       ['GraphConst `width` changed 128 → 256', 'the model structure changed (layers, ...)']
     """
-    out = [f"GraphConst `{name}` changed {_show(a)} → {_show(b)}"
-           for name, a, b in _changed(old.graph_consts, new.graph_consts)]
+    out = [
+        f"GraphConst `{name}` changed {_show(a)} → {_show(b)}"
+        for name, a, b in _changed(old.graph_consts, new.graph_consts)
+    ]
     out += _code_reasons(old, new)
     out += _input_reasons(old, new, _leading(old), _leading(new))
     if old.split != new.split:
         out.append(f"split {_show(old.split)} → {_show(new.split)}")
-    out += [f"{name} {_show(a)} → {_show(b)}"
-            for name, a, b in _changed(old.options, new.options)]
+    out += [f"{name} {_show(a)} → {_show(b)}" for name, a, b in _changed(old.options, new.options)]
     out += _optimizer_reasons(old.optimizer, new.optimizer)
     if old.model != new.model:
         out.append("the model structure changed (layers, widths or static fields)")
@@ -103,25 +105,33 @@ def closest(new: KeyParts, candidates: list[KeyParts]) -> KeyParts | None:
     the fewest differing parts; ties go to the later candidate (the newer program)."""
     if not candidates:
         return None
-    ranked = [((c.kind != new.kind, c.experiment != new.experiment, _distance(c, new), -i), c)
-              for i, c in enumerate(candidates)]
+    ranked = [
+        ((c.kind != new.kind, c.experiment != new.experiment, _distance(c, new), -i), c)
+        for i, c in enumerate(candidates)
+    ]
     return min(ranked, key=lambda pair: pair[0])[1]
 
 
 # --- the parts of `reasons` ----------------------------------------------------------------
 
+
 def _optimizer_reasons(old, new) -> list[str]:
     """What changed in the optimizer, by name: ``gradient_clip_norm 1.0 → 2.0``."""
     if old == new:
         return []
-    described = all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], tuple)
-                    for o in (old, new))
+    described = all(
+        isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], tuple) for o in (old, new)
+    )
     if described:
         out = []
         for name, a, b in _changed(old[0], new[0]):
             if name == "param groups":
-                added = sorted(set(b if b is not _MISSING else ()) - set(a if a is not _MISSING else ()))
-                gone = sorted(set(a if a is not _MISSING else ()) - set(b if b is not _MISSING else ()))
+                added = sorted(
+                    set(b if b is not _MISSING else ()) - set(a if a is not _MISSING else ())
+                )
+                gone = sorted(
+                    set(a if a is not _MISSING else ()) - set(b if b is not _MISSING else ())
+                )
                 out += [f"param group `{g}` added" for g in added]
                 out += [f"param group `{g}` removed" for g in gone]
             elif a is not _MISSING and b is not _MISSING:
@@ -148,7 +158,8 @@ def _code_reasons(old: KeyParts, new: KeyParts) -> list[str]:
     # consequences of that edit, not causes. Report the edited code (and changed values).
     code_edited = bool(out) or any(
         a is not _MISSING and b is not _MISSING and ":" not in key.rpartition("/")[2]
-        for key, a, b in helpers)
+        for key, a, b in helpers
+    )
     for key, a, b in helpers:
         hook, _, item = key.rpartition("/")
         kind, _, name = item.rpartition(":")
@@ -156,8 +167,15 @@ def _code_reasons(old: KeyParts, new: KeyParts) -> list[str]:
             continue
         what = {"global": "module-level value", "closure": "closure variable"}.get(kind, "helper")
         where = f" (reached from hook `{hook}`)" if hook else ""
-        verb = ("is now used" if a is _MISSING else "is no longer used" if b is _MISSING
-                else "changed" if kind else "was edited")
+        verb = (
+            "is now used"
+            if a is _MISSING
+            else "is no longer used"
+            if b is _MISSING
+            else "changed"
+            if kind
+            else "was edited"
+        )
         out.append(f"{what} `{name}`{where} {verb}")
     return out
 
@@ -180,8 +198,11 @@ def _input_reasons(old: KeyParts, new: KeyParts, lead0: int = 0, lead1: int = 0)
         (shape0, dtype0, weak0), (shape1, dtype1, weak1) = before[path], after[path]
         field = _field(path)
         if tuple(shape0) != tuple(shape1):
-            shrank = (len(shape0) == len(shape1) > 0 and tuple(shape0[1:]) == tuple(shape1[1:])
-                      and shape1[0] < shape0[0])
+            shrank = (
+                len(shape0) == len(shape1) > 0
+                and tuple(shape0[1:]) == tuple(shape1[1:])
+                and shape1[0] < shape0[0]
+            )
             if shrank and _is_batch(path):
                 partial.append((path, shape0, shape1))
             else:
@@ -193,15 +214,19 @@ def _input_reasons(old: KeyParts, new: KeyParts, lead0: int = 0, lead1: int = 0)
     if partial:  # one sentence for all fields of the short batch
         path, shape0, shape1 = partial[0]
         others = ", ".join(f"`{_field(p)}`" for p, *_ in partial[1:])
-        out.insert(0, (
-            f"batch shape {tuple(shape0)} → {tuple(shape1)} for `{_field(path)}`"
-            f"{f' (and {others})' if others else ''}{split}: a partial batch? use "
-            f"drop_last=True"))
+        out.insert(
+            0,
+            (
+                f"batch shape {tuple(shape0)} → {tuple(shape1)} for `{_field(path)}`"
+                f"{f' (and {others})' if others else ''}{split}: a partial batch? use "
+                f"drop_last=True"
+            ),
+        )
     return out
 
 
 def _is_batch(path: str) -> bool:
-    """"batch['img']" or "['batch']['img']" (a keystr of {"batch": ...})."""
+    """ "batch['img']" or "['batch']['img']" (a keystr of {"batch": ...})."""
     return path.lstrip("[\"'").startswith("batch")
 
 
@@ -213,13 +238,24 @@ def _strip(path: str, rest, lead: int):
 
 
 def _weak_type_reason(field: str, dtype: str, weak: bool) -> str:
-    py = ("float" if "float" in dtype else "int" if "int" in dtype
-          else "complex" if "complex" in dtype else "bool")
+    py = (
+        "float"
+        if "float" in dtype
+        else "int"
+        if "int" in dtype
+        else "complex"
+        if "complex" in dtype
+        else "bool"
+    )
     if weak:
-        return (f"`{field}` arrived as a weakly typed value (a Python {py}?): pass "
-                f"jnp.{dtype}(...) or declare it jn.Device[{py}]")
-    return (f"`{field}` was weakly typed (a Python {py}) and is now a {dtype} array: pass it "
-            f"the same way every time, e.g. jnp.{dtype}(...)")
+        return (
+            f"`{field}` arrived as a weakly typed value (a Python {py}?): pass "
+            f"jnp.{dtype}(...) or declare it jn.Device[{py}]"
+        )
+    return (
+        f"`{field}` was weakly typed (a Python {py}) and is now a {dtype} array: pass it "
+        f"the same way every time, e.g. jnp.{dtype}(...)"
+    )
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -233,8 +269,11 @@ def _changed(old, new) -> list[tuple[str, Any, Any]]:
     """(name, old value, new value) for the names whose value differs; _MISSING if absent."""
     a, b = dict(old), dict(new)
     names = list(a) + [n for n in b if n not in a]
-    return [(n, a.get(n, _MISSING), b.get(n, _MISSING)) for n in names
-            if n not in a or n not in b or not _equal(a[n], b[n])]
+    return [
+        (n, a.get(n, _MISSING), b.get(n, _MISSING))
+        for n in names
+        if n not in a or n not in b or not _equal(a[n], b[n])
+    ]
 
 
 def _equal(a, b) -> bool:

@@ -55,20 +55,43 @@ MAX_ARRAY_BYTES = 16 * 2**20
 
 # Top-level packages whose functions, classes and modules are hashed by name only.
 _LIBRARY_ROOTS = frozenset(
-    {"jax", "jaxlib", "numpy", "optax", "flax", "equinox", "builtins", "functools", "typing",
-     "math", "jaxnitro"}
+    {
+        "jax",
+        "jaxlib",
+        "numpy",
+        "optax",
+        "flax",
+        "equinox",
+        "builtins",
+        "functools",
+        "typing",
+        "math",
+        "jaxnitro",
+    }
 )
 # Installed and standard-library code, recognised by where its file lives. Code exec'd from a
 # string or a notebook cell lives in none of these, so it is always user code.
 _LIBRARY_DIRS = tuple(
-    sorted({os.path.join(p, "") for k, p in sysconfig.get_paths().items()
-            if k in ("purelib", "platlib", "stdlib", "platstdlib")})
+    sorted(
+        {
+            os.path.join(p, "")
+            for k, p in sysconfig.get_paths().items()
+            if k in ("purelib", "platlib", "stdlib", "platstdlib")
+        }
+    )
 ) + ("<frozen ",)
 
 _TRACER = getattr(jax.core, "Tracer", ())
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, types.EllipsisType)
-_FUNCTION_TYPES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
-                   functools.partial, classmethod, staticmethod, np.ufunc)
+_FUNCTION_TYPES = (
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    functools.partial,
+    classmethod,
+    staticmethod,
+    np.ufunc,
+)
 
 # Opcodes that read a module-level name (LOAD_NAME: class bodies and module code), read a
 # closure cell, and read an attribute of what is on top of the stack.
@@ -78,11 +101,23 @@ _ATTR_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _MAX_CHAIN = 4  # `a.b.c.d.e`: attributes followed after the global
 # Class-dict entries that are bookkeeping of the class machinery, not behaviour: the
 # generated methods they describe (a dataclass __init__, __eq__) are hashed themselves.
-_CLASS_SKIP = frozenset({
-    "__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__annotations__",
-    "__dataclass_fields__", "__dataclass_params__", "__orig_bases__", "__parameters__",
-    "_abc_impl", "__firstlineno__", "__static_attributes__",
-})
+_CLASS_SKIP = frozenset(
+    {
+        "__dict__",
+        "__weakref__",
+        "__module__",
+        "__qualname__",
+        "__doc__",
+        "__annotations__",
+        "__dataclass_fields__",
+        "__dataclass_params__",
+        "__orig_bases__",
+        "__parameters__",
+        "_abc_impl",
+        "__firstlineno__",
+        "__static_attributes__",
+    }
+)
 
 
 def fingerprint(obj, *, depth: int = 2) -> str:
@@ -94,8 +129,10 @@ def fingerprint(obj, *, depth: int = 2) -> str:
     (the caller keys `self` itself).
     """
     if not (callable(obj) or isinstance(obj, classmethod)):  # classmethod objects aren't callable
-        raise TypeError(f"fingerprint() takes a callable, got {type(obj).__qualname__}; "
-                        f"use fingerprint_value() for plain values")
+        raise TypeError(
+            f"fingerprint() takes a callable, got {type(obj).__qualname__}; "
+            f"use fingerprint_value() for plain values"
+        )
     return _Hasher().callable_(obj, depth)
 
 
@@ -172,18 +209,26 @@ class _Hasher:
         if (inner := _wrapped(obj)) is not None:
             # Follow the decorator to the user's function, but keep the wrapper too: a user
             # decorator that scales the loss is as much a part of it as the body is.
-            outer = (self._function(obj, depth) if isinstance(obj, types.FunctionType)
-                     else _h("object", _type_name(obj)))
+            outer = (
+                self._function(obj, depth)
+                if isinstance(obj, types.FunctionType)
+                else _h("object", _type_name(obj))
+            )
             return _h("wrapped", outer, self.callable_(inner, depth))
         if isinstance(obj, types.FunctionType):
             return self._function(obj, depth)
         call = getattr(type(obj), "__call__", None)  # noqa: B004 (we want the function itself)
-        if not isinstance(obj, type) and (isinstance(call, types.FunctionType)
-                                          or _wrapped(call) is not None):
+        if not isinstance(obj, type) and (
+            isinstance(call, types.FunctionType) or _wrapped(call) is not None
+        ):
             # __call__ at full depth, and the rest of a user class (the methods it calls
             # through `self`) one level down.
-            return _h("object", _type_name(obj), self.callable_(call, depth),
-                      self.class_(type(obj), depth))
+            return _h(
+                "object",
+                _type_name(obj),
+                self.callable_(call, depth),
+                self.class_(type(obj), depth),
+            )
         if isinstance(obj, type) and not _is_library_class(obj):
             return self.class_(obj, depth + 1)  # a class as the hook: its methods at `depth`
         return self._by_name(obj)  # builtins, C-extension callables, library classes
@@ -196,9 +241,14 @@ class _Hasher:
             code, names, bare, paths = "library", frozenset(), frozenset(), frozenset()
         else:
             code, names, bare, paths = _code_info(fn.__code__)
-        own = _h("function", module, qualname, code,
-                 self.value(fn.__defaults__, depth - 1, strict=False),
-                 self.value(fn.__kwdefaults__, depth - 1, strict=False))
+        own = _h(
+            "function",
+            module,
+            qualname,
+            code,
+            self.value(fn.__defaults__, depth - 1, strict=False),
+            self.value(fn.__kwdefaults__, depth - 1, strict=False),
+        )
         self._record(own, fn, qualname, f"{module}.{qualname}")
         parts = [own]
         cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
@@ -208,15 +258,33 @@ class _Hasher:
             except ValueError:  # a cell not assigned yet (its name is bound after the def)
                 parts += [name, "empty cell"]
                 continue
-            parts += [name, self._read(contents, ("deref", name) in bare, depth, fn,
-                                       f"closure:{name}", f"closure:{qualname}.{name}")]
+            parts += [
+                name,
+                self._read(
+                    contents,
+                    ("deref", name) in bare,
+                    depth,
+                    fn,
+                    f"closure:{name}",
+                    f"closure:{qualname}.{name}",
+                ),
+            ]
         globals_ = fn.__globals__
         for name in sorted(names):  # sorted: set order changes with the string hash seed
             # Names not found are builtins or not defined yet; the code digest covers the
             # name, and defining it later changes this digest.
             if name in globals_:
-                parts += [name, self._read(globals_[name], ("global", name) in bare, depth,
-                                           globals_, f"global:{name}", f"global:{module}.{name}")]
+                parts += [
+                    name,
+                    self._read(
+                        globals_[name],
+                        ("global", name) in bare,
+                        depth,
+                        globals_,
+                        f"global:{name}",
+                        f"global:{module}.{name}",
+                    ),
+                ]
         for kind, root, attrs in sorted(paths):  # `mod.attr`, `Cls.attr`, `super().attr`
             if kind == "global":
                 if root not in globals_:
@@ -275,8 +343,9 @@ class _Hasher:
                 break
         return out
 
-    def _class_lookup(self, cls: type, attr: str, depth: int, *,
-                      skip_first: bool = False) -> list[str]:
+    def _class_lookup(
+        self, cls: type, attr: str, depth: int, *, skip_first: bool = False
+    ) -> list[str]:
         """`cls.attr` as found along the MRO (after `cls` itself for `super()`), for a
         reader at `depth`: user-class attributes by content, library ones by name.
 
@@ -325,8 +394,14 @@ class _Hasher:
             parts = []
             for name in attrs:
                 parts += [name, self._class_attribute(cls, name, cls.__dict__[name], depth)]
-            own = _h("class", module, qualname, _qualified(type(cls)),
-                     *(_qualified(b) for b in cls.__bases__), "\0".join(attrs))
+            own = _h(
+                "class",
+                module,
+                qualname,
+                _qualified(type(cls)),
+                *(_qualified(b) for b in cls.__bases__),
+                "\0".join(attrs),
+            )
             self._record(own, cls, qualname, f"{module}.{qualname}")
             digest = _h("class", own, *bases, *parts)
         finally:
@@ -336,8 +411,13 @@ class _Hasher:
 
     def _class_attribute(self, cls: type, name: str, attr, depth: int) -> str:
         if isinstance(attr, property):
-            return _h("property", *(self.callable_(f, depth - 1) if f is not None else "-"
-                                    for f in (attr.fget, attr.fset, attr.fdel)))
+            return _h(
+                "property",
+                *(
+                    self.callable_(f, depth - 1) if f is not None else "-"
+                    for f in (attr.fget, attr.fset, attr.fdel)
+                ),
+            )
         if isinstance(attr, functools.cached_property):
             return _h("cached_property", self.callable_(attr.func, depth - 1))
         if _is_function_like(attr):
@@ -348,8 +428,9 @@ class _Hasher:
             return _h("slot", name)  # __slots__ entries: new objects per class, same meaning
         digest = self.value(attr, depth - 1, strict=True)
         if digest is None:
-            if (not isinstance(attr, (tuple, list, dict, set, frozenset))
-                    and _is_library_class(type(attr))):
+            if not isinstance(attr, (tuple, list, dict, set, frozenset)) and _is_library_class(
+                type(attr)
+            ):
                 # Machinery a library puts on its classes (flax's descriptors and internal
                 # state): new objects per class definition, hashed by type so an identical
                 # re-definition still matches.
@@ -358,8 +439,9 @@ class _Hasher:
                 digest = self.value(attr, depth - 1, strict=False)
         if not (name.startswith("__") and name.endswith("__")):
             module, qualname = _names(cls)
-            self._record(digest, cls, f"global:{qualname}.{name}",
-                         f"global:{module}.{qualname}.{name}")
+            self._record(
+                digest, cls, f"global:{qualname}.{name}", f"global:{module}.{qualname}.{name}"
+            )
         return digest
 
     def _by_name(self, obj) -> str:
@@ -405,10 +487,15 @@ class _Hasher:
         elif isinstance(v, slice):
             digest = self._items(v, (v.start, v.stop, v.step), depth, strict)
         elif isinstance(v, (tuple, list, dict, set, frozenset)) or (
-                dataclasses.is_dataclass(v) and not isinstance(v, type)):
+            dataclasses.is_dataclass(v) and not isinstance(v, type)
+        ):
             digest = self._items(v, None, depth, strict)
-            if (digest is not None and depth >= 0 and t not in (tuple, list, dict, set, frozenset)
-                    and not _is_library_class(t)):
+            if (
+                digest is not None
+                and depth >= 0
+                and t not in (tuple, list, dict, set, frozenset)
+                and not _is_library_class(t)
+            ):
                 # a user dataclass or NamedTuple: its methods are part of what it does
                 digest = _h("items", digest, self.class_(t, depth))
         else:
@@ -443,8 +530,11 @@ class _Hasher:
                 parts = []
                 for field in dataclasses.fields(v):
                     parts.append(_h("field", field.name))
-                    parts.append(self.value(getattr(v, field.name), depth, strict=strict)
-                                 if hasattr(v, field.name) else "unset")
+                    parts.append(
+                        self.value(getattr(v, field.name), depth, strict=strict)
+                        if hasattr(v, field.name)
+                        else "unset"
+                    )
         finally:
             self._active.discard(id(v))
         digest = None if None in parts else _h("items", _type_name(v), *parts)
@@ -526,8 +616,9 @@ def _scalar_digest(t: type, v) -> str:
     return digest
 
 
-def _code_info(code: types.CodeType
-               ) -> tuple[str, frozenset[str], frozenset[tuple], frozenset[tuple]]:
+def _code_info(
+    code: types.CodeType,
+) -> tuple[str, frozenset[str], frozenset[tuple], frozenset[tuple]]:
     """(digest, global names, bare loads, attribute paths) of a code object and the code
     nested in it.
 
@@ -597,11 +688,16 @@ def _code_info(code: types.CodeType
         consts.append(digest)
     # No co_filename, co_firstlineno or line table: moving code must not change it.
     digest = _h(
-        "code", code.co_qualname, code.co_code, code.co_exceptiontable,
-        repr((code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount,
-              code.co_flags)),
-        "\0".join(code.co_names), "\0".join(code.co_varnames),
-        "\0".join(code.co_freevars), "\0".join(code.co_cellvars), *consts,
+        "code",
+        code.co_qualname,
+        code.co_code,
+        code.co_exceptiontable,
+        repr((code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags)),
+        "\0".join(code.co_names),
+        "\0".join(code.co_varnames),
+        "\0".join(code.co_freevars),
+        "\0".join(code.co_cellvars),
+        *consts,
     )
     result = (digest, frozenset(names), frozenset(bare), frozenset(paths))
     try:
@@ -633,8 +729,9 @@ def _wrapped(obj):
 
 def _is_function_like(v) -> bool:
     """Hashed through `callable_` when met as a value; other callables count as objects."""
-    return not isinstance(v, type) and (isinstance(v, _FUNCTION_TYPES) or (
-        callable(v) and _wrapped(v) is not None))
+    return not isinstance(v, type) and (
+        isinstance(v, _FUNCTION_TYPES) or (callable(v) and _wrapped(v) is not None)
+    )
 
 
 def _is_library(fn: types.FunctionType) -> bool:
@@ -672,10 +769,11 @@ def _is_library_class(cls: type) -> bool:
     module = getattr(cls, "__module__", None)
     module = module if isinstance(module, str) else ""
     mod = sys.modules.get(module)
-    result = (module.partition(".")[0] in _LIBRARY_ROOTS
-              or not cls.__flags__ & _HEAPTYPE
-              or (module != "__main__" and isinstance(mod, types.ModuleType)
-                  and _is_library_module(mod)))
+    result = (
+        module.partition(".")[0] in _LIBRARY_ROOTS
+        or not cls.__flags__ & _HEAPTYPE
+        or (module != "__main__" and isinstance(mod, types.ModuleType) and _is_library_module(mod))
+    )
     try:
         _library_classes[cls] = result
     except TypeError:
@@ -686,8 +784,11 @@ def _is_library_class(cls: type) -> bool:
 def _names(obj) -> tuple[str, str]:
     """(module, qualname), falling back on the type for objects without their own."""
     module = getattr(obj, "__module__", None) or ""
-    qualname = (getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
-                or type(obj).__qualname__)
+    qualname = (
+        getattr(obj, "__qualname__", None)
+        or getattr(obj, "__name__", None)
+        or type(obj).__qualname__
+    )
     return str(module), str(qualname)
 
 

@@ -56,12 +56,20 @@ class ProgramMemory:
         if m is None:
             return None
         parts = dict(
-            arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
-            aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes,
-            code=m.generated_code_size_in_bytes)
+            arguments=m.argument_size_in_bytes,
+            outputs=m.output_size_in_bytes,
+            aliased=m.alias_size_in_bytes,
+            temporaries=m.temp_size_in_bytes,
+            code=m.generated_code_size_in_bytes,
+        )
         parts = {k: int(v) for k, v in parts.items()}
-        estimate = (parts["arguments"] + parts["outputs"] - parts["aliased"]
-                    + parts["temporaries"] + parts["code"])
+        estimate = (
+            parts["arguments"]
+            + parts["outputs"]
+            - parts["aliased"]
+            + parts["temporaries"]
+            + parts["code"]
+        )
         return cls(name=name, **parts, estimate=estimate)
 
 
@@ -116,21 +124,27 @@ class MemoryPlan:
             ("outputs (not donated)", p.outputs - p.aliased),
             ("temporaries (activations, gradients)", p.temporaries),
             ("generated code", p.code),
-            (f"batches in flight ({self.batches_in_flight} x {human(self.batch_bytes)})",
-             self.batches_in_flight * self.batch_bytes),
+            (
+                f"batches in flight ({self.batches_in_flight} x {human(self.batch_bytes)})",
+                self.batches_in_flight * self.batch_bytes,
+            ),
             (staging, self.checkpoint_staging_bytes),
         ]
-        verdict = ("fits" if self.fits else f"over by {human(self.total - self.capacity)}")
+        verdict = "fits" if self.fits else f"over by {human(self.total - self.capacity)}"
         width = max(len(name) for name, _ in rows) + 2
         lines = [f"where the bytes go (largest program: '{p.name}')"]
         lines += [f"  {name:<{width}}{human(n):>10}" for name, n in rows]
-        lines += [f"  {'total':<{width}}{human(self.total):>10}",
-                  f"  {'capacity (' + self.capacity_source + ')':<{width}}"
-                  f"{human(self.capacity):>10}   {verdict}"]
+        lines += [
+            f"  {'total':<{width}}{human(self.total):>10}",
+            f"  {'capacity (' + self.capacity_source + ')':<{width}}"
+            f"{human(self.capacity):>10}   {verdict}",
+        ]
         others = [q for q in self.programs if q is not p]
         if others:
-            lines.append("other programs (run one at a time): "
-                         + ", ".join(f"'{q.name}' {human(q.estimate)}" for q in others))
+            lines.append(
+                "other programs (run one at a time): "
+                + ", ".join(f"'{q.name}' {human(q.estimate)}" for q in others)
+            )
         return "\n".join(lines)
 
 
@@ -154,9 +168,18 @@ def device_capacity(device=None, memory_budget: int | None = None) -> tuple[int,
     return _available_host_ram(), _HOST
 
 
-def plan(compiled_programs: Mapping[str, object], *, params, opt_state, model_state,
-         batch_bytes: int, batches_in_flight: int, checkpoint_staging_bytes: int,
-         capacity: int, capacity_source: str) -> MemoryPlan:
+def plan(
+    compiled_programs: Mapping[str, object],
+    *,
+    params,
+    opt_state,
+    model_state,
+    batch_bytes: int,
+    batches_in_flight: int,
+    checkpoint_staging_bytes: int,
+    capacity: int,
+    capacity_source: str,
+) -> MemoryPlan:
     """Add up the memory of a run's compiled programs and buffers.
 
     Args:
@@ -188,11 +211,18 @@ def plan(compiled_programs: Mapping[str, object], *, params, opt_state, model_st
     if _HOST in capacity_source:
         total += checkpoint_staging_bytes
     return MemoryPlan(
-        programs=tuple(programs), params_bytes=params_bytes, opt_state_bytes=opt_bytes,
-        model_state_bytes=state_bytes, batch_bytes=batch_bytes,
-        batches_in_flight=batches_in_flight, checkpoint_staging_bytes=checkpoint_staging_bytes,
-        total=total, capacity=capacity, capacity_source=capacity_source,
-        fits=total <= capacity)
+        programs=tuple(programs),
+        params_bytes=params_bytes,
+        opt_state_bytes=opt_bytes,
+        model_state_bytes=state_bytes,
+        batch_bytes=batch_bytes,
+        batches_in_flight=batches_in_flight,
+        checkpoint_staging_bytes=checkpoint_staging_bytes,
+        total=total,
+        capacity=capacity,
+        capacity_source=capacity_source,
+        fits=total <= capacity,
+    )
 
 
 def suggestions(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> list[str]:
@@ -217,34 +247,44 @@ def suggestions(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> list[st
         out.append(
             f"batch_size={largest} (from {batch_size}) should fit, about "
             f"{human(fixed + largest * per_sample)}; this assumes temporaries (mostly "
-            f"activations) and batch buffers scale linearly with the batch size.")
-        accum = next(k for k in range(2, batch_size + 1)
-                     if batch_size % k == 0 and batch_size // k <= largest)
+            f"activations) and batch buffers scale linearly with the batch size."
+        )
+        accum = next(
+            k
+            for k in range(2, batch_size + 1)
+            if batch_size % k == 0 and batch_size // k <= largest
+        )
         out.append(
             f"accum={accum} with batch_size={batch_size // accum} keeps the effective batch "
-            f"of {batch_size}: {accum} micro-batches per optimizer step, in one program.")
+            f"of {batch_size}: {accum} micro-batches per optimizer step, in one program."
+        )
     else:
         out.append(
             f"a smaller batch alone will not do: the parts that do not scale with it "
             f"(params, optimizer state, gradients, outputs, code, staging) take "
-            f"{human(fixed)} of {human(plan.capacity)}.")
+            f"{human(fixed)} of {human(plan.capacity)}."
+        )
     out.append(
         f'precision="bf16" stores activations in bfloat16, roughly halving temporaries: '
-        f"about {human(plan.total - temp // 2)} in total{_verdict(plan, temp // 2)}.")
+        f"about {human(plan.total - temp // 2)} in total{_verdict(plan, temp // 2)}."
+    )
     out.append(
         f"remat: wrap blocks of forward() in jax.checkpoint (nnx.remat, "
         f"eqx.filter_checkpoint) to recompute activations in the backward pass instead of "
-        f"storing them; saves up to the {human(temp)} of temporaries, for extra compute.")
+        f"storing them; saves up to the {human(temp)} of temporaries, for extra compute."
+    )
     sharded = plan.params_bytes + plan.opt_state_bytes
     if n_devices > 1:
         saved = sharded - sharded // n_devices
         out.append(
             f"FSDP over the {n_devices} devices keeps (params + optimizer state) / "
-            f"{n_devices} on each: saves {human(saved)}{_verdict(plan, saved)}.")
+            f"{n_devices} on each: saves {human(saved)}{_verdict(plan, saved)}."
+        )
     else:
         out.append(
             f"FSDP over N devices keeps (params + optimizer state) / N on each "
-            f"({human(sharded)} now); it needs more than this one device.")
+            f"({human(sharded)} now); it needs more than this one device."
+        )
     return out
 
 
@@ -252,14 +292,16 @@ def check(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> None:
     """Raise `MemoryPlanError` with the table and the suggestions if `plan` does not fit."""
     if plan.fits:
         return
-    fixes = "\n".join(f"  - {s}" for s in suggestions(plan, batch_size=batch_size,
-                                                     n_devices=n_devices))
+    fixes = "\n".join(
+        f"  - {s}" for s in suggestions(plan, batch_size=batch_size, n_devices=n_devices)
+    )
     raise MemoryPlanError(
         f"training would run out of memory: it needs {human(plan.total)} but the "
         f"{plan.capacity_source} is {human(plan.capacity)}. Stopping before step 1 rather "
         f"than at an out-of-memory error hours in.\n\n{plan.table()}\n\nTo make it fit:\n"
         f"{fixes}\nIf the capacity is wrong (another process shares the device, or it may "
-        f"use more), pass memory_budget=<bytes> to Nitro.")
+        f"use more), pass memory_budget=<bytes> to Nitro."
+    )
 
 
 def _verdict(plan: MemoryPlan, saved: int) -> str:

@@ -102,10 +102,18 @@ class CompileRecord:
     flags: tuple[Flag, ...]
 
 
-def record(kind: str, label: str, lowered, compiled, *, lower_seconds: float,
-           compile_seconds: float, trace_seconds: float | None = None,
-           hooks: Sequence[str] = ("forward", "loss"),
-           thresholds: Thresholds = Thresholds()) -> CompileRecord:
+def record(
+    kind: str,
+    label: str,
+    lowered,
+    compiled,
+    *,
+    lower_seconds: float,
+    compile_seconds: float,
+    trace_seconds: float | None = None,
+    hooks: Sequence[str] = ("forward", "loss"),
+    thresholds: Thresholds = Thresholds(),
+) -> CompileRecord:
     """Measure a lowered and compiled program and flag compile blow-ups.
 
     Args:
@@ -135,43 +143,87 @@ def record(kind: str, label: str, lowered, compiled, *, lower_seconds: float,
 
     flags = []
     if constant_bytes > thresholds.constant_bytes:
-        flags.append(Flag("baked_constants", (
-            f"program '{kind}' bakes {_human(constant_bytes)} of constants into the program: an "
-            f"array captured by closure in {where} (usually a dataset or a lookup table). Pass it "
-            f"as a jn.Device field or a batch field instead.")))
+        flags.append(
+            Flag(
+                "baked_constants",
+                (
+                    f"program '{kind}' bakes {_human(constant_bytes)} of constants into the program: an "
+                    f"array captured by closure in {where} (usually a dataset or a lookup table). Pass it "
+                    f"as a jn.Device field or a batch field instead."
+                ),
+            )
+        )
     loop = _loop_flag(kind, ops, _n_inputs(text), where, thresholds)
     if loop is not None:
         flags.append(loop)
     if compile_seconds > thresholds.compile_seconds:
-        flags.append(Flag("slow_compile", (
-            f"program '{kind}' took {compile_seconds:.0f} s to compile. Turn on the persistent "
-            f"compilation cache so later runs skip it: jn.setup_devices(compilation_cache=DIR). "
-            f"If the op count ({len(ops):,}) is large, look for Python loops in {where} and "
-            f"use jax.lax.scan or jax.lax.fori_loop.")))
+        flags.append(
+            Flag(
+                "slow_compile",
+                (
+                    f"program '{kind}' took {compile_seconds:.0f} s to compile. Turn on the persistent "
+                    f"compilation cache so later runs skip it: jn.setup_devices(compilation_cache=DIR). "
+                    f"If the op count ({len(ops):,}) is large, look for Python loops in {where} and "
+                    f"use jax.lax.scan or jax.lax.fori_loop."
+                ),
+            )
+        )
 
     return CompileRecord(
-        kind=kind, label=label, trace_seconds=trace_seconds, lower_seconds=lower_seconds,
-        compile_seconds=compile_seconds, hlo_ops=_hlo_ops(compiled),
-        stablehlo_ops=len(ops), text_bytes=len(text.encode()), constant_bytes=constant_bytes,
-        flops=_flops(compiled), memory=memory, flags=tuple(flags))
+        kind=kind,
+        label=label,
+        trace_seconds=trace_seconds,
+        lower_seconds=lower_seconds,
+        compile_seconds=compile_seconds,
+        hlo_ops=_hlo_ops(compiled),
+        stablehlo_ops=len(ops),
+        text_bytes=len(text.encode()),
+        constant_bytes=constant_bytes,
+        flops=_flops(compiled),
+        memory=memory,
+        flags=tuple(flags),
+    )
 
 
 def format_table(records: Iterable[CompileRecord]) -> str:
     """A plain-text table of compile records, then their flags, for end-of-run printing."""
     records = list(records)
-    header = ("program", "label", "lower s", "compile s", "HLO ops", "StableHLO ops", "text",
-              "constants", "GFLOP", "memory")
+    header = (
+        "program",
+        "label",
+        "lower s",
+        "compile s",
+        "HLO ops",
+        "StableHLO ops",
+        "text",
+        "constants",
+        "GFLOP",
+        "memory",
+    )
     rows = [header]
     for r in records:
-        rows.append((
-            r.kind, r.label, f"{r.lower_seconds:.2f}", f"{r.compile_seconds:.2f}",
-            f"{r.hlo_ops:,}", f"{r.stablehlo_ops:,}", _human(r.text_bytes),
-            _human(r.constant_bytes), "-" if r.flops is None else f"{r.flops / 1e9:.3g}",
-            "-" if r.memory is None else _human(r.memory["estimate"])))
+        rows.append(
+            (
+                r.kind,
+                r.label,
+                f"{r.lower_seconds:.2f}",
+                f"{r.compile_seconds:.2f}",
+                f"{r.hlo_ops:,}",
+                f"{r.stablehlo_ops:,}",
+                _human(r.text_bytes),
+                _human(r.constant_bytes),
+                "-" if r.flops is None else f"{r.flops / 1e9:.3g}",
+                "-" if r.memory is None else _human(r.memory["estimate"]),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
-             for row in rows]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += [f"! {f.message}" for r in records for f in r.flags]
     return "\n".join(lines)
@@ -221,8 +273,9 @@ def _longest_repeat(lines: Sequence[str], max_period: int) -> tuple[int, int]:
     """
     body = [line for line in lines if line]  # constants out
     ids = {}
-    seq = np.fromiter((ids.setdefault(line, len(ids)) for line in body), dtype=np.int64,
-                      count=len(body))
+    seq = np.fromiter(
+        (ids.setdefault(line, len(ids)) for line in body), dtype=np.int64, count=len(body)
+    )
     best = (1, 0)
     for p in range(1, min(max_period, len(seq) // 2) + 1):
         same = np.concatenate(([False], seq[p:] == seq[:-p], [False]))
@@ -236,23 +289,30 @@ def _longest_repeat(lines: Sequence[str], max_period: int) -> tuple[int, int]:
     return best
 
 
-def _loop_flag(kind: str, ops: list[str], n_inputs: int, where: str,
-               t: Thresholds) -> Flag | None:
+def _loop_flag(kind: str, ops: list[str], n_inputs: int, where: str, t: Thresholds) -> Flag | None:
     repeats, period = _longest_repeat(ops, t.max_period)
     fix = "use jax.lax.scan or jax.lax.fori_loop (nnx.scan for a stack of identical layers)"
     # A tree_map over parameters emits one copy per leaf, so it can repeat at most n_inputs
     # times; more repeats than inputs can only come from Python control flow.
     if repeats >= t.repeats and repeats > n_inputs:
-        return Flag("op_count", (
-            f"program '{kind}' has {len(ops):,} ops and repeats the same {period}-op sequence "
-            f"{repeats} times in a row: the op count grows with a Python loop in {where}, and "
-            f"so does compile time. To trace the loop body once, {fix}."))
+        return Flag(
+            "op_count",
+            (
+                f"program '{kind}' has {len(ops):,} ops and repeats the same {period}-op sequence "
+                f"{repeats} times in a row: the op count grows with a Python loop in {where}, and "
+                f"so does compile time. To trace the loop body once, {fix}."
+            ),
+        )
     if len(ops) > t.op_count and len(ops) > t.ops_per_input * max(n_inputs, 1):
-        return Flag("op_count", (
-            f"program '{kind}' has {len(ops):,} ops for {n_inputs} inputs "
-            f"({len(ops) // max(n_inputs, 1):,} per input): it is likely unrolled by a Python "
-            f"loop in {where}, and compile time grows with it. To trace a loop body once, "
-            f"{fix}."))
+        return Flag(
+            "op_count",
+            (
+                f"program '{kind}' has {len(ops):,} ops for {n_inputs} inputs "
+                f"({len(ops) // max(n_inputs, 1):,} per input): it is likely unrolled by a Python "
+                f"loop in {where}, and compile time grows with it. To trace a loop body once, "
+                f"{fix}."
+            ),
+        )
     return None
 
 
@@ -276,7 +336,7 @@ def _constant_bytes(text: str) -> int:
         nbytes = _tensor_bytes(t.group(1)) if t else 0
         if not nbytes:
             continue
-        literal = line[m.end():m.end() + 3]
+        literal = line[m.end() : m.end() + 3]
         if m.group(1) == "dense_resource" or literal.startswith("["):
             total += nbytes
         elif literal.startswith('"0x'):
@@ -304,8 +364,7 @@ def _hlo_ops(compiled) -> int:
         text = compiled.as_text() or ""
     except Exception:  # some backends cannot print their executable
         return 0
-    return sum(1 for line in text.splitlines()
-               if re.match(r"\s*(ROOT\s+)?%?[\w.\-]+\s*=\s", line))
+    return sum(1 for line in text.splitlines() if re.match(r"\s*(ROOT\s+)?%?[\w.\-]+\s*=\s", line))
 
 
 def _flops(compiled) -> float | None:
