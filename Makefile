@@ -1,10 +1,11 @@
 # Two entry points: `make demo` (train the MNIST quick start) and `make test` (the suite).
+# While working: `make test-fast` (no slow or multi-device tests) and `make lint`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,13 +25,21 @@ demo: $(VENV)/.examples
 test: $(VENV)/.dev
 	$(PY) -m pytest -q
 
+# Unit tests and the quick end-to-end runs: about 3 minutes on 2 cores.
+test-fast: $(VENV)/.dev
+	$(PY) -m pytest -q -m "not slow and not multi_device"
+
 # Side-by-side benchmarks (benchmarks/README.md); e.g. make bench BENCH_ARGS="--quick --record"
 BENCH_ARGS ?=
 bench: $(VENV)/.dev
 	$(PY) benchmarks/run.py --out runs/bench/bench.json $(BENCH_ARGS)
 
+# ruff (lint and format) everywhere; the type checker on the package only.
+LINT_PATHS := src tests examples benchmarks
 lint: $(VENV)/.dev
-	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy src
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

@@ -15,7 +15,8 @@ clean): the same model code, the same data in the same order and the same batch 
     `Trainer.fit`, timed end to end (the reference every "x Lightning" ratio uses).
 
 Steady-state rates (compiling excluded) are medians over interleaved repeats; a ratio to the
-hand loop is the median of back-to-back pairs, so a machine whose speed drifts cancels out. The output is a markdown table (printed, and written beside the JSON) and a JSON file
+hand loop is the median of back-to-back pairs, so a machine whose speed drifts cancels out. The
+output is a markdown table (printed, and written beside the JSON) and a JSON file
 with every figure, its ratios, the targets and the machine and versions. `--record` replaces this
 machine's table in benchmarks/RESULTS.md. See benchmarks/README.md for what each column means.
 """
@@ -49,6 +50,7 @@ sys.path.insert(1, str(ROOT / "src"))  # jaxnitro from this checkout, installed 
 import gpt  # noqa: E402
 
 import jaxnitro as jn  # noqa: E402
+from jaxnitro.units import format_bytes  # noqa: E402
 
 H100_CLASS_PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200 SXM, the MFU denominator there
 SCAN_K = 32  # steps fused per call: the hand-written lax.scan loop and jaxnitro's steps_per_call
@@ -698,12 +700,7 @@ def _fmt(v, spec=",.0f", suffix=""):
 
 
 def _bytes(v):
-    if v is None:
-        return "–"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(v) < 1024 or unit == "TiB":
-            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
-        v /= 1024
+    return "–" if v is None else format_bytes(v)
 
 
 def markdown(report: dict) -> str:

@@ -96,6 +96,7 @@ class AnyNet:
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
 def test_adapter_trains_and_freezes_state_in_eval(kind, run_dir):
     n = nitro(AnyNet(kind=kind), run_dir=run_dir)

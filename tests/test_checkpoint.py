@@ -225,7 +225,7 @@ def test_bind_on_a_file_names_the_path(tmp_path):
 def test_bad_config_is_rejected_with_suggestion():
     with pytest.raises(ConfigError, match=r"'maximum'.*'min', 'max'.*Did you mean 'max'\?"):
         TopKCheckpointer(mode="maximum")
-    with pytest.raises(ConfigError, match="k=0"):
+    with pytest.raises(ConfigError, match=r"k must be an int >= 1, got 0"):
         TopKCheckpointer(k=0)
 
 

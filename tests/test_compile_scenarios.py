@@ -78,6 +78,7 @@ def test_a_device_value_as_numpy_float32_compiles_nothing(run_dir):
     assert misses() == before
 
 
+@pytest.mark.slow
 def test_a_graphconst_change_compiles_each_program_once_and_says_so(run_dir):
     assert compiled(nitro(Tiny(width=16), run_dir=run_dir / "a")) == 2
     n = nitro(Tiny(width=24), run_dir=run_dir / "b")

@@ -29,7 +29,7 @@ from conftest import Tiny, nitro
 import jaxnitro as jn
 from jaxnitro.checkpoint import TopKCheckpointer, verify_checkpoint
 from jaxnitro.errors import CheckpointError, CheckpointWarning
-from jaxnitro.logging import JSONLogger, read_jsonl
+from jaxnitro.loggers import JSONLogger, read_jsonl
 
 TESTS = Path(__file__).resolve().parent
 

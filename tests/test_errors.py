@@ -501,7 +501,7 @@ def test_negative_learning_rate(run_dir):
 
     with pytest.raises(jn.ConfigError) as e:
         nitro(Negative(), run_dir=run_dir)
-    check(e, r"learning_rate for group 'default' must be finite and >= 0, got -0\.001")
+    check(e, r"learning_rate\('default'\) returned -0\.001", r"return a finite rate >= 0")
 
 
 def test_finalize_metrics_returning_junk(run_dir):
@@ -710,7 +710,7 @@ def test_dataloader_bad_batch_size():
     x, y = make_data(64)
     with pytest.raises(jn.DataError) as e:
         jn.DataLoader({"x": x, "y": y}, 0)
-    check(e, r"batch_size must be a positive int, got 0")
+    check(e, r"batch_size must be an int >= 1, got 0")
 
 
 def test_dataloader_given_arrays_not_a_dict():
@@ -806,7 +806,7 @@ def test_bad_topk_mode():
 def test_bad_topk_k():
     with pytest.raises(jn.ConfigError) as e:
         jn.TopKCheckpointer(k=0)
-    check(e, r"checkpoint k=0 is invalid", r"pass an int >= 1")
+    check(e, r"TopKCheckpointer k must be an int >= 1, got 0", r"how many checkpoints to keep")
 
 
 def test_bad_early_stopping_mode():
@@ -924,7 +924,7 @@ def test_n_devices_larger_than_visible(run_dir):
 def test_n_devices_not_positive(run_dir):
     with pytest.raises(jn.ConfigError) as e:
         nitro(run_dir=run_dir, n_devices=0)
-    check(e, r"n_devices must be a positive int, got 0")
+    check(e, r"n_devices must be an int >= 1, got 0")
 
 
 @pytest.mark.multi_device
@@ -1164,10 +1164,10 @@ def test_run_dir_not_a_path():
     check(e, r"run_dir must be a path \(str or pathlib.Path\), got int 123")
 
 
-def test_several_loggers(run_dir):
+def test_an_empty_logger_list(run_dir):
     with pytest.raises(jn.ConfigError) as e:
-        nitro(run_dir=run_dir, logger=[jn.JSONLogger(), jn.JSONLogger()])
-    check(e, r"logger= takes one logger; got a list of 2", r"pick one")
+        nitro(run_dir=run_dir, logger=[])
+    check(e, r"logger=\[\] lists no logger", r"logger=False")
 
 
 def test_logger_without_the_protocol(run_dir):
@@ -1223,7 +1223,7 @@ def test_run_dir_in_use_by_another_handle(run_dir):
     from jaxnitro.runlock import RunLockedError
 
     other = jn.Nitro(Tiny(max_epochs=1), run_dir=run_dir, progress=False)
-    other.lock.acquire("train", what="x")
+    other.services.lock.acquire("train", what="x")
     try:
         with pytest.raises(RunLockedError) as e:
             jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir))
@@ -1234,7 +1234,7 @@ def test_run_dir_in_use_by_another_handle(run_dir):
             r"wait for it to finish",
         )
     finally:
-        other.lock.release()
+        other.services.lock.release()
 
 
 def test_damaged_checkpoint_meta_field(run_dir):

@@ -25,12 +25,13 @@ def test_graphconst_change_is_explained(run_dir):
     assert why and any("GraphConst `width` changed 16 → 24" in r for r in why[0]["reasons"])
 
 
-def test_predict_partial_batch_recompile_warns_with_the_shape(run_dir):
+def test_predict_bucket_compile_is_explained_with_the_shape(run_dir):
     n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir)
     x, _ = make_data(12)
     jn.predict(n, {"x": x[:8]})
-    with pytest.warns(UserWarning, match=r"recompiling the predict program.*\(8, 8\) → \(4, 8\)"):
-        jn.predict(n, {"x": x[:3]})  # padded to the next bucket, 4 rows
+    jn.predict(n, {"x": x[:3]})  # padded to the next bucket, 4 rows: planned, no warning
+    why = [r for row in jn.explain(n) if row["kind"] == "predict" for r in row["reasons"]]
+    assert any("(8, 8) → (4, 8)" in r for r in why), why
 
 
 def test_live_nitro_warns_once_when_a_hook_is_edited(run_dir):
@@ -133,6 +134,7 @@ def test_documented_hole_mutated_global_array_and_the_escape_hatch(run_dir):
     assert jn.cache_stats()["misses"] == 1  # the escape hatch recompiles
 
 
+@pytest.mark.slow
 def test_unrolled_loop_and_baked_array_are_flagged_clean_model_is_not(run_dir):
     big = np.random.default_rng(0).normal(size=(1 << 20,)).astype(np.float32)  # 4 MB
 
@@ -202,6 +204,7 @@ PERSIST = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_persistent_compilation_cache_is_reused_by_a_second_process(tmp_path):
     cache = tmp_path / "xla-cache"
     script = tmp_path / "run.py"

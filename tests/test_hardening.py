@@ -220,6 +220,7 @@ class Weighted(Tiny):
         return (per * mask).sum(), mask.sum()
 
 
+@pytest.mark.slow
 def test_a_sum_count_loss_is_exact_for_every_val_batch_size(run_dir):
     n = nitro(Weighted(max_epochs=1), run_dir=run_dir)
     jn.train(n)
@@ -510,7 +511,7 @@ def test_the_log_file_is_closed_when_train_ends(run_dir):
         jn.validate(n)
         gc.collect()
     assert not [m for m in w if issubclass(m.category, ResourceWarning)]
-    assert getattr(n.logger, "_fh", None) is None and not n.lock.held
+    assert getattr(n.logger, "_fh", None) is None and not n.services.lock.held
 
 
 def test_run_lock_is_reentrant_and_released(tmp_path):

@@ -92,6 +92,7 @@ def jax_leaves(tree):
     return jax.tree.leaves(tree)
 
 
+@pytest.mark.slow
 def test_resume_is_exact_with_accumulation_schedules_and_dropout(run_dir):
     def make(epochs, where, **kw):
         return nitro(

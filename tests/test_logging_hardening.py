@@ -17,7 +17,7 @@ import pytest
 
 from jaxnitro.errors import ConfigError, JaxnitroError
 from jaxnitro.history import History
-from jaxnitro.logging import JSONLogger, LogWarning, LogWriteError, read_jsonl
+from jaxnitro.loggers import JSONLogger, LogWarning, LogWriteError, read_jsonl
 
 
 def _log_warnings(record):
@@ -311,7 +311,7 @@ def test_log_write_error_str_is_its_message():
 
 _FSIZE_CHILD = textwrap.dedent("""
     import json, resource, signal, sys, warnings
-    from jaxnitro.logging import JSONLogger, LogWarning
+    from jaxnitro.loggers import JSONLogger, LogWarning
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
     run_dir = sys.argv[1]
     log = JSONLogger()

@@ -10,7 +10,7 @@ import pytest
 import jaxnitro as jn
 from jaxnitro import metrics
 from jaxnitro.history import History
-from jaxnitro.logging import JSONLogger, read_jsonl
+from jaxnitro.loggers import JSONLogger, read_jsonl
 
 # ---------------------------------------------------------------- metrics.normalize
 

@@ -236,6 +236,7 @@ def test_accumulation_equals_the_big_batch_step(run_dir):
     np.testing.assert_allclose(losses, big_losses, rtol=1e-5)  # the step's loss, not loss / k
 
 
+@pytest.mark.slow
 def test_accumulation_weights_sum_count_losses_by_count(run_dir):
     @jn.experiment
     class Tokens(Opt):

@@ -27,6 +27,7 @@ def mse(model, params, state, batch):
     return jnp.mean((pred - batch["y"]) ** 2), state
 
 
+@pytest.mark.slow
 def test_compiled_forward_matches_eager():
     model, params, state = jn.split_model(MLP(nnx.Rngs(0)))
     x = np.random.default_rng(0).normal(size=(32, 2)).astype(np.float32)

@@ -19,10 +19,11 @@ from .errors import (
     RoutingError,
     RunLockedError,
 )
+from .events import StepRecord, every
 from .experiment import Device, GraphConst, Host, experiment, fields
 from .history import History
 from .introspect import compile, compile_report, explain, inspect, memory_plan
-from .logging import JSONLogger, read_jsonl
+from .loggers import JSONLogger, Logger, read_jsonl
 from .loop import (
     TrainResult,
     device_value,
@@ -37,6 +38,7 @@ from .loop import (
 from .models import apply, split_model
 from .nitro import Dist, Nitro
 from .phases import on_phase
+from .signals import Preempted
 from .state import TrainState, train_step
 
 __version__ = "0.1.0"
@@ -63,11 +65,14 @@ __all__ = [
     "HostFieldError",
     "JSONLogger",
     "JaxnitroError",
+    "Logger",
     "MetricsError",
     "Nitro",
     "NonFiniteLossError",
+    "Preempted",
     "RoutingError",
     "RunLockedError",
+    "StepRecord",
     "TopKCheckpointer",
     "TrainResult",
     "TrainState",
@@ -77,6 +82,7 @@ __all__ = [
     "datasets",
     "device_value",
     "evaluate",
+    "every",
     "experiment",
     "fields",
     "history",

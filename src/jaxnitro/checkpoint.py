@@ -40,7 +40,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxnitro.errors import CheckpointError, CheckpointWarning, ConfigError, did_you_mean
+from jaxnitro.errors import (
+    CheckpointError,
+    CheckpointWarning,
+    ConfigError,
+    check_int,
+    check_mode,
+    did_you_mean,
+)
+from jaxnitro.jsonable import jsonable
+from jaxnitro.units import format_bytes
 
 __all__ = [
     "TopKCheckpointer",
@@ -58,7 +67,6 @@ _CORRUPT = (
 )
 _TMP_RE, _CORRUPT_RE = re.compile(r"\.tmp-(\d+)$"), re.compile(r"\.corrupt-\d+$")
 _GLOB = frozenset("[]*?\\{}")  # Orbax/TensorStore treat these as patterns in the paths they get
-_MODES = ("min", "max")
 _WRITING: set[str] = set()  # temp entries this process is writing now (never cleaned by bind)
 
 
@@ -122,24 +130,15 @@ def _quiet_closed_loop() -> None:
 
 
 # ------------------------------------------------------------------------------ helpers
-def _finite_or_none(name: str, value: Any) -> float | None:
-    """JSON has no NaN/inf, and a non-finite metric cannot be ranked anyway."""
+def _metric_value(name: str, value: Any) -> float | None:
+    """A metric as a float; NaN/inf as None (JSON has none, and they cannot be ranked)."""
     try:
-        value = float(value)
+        number = float(value)
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"metric {name!r}={value!r} is not a number; pass floats") from exc
-    return value if math.isfinite(value) else None
-
-
-def _nonfinite_to_none(obj: Any) -> Any:
-    """User meta with NaN/inf floats (a history row of a diverged step) stored as JSON null."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _nonfinite_to_none(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_nonfinite_to_none(v) for v in obj]
-    return obj
+        raise CheckpointError(
+            f"metric {name!r}={value!r} is not a number; pass floats (or 0-d arrays)"
+        ) from exc
+    return jsonable(number)
 
 
 def _short(exc: BaseException | str, limit: int = 200, *, within: Path | None = None) -> str:
@@ -193,7 +192,7 @@ class _Unverified(Exception):
 def _write_failed(path: Path, exc: BaseException) -> CheckpointError:
     why = _short(exc) if isinstance(exc, _Unverified) else f"{type(exc).__name__}: {_short(exc)}"
     try:
-        free = f"{shutil.disk_usage(path.parent).free / 2**30:.2f} GiB free"
+        free = f"{format_bytes(shutil.disk_usage(path.parent).free)} free"
     except OSError:
         free = "free space unknown"
     return CheckpointError(
@@ -287,14 +286,20 @@ def _is_prng_key(x: Any) -> bool:
 def _to_host(where: str, leaf: Any) -> tuple[np.ndarray, dict]:
     """Leaf -> (numpy array to store, JSON spec). Typed PRNG keys are stored as key_data."""
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        raise CheckpointError(f"leaf {where} is an abstract ShapeDtypeStruct; save real arrays")
+        raise CheckpointError(
+            f"leaf {where} is an abstract ShapeDtypeStruct; save the real arrays (a "
+            "ShapeDtypeStruct only describes one, e.g. as a load_checkpoint template)"
+        )
     if _is_prng_key(leaf):
         impl = str(jax.random.key_impl(leaf))
         spec = {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "prng_impl": impl}
         return np.asarray(jax.random.key_data(leaf)), spec
     arr = np.asarray(leaf)  # Python scalars become 0-d arrays
     if arr.dtype.kind in "OUS":  # (bfloat16 reports kind "V", so list the bad kinds)
-        raise CheckpointError(f"leaf {where} ({type(leaf).__name__}) is not a numeric array")
+        raise CheckpointError(
+            f"leaf {where} ({type(leaf).__name__}) is not a numeric array; keep strings and "
+            "objects out of the saved trees (put plain values in meta=)"
+        )
     return arr, {"shape": list(arr.shape), "dtype": str(arr.dtype), "prng_impl": None}
 
 
@@ -360,10 +365,11 @@ def _like(template_leaf: Any, arr: np.ndarray, spec: dict) -> Any:
         return type(template_leaf)(arr.item())
     if isinstance(template_leaf, np.ndarray | np.generic):
         return arr if isinstance(template_leaf, np.ndarray) else arr[()]
-    if spec["prng_impl"] and _is_prng_key(template_leaf):
-        arr = jax.random.wrap_key_data(arr, impl=spec["prng_impl"])
+    value: Any = arr
+    if spec["prng_impl"] and _is_prng_key(template_leaf):  # (wrap_key_data takes numpy too)
+        value = jax.random.wrap_key_data(value, impl=spec["prng_impl"])
     sharding = getattr(template_leaf, "sharding", None)  # honour the caller's placement
-    return jax.device_put(arr, sharding) if sharding is not None else jnp.asarray(arr)
+    return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
 
 
 def _check_template(ckpt: Path, name: str, template: Any, leaves: list[dict]) -> None:
@@ -396,9 +402,11 @@ def _check_template(ckpt: Path, name: str, template: Any, leaves: list[dict]) ->
 
 
 def _assemble(template: Any, stored: dict[str, tuple]) -> Any:
-    """Re-assemble `stored` ({keystr: (array, spec)}, already checked) with the template's treedef."""
+    """Re-assemble `stored` ({keystr: (array, spec)}, already checked) with the template's
+    treedef."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(template)
-    return treedef.unflatten([_like(leaf, *stored[jax.tree_util.keystr(p)]) for p, leaf in flat])
+    leaves = [_like(leaf, *stored[jax.tree_util.keystr(p)]) for p, leaf in flat]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _orbax():
@@ -421,7 +429,8 @@ def _orbax_layout(handler: Any, where: Path) -> dict:
 def _layout_diff(want: dict, got: dict) -> str:
     keys = sorted({(t, k) for t in {**want, **got} for k in {**want.get(t, {}), **got.get(t, {})}})
     diff = [
-        f"{t}/{k}: stored {got.get(t, {}).get(k, 'nothing')}, expected {want.get(t, {}).get(k, 'nothing')}"
+        f"{t}/{k}: stored {got.get(t, {}).get(k, 'nothing')}, "
+        f"expected {want.get(t, {}).get(k, 'nothing')}"
         for t, k in keys
         if want.get(t, {}).get(k) != got.get(t, {}).get(k)
     ]
@@ -494,12 +503,12 @@ def validate_int(
     A missing (or null) value gives ``default`` when one is given. For the user meta of a
     checkpoint, e.g. ``validate_int(meta, "batch_in_epoch", path, default=0)``.
     """
-    value = meta.get(key) if isinstance(meta, dict) else None
+    value: Any = meta.get(key) if isinstance(meta, dict) else None
     if value is None and default is not None:
         return default
     if not _is_int(value, minimum):
         raise _bad_field(Path(path), key, value, f"an int >= {minimum}")
-    return value
+    return int(value)
 
 
 def _check_record(ckpt: Path, info: dict) -> None:
@@ -564,14 +573,18 @@ def _read_meta(ckpt: Path) -> dict:
         ) from None
     except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(
-            f"checkpoint {ckpt} is corrupted (unreadable {META}: {_short(exc)})"
+            f"checkpoint {ckpt} is corrupted (unreadable {META}: {_short(exc)}); use another "
+            "checkpoint"
         ) from exc
     if not isinstance(info, dict):
-        raise CheckpointError(f"checkpoint {ckpt} is corrupted ({META} is not a JSON object)")
+        raise CheckpointError(
+            f"checkpoint {ckpt} is corrupted ({META} is not a JSON object); use another checkpoint"
+        )
     if info.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {ckpt} has format_version "
-            f"{info.get('format_version')!r}; this jaxnitro reads {FORMAT_VERSION}"
+            f"{info.get('format_version')!r}; this jaxnitro reads {FORMAT_VERSION}. Load it "
+            "with the jaxnitro version that wrote it"
         )
     _check_record(ckpt, info)
     # Checkpoints written before the record hash existed have none; any other is verified.
@@ -598,7 +611,9 @@ def _read_arrays(ckpt: Path, info: dict) -> dict:
     if not want:
         return {}
     if not (ckpt / ARRAYS).is_dir():
-        raise CheckpointError(f"checkpoint {ckpt} is corrupted (no {ARRAYS}/ store)")
+        raise CheckpointError(
+            f"checkpoint {ckpt} is corrupted (no {ARRAYS}/ store); use another checkpoint"
+        )
     ocp, handler, ckptr = _orbax()
     _quiet_closed_loop()
     try:
@@ -607,7 +622,7 @@ def _read_arrays(ckpt: Path, info: dict) -> dict:
             if got != want:  # read nothing sized by the store itself: it may be crafted
                 raise CheckpointError(
                     f"checkpoint {ckpt} is corrupted (its arrays do not match "
-                    f"{META}: {_layout_diff(want, got)})"
+                    f"{META}: {_layout_diff(want, got)}); use another checkpoint"
                 )
             target = {
                 t: {k: jax.ShapeDtypeStruct(s, jnp.dtype(d)) for k, (s, d) in leaves.items()}
@@ -618,7 +633,8 @@ def _read_arrays(ckpt: Path, info: dict) -> dict:
         raise
     except Exception as exc:  # any storage-level failure means the same to the caller
         raise CheckpointError(
-            f"checkpoint {ckpt} is corrupted (unreadable arrays: {_short(exc, within=ckpt)})"
+            f"checkpoint {ckpt} is corrupted (unreadable arrays: {_short(exc, within=ckpt)}); "
+            "use another checkpoint"
         ) from exc
 
 
@@ -635,6 +651,11 @@ def load_checkpoint(
     ``meta`` is the user meta given to ``save`` plus "epoch", "step", "metrics" (user keys win).
     Templates are compared with meta.json before any array is read, and arrays are read only in
     the shapes meta.json records, so a mismatched or crafted checkpoint fails fast.
+
+    Example:
+        >>> trees, meta = jn.load_checkpoint(ck.best(), {"params": {"w": np.zeros(3)}})
+        >>> trees["params"]["w"], meta["step"], meta["metrics"]
+        (array([1., 1., 1.]), 100, {'acc': 0.91})
     """
     ckpt = Path(path)
     info = _read_meta(ckpt)
@@ -643,7 +664,8 @@ def load_checkpoint(
     if unknown:
         raise CheckpointError(
             f"checkpoint {ckpt} has no tree(s) {unknown}; it holds "
-            f"{sorted(info['trees'])}." + did_you_mean(unknown[0], info["trees"])
+            f"{sorted(info['trees'])}; pass templates for those only."
+            + did_you_mean(unknown[0], info["trees"])
         )
     for name, template in templates.items():
         _check_template(ckpt, name, template, info["trees"][name]["leaves"])
@@ -651,7 +673,8 @@ def load_checkpoint(
         arrays = _read_arrays(ckpt, info)
     except (KeyError, TypeError, ValueError) as exc:  # e.g. an unknown dtype or PRNG impl
         raise CheckpointError(
-            f"checkpoint {ckpt} is corrupted (bad leaf spec in {META}: {_short(exc)})"
+            f"checkpoint {ckpt} is corrupted (bad leaf spec in {META}: {_short(exc)}); use "
+            "another checkpoint"
         ) from exc
     trees = {}
     for name, spec in info["trees"].items():
@@ -660,7 +683,8 @@ def load_checkpoint(
         values = [np.asarray(stored[f"l{j}"]) for j in range(len(leaves))]
         if _checksum([leaf["path"] for leaf in leaves], values) != spec["sha256"]:
             raise CheckpointError(
-                f"checkpoint {ckpt} is corrupted (checksum mismatch in tree {name!r})"
+                f"checkpoint {ckpt} is corrupted (checksum mismatch in tree {name!r}); use "
+                "another checkpoint"
             )
         pairs = list(zip(leaves, values, strict=True))
         if name in templates:
@@ -688,7 +712,8 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever broke, the checkpoint is unusable
         raise CheckpointError(
-            f"checkpoint {path} is corrupted ({type(exc).__name__}: {_short(exc)})"
+            f"checkpoint {path} is corrupted ({type(exc).__name__}: {_short(exc)}); use "
+            "another checkpoint"
         ) from exc
     return meta
 
@@ -728,7 +753,8 @@ def _read_rows(root: Path, *, quiet: bool = False) -> tuple[list[dict], int]:
             raise _BadManifest(problem)
     # A row may only name a plain entry of this directory: retention deletes and quarantine
     # renames `root / path`, so '../x', '/abs' or a symlink would reach outside it.
-    good, dropped = [], []
+    good: list[dict] = []
+    dropped: list[dict] = []
     for r in rows:
         (
             good
@@ -752,6 +778,10 @@ def read_manifest(dir: str | os.PathLike) -> list[dict]:
 
     Rows that do not name a plain entry of ``dir`` are dropped with a CheckpointWarning; a
     manifest of the wrong shape raises CheckpointError.
+
+    Example:
+        >>> [(row["name"], row["score"]) for row in jn.read_manifest(ck.dir)]
+        [('epoch-0001-step-000100-acc=0.91', 0.91)]
     """
     try:
         return _read_rows(Path(dir))[0]
@@ -790,7 +820,21 @@ def _allowed_entry(entry: Path, listed: set[str]) -> bool:
 
 
 class TopKCheckpointer:
-    """Keep the ``k`` best checkpoints by ``metric`` (``mode`` "min"/"max") plus the newest."""
+    """Keep the ``k`` best checkpoints by ``metric`` (``mode`` "min"/"max") plus the newest.
+
+    Args:
+        k: how many of the best checkpoints to keep (the newest is kept as well).
+        metric: the metric to rank by, a key of the ``metrics`` given to ``save``.
+        mode: "min" (lower is better, e.g. a loss) or "max" (higher is better).
+        dir: the checkpoint directory; None: ``<run_dir>/checkpoints`` once bound to a run.
+
+    Example:
+        >>> ck = jn.TopKCheckpointer(k=2, metric="acc", mode="max", dir="/tmp/ckpts")
+        >>> path = ck.save(epoch=1, step=100, metrics={"acc": 0.91},
+        ...                trees={"params": {"w": np.ones(3)}}, meta={})
+        >>> ck.best() == path, path.name
+        (True, 'epoch-0001-step-000100-acc=0.91')
+    """
 
     def __init__(
         self,
@@ -799,13 +843,8 @@ class TopKCheckpointer:
         mode: str = "min",
         dir: str | os.PathLike | None = None,
     ) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ConfigError(f"checkpoint k={k!r} is invalid; pass an int >= 1 (how many to keep)")
-        if mode not in _MODES:
-            raise ConfigError(
-                f"checkpoint mode={mode!r} is invalid; valid modes are "
-                f"{', '.join(map(repr, _MODES))}." + did_you_mean(str(mode), _MODES, cutoff=0.4)
-            )
+        k = check_int("TopKCheckpointer k", k, fix="pass how many checkpoints to keep, e.g. k=3")
+        mode = check_mode("checkpoint mode", mode)
         if not isinstance(metric, str) or not metric:
             raise ConfigError(
                 f"checkpoint metric={metric!r} is invalid; pass a name like 'val_loss'"
@@ -868,8 +907,9 @@ class TopKCheckpointer:
             more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
             raise CheckpointError(
                 f"checkpoint directory {d} holds entries jaxnitro did not create: "
-                f"{', '.join(map(repr, foreign[:3]))}{more}. Retention deletes inside it, so pass an "
-                f"empty or new dir= (e.g. {d / 'checkpoints'}) or a run's checkpoints directory."
+                f"{', '.join(map(repr, foreign[:3]))}{more}. Retention deletes inside it, so "
+                f"pass an empty or new dir= (e.g. {d / 'checkpoints'}) or a run's checkpoints "
+                "directory."
             )
         for entry in d.iterdir():  # leftovers of killed writers; live writers' entries stay
             if _is_stale_temp(entry):
@@ -930,7 +970,9 @@ class TopKCheckpointer:
                 "(bind(..., writer=False)); call bind(run_dir) to save"
             )
         if meta is not None and not isinstance(meta, dict):
-            raise CheckpointError(f"checkpoint meta must be a dict, got {type(meta).__name__}")
+            raise CheckpointError(
+                f"checkpoint meta must be a dict, got {type(meta).__name__}; pass meta={{...}}"
+            )
         try:  # what _read_meta would refuse is refused here, not when resuming
             counters = int(epoch), int(step)
         except (TypeError, ValueError, OverflowError):
@@ -942,7 +984,7 @@ class TopKCheckpointer:
             )
         epoch, step = counters
         raw = dict(metrics or {})
-        clean = {str(k): _finite_or_none(k, v) for k, v in raw.items()}
+        clean = {str(k): _metric_value(k, v) for k, v in raw.items()}
         name = f"epoch-{epoch:04d}-step-{step:06d}"
         if self.metric in raw:  # the raw value, so "nan"/"inf" stay visible in the name
             name += "-{}={:.6g}".format(
@@ -960,11 +1002,12 @@ class TopKCheckpointer:
             "time": datetime.now(UTC).isoformat(timespec="microseconds"),
             "meta": meta or {},
         }
-        try:
-            record = json.loads(json.dumps(_nonfinite_to_none(record), allow_nan=False))
-        except (TypeError, ValueError, RecursionError) as exc:
+        try:  # NaN/inf (a history row of a diverged step) as null, numpy values as numbers
+            record = jsonable(record)
+        except RecursionError as exc:
             raise CheckpointError(
-                f"checkpoint meta must be plain JSON (str/number/list/dict): {exc}"
+                "checkpoint meta contains itself (a cycle); pass plain JSON data "
+                "(str/number/list/dict)"
             ) from exc
         tmp = root / f"{name}{_TMP}{os.getpid()}"
         try:
@@ -990,11 +1033,13 @@ class TopKCheckpointer:
             raise _write_failed(path, exc) from exc
 
     def _apply_retention(self) -> None:
+        root = self._root()
         rows = self.records()
         mine = self._mine(rows)  # another run's checkpoints are never this run's to delete
-        if not mine:
+        newest = self._newest(mine)
+        if newest is None:
             return
-        keep = {r["name"] for r in self._ranked(mine)[: self.k]} | {self._newest(mine)["name"]}
+        keep = {r["name"] for r in self._ranked(mine)[: self.k]} | {newest["name"]}
         doomed = [r for r in mine if r["name"] not in keep]
         if doomed:
             gone = {r["name"] for r in doomed}
@@ -1002,9 +1047,9 @@ class TopKCheckpointer:
             for r in doomed:
                 # Rename first so the removal is atomic for readers; an interrupted rmtree
                 # leaves only a temp entry, which bind() cleans up.
-                with _writing(self.dir / f"{r['name']}{_TMP}{os.getpid()}") as trash:
+                with _writing(root / f"{r['name']}{_TMP}{os.getpid()}") as trash:
                     with contextlib.suppress(FileNotFoundError):
-                        os.replace(self.dir / r["path"], trash)
+                        os.replace(root / r["path"], trash)
                     shutil.rmtree(trash, ignore_errors=True)
 
     def _score(self, row: dict) -> float | None:
@@ -1021,8 +1066,9 @@ class TopKCheckpointer:
 
     def _ranked(self, rows: list[dict]) -> list[dict]:
         """Rows with a finite metric, best first (stable sort: on ties the older wins)."""
-        scored = [r for r in rows if self._score(r) is not None]
-        return sorted(scored, key=self._score, reverse=self.mode == "max")
+        scored = [(score, r) for r in rows if (score := self._score(r)) is not None]
+        scored.sort(key=lambda sr: sr[0], reverse=self.mode == "max")
+        return [r for _, r in scored]
 
     @staticmethod
     def _newest(rows: list[dict]) -> dict | None:
@@ -1122,7 +1168,8 @@ class TopKCheckpointer:
         return found
 
     def _quarantine(self, names: list[str], rows: list[dict]) -> dict[str, Path]:
-        """Unlist `names` (plain entries, from validated rows), then rename them `<name>.corrupt-<n>`."""
+        """Unlist `names` (plain entries, from validated rows), then rename each one
+        `<name>.corrupt-<n>`."""
         root = self._root()
         self._write_manifest([r for r in rows if r["name"] not in set(names)])
         moved = {}

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .errors import DataError
+from .errors import DataError, check_int
 
 
 class DataLoader:
@@ -33,9 +33,10 @@ class DataLoader:
         seed: shuffle seed; None lets the driver derive it from `Nitro(seed=...)`.
 
     Example:
+        >>> x, y = np.zeros((100, 784), np.float32), np.zeros(100, np.int32)
         >>> loader = jn.DataLoader({"img": x, "label": y}, batch_size=32, shuffle=True)
-        >>> next(iter(loader))["img"].shape
-        (32, 784)
+        >>> len(loader), next(iter(loader))["img"].shape
+        (4, (32, 784))
     """
 
     def __init__(
@@ -52,12 +53,12 @@ class DataLoader:
                 f"DataLoader takes a non-empty dict of arrays {{field: array}}, got "
                 f"{type(data).__name__}. Example: jn.DataLoader({{'img': x, 'label': y}}, 32)."
             )
-        if (
-            not isinstance(batch_size, (int, np.integer))
-            or isinstance(batch_size, bool)
-            or batch_size < 1
-        ):
-            raise DataError(f"DataLoader batch_size must be a positive int, got {batch_size!r}.")
+        batch_size = check_int(
+            "DataLoader batch_size",
+            batch_size,
+            fix="pass the number of samples per batch, e.g. batch_size=32",
+            error=DataError,
+        )
         self.data = {k: _as_array(k, v) for k, v in data.items()}
         scalars = [k for k, v in self.data.items() if v.ndim == 0]
         if scalars:
@@ -67,19 +68,20 @@ class DataLoader:
                 f"sample (np.full(n, value), or np.asarray(per_sample_values)), or make it an "
                 f"experiment field."
             )
-        sizes = {k: (v.shape[0] if v.ndim else None) for k, v in self.data.items()}
-        if None in sizes.values() or len(set(sizes.values())) != 1:
+        sizes = {k: v.shape[0] for k, v in self.data.items()}
+        if len(set(sizes.values())) != 1:
             raise DataError(
                 f"DataLoader fields must share their leading (sample) dimension; got {sizes}. "
-                f"Batch dimension comes first."
+                f"Batch dimension comes first: give every field one row per sample (transpose "
+                f"or slice the ones that differ)."
             )
-        self.num_samples = next(iter(sizes.values()))
+        self.num_samples: int = next(iter(sizes.values()))
         if self.num_samples == 0:
             raise DataError(
                 f"DataLoader got 0 samples (fields {sorted(self.data)} are all empty): it would "
                 f"yield no batch. Check the loading or filtering that produced the arrays."
             )
-        self.batch_size = int(batch_size)
+        self.batch_size = batch_size
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
         self.epoch = 0
 

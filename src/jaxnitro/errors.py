@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import numbers
 from collections.abc import Iterable
+from typing import Any
 
 
 class JaxnitroError(Exception):
@@ -19,7 +21,8 @@ class RunLockedError(ConfigError):
 
 
 class ConfigArgumentError(ConfigError, TypeError):
-    """An experiment was constructed with unknown, missing or positional arguments."""
+    """An experiment or a jaxnitro function got unknown, missing, positional or mistyped
+    arguments (a TypeError as well, so ``except TypeError`` keeps working)."""
 
 
 class HookError(JaxnitroError, TypeError):
@@ -49,6 +52,10 @@ class HostFieldError(JaxnitroError, AttributeError):
     """A Host field was read inside traced code."""
 
 
+class ReadOnlyError(JaxnitroError, AttributeError):
+    """Traced code assigned to an attribute of the experiment (read-only while tracing)."""
+
+
 class NonFiniteLossError(JaxnitroError, FloatingPointError):
     """The training loss became NaN or infinite."""
 
@@ -62,6 +69,48 @@ def did_you_mean(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -
             c for c in candidates if len(c) >= 3 and (c.startswith(name) or name.startswith(c))
         ][:1]
     return f" Did you mean {matches[0]!r}?" if matches else ""
+
+
+MODES = ("min", "max")
+
+
+def check_int(
+    name: str, value: Any, *, minimum: int = 1, fix: str, error: type[Exception] = ConfigError
+) -> int:
+    """``value`` as an int >= ``minimum`` (numpy ints too, bools never), else ``error``.
+
+    The message reads ``"<name> must be an int >= <minimum>, got <value>; <fix>."``, so
+    ``name`` is the argument as the user spells it and ``fix`` says what to pass.
+
+    Example:
+        >>> check_int("TopKCheckpointer k", 3, fix="pass how many checkpoints to keep")
+        3
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise error(f"{name} must be an int >= {minimum}, got {value!r}; {fix}.")
+    return int(value)
+
+
+def check_mode(name: str, value: Any) -> str:
+    """``value`` if it is "min" or "max", else a ConfigError with a did-you-mean.
+
+    Example:
+        >>> check_mode("EarlyStopping mode", "max")
+        'max'
+    """
+    if value in MODES:
+        return value
+    hint = did_you_mean(str(value), MODES, cutoff=0.4)
+    if not hint and isinstance(value, str):  # "lower", "decreasing", "higher", "greater"...
+        low = value.lower()
+        if low.startswith(("min", "low", "dec", "les")):
+            hint = " Did you mean 'min'?"
+        elif low.startswith(("max", "high", "inc", "gre")):
+            hint = " Did you mean 'max'?"
+    raise ConfigError(
+        f"{name}={value!r} is invalid; valid modes are 'min', 'max' ('min' when lower is "
+        f"better, e.g. a loss; 'max' when higher is better, e.g. accuracy).{hint}"
+    )
 
 
 class MemoryPlanError(JaxnitroError, MemoryError):

@@ -19,7 +19,13 @@ import tokenize
 import typing
 from typing import Any
 
-from .errors import ConfigArgumentError, ConfigError, HostFieldError, did_you_mean
+from .errors import (
+    ConfigArgumentError,
+    ConfigError,
+    HostFieldError,
+    ReadOnlyError,
+    did_you_mean,
+)
 
 GRAPH = "GraphConst"
 DEVICE = "Device"
@@ -49,10 +55,17 @@ def _marker_type(kind: str) -> type:
             return typing.Annotated[item, marker]
 
         def __init_subclass__(cls, **kw):
-            raise TypeError(f"jn.{kind} is a field marker; use it as jn.{kind}[T].")
+            raise ConfigArgumentError(
+                f"jn.{kind} is a field marker, not a base class; annotate a field with it: "
+                f"name: jn.{kind}[T] = default."
+            )
 
     _M.__name__ = _M.__qualname__ = kind
-    _M.__doc__ = f"Field marker: annotate a field as `jn.{kind}[T]`."
+    _M.__doc__ = (
+        f"Field marker: annotate a field as `jn.{kind}[T]` (see the module docstring).\n\n"
+        f"Example:\n    >>> @jn.experiment\n    ... class Exp:\n"
+        f"    ...     value: jn.{kind}[float] = 0.5\n"
+    )
     return _M
 
 
@@ -112,30 +125,38 @@ def _split_annotation(ann) -> tuple[Any, str]:
 
 def _field_docs(cls) -> dict[str, str]:
     """Docs from an attribute docstring (a string right after the field) or a trailing comment."""
+    # Docs are best effort. SystemError: CPython 3.11's ast.parse can report "AST constructor
+    # recursion depth mismatch" when threads parse at once (python/cpython#106905).
     try:
         source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
+    except (OSError, TypeError, SystemError):
         return {}
     docs: dict[str, str] = {}
     try:
-        body = ast.parse(source).body[0].body
+        node = ast.parse(source).body[0]
+        if not isinstance(node, ast.ClassDef):
+            return {}
+        body = node.body
         # Real comments only: a '#' inside a string default (`tag: str = "a#b"`) is not one.
         comments = {
             tok.start[0]: tok.string[1:].strip()
             for tok in tokenize.generate_tokens(io.StringIO(source).readline)
             if tok.type == tokenize.COMMENT
         }
-    except (SyntaxError, IndexError, AttributeError, tokenize.TokenError):
+    except (SyntaxError, IndexError, AttributeError, tokenize.TokenError, SystemError):
         return {}
     for i, node in enumerate(body):
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
         name = node.target.id
         nxt = body[i + 1] if i + 1 < len(body) else None
-        if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-            if isinstance(nxt.value.value, str):
-                docs[name] = inspect.cleandoc(nxt.value.value)
-                continue
+        if (
+            isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[name] = inspect.cleandoc(nxt.value.value)
+            continue
         if node.end_lineno in comments:
             docs[name] = comments[node.end_lineno]
     return docs
@@ -145,47 +166,53 @@ def _convert(name: str, kind: str, typ, value):
     """Typed conversion and validation of one field value; returns the converted value."""
     if value is None or typ is Any or not isinstance(typ, type):
         return value
-    if typ is bool:
-        if isinstance(value, bool) or (hasattr(value, "dtype") and str(value.dtype) == "bool"):
-            return bool(value) if kind == GRAPH else value
-        raise ConfigError(
-            f"field {name!r} is declared bool but got {value!r} ({type(value).__name__})."
-        )
-    if typ is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"field {name!r} is declared int but got the bool {value!r}.")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if _is_int_scalar(value):
-            return int(value)
-        raise ConfigError(
-            f"field {name!r} is declared int but got {value!r} ({type(value).__name__}); "
-            f"pass an integer, or declare the field float."
-        )
-    if typ is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"field {name!r} is declared float but got the bool {value!r}.")
-        if isinstance(value, (int, float)) or _is_real_scalar(value):
-            return float(value)
-        if kind == DEVICE and hasattr(value, "dtype"):  # a Device array of floats is fine
-            return value
-        raise ConfigError(
-            f"field {name!r} is declared float but got {value!r} ({type(value).__name__})."
-        )
+    scalar = _SCALAR_CONVERTERS.get(typ)
+    if scalar is not None:
+        return scalar(name, kind, value)
     if typ is str and not isinstance(value, str):
-        raise ConfigError(
-            f"field {name!r} is declared str but got {value!r} ({type(value).__name__})."
-        )
+        raise _declared(name, "str", value, "pass a string")
     if typ is tuple and isinstance(value, list):
         return tuple(value)
-    if typ in (int, float, str, tuple) or kind != HOST:
+    if typ in (str, tuple) or kind != HOST:
         if not isinstance(value, typ) and not (kind == DEVICE and hasattr(value, "dtype")):
-            raise ConfigError(
-                f"field {name!r} is declared {typ.__name__} but got {value!r} ({type(value).__name__})."
-            )
+            raise _declared(name, typ.__name__, value, f"pass a {typ.__name__}")
     return value
+
+
+def _declared(name: str, declared: str, value, fix: str) -> ConfigError:
+    return ConfigError(
+        f"field {name!r} is declared {declared} but got {value!r} ({type(value).__name__}); "
+        f"{fix}, or change the field's annotation."
+    )
+
+
+def _to_bool(name: str, kind: str, value):
+    if isinstance(value, bool) or (hasattr(value, "dtype") and str(value.dtype) == "bool"):
+        return bool(value) if kind == GRAPH else value
+    raise _declared(name, "bool", value, "pass True or False")
+
+
+def _to_int(name: str, kind: str, value):
+    if isinstance(value, bool):
+        raise _declared(name, "int", value, "pass an integer (True/False are not counts)")
+    if isinstance(value, int):
+        return value
+    if (isinstance(value, float) and value.is_integer()) or _is_int_scalar(value):
+        return int(value)
+    raise _declared(name, "int", value, "pass an integer, or declare the field float")
+
+
+def _to_float(name: str, kind: str, value):
+    if isinstance(value, bool):
+        raise _declared(name, "float", value, "pass a number")
+    if isinstance(value, (int, float)) or _is_real_scalar(value):
+        return float(value)
+    if kind == DEVICE and hasattr(value, "dtype"):  # a Device array of floats is fine
+        return value
+    raise _declared(name, "float", value, "pass a number")
+
+
+_SCALAR_CONVERTERS = {bool: _to_bool, int: _to_int, float: _to_float}
 
 
 def _is_int_scalar(v) -> bool:
@@ -206,10 +233,10 @@ def check_hashable(name: str, value) -> None:
         h = hash(value)
     except TypeError:
         raise ConfigError(
-            f"GraphConst field {name!r} holds an unhashable {type(value).__name__} ({value!r:.80}). "
-            f"GraphConst values are part of the compile key and must hash by content: use a tuple "
-            f"instead of a list, a frozen dataclass instead of a dict, or mark the field "
-            f"jn.Device[...] if it is an array."
+            f"GraphConst field {name!r} holds an unhashable {type(value).__name__} "
+            f"({value!r:.80}). GraphConst values are part of the compile key and must hash by "
+            f"content: use a tuple instead of a list, a frozen dataclass instead of a dict, or "
+            f"mark the field jn.Device[...] if it is an array."
         ) from None
     try:
         twin = copy.deepcopy(value)
@@ -237,7 +264,7 @@ def _type_hints(cls) -> dict[str, Any]:
         return typing.get_type_hints(cls, globalns=fns[0].__globals__, include_extras=True)
 
 
-def experiment(cls=None, /):
+def experiment(cls: Any = None, /):
     """Make a class an experiment: a frozen keyword-only dataclass with marked fields.
 
     Example:
@@ -246,16 +273,26 @@ def experiment(cls=None, /):
         ...     width: jn.GraphConst[int] = 128
         ...     smoothing: jn.Device[float] = 0.05
         ...     max_epochs: int = 5
+        >>> MnistMLP(width=256)
+        MnistMLP(width=256, smoothing=0.05, max_epochs=5)
     """
     if cls is None:
         return experiment
     if not isinstance(cls, type):
-        raise ConfigError("@jn.experiment decorates a class.")
+        raise ConfigError(
+            f"@jn.experiment decorates a class, got {type(cls).__name__}; put it on the line "
+            f"above `class MyExperiment:`."
+        )
+    return _make_experiment(cls, _field_infos(cls))
+
+
+def _field_infos(cls: type) -> dict[str, FieldInfo]:
+    """The fields of an experiment class: inherited experiment fields first, then its own."""
     hints = _type_hints(cls)
     own = cls.__dict__.get("__annotations__", {})
     docs = _field_docs(cls)
     infos: dict[str, FieldInfo] = {}
-    for base in reversed(cls.__mro__[1:]):  # inherited experiment fields first
+    for base in reversed(cls.__mro__[1:]):
         infos.update(getattr(base, "__jn_fields__", {}))
     for name in own:
         if typing.get_origin(hints[name]) is typing.ClassVar:
@@ -278,7 +315,11 @@ def experiment(cls=None, /):
             factory = default.default_factory
             default = default.default if factory is dataclasses.MISSING else factory()
         infos[name] = FieldInfo(name, typ, kind, default, docs.get(name))
+    return infos
 
+
+def _make_experiment(cls: Any, infos: dict[str, FieldInfo]) -> type:
+    """Turn `cls` into the frozen keyword-only dataclass, its values checked on creation."""
     user_post_init = cls.__dict__.get("__post_init__")
 
     def __post_init__(self):
@@ -301,7 +342,8 @@ def experiment(cls=None, /):
 
 
 def _checked_init(cls, init):
-    """Unknown or positional arguments get the field list and a did-you-mean, not a bare TypeError."""
+    """Unknown or positional arguments get the field list and a did-you-mean, not a bare
+    TypeError."""
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
@@ -380,7 +422,8 @@ class _HostRead:
         return HostFieldError(
             f"{where} read Host field {self.name!r} of {self.cls_name} inside traced code. Host "
             f"fields are invisible to the compiled program. Mark it jn.GraphConst[{tname}] "
-            f"(baked in; recompiles per value) or jn.Device[{tname}] (a traced input; no recompile)."
+            f"(baked in; recompiles per value) or jn.Device[{tname}] (a traced input; no "
+            f"recompile)."
         )
 
 
@@ -388,7 +431,7 @@ _VIEW_STATE = "_jn_view"
 _view_classes: dict[type, type] = {}
 
 
-def _view_class(cls: type) -> type:
+def _view_class(cls: Any) -> type:
     """A subclass of the experiment whose field reads follow the marker rules.
 
     Being a real subclass keeps `self.helper(...)`, properties, `isinstance` and zero-argument
@@ -411,7 +454,11 @@ def _view_class(cls: type) -> type:
         raise _HostRead(cls.__name__, name, info.type).error(hook)
 
     def __setattr__(self, name, value):
-        raise AttributeError(f"the experiment is read-only inside traced code (setting {name!r}).")
+        raise ReadOnlyError(
+            f"the experiment is read-only inside traced code (setting {name!r}): a traced hook "
+            f"runs once, at compile time. Return the value from the hook instead (forward's "
+            f"outputs reach loss and metrics), or keep it in a local variable."
+        )
 
     def __repr__(self):
         return f"<compile view of {cls.__name__}>"
@@ -438,17 +485,18 @@ def CompileView(exp, device_values: dict[str, Any], hook: str | None = None):  #
     `device_values` maps each Device field to its traced value; `hook` names the hook for
     error messages. Methods and properties of the experiment run against the same view.
     """
-    view = object.__new__(_view_class(type(exp)))
+    view: Any = object.__new__(_view_class(type(exp)))
     object.__setattr__(view, _VIEW_STATE, (exp, device_values, hook))
     return view
 
 
 def replace(exp, **changes):
     """`dataclasses.replace` for experiments, with the same validation."""
-    known = type(exp).__jn_fields__
+    known = [f.name for f in fields(exp)]
     for key in changes:
         if key not in known:
             raise ConfigError(
-                f"{type(exp).__name__} has no field {key!r}." + did_you_mean(key, known)
+                f"{type(exp).__name__} has no field {key!r}; fields: {sorted(known)}."
+                + did_you_mean(key, known)
             )
     return dataclasses.replace(exp, **changes)

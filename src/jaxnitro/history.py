@@ -6,17 +6,24 @@ import math
 import numbers
 from collections.abc import Iterator
 
+from .errors import check_mode
+
 
 class History:
     """Epoch rows as dicts, with the best row by the checkpointer's metric.
 
+    `jn.history(n)` returns one for a run. Indexing by an int gives a row, by a slice a
+    History, by a column name that column's values.
+
     Example:
-        >>> h = jn.history(n)
-        >>> h[-1]["acc"], h.best["epoch"], h["acc"]
+        >>> h = jn.History([{"epoch": 1, "acc": 0.8}, {"epoch": 2, "acc": 0.9}],
+        ...                metric="acc", mode="max")
+        >>> h.best["epoch"], h["acc"], h[-1]["epoch"]
+        (2, [0.8, 0.9], 2)
     """
 
     def __init__(self, rows: list[dict], *, metric: str | None, mode: str = "min"):
-        self.rows, self.metric, self.mode = rows, metric, mode
+        self.rows, self.metric, self.mode = rows, metric, check_mode("History mode", mode)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -33,8 +40,9 @@ class History:
 
     @property
     def best_index(self) -> int | None:
-        scored = [(i, _score(r.get(self.metric))) for i, r in enumerate(self.rows)]
-        scored = [(i, v) for i, v in scored if v is not None]
+        scored = [
+            (i, v) for i, r in enumerate(self.rows) if (v := _score(r.get(self.metric))) is not None
+        ]
         if not scored:
             return None
         pick = min if self.mode == "min" else max

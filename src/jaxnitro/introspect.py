@@ -24,14 +24,14 @@ def compile(n: Nitro) -> dict:  # noqa: A001 - the public name
 
 def compile_report(n: Nitro) -> list[report.CompileRecord]:
     """One record per program this Nitro compiled: seconds, op counts, constants, memory."""
-    return [p.record for p in n.__dict__.get("compiled_programs", []) if p.record is not None]
+    return [p.record for p in n.program_set.compiled if p.record is not None]
 
 
 def explain(n: Nitro) -> list[dict]:
     """Why each program this Nitro compiled differs from the closest one compiled before."""
     return [
         {"kind": p.kind, "label": p.label, "reasons": list(p.reasons)}
-        for p in n.__dict__.get("compiled_programs", [])
+        for p in n.program_set.compiled
         if p.reasons
     ]
 
@@ -86,9 +86,7 @@ def inspect(n: Nitro, *, show: bool = True) -> Inspection:
         compile_report="programs\n"
         + "\n".join(f"  {note}" for note in programs.plan_notes(n, train="train" in n.splits))
         + "\n"
-        + report.format_table(
-            p.record for p in n.__dict__.get("used_programs", {}).values() if p.record
-        ),
+        + report.format_table(p.record for p in n.program_set.used.values() if p.record),
         memory=plan.table(),
     )
     if show:

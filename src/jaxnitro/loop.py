@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import data as data_mod
-from . import feed, introspect, programs
+from . import events, feed, introspect, programs
 from . import metrics as metrics_mod
 from .compile import cache, report
 from .errors import ConfigError, DataError, NonFiniteLossError, did_you_mean
@@ -31,7 +31,7 @@ from .experiment import DEVICE, GRAPH, fields, graph_key, replace
 from .history import History
 from .nitro import Nitro, _jsonable
 from .phases import set_phase
-from .signals import graceful_stop
+from .signals import Preempted, graceful_stop
 
 # Losses are read back in chunks, a chunk behind the newest step, so dispatch never waits on
 # the device and one transfer serves many steps.
@@ -93,7 +93,7 @@ def _train(n: Nitro) -> TrainResult:
     misses0 = cache.cache_stats()["misses"]
     stop_reason = "completed"
     steps_run, seconds_run = 0, 0.0
-    n.programs = {}  # re-keyed at each entry point: an edited hook is never served stale
+    n.program_set.reset_train()  # re-keyed at each entry point: never served stale
     n.preempted = False
     set_phase(n, "Starting", force=True)
     programs.check_stale(n)
@@ -137,7 +137,7 @@ def _train(n: Nitro) -> TrainResult:
         steps_per_s=result.steps_per_second,
         skipped_steps=n.skipped_steps,
     )
-    records = [p.record for p in n.__dict__.get("compiled_programs", [])[-compiled:] if compiled]
+    records = [p.record for p in n.program_set.compiled[-compiled:] if compiled]
     if records:
         n.display.line(report.format_table(records))
     if compiled > len(plan.programs):
@@ -147,7 +147,7 @@ def _train(n: Nitro) -> TrainResult:
         )
     _summary(n, result)
     if stop_reason == "preempted":
-        raise SystemExit(143)  # the conventional SIGTERM status: terminated, not completed
+        raise Preempted(n.step, n.checkpointer.latest())  # exit status 143, catchable
     return result
 
 
@@ -176,55 +176,9 @@ def _check_horizon(n: Nitro) -> None:
     )
 
 
-@contextlib.contextmanager
 def writing(n: Nitro, purpose: str, *, required: bool = True):
-    """Hold the run lock while writing the run's files; yields whether this call may write.
-
-    `required` (training): another writer is an error naming it. Otherwise (an evaluation),
-    a run dir held by another writer is only read: nothing is logged, and that is said once.
-    The logger opens with the first writing call of the handle (and logs its params line,
-    then a resume marker) and closes when the outermost writing call ends.
-    """
-    if required:
-        n.lock.acquire(purpose, what=f"run_dir {n.run_dir}")
-    elif not n.lock.try_acquire(purpose):
-        if not n.__dict__.get("_read_only_warned"):
-            n.__dict__["_read_only_warned"] = True
-            warnings.warn(
-                f"run_dir {n.run_dir} is being written by {n.lock.describe()}; "
-                f"this handle only reads it: results are returned, not logged.",
-                stacklevel=4,
-            )
-        yield False
-        return
-    opened = False
-    try:
-        if required:
-            n.checkpointer.bind(n.run_dir, writer=True)  # clean a dead writer's leftovers
-        if not n.logger_open:
-            n.logger.open(n.run_dir, resume=n.resume_path is not None)
-            n.logger_open = opened = True
-            if not n.__dict__.get("_params_logged"):
-                n.__dict__["_params_logged"] = True
-                n.logger.log_params(n.params_line)
-            if n.resume_path is not None and not n.resume_marked:
-                n.resume_marked = True
-                n.logger.log_other(
-                    {
-                        "key": "resumed",
-                        "from_step": n.step,
-                        "from_checkpoint": str(n.resume_path),
-                        "time": time.time(),
-                    }
-                )
-        yield True
-    finally:
-        try:
-            if opened:
-                n.logger_open = False
-                n.logger.close()
-        finally:
-            n.lock.release()
+    """The run's writing session (`Services.writing`): lock, logger open, first lines."""
+    return n.services.writing(purpose, step=n.step, required=required)
 
 
 def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
@@ -244,13 +198,15 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
     t0 = time.perf_counter()
     compile_s = 0.0
     extras = n.extras()
+    lr_of, clock = _lr_reader(n), [t0]
+    cadence = _Cadence(n)
     try:
         for payloads, _, _ in stream:
             for dev_batch, hyper, steps in payloads:
-                prog = n.programs.get(("train", steps))
+                prog = n.program_set.train.get(("train", steps))
                 if prog is None:
                     c0 = time.perf_counter()
-                    prog = n.programs[("train", steps)] = programs.train_program(
+                    prog = n.program_set.train[("train", steps)] = programs.train_program(
                         n, dev_batch, hyper, steps
                     )
                     compile_s += time.perf_counter() - c0
@@ -258,15 +214,20 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
                 n.batch_in_epoch += steps * n.accum
                 n.host_step += steps
                 pending.append((n.host_step, n.batch_in_epoch, steps, out))
+                validate, save = cadence.due(n.host_step - steps, n.host_step)
+                if (validate or save) and n.batch_in_epoch != total:  # the epoch end does both
+                    _drain(n, pending, len(pending), epoch, losses, lr_of, clock)
+                    _mid_epoch(n, epoch, validate=validate, save=save)
+                    cadence.saved(save)
             if len(pending) >= 2 * _READBACK_CHUNK:
-                _drain(n, pending, _READBACK_CHUNK, epoch, losses)
+                _drain(n, pending, _READBACK_CHUNK, epoch, losses, lr_of, clock)
                 elapsed = time.perf_counter() - t0 - compile_s
                 n.display.update(
                     n.batch_in_epoch, losses[-1], len(losses) / elapsed if elapsed > 0 else None
                 )
             if n.stop_requested:
                 break
-        _drain(n, pending, len(pending), epoch, losses)
+        _drain(n, pending, len(pending), epoch, losses, lr_of, clock)
     finally:
         stream.close()
     jax.block_until_ready(n._leaves)
@@ -290,12 +251,53 @@ def _train_epoch(n: Nitro, epoch: int) -> tuple[list[float], float]:
     return losses, seconds
 
 
+class _Cadence:
+    """When step-based validation and checkpoints are due (`val_every`, `checkpoint_every`,
+    `checkpoint_every_minutes`), counted in optimizer steps across epochs."""
+
+    def __init__(self, n: Nitro):
+        self.val, self.ckpt = n.val_every, n.checkpoint_every
+        self.seconds = (
+            None if n.checkpoint_every_minutes is None else n.checkpoint_every_minutes * 60
+        )
+        self.last = time.monotonic()
+
+    def due(self, before: int, after: int) -> tuple[bool, bool]:
+        validate = self.val is not None and after // self.val > before // self.val
+        save = self.ckpt is not None and after // self.ckpt > before // self.ckpt
+        if self.seconds is not None and time.monotonic() - self.last >= self.seconds:
+            save = True
+        return validate, save
+
+    def saved(self, save: bool) -> None:
+        if save:
+            self.last = time.monotonic()
+
+
+def _mid_epoch(n: Nitro, epoch: int, *, validate: bool, save: bool) -> None:
+    """Validation and/or a checkpoint inside an epoch: the checkpoint holds the batch
+    position, so a resume from it continues mid-epoch exactly."""
+    row: dict[str, Any] = {"epoch": epoch + 1, "step": n.step}
+    if validate and "val" in n.splits:
+        row.update(_evaluate(n, "val"))
+        n.logger.log_metrics(
+            {k: v for k, v in row.items() if k not in ("epoch", "step") and _is_scalar(v)},
+            context="validate",
+            epoch=epoch + 1,
+            step=n.step,
+        )
+    if save:
+        set_phase(n, "Checkpointing")
+        _checkpoint(n, row)
+    set_phase(n, "Training")
+
+
 def _check_epoch_length(n: Nitro, epoch: int, total: int | None) -> None:
     """An epoch that ends early (a source that is partly one-shot, or shrinks) says so."""
     if n.stop_requested:
         return
     seen = n.batch_in_epoch
-    lengths = n.__dict__.setdefault("_epoch_lengths", {})
+    lengths = n.epoch_lengths
     expected = total if total is not None else lengths.get("first")
     if total is None and "first" not in lengths:
         lengths["first"] = seen
@@ -358,13 +360,48 @@ def _record_row(n: Nitro, row: dict) -> None:
         n.history_rows.append(row)
 
 
+def _lr_reader(n: Nitro):
+    """step (0-based) -> {"lr": rate} (one group) or {"lr/<group>": rate}, as fed to the step."""
+    keys = [
+        (i, k)
+        for i, (kind, k) in enumerate(n.hyper_keys)
+        if kind == "opt" and k.endswith(".learning_rate")
+    ]
+    groups = [k.split(".")[1] for _, k in keys]
+    names = ["lr"] if len(groups) == 1 else [f"lr/{g}" for g in groups]
+    if not n.schedules.fns:
+        vec = n.hyper_values(0)
+        fixed = {name: float(vec[i]) for name, (i, _) in zip(names, keys, strict=True)}
+        return lambda t: fixed
+
+    def at(t: int) -> dict[str, float]:
+        vec = n.hyper_values(t)
+        return {name: float(vec[i]) for name, (i, _) in zip(names, keys, strict=True)}
+
+    return at
+
+
 def _drain(
-    n: Nitro, pending: collections.deque, count: int, epoch: int, losses: list[float]
+    n: Nitro,
+    pending: collections.deque,
+    count: int,
+    epoch: int,
+    losses: list[float],
+    lr_of=None,
+    clock: list | None = None,
 ) -> None:
-    """Read back and log the oldest `count` dispatches' outputs in one transfer."""
+    """Read back and log the oldest `count` dispatches' outputs in one transfer; then the
+    step callbacks (`jn.every`) of the steps read."""
     items = [pending.popleft() for _ in range(count)]
     if not items:
         return
+    now = time.perf_counter()
+    steps_read = sum(item[2] for item in items)
+    step_s = (now - clock[0]) / steps_read if clock and steps_read else None
+    if clock:
+        clock[0] = now
+    callbacks = n.services.step_callbacks
+    fire = events.has_callbacks(callbacks)
     # One device-side stack and one transfer per run of equal shapes (a fused call and the
     # single steps of an epoch's tail differ), instead of a read per scalar.
     hosts: list = []
@@ -390,7 +427,27 @@ def _drain(
                 )
             if not row.get("skipped"):
                 losses.append(row["loss"])
+            rates = lr_of(step - 1) if lr_of is not None else {}
+            row.update(rates)
             n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
+            if fire:
+                events.fire(
+                    callbacks,
+                    events.StepRecord(
+                        step=step,
+                        epoch=epoch + 1,
+                        loss=row["loss"],
+                        grad_norm=row.get("grad_norm"),
+                        learning_rates={
+                            k.removeprefix("lr/")
+                            if k != "lr"
+                            else next(iter(n.optimizer.groups)): v
+                            for k, v in rates.items()
+                        },
+                        step_seconds=step_s,
+                        metrics=dict(row),
+                    ),
+                )
 
 
 def _last_good(n: Nitro) -> str:
@@ -655,7 +712,7 @@ def set_device(n: Nitro, **values) -> None:
                 f"(schedule key 'device.{name}'). Change the schedule instead."
             )
         n.device_values[name] = new
-    n.__dict__.pop("_hyper_cache", None)
+    n.invalidate_hyper()
     n.experiment = replace(n.experiment, **values)
 
 

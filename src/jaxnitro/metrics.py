@@ -69,7 +69,8 @@ def normalize(out, hook: str = "metrics") -> dict[str, tuple[Any, Any]]:
             if count.ndim != 0:
                 raise MetricsError(
                     f"{hook}() returned a count of shape {count.shape} for {name!r}; a count "
-                    f"is a scalar (the number of samples or tokens the sum covers)."
+                    f"is a scalar (the number of samples or tokens the sum covers), e.g. "
+                    f"label.shape[0] or mask.sum()."
                 )
         result[name] = (_widen(total), None if count is None else _widen(count))
     return result

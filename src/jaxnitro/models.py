@@ -164,6 +164,11 @@ def split_model(module: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
     `params` are the trainable arrays, `state` the non-trainable ones (batch
     statistics, RNG counters; `{}`/`None` when there are none), and `model` a
     hashable object that `apply` and `structure_key` understand.
+
+    Example:
+        >>> model, params, state = jn.split_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+        >>> type(model).__name__, params["kernel"].value.shape
+        ('NNXModel', (3, 2))
     """
     nnx, linen, eqx = _module("flax.nnx"), _module("flax.linen"), _module("equinox")
     if nnx is not None and isinstance(module, nnx.Module):
@@ -260,6 +265,12 @@ def apply(model: Any, params: Any, state: Any, *inputs: Any, **kwargs: Any) -> t
 
     Extra `kwargs` go to the model call and override the mode-derived arguments
     (`train`, `deterministic`, `rngs`, `key`, `rng`) of the same name.
+
+    Example:
+        >>> model, params, state = jn.split_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+        >>> outputs, state = jn.apply(model, params, state, jnp.ones((4, 3)))
+        >>> outputs.shape
+        (4, 2)
     """
     training, key = is_training(), _next_key()
     if isinstance(model, NNXModel):
@@ -321,7 +332,8 @@ def _apply_eqx(model, params, state, training, key, inputs, kwargs):
     if not jax.tree.leaves(inputs):
         raise ConfigError(
             "apply() on an Equinox model needs at least one batched input array: "
-            "Equinox models take single examples, so apply() vmaps them over axis 0."
+            "Equinox models take single examples, so apply() vmaps them over axis 0. "
+            "Pass the batch as inputs: apply(model, params, state, x)."
         )
     module = eqx.nn.inference_mode(eqx.combine(params, model.static), not training)
     # Only models that declare a `key` get one, and only in training: eval is

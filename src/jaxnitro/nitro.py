@@ -37,9 +37,11 @@ from .errors import (
     did_you_mean,
 )
 from .experiment import DEVICE, field_values, fields, graph_key, is_experiment, replace
-from .logging import JSONLogger
+from .loggers import JSONLogger, make_logger
+from .programs import ProgramSet
 from .progress import Display
 from .runlock import RunLock
+from .services import Services, check_resumable, make_checkpointer
 from .step import Carry
 
 
@@ -86,6 +88,9 @@ class Nitro:
         compile_options: dict | None = None,
         progress: bool | str | None = None,
         on_nonfinite: str = "error",
+        val_every: int | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_every_minutes: float | None = None,
         **unknown,
     ):
         if not is_experiment(exp) or isinstance(exp, type):
@@ -115,8 +120,11 @@ class Nitro:
     def _log_terminated(self, exp, logger, run_dir) -> None:
         """SIGTERM during setup: a `finish` line (status preempted) if the run dir is free."""
         with contextlib.suppress(Exception):
-            log = getattr(self, "logger", None) or _logger_setting(
-                logger if logger is not None else getattr(exp, "logger", None)
+            services = getattr(self, "services", None)
+            log = (
+                services.logger
+                if services is not None
+                else _make_logger(logger if logger is not None else getattr(exp, "logger", None))
             )
             path = getattr(self, "run_dir", None) or _run_dir_setting(
                 run_dir if run_dir is not None else getattr(exp, "run_dir", None),
@@ -153,6 +161,9 @@ class Nitro:
         compile_options,
         progress,
         on_nonfinite,
+        val_every,
+        checkpoint_every,
+        checkpoint_every_minutes,
     ) -> None:
         cls = type(exp)
         self.routes = hooks.check_hooks(cls)
@@ -174,13 +185,11 @@ class Nitro:
         self.run_dir = _run_dir_setting(s["run_dir"], cls.__name__)
         self.accum = _int_setting("accum", accum, minimum=1)
         self.steps_per_call = _int_setting("steps_per_call", steps_per_call, minimum=1)
-        if precision not in (None, "f32", "bf16"):
-            raise ConfigError(
-                f"precision={precision!r}; use 'f32' (the default) or 'bf16' "
-                f"(bf16 compute, f32 master weights and optimizer state)."
-                + did_you_mean(str(precision), ["f32", "bf16"])
-            )
-        self.precision = precision or "f32"
+        self.precision = _choice(
+            "precision",
+            precision or "f32",
+            {"f32": "the default", "bf16": "bf16 compute, f32 master weights and optimizer state"},
+        )
         # Nitro(schedules=...) replaces the experiment's schedules() table; it does not merge.
         self._schedule_table = dict(
             schedules
@@ -188,39 +197,25 @@ class Nitro:
             else (exp.schedules() if hasattr(cls, "schedules") else {}) or {}
         )
         self.memory_budget = _bytes_setting("memory_budget", memory_budget)
-        if compile_options is not None and not isinstance(compile_options, Mapping):
-            raise ConfigError(
-                f"compile_options must be a dict of XLA options, got "
-                f"{type(compile_options).__name__}."
-            )
-        self.compile_options = dict(compile_options or {})
-        for k, v in self.compile_options.items():  # XLA flags: name -> bool/int/float/str
-            if not isinstance(k, str) or not isinstance(v, (bool, int, float, str)):
-                raise ConfigError(
-                    f"compile_options maps XLA option names to bool, int, float "
-                    f"or str, got {k!r}: {v!r}; e.g. "
-                    f"{{'xla_cpu_enable_fast_math': False}}."
-                )
-        if on_nonfinite not in ("error", "skip"):
-            raise ConfigError(
-                f"on_nonfinite={on_nonfinite!r}; use 'error' (stop with the step "
-                f"and epoch) or 'skip' (skip the update and count it)."
-                + did_you_mean(str(on_nonfinite), ["error", "skip"])
-            )
-        self.on_nonfinite = on_nonfinite
+        self.compile_options = _compile_options_setting(compile_options)
+        self.on_nonfinite = _choice(
+            "on_nonfinite",
+            on_nonfinite,
+            {"error": "stop with the step and epoch", "skip": "skip the update and count it"},
+        )
+        # Step-based validation and checkpoints, for runs whose epochs are long.
+        self.val_every = _optional_int("val_every", val_every)
+        self.checkpoint_every = _optional_int("checkpoint_every", checkpoint_every)
+        self.checkpoint_every_minutes = _minutes_setting(checkpoint_every_minutes)
         self.skipped_steps = 0
         self.preempted = False
-        if progress not in (None, True, False, "rich", "plain", "off"):
-            raise ConfigError(
-                f"progress={progress!r}; use True (a live display on a terminal, "
-                f"plain lines otherwise), 'rich', 'plain' or False/'off'."
-                + did_you_mean(str(progress), ["rich", "plain", "off"])
-            )
-        self.display = Display(progress)
+        display = Display(_progress_setting(progress))
         self.phase = "Starting"
         self.stop_requested = False
         self.history_rows: list[dict] = []
-        self.programs: dict[str, Any] = {}
+        self.program_set = ProgramSet()
+        self.epoch_lengths: dict[str, int] = {}  # batches seen in epoch 1 (a source without len)
+        self._hyper_cache: dict | None = None
 
         # Run directory first: an unusable one fails before any work.
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -234,20 +229,24 @@ class Nitro:
                 f"cannot create run_dir {self.run_dir}: {e}. Pick a writable path."
             ) from e
 
-        self.checkpointer = (
-            s["checkpointer"] if s["checkpointer"] is not None else TopKCheckpointer()
+        checkpointer, self._checkpointer_named = make_checkpointer(
+            s["checkpointer"], default=TopKCheckpointer
         )
-        self._checkpointer_named = s["checkpointer"] is not None
-        if not isinstance(self.checkpointer, TopKCheckpointer):
-            raise ConfigError(
-                f"checkpointer must be a jn.TopKCheckpointer, got {type(self.checkpointer).__name__}."
-            )
+        check_resumable(checkpointer, resume)
         # Setup never writes the run's files: the run lock (one writer per run dir) is taken
         # by `jn.train` and by an evaluation that logs. Only finding the checkpoint to resume
         # from takes it briefly, since that may move a corrupted checkpoint aside.
-        self.lock = RunLock(self.run_dir)
+        self.services = Services(
+            logger=_make_logger(s["logger"]),
+            checkpointer=checkpointer,
+            display=display,
+            lock=RunLock(self.run_dir),
+            run_dir=self.run_dir,
+            params_line={},
+        )
         self.checkpointer.bind(self.run_dir, writer=False)
         self.resume_path = self._resume_record(resume)
+        self.services.resume_path = self.resume_path
         self.run_id = uuid.uuid4().hex[:12]
         if self.resume_path is not None:
             meta = _read_meta(self.resume_path)
@@ -349,10 +348,7 @@ class Nitro:
         elif checkpoint is not None:
             self._restore(Path(checkpoint), full=False)
 
-        self.logger = _logger_setting(s["logger"])
-        self.logger_open = False  # opened by the first entry point that writes (loop.writing)
-        self.resume_marked = False
-        self.params_line = {
+        self.services.params_line = {
             "experiment": cls.__name__,
             "seed": self.seed,
             "max_epochs": self.max_epochs,
@@ -369,6 +365,18 @@ class Nitro:
                 self.early_stop.load_state_dict(self._early_stop_state)
 
     # -- handle attributes -------------------------------------------------------------
+    @property
+    def checkpointer(self):
+        return self.services.checkpointer
+
+    @property
+    def logger(self):
+        return self.services.logger
+
+    @property
+    def display(self):
+        return self.services.display
+
     @property
     def carry(self) -> Carry:
         """All training state as one pytree (rebuilt from the flat leaves the step takes)."""
@@ -411,12 +419,12 @@ class Nitro:
             # The newest checkpoint that verifies: a truncated or corrupted newest one (a kill
             # mid-write on a filesystem without atomic rename) is reported and moved aside,
             # which writes: a run that another writer holds cannot be resumed now.
-            self.lock.acquire("resume", what=f"run_dir {self.run_dir}")
+            self.services.lock.acquire("resume", what=f"run_dir {self.run_dir}")
             try:
                 self.checkpointer.bind(self.run_dir, writer=True)
                 latest = self.checkpointer.latest_valid()
             finally:
-                self.lock.release()
+                self.services.lock.release()
             if latest is None and resume is True:
                 raise CheckpointError(
                     f"resume=True but {self.checkpointer.dir} holds no checkpoint. Use "
@@ -583,14 +591,18 @@ class Nitro:
     @property
     def _hyper_base(self) -> dict[str, np.float32]:
         """Unscheduled values; cached (reading Device values back each step would sync)."""
-        cached = self.__dict__.get("_hyper_cache")
+        cached = self._hyper_cache
         if cached is None:
             cached = dict(optim.host_hyper(self.optimizer))
             for kind, key in self.hyper_keys:
                 if kind == "device":
                     cached[f"device.{key}"] = np.float32(np.asarray(self.device_values[key]))
-            self.__dict__["_hyper_cache"] = cached
+            self._hyper_cache = cached
         return cached
+
+    def invalidate_hyper(self) -> None:
+        """Device values changed (`jn.set_device`): rebuild the unscheduled values."""
+        self._hyper_cache = None
 
     def unpack_hyper(self, vec) -> dict:
         """Inside the traced step: the packed vector back into {"opt": ..., "device": ...}."""
@@ -629,6 +641,7 @@ class Nitro:
 
     def _check_early_stop(self) -> None:
         es = self.early_stop
+        assert es is not None  # called only when one was given
         if not (hasattr(es, "update") and hasattr(es, "metric")):
             raise ConfigError(f"early_stop must be a jn.EarlyStopping, got {type(es).__name__}.")
         produced = ["train_loss"] + (self.eval_metric_names("val") if "val" in self.splits else [])
@@ -808,27 +821,56 @@ def _bytes_setting(name: str, value) -> int | None:
     return int(value)
 
 
-def _logger_setting(value):
-    if value is None:
-        return JSONLogger()
-    if isinstance(value, (list, tuple)):
+def _choice(name: str, value, options: dict[str, str]) -> str:
+    if value not in options:
+        listed = " or ".join(f"{k!r} ({why})" for k, why in options.items())
+        raise ConfigError(f"{name}={value!r}; use {listed}." + did_you_mean(str(value), options))
+    return value
+
+
+def _optional_int(name: str, value) -> int | None:
+    return None if value is None else _int_setting(name, value, minimum=1)
+
+
+def _minutes_setting(value) -> float | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+    ):
         raise ConfigError(
-            f"logger= takes one logger; got a {type(value).__name__} of {len(value)}. Several "
-            f"loggers at once are not supported yet: pick one (the JSONL log is the default), "
-            f"or write a jn.Logger that forwards to several."
-        )
-    missing = [
-        m
-        for m in ("open", "log_params", "log_metrics", "log_other", "finish", "close")
-        if not callable(getattr(value, m, None))
-    ]
-    if missing:
-        raise ConfigError(
-            f"logger {type(value).__name__} lacks the jn.Logger method(s) "
-            f"{missing}; implement open, log_params, log_metrics, log_other, "
-            f"finish and close (see jn.Logger)."
+            f"checkpoint_every_minutes must be a number > 0, got {value!r}; e.g. "
+            f"checkpoint_every_minutes=30."
         )
     return value
+
+
+def _progress_setting(value):
+    if value not in (None, True, False, "rich", "plain", "off"):
+        raise ConfigError(
+            f"progress={value!r}; use True (a live display on a terminal, plain lines "
+            f"otherwise), 'rich', 'plain' or False/'off'."
+            + did_you_mean(str(value), ["rich", "plain", "off"])
+        )
+    return value
+
+
+def _compile_options_setting(value) -> dict:
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError(
+            f"compile_options must be a dict of XLA options, got {type(value).__name__}; e.g. "
+            f"{{'xla_cpu_enable_fast_math': False}}."
+        )
+    options = dict(value or {})
+    for k, v in options.items():  # XLA flags: name -> bool/int/float/str
+        if not isinstance(k, str) or not isinstance(v, (bool, int, float, str)):
+            raise ConfigError(
+                f"compile_options maps XLA option names to bool, int, float or str, got "
+                f"{k!r}: {v!r}; e.g. {{'xla_cpu_enable_fast_math': False}}."
+            )
+    return options
+
+
+def _make_logger(value):
+    return make_logger(value, JSONLogger)
 
 
 def _int_setting(name: str, value, *, minimum: int) -> int:

@@ -15,7 +15,7 @@ import functools
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .errors import ConfigError, did_you_mean
+from .errors import ConfigError, check_int, did_you_mean
 
 DEFAULT_GROUP = "default"
 
@@ -70,7 +70,10 @@ def decoupled_decay(weight_decay, *, toward_initial: bool) -> optax.GradientTran
 
     def update(updates, state, params):
         if params is None:
-            raise ValueError("decoupled_decay needs params")
+            raise ConfigError(
+                "decoupled_decay needs the params to decay; call "
+                "tx.update(updates, opt_state, params)"
+            )
         if toward_initial:
             updates = jax.tree.map(
                 lambda u, p, a: u - weight_decay * (p - a), updates, params, state.anchor
@@ -111,7 +114,7 @@ def _group_rule(factory, decay_mask, toward_initial, hp_names):
     # included, on top of ours: weight_decay(self, group) with its no_decay mask is the one.
     own_decay = {"weight_decay": 0.0} if "weight_decay" in _defaults(factory) else {}
 
-    def rule(learning_rate, weight_decay, **hps):
+    def rule(learning_rate, weight_decay, **hps):  # (inject_hyperparams reads __signature__)
         return optax.chain(
             factory(learning_rate=1.0, **own_decay, **hps),
             optax.masked(decoupled_decay(weight_decay, toward_initial=toward_initial), decay_mask),
@@ -120,7 +123,8 @@ def _group_rule(factory, decay_mask, toward_initial, hp_names):
 
     # inject_hyperparams binds by signature: name every injected hyperparameter explicitly.
     kw = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    rule.__signature__ = inspect.Signature(
+    signed: Any = rule
+    signed.__signature__ = inspect.Signature(
         [inspect.Parameter(n, kw) for n in ("learning_rate", "weight_decay", *hp_names)]
     )
     return rule
@@ -142,11 +146,14 @@ def _factory_hparams(factory) -> list[str]:
 
 
 def build(
-    exp, params, *, scheduled: set[str] = frozenset(), decay_anchor: str = "zero"
+    exp, params, *, scheduled: Collection[str] = frozenset(), decay_anchor: str = "zero"
 ) -> Optimizer:
     """Build the optax transformation from the experiment's optimization hooks."""
     if decay_anchor not in ("zero", "w0"):
-        raise ConfigError(f"decay_anchor={decay_anchor!r}; use 'zero' or 'w0'.")
+        raise ConfigError(
+            f"decay_anchor={decay_anchor!r} is invalid; use 'zero' (decay toward 0) or 'w0' "
+            f"(toward the initial weights)."
+        )
     group_of = _hook(exp, "param_group") or (lambda path, leaf: DEFAULT_GROUP)
     no_decay = _hook(exp, "no_decay") or (lambda path, leaf: jnp.ndim(leaf) <= 1)
     rule_of = _hook(exp, "optimizer") or (lambda group: optax.radam)
@@ -156,7 +163,10 @@ def build(
     clip_hook = _hook(exp, "gradient_clip_norm")
     clip = float(clip_hook()) if clip_hook is not None else 0.0
     if clip < 0 or not math.isfinite(clip):
-        raise ConfigError(f"gradient_clip_norm must be >= 0 (0 = off), got {clip}.")
+        raise ConfigError(
+            f"gradient_clip_norm() returned {clip}; return a finite number >= 0 (0 turns "
+            f"clipping off), e.g. `return 1.0`."
+        )
 
     labels = jax.tree_util.tree_map_with_path(lambda p, x: _label(group_of, p, x), params)
     names = sorted(set(jax.tree.leaves(labels)))
@@ -181,7 +191,10 @@ def build(
                 f"(decay toward the initial weights)."
             )
         if rate < 0 or not math.isfinite(rate):
-            raise ConfigError(f"learning_rate for group {g!r} must be finite and >= 0, got {rate}.")
+            raise ConfigError(
+                f"learning_rate({g!r}) returned {rate}; return a finite rate >= 0 (0 freezes "
+                f"the group), e.g. `return 1e-3`."
+            )
         if isinstance(rule, optax.GradientTransformation):
             tuned = [k for k in scheduled if k.startswith(("opt.learning_rate", f"opt.{g}."))]
             if wd or tuned:
@@ -322,7 +335,8 @@ def write_hyper(opt: Optimizer, opt_state, values: Mapping[str, Any]):
 
 
 def host_hyper(opt: Optimizer) -> dict[str, np.float32]:
-    """The unscheduled value of every hyperparameter (what a step feeds when nothing is scheduled)."""
+    """The unscheduled value of every hyperparameter (what a step feeds when nothing is
+    scheduled)."""
     out = {}
     for key, (g, hp) in opt.hyper_paths.items():
         spec = opt.groups[g]
@@ -345,7 +359,7 @@ class Schedules:
     multiplier: dict[str, float]  # opt.<g>.learning_rate -> the group's rate (schedule × rate)
     _warned: bool = False
 
-    def values(self, step: int) -> dict[str, np.ndarray]:
+    def values(self, step: int) -> dict[str, np.float32]:
         """Values for optimizer step `step` (0-based) as float32 host scalars."""
         if step >= self.total_steps and not self._warned and self.fns:
             self._warned = True
@@ -378,7 +392,7 @@ def resolve_schedules(
             if t in fns:
                 raise ConfigError(
                     f"schedule key {key!r} sets {t!r}, which another key sets too; "
-                    f"give each target one schedule."
+                    f"give each target one schedule (drop one of the two keys)."
                 )
             fns[t] = fn
             if t.endswith(".learning_rate") and t.startswith("opt."):
@@ -397,9 +411,10 @@ def _targets(key: str, groups, known_opt, device_fields) -> list[str]:
                 f"schedule {key!r}: {name!r} is a {kind} field; only jn.Device "
                 f"fields can be scheduled (a GraphConst would recompile each step)."
             )
+        devices = sorted(k for k, v in device_fields.items() if v == "Device")
         raise ConfigError(
-            f"schedule {key!r}: no field {name!r}."
-            + did_you_mean(name, [k for k, v in device_fields.items() if v == "Device"])
+            f"schedule {key!r}: no field {name!r}; the jn.Device fields are {devices}."
+            + did_you_mean(name, devices)
         )
     if key.startswith("opt."):
         rest = key[len("opt.") :]
@@ -435,7 +450,9 @@ def _as_fn(key: str, value, total_steps: int) -> Callable[[int], float]:
         out = value(total_steps)
     except Exception as e:  # noqa: BLE001
         raise ConfigError(
-            f"schedule {key!r} failed when called with total_steps={total_steps}: {e}"
+            f"schedule {key!r} failed when called with total_steps={total_steps}: {e}. A "
+            f"schedule is a factory f(total_steps) -> (step -> value), e.g. "
+            f"jn.schedules.warmup_cosine(), or an optax schedule step -> value."
         ) from e
     if callable(out):
         return lambda step: float(out(step))
@@ -444,7 +461,14 @@ def _as_fn(key: str, value, total_steps: int) -> Callable[[int], float]:
 
 # -- the common schedules (factories; values are multipliers of the group's rate) ------------
 def warmup_cosine(warmup: float | int = 0.05, final: float = 0.0):
-    """Linear warmup from 0 to 1 (a fraction of total steps, or a step count), then cosine to `final`."""
+    """Linear warmup from 0 to 1 (a fraction of total steps, or a step count), then cosine
+    decay to `final`.
+
+    Example:
+        >>> f = jn.schedules.warmup_cosine(warmup=0.1)(100)  # 100 steps, 10 of warmup
+        >>> float(f(0)), float(f(5)), float(f(10)), round(float(f(99)), 3)
+        (0.0, 0.5, 1.0, 0.0)
+    """
 
     def factory(total):
         w = int(warmup * total) if isinstance(warmup, float) and warmup < 1 else int(warmup)
@@ -454,7 +478,14 @@ def warmup_cosine(warmup: float | int = 0.05, final: float = 0.0):
 
 
 def one_cycle(peak_fraction: float = 0.3, div: float = 25.0, final_div: float = 1e4):
-    """The one-cycle policy as a multiplier peaking at 1."""
+    """The one-cycle policy as a multiplier: from 1/`div` up to 1 at `peak_fraction` of the
+    run, then down to 1/(`div` * `final_div`).
+
+    Example:
+        >>> f = jn.schedules.one_cycle(peak_fraction=0.3)(100)
+        >>> round(float(f(0)), 2), float(f(30))
+        (0.04, 1.0)
+    """
 
     def factory(total):
         return optax.cosine_onecycle_schedule(total, 1.0, peak_fraction, div, final_div)
@@ -463,7 +494,13 @@ def one_cycle(peak_fraction: float = 0.3, div: float = 25.0, final_div: float = 
 
 
 def linear(start: float = 1.0, end: float = 0.0):
-    """Linear from `start` to `end` over the run."""
+    """Linear from `start` to `end` over the run.
+
+    Example:
+        >>> f = jn.schedules.linear(1.0, 0.0)(11)
+        >>> float(f(0)), float(f(5)), float(f(10))
+        (1.0, 0.5, 0.0)
+    """
 
     def factory(total):
         return optax.linear_schedule(start, end, max(total - 1, 1))
@@ -472,7 +509,16 @@ def linear(start: float = 1.0, end: float = 0.0):
 
 
 def step_decay(every: int, factor: float = 0.1):
-    """Multiply by `factor` every `every` steps."""
+    """Multiply by `factor` every `every` steps.
+
+    Example:
+        >>> f = jn.schedules.step_decay(every=100, factor=0.5)(1000)
+        >>> f(99), f(100), f(250)
+        (1.0, 0.5, 0.25)
+    """
+    every = check_int(
+        "schedules.step_decay every", every, fix="pass the steps between decays, e.g. every=1000"
+    )
 
     def factory(total):
         return lambda step: factor ** (step // every)
@@ -481,7 +527,12 @@ def step_decay(every: int, factor: float = 0.1):
 
 
 def constant(value: float = 1.0):
-    """A constant value (switching to or from it never recompiles)."""
+    """A constant value (switching to or from it never recompiles).
+
+    Example:
+        >>> jn.schedules.constant(0.5)(1000)(7)
+        0.5
+    """
     return lambda total: lambda step: value
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-PHASES = ("Starting", "Compiling", "Training", "Evaluating", "Checkpointing", "Done", "Failed")
+from .errors import ConfigArgumentError
 
 _global_monitors: list[Callable] = []
 
@@ -13,10 +13,21 @@ _global_monitors: list[Callable] = []
 def on_phase(fn: Callable, *, nitro=None) -> Callable:
     """Call `fn(phase, step, epoch, info)` on each phase change (of one run, or of all runs).
 
-    A monitor that raises is reported once and never stops the run. Returns `fn`.
+    Phases: "Starting", "Compiling", "Training", "Evaluating", "Checkpointing", "Done",
+    "Failed". A monitor that raises is reported once and never stops the run. Returns `fn`.
+
+    Example:
+        >>> seen = []
+        >>> _ = jn.on_phase(lambda phase, step, epoch, info: seen.append(phase), nitro=n)
+        >>> result = jn.train(n)
+        >>> seen[0], seen[-1]
+        ('Starting', 'Done')
     """
     if not callable(fn):
-        raise TypeError(f"on_phase takes a callable fn(phase, step, epoch, info), got {fn!r}.")
+        raise ConfigArgumentError(
+            f"on_phase takes a callable fn(phase, step, epoch, info), got {fn!r}; pass a "
+            f"function, e.g. jn.on_phase(lambda phase, step, epoch, info: print(phase))."
+        )
     if nitro is None:
         _global_monitors.append(fn)
     else:

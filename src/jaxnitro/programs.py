@@ -8,6 +8,7 @@ covers, so a cached program is correct for every `Nitro` that produces the same 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect as pyinspect
 import warnings
@@ -155,6 +156,30 @@ def _code_names(code) -> set[str]:
     return names
 
 
+@dataclasses.dataclass
+class ProgramSet:
+    """A handle's compiled programs and what they were compiled from.
+
+    Attributes:
+        prints: (name, fingerprint) of every traced function when the handle first compiled
+            (an entry point compares against it to find edited code).
+        used: (kind, label) -> the program this handle last used for it.
+        compiled: the programs this handle compiled (not cache hits), in order.
+        train: (kind, steps per call) -> the train program of the current entry point.
+        slots: the planned program slots already filled (a second compile of one warns).
+    """
+
+    prints: tuple | None = None
+    used: dict = dataclasses.field(default_factory=dict)
+    compiled: list = dataclasses.field(default_factory=list)
+    train: dict = dataclasses.field(default_factory=dict)
+    slots: set = dataclasses.field(default_factory=set)
+
+    def reset_train(self) -> None:
+        """Drop the handle's train-program map (re-fetched from the cache, keyed anew)."""
+        self.train = {}
+
+
 def traced_functions(n, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
     """The traced `hooks`, plus the experiment's methods and properties they reach via `self`.
 
@@ -188,8 +213,8 @@ def hook_prints(n, kind: str | None = None) -> tuple:
 
 def _base_key(n, kind: str) -> tuple:
     prints = hook_prints(n, kind)
-    if "_prints" not in n.__dict__:
-        n.__dict__["_prints"] = hook_prints(n)
+    if n.program_set.prints is None:
+        n.program_set.prints = hook_prints(n)
     return (
         kind,
         n.cls.__module__,
@@ -235,7 +260,8 @@ def _parts(
 def check_stale(n) -> None:
     """At an entry point: if a traced hook or helper was edited since this Nitro compiled,
     drop the programs built from the old code and say so once, naming what changed."""
-    old = n.__dict__.get("_prints")
+    ps = n.program_set
+    old = ps.prints
     if old is None:
         return
     new = hook_prints(n)
@@ -244,21 +270,17 @@ def check_stale(n) -> None:
     was, now = dict(old), dict(new)
     edited = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
     # Only the programs that trace the edited code: the others stay valid and cached.
-    stale = [
-        p
-        for p in n.__dict__.get("used_programs", {}).values()
-        if any(now.get(name) != digest for name, digest in p.deps)
-    ]
+    stale = [p for p in ps.used.values() if any(now.get(name) != digest for name, digest in p.deps)]
     kinds = sorted({p.kind for p in stale})
     dropped = cache.drop(
         lambda p: (
-            p.key[1:3] == (n.cls.__module__, n.cls.__qualname__)
+            p.key[1:3] == (n.cls.__module__, n.cls.__qualname__)  # type: ignore[index]
             and any(now.get(name) != digest for name, digest in p.deps)
         )
     )
-    n.programs = {}
-    n.__dict__["_prints"] = new
-    n.__dict__["_slots"] = set()  # the recompiles that follow are explained here, not again
+    ps.reset_train()
+    ps.prints = new
+    ps.slots = set()  # the recompiles that follow are explained here, not again
     which = f" (the {' and '.join(kinds)} program{'s' * (len(kinds) > 1)})" if kinds else ""
     warnings.warn(
         f"{n.cls.__name__}: {', '.join(f'`{e}`' for e in edited)} changed since this Nitro "
@@ -285,7 +307,9 @@ def _on_compile(n):
     return compiling
 
 
-def _acquire(n, key, lower, *, kind: str, label: str, parts, hooks) -> cache.Program:
+def _acquire(
+    n, key, lower, *, kind: str, label: str, parts, hooks, bucket: int | None = None
+) -> cache.Program:
     """get_or_compile, plus this run's bookkeeping: reports, logs, recompile warnings."""
     before = cache.cache_stats()["misses"]
     prog = cache.get_or_compile(
@@ -300,7 +324,8 @@ def _acquire(n, key, lower, *, kind: str, label: str, parts, hooks) -> cache.Pro
         on_compile=_on_compile(n),
         deps=hook_prints(n, kind),
     )
-    used = n.__dict__.setdefault("used_programs", {})
+    ps = n.program_set
+    used = ps.used
     compiled_here = cache.cache_stats()["misses"] > before
     # A planned variant (the ragged last eval batch, a tail of single steps) is its own slot.
     slot = (
@@ -308,13 +333,13 @@ def _acquire(n, key, lower, *, kind: str, label: str, parts, hooks) -> cache.Pro
         parts.split,
         dict(parts.options).get("rows"),
         dict(parts.options).get("steps_per_call"),
+        bucket,
     )
-    slots = n.__dict__.setdefault("_slots", set())
+    slots = ps.slots
     if compiled_here:
-        n.__dict__.setdefault("compiled_programs", []).append(prog)
+        ps.compiled.append(prog)
         rec = prog.record
-        log = n.logger.log_other if n.logger_open else (lambda _: None)  # readers log nothing
-        log(
+        n.services.log_other(
             {
                 "compile": {
                     "kind": kind,
@@ -363,6 +388,7 @@ def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
         write_hyper=functools.partial(optim.write_hyper, n.optimizer),
         unpack_hyper=n.unpack_hyper,
         skip_nonfinite=n.on_nonfinite == "skip",
+        grad_norm=True,
     )
     parts = _parts(
         n,
@@ -455,8 +481,14 @@ def predict_program(n, batch, n_valid: int | None) -> cache.Program:
     )
     args = (n.carry.params, n.carry.model_state, batch, extras)
     parts = _parts(
-        n, "predict", None, {"batch": batch, "extras": extras["device"]}, {"rows": n_valid}
+        n,
+        "predict",
+        None,
+        {"batch": batch, "extras": extras["device"]},
+        {"rows": n_valid},
     )
+    # Each padded size (a bucket) is a planned program of its own, not a recompile.
+    bucket = next(iter(batch.values())).shape[0]
     return _acquire(
         n,
         key,
@@ -465,6 +497,7 @@ def predict_program(n, batch, n_valid: int | None) -> cache.Program:
         label=n.cls.__name__,
         parts=parts,
         hooks=("forward",),
+        bucket=bucket,
     )
 
 

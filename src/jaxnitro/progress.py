@@ -13,6 +13,7 @@ from rich.progress import (
     MofNCompleteColumn,
     Progress,
     SpinnerColumn,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -33,11 +34,11 @@ class Display:
         self.file = file
         self.console = Console(file=file) if self.mode == "rich" else None
         self._progress: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
 
     # -- lines -------------------------------------------------------------------------
     def line(self, text: str) -> None:
-        if self.mode == "rich":
+        if self.console is not None:  # mode "rich"
             self.console.print(text, highlight=False)
         elif self.mode == "plain":
             print(text, file=self.file, flush=True)
@@ -47,7 +48,7 @@ class Display:
         """Show that a program compiles, with its elapsed time."""
         what = f"{kind} program" + (f" ({label})" if label else "")
         t0 = time.perf_counter()
-        if self.mode == "rich":
+        if self.console is not None:  # mode "rich"
             with self.console.status(f"compiling the {what}…") as status:
                 stop = threading.Event()
 
@@ -90,7 +91,7 @@ class Display:
         )
 
     def update(self, done: int, loss: float | None, rate: float | None) -> None:
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
             self._progress.update(
                 self._task,
                 completed=done,
@@ -99,7 +100,7 @@ class Display:
             )
 
     def phase(self, text: str) -> None:
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
             self._progress.update(self._task, description=f"{self._epoch_label} · {text}")
 
     def end_epoch(self, summary: str) -> None:

@@ -57,21 +57,24 @@ class _SignalCounter:
     (an event loop owns it): then each handler call counts one."""
 
     def __init__(self):
-        self._r = self._w = None
+        self._r: socket.socket | None = None
+        self._w: socket.socket | None = None
+        self._pending: list[int] = []
         r, w = socket.socketpair()
         r.setblocking(False)
         w.setblocking(False)
         try:
             old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-        except ValueError:
-            r.close(), w.close()
+        except ValueError:  # not the main thread after all
+            r.close()
+            w.close()
             return
         if old != -1:  # somebody else's: put it back
             signal.set_wakeup_fd(old)
-            r.close(), w.close()
+            r.close()
+            w.close()
             return
         self._r, self._w = r, w
-        self._pending: list[int] = []
 
     def take(self, signum: int) -> int:
         if self._r is None:
@@ -92,8 +95,34 @@ class _SignalCounter:
         with contextlib.suppress(ValueError):
             signal.set_wakeup_fd(-1)
         self._r.close()
-        self._w.close()
-        self._r = None
+        if self._w is not None:
+            self._w.close()
+        self._r = self._w = None
+
+
+class Preempted(SystemExit):
+    """Raised by `jn.train` after SIGTERM: the run checkpointed its current step and stopped.
+
+    A `SystemExit` with code 143 (the conventional SIGTERM status), so a script that does not
+    catch it exits as terminated, while a notebook or a launcher can catch it and resume with
+    ``resume="auto"``. `step` is the last step taken, `checkpoint` the checkpoint written.
+
+    Example:
+        >>> try:
+        ...     jn.train(n)
+        ... except jn.Preempted as p:
+        ...     print("preempted at step", p.step, "saved to", p.checkpoint)
+    """
+
+    def __init__(self, step: int, checkpoint=None):
+        super().__init__(143)
+        self.step, self.checkpoint = step, checkpoint
+
+    def __str__(self) -> str:
+        return (
+            f"preempted (SIGTERM) at step {self.step}; checkpoint {self.checkpoint}. "
+            f"Resume with jn.Nitro(exp, run_dir=..., resume='auto')."
+        )
 
 
 class SetupTerminated(BaseException):

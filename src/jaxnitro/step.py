@@ -74,6 +74,7 @@ def make_train_step(
     write_hyper=None,
     unpack_hyper=None,
     skip_nonfinite: bool = False,
+    grad_norm: bool = False,
 ):
     """Build the fused train step: gradient (accumulated in-graph), one optimizer update.
 
@@ -123,6 +124,8 @@ def make_train_step(
         updates, opt_state = tx.update(grads, opt_state, carry.params)
         params = optax.apply_updates(carry.params, updates)
         out = {"loss": loss, **aux}
+        if grad_norm:  # the driver logs it per step; the low-level train_step does not pay
+            out["grad_norm"] = optax.tree.norm(grads)
         if skip_nonfinite:  # a non-finite loss leaves params, state and optimizer untouched
             ok = jnp.isfinite(loss)
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731

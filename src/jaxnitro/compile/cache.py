@@ -60,7 +60,13 @@ def cache_stats() -> dict[str, int]:
 
 
 def cache_reset() -> None:
-    """Drop every cached program (the escape hatch when a key cannot see a change)."""
+    """Drop every cached program (the escape hatch when a key cannot see a change).
+
+    Example:
+        >>> jn.cache_reset()
+        >>> jn.cache_stats()
+        {'hits': 0, 'misses': 0, 'entries': 0}
+    """
     with _lock:
         _entries.clear()
         _by_text.clear()

@@ -65,9 +65,9 @@ def hook_parts(
     for name, fn in hooks.items():
         reach = describe_reach(fn)
         target = inspect.unwrap(getattr(fn, "__func__", fn))
-        qualname = getattr(target, "__qualname__", None)
+        qualname = getattr(target, "__qualname__", "")
         # not found (a callable object, a partial): the whole fingerprint stands in for it
-        own.append((name, reach.pop(qualname, None) or fingerprint(fn)))
+        own.append((name, reach.pop(qualname, "") or fingerprint(fn)))
         reached += [(f"{name}/{item}", digest) for item, digest in reach.items()]
     return tuple(own), tuple(reached)
 

@@ -43,10 +43,13 @@ import os
 import sys
 import sysconfig
 import types
+import typing
 import weakref
 
 import jax
 import numpy as np
+
+from ..errors import ConfigArgumentError
 
 __all__ = ["MAX_ARRAY_BYTES", "describe_reach", "fingerprint", "fingerprint_value"]
 
@@ -129,7 +132,7 @@ def fingerprint(obj, *, depth: int = 2) -> str:
     (the caller keys `self` itself).
     """
     if not (callable(obj) or isinstance(obj, classmethod)):  # classmethod objects aren't callable
-        raise TypeError(
+        raise ConfigArgumentError(
             f"fingerprint() takes a callable, got {type(obj).__qualname__}; "
             f"use fingerprint_value() for plain values"
         )
@@ -238,7 +241,10 @@ class _Hasher:
         if depth < 0:
             return self._by_name(fn)
         if _is_library(fn):
-            code, names, bare, paths = "library", frozenset(), frozenset(), frozenset()
+            code = "library"
+            names: frozenset[str] = frozenset()
+            bare: frozenset[tuple] = frozenset()
+            paths: frozenset[tuple] = frozenset()
         else:
             code, names, bare, paths = _code_info(fn.__code__)
         own = _h(
@@ -465,9 +471,15 @@ class _Hasher:
 
     # -- values ---------------------------------------------------------------------------
 
+    @typing.overload
+    def value(self, v, depth: int, *, strict: typing.Literal[False]) -> str: ...
+    @typing.overload
+    def value(self, v, depth: int, *, strict: bool) -> str | None: ...
+
     def value(self, v, depth: int, *, strict: bool) -> str | None:
         """Digest of a value. Functions inside are hashed at `depth`. What cannot be hashed
         by content gives None when `strict`, else an identity digest (a new object, a new key)."""
+        digest: str | None
         t = type(v)
         if t in _SCALARS:
             return _scalar_digest(t, v)
@@ -537,7 +549,9 @@ class _Hasher:
                     )
         finally:
             self._active.discard(id(v))
-        digest = None if None in parts else _h("items", _type_name(v), *parts)
+        digest = (
+            None if None in parts else _h("items", _type_name(v), *typing.cast(list[str], parts))
+        )
         self._containers[key] = (v, digest)  # holding v keeps its id from being reused
         return digest
 
@@ -589,7 +603,7 @@ def _array_digest(a) -> str | None:
         if a.size * a.dtype.itemsize > MAX_ARRAY_BYTES:
             return _h("array by identity", *head, _identity(a))
         host = np.ascontiguousarray(a)  # device -> host for a jax array
-        digest = _h("array", *head, hashlib.sha256(host.reshape(-1).view(np.uint8)).digest())
+        digest = _h("array", *head, hashlib.sha256(host.reshape(-1).view(np.uint8).data).digest())
     except Exception:  # deleted/donated, not fully addressable, extended dtypes (PRNG keys)
         return None
     if token is not None and _identities.get(id(a), (None, ""))[1] == token:
@@ -633,13 +647,51 @@ def _code_info(
     entry = _codes.get(id(code))
     if entry is not None and entry[0]() is code:
         return entry[1:]
+    names, bare, paths = _scan_loads(code)
+    consts = []
+    for const in code.co_consts:  # lambdas, comprehensions and inner defs live here
+        if isinstance(const, types.CodeType):
+            digest, inner_names, inner_bare, inner_paths = _code_info(const)
+            names |= inner_names
+            bare |= inner_bare
+            paths |= inner_paths
+        else:  # code constants are immutable, so this digest holds as long as the code
+            digest = _Hasher().value(const, -1, strict=False)
+        consts.append(digest)
+    # No co_filename, co_firstlineno or line table: moving code must not change it.
+    digest = _h(
+        "code",
+        code.co_qualname,
+        code.co_code,
+        code.co_exceptiontable,
+        repr((code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags)),
+        "\0".join(code.co_names),
+        "\0".join(code.co_varnames),
+        "\0".join(code.co_freevars),
+        "\0".join(code.co_cellvars),
+        *consts,
+    )
+    result = (digest, frozenset(names), frozenset(bare), frozenset(paths))
+    try:
+        ref = weakref.ref(code, functools.partial(_forget_code, id(code)))
+    except TypeError:
+        return result
+    _codes[id(code)] = (ref, *result)
+    return result
+
+
+def _scan_loads(code: types.CodeType) -> tuple[set[str], set[tuple], set[tuple]]:
+    """(global names, bare loads, attribute paths) of one code object's own bytecode (see
+    `_code_info`; nested code objects are scanned by their own call)."""
     names: set[str] = set()
     bare: collections.Counter = collections.Counter()
     paths: set[tuple] = set()
-    root, attrs, zero_arg_super = None, [], False
+    root: tuple[str, str] | None = None
+    attrs: list[str] = []
+    zero_arg_super = False
 
     def close() -> None:
-        if attrs:
+        if attrs and root is not None:  # (attrs only ever follow a root)
             paths.add((*root, tuple(attrs)))
         elif root is not None:
             bare[root] += 1
@@ -675,37 +727,7 @@ def _code_info(
     if zero_arg_super:
         bare["deref", "__class__"] += 1
     close()
-    bare = {load for load, n in bare.items() if n > 0}
-    consts = []
-    for const in code.co_consts:  # lambdas, comprehensions and inner defs live here
-        if isinstance(const, types.CodeType):
-            digest, inner_names, inner_bare, inner_paths = _code_info(const)
-            names |= inner_names
-            bare |= inner_bare
-            paths |= inner_paths
-        else:  # code constants are immutable, so this digest holds as long as the code
-            digest = _Hasher().value(const, -1, strict=False)
-        consts.append(digest)
-    # No co_filename, co_firstlineno or line table: moving code must not change it.
-    digest = _h(
-        "code",
-        code.co_qualname,
-        code.co_code,
-        code.co_exceptiontable,
-        repr((code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags)),
-        "\0".join(code.co_names),
-        "\0".join(code.co_varnames),
-        "\0".join(code.co_freevars),
-        "\0".join(code.co_cellvars),
-        *consts,
-    )
-    result = (digest, frozenset(names), frozenset(bare), frozenset(paths))
-    try:
-        ref = weakref.ref(code, functools.partial(_forget_code, id(code)))
-    except TypeError:
-        return result
-    _codes[id(code)] = (ref, *result)
-    return result
+    return names, {load for load, n in bare.items() if n > 0}, paths
 
 
 def _forget_code(key: int, ref: weakref.ref) -> None:

@@ -22,7 +22,8 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from ..errors import MemoryPlanError
+from ..errors import ConfigError, MemoryPlanError
+from ..units import format_bytes
 
 __all__ = ["MemoryPlan", "ProgramMemory", "check", "device_capacity", "plan", "suggestions"]
 
@@ -125,25 +126,25 @@ class MemoryPlan:
             ("temporaries (activations, gradients)", p.temporaries),
             ("generated code", p.code),
             (
-                f"batches in flight ({self.batches_in_flight} x {human(self.batch_bytes)})",
+                f"batches in flight ({self.batches_in_flight} x {format_bytes(self.batch_bytes)})",
                 self.batches_in_flight * self.batch_bytes,
             ),
             (staging, self.checkpoint_staging_bytes),
         ]
-        verdict = "fits" if self.fits else f"over by {human(self.total - self.capacity)}"
+        verdict = "fits" if self.fits else f"over by {format_bytes(self.total - self.capacity)}"
         width = max(len(name) for name, _ in rows) + 2
         lines = [f"where the bytes go (largest program: '{p.name}')"]
-        lines += [f"  {name:<{width}}{human(n):>10}" for name, n in rows]
+        lines += [f"  {name:<{width}}{format_bytes(n):>10}" for name, n in rows]
         lines += [
-            f"  {'total':<{width}}{human(self.total):>10}",
+            f"  {'total':<{width}}{format_bytes(self.total):>10}",
             f"  {'capacity (' + self.capacity_source + ')':<{width}}"
-            f"{human(self.capacity):>10}   {verdict}",
+            f"{format_bytes(self.capacity):>10}   {verdict}",
         ]
         others = [q for q in self.programs if q is not p]
         if others:
             lines.append(
                 "other programs (run one at a time): "
-                + ", ".join(f"'{q.name}' {human(q.estimate)}" for q in others)
+                + ", ".join(f"'{q.name}' {format_bytes(q.estimate)}" for q in others)
             )
         return "\n".join(lines)
 
@@ -206,7 +207,10 @@ def plan(
             memory = ProgramMemory(name, args, 0, 0, 0, 0, args)
         programs.append(memory)
     if not programs:
-        raise ValueError("plan() needs at least one compiled program")
+        raise ConfigError(
+            "there is no compiled program to plan: jn.memory_plan(n) needs a run with a "
+            "'train' or 'val' split (and plan() a dict {name: lowered.compile()})"
+        )
     total = max(p.estimate for p in programs) + batches_in_flight * batch_bytes
     if _HOST in capacity_source:
         total += checkpoint_staging_bytes
@@ -246,7 +250,7 @@ def suggestions(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> list[st
     if 1 <= largest < batch_size:
         out.append(
             f"batch_size={largest} (from {batch_size}) should fit, about "
-            f"{human(fixed + largest * per_sample)}; this assumes temporaries (mostly "
+            f"{format_bytes(fixed + largest * per_sample)}; this assumes temporaries (mostly "
             f"activations) and batch buffers scale linearly with the batch size."
         )
         accum = next(
@@ -262,28 +266,28 @@ def suggestions(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> list[st
         out.append(
             f"a smaller batch alone will not do: the parts that do not scale with it "
             f"(params, optimizer state, gradients, outputs, code, staging) take "
-            f"{human(fixed)} of {human(plan.capacity)}."
+            f"{format_bytes(fixed)} of {format_bytes(plan.capacity)}."
         )
     out.append(
         f'precision="bf16" stores activations in bfloat16, roughly halving temporaries: '
-        f"about {human(plan.total - temp // 2)} in total{_verdict(plan, temp // 2)}."
+        f"about {format_bytes(plan.total - temp // 2)} in total{_verdict(plan, temp // 2)}."
     )
     out.append(
         f"remat: wrap blocks of forward() in jax.checkpoint (nnx.remat, "
         f"eqx.filter_checkpoint) to recompute activations in the backward pass instead of "
-        f"storing them; saves up to the {human(temp)} of temporaries, for extra compute."
+        f"storing them; saves up to the {format_bytes(temp)} of temporaries, for extra compute."
     )
     sharded = plan.params_bytes + plan.opt_state_bytes
     if n_devices > 1:
         saved = sharded - sharded // n_devices
         out.append(
             f"FSDP over the {n_devices} devices keeps (params + optimizer state) / "
-            f"{n_devices} on each: saves {human(saved)}{_verdict(plan, saved)}."
+            f"{n_devices} on each: saves {format_bytes(saved)}{_verdict(plan, saved)}."
         )
     else:
         out.append(
             f"FSDP over N devices keeps (params + optimizer state) / N on each "
-            f"({human(sharded)} now); it needs more than this one device."
+            f"({format_bytes(sharded)} now); it needs more than this one device."
         )
     return out
 
@@ -296,8 +300,8 @@ def check(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> None:
         f"  - {s}" for s in suggestions(plan, batch_size=batch_size, n_devices=n_devices)
     )
     raise MemoryPlanError(
-        f"training would run out of memory: it needs {human(plan.total)} but the "
-        f"{plan.capacity_source} is {human(plan.capacity)}. Stopping before step 1 rather "
+        f"training would run out of memory: it needs {format_bytes(plan.total)} but the "
+        f"{plan.capacity_source} is {format_bytes(plan.capacity)}. Stopping before step 1 rather "
         f"than at an out-of-memory error hours in.\n\n{plan.table()}\n\nTo make it fit:\n"
         f"{fixes}\nIf the capacity is wrong (another process shares the device, or it may "
         f"use more), pass memory_budget=<bytes> to Nitro."
@@ -320,15 +324,6 @@ def tree_bytes(tree) -> int:
                 nbytes = np.asarray(leaf).nbytes
         total += int(nbytes)
     return total
-
-
-def human(n: float) -> str:
-    """Bytes in binary units: 512 B, 3.2 KiB, 1.5 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            break
-        n /= 1024
-    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
 def _available_host_ram() -> int:

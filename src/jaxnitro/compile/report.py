@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ..units import format_bytes
 from .memory import ProgramMemory
 
 __all__ = ["CompileRecord", "Flag", "Thresholds", "format_table", "record"]
@@ -147,9 +148,9 @@ def record(
             Flag(
                 "baked_constants",
                 (
-                    f"program '{kind}' bakes {_human(constant_bytes)} of constants into the program: an "
-                    f"array captured by closure in {where} (usually a dataset or a lookup table). Pass it "
-                    f"as a jn.Device field or a batch field instead."
+                    f"program '{kind}' bakes {format_bytes(constant_bytes)} of constants into the "
+                    f"program: an array captured by closure in {where} (usually a dataset or a "
+                    f"lookup table). Pass it as a jn.Device field or a batch field instead."
                 ),
             )
         )
@@ -161,10 +162,11 @@ def record(
             Flag(
                 "slow_compile",
                 (
-                    f"program '{kind}' took {compile_seconds:.0f} s to compile. Turn on the persistent "
-                    f"compilation cache so later runs skip it: jn.setup_devices(compilation_cache=DIR). "
-                    f"If the op count ({len(ops):,}) is large, look for Python loops in {where} and "
-                    f"use jax.lax.scan or jax.lax.fori_loop."
+                    f"program '{kind}' took {compile_seconds:.0f} s to compile. Turn on the "
+                    f"persistent compilation cache so later runs skip it: "
+                    f"jn.setup_devices(compilation_cache=DIR). If the op count ({len(ops):,}) is "
+                    f"large, look for Python loops in {where} and use jax.lax.scan or "
+                    f"jax.lax.fori_loop."
                 ),
             )
         )
@@ -210,10 +212,10 @@ def format_table(records: Iterable[CompileRecord]) -> str:
                 f"{r.compile_seconds:.2f}",
                 f"{r.hlo_ops:,}",
                 f"{r.stablehlo_ops:,}",
-                _human(r.text_bytes),
-                _human(r.constant_bytes),
+                format_bytes(r.text_bytes),
+                format_bytes(r.constant_bytes),
                 "-" if r.flops is None else f"{r.flops / 1e9:.3g}",
-                "-" if r.memory is None else _human(r.memory["estimate"]),
+                "-" if r.memory is None else format_bytes(r.memory["estimate"]),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -272,7 +274,7 @@ def _longest_repeat(lines: Sequence[str], max_period: int) -> tuple[int, int]:
     program takes milliseconds.
     """
     body = [line for line in lines if line]  # constants out
-    ids = {}
+    ids: dict[str, int] = {}
     seq = np.fromiter(
         (ids.setdefault(line, len(ids)) for line in body), dtype=np.int64, count=len(body)
     )
@@ -379,12 +381,3 @@ def _flops(compiled) -> float | None:
     flops = [c["flops"] for c in cost or () if isinstance(c, dict) and "flops" in c]
     total = float(sum(flops))
     return total if flops and total >= 0 else None  # XLA reports -1 for "unknown"
-
-
-def _human(n: float) -> str:
-    """Bytes in decimal units (matching how sizes are quoted in messages)."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")

@@ -1,4 +1,4 @@
-"""Loggers: a small protocol, and the JSONL logger every run gets by default."""
+"""The JSONL logger every run gets by default: `run_dir/metrics.jsonl`, and reading it back."""
 
 from __future__ import annotations
 
@@ -11,24 +11,11 @@ import stat
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError, JaxnitroError
-
-
-class Logger(Protocol):
-    """What the driver calls. Implement these to send a run somewhere else."""
-
-    def open(self, run_dir: Path, *, resume: bool) -> None: ...
-    def log_params(self, params: dict[str, Any]) -> None: ...
-    def log_metrics(
-        self, metrics: dict[str, Any], *, context: str, epoch: int, step: int
-    ) -> None: ...
-    def log_other(self, values: dict[str, Any]) -> None: ...
-    def finish(self, status: str, **info: Any) -> None: ...
-    def close(self) -> None: ...
+from ..errors import ConfigError, JaxnitroError
 
 
 class LogWriteError(JaxnitroError, OSError):

@@ -1,0 +1,65 @@
+"""Step events: `jn.every(n_steps, fn)` calls `fn(record)` with a frozen `StepRecord`.
+
+Records are made when a step's outputs are read back from the device, which the driver does
+in chunks a few steps behind the newest dispatch (so dispatch never waits): a callback sees
+step 120 shortly after it ran, in step order, and every step of an epoch before the epoch's
+validation. A callback that raises stops the run, as any user code in the loop does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step, as a callback sees it.
+
+    Attributes:
+        step: the optimizer step (1-based); epoch: the epoch it belongs to (1-based).
+        loss: the training loss; grad_norm: the global norm of the gradient (before clipping).
+        learning_rates: group -> learning rate used by this step (schedules applied).
+        step_seconds: wall seconds per step, averaged over the chunk read back with it.
+        metrics: everything the step logged (train_metrics included).
+    """
+
+    step: int
+    epoch: int
+    loss: float
+    grad_norm: float | None
+    learning_rates: Mapping[str, float]
+    step_seconds: float | None
+    metrics: Mapping[str, Any]
+
+
+_global: list[tuple[int, Callable[[StepRecord], Any]]] = []
+
+
+def every(n_steps: int, fn: Callable[[StepRecord], Any], *, nitro=None) -> Callable:
+    """Call `fn(record)` every `n_steps` optimizer steps (of every run, or of one `nitro`).
+
+    Example:
+        >>> jn.every(100, lambda r: print(r.step, r.loss, r.learning_rates), nitro=n)
+    """
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+        raise ConfigError(f"jn.every(n_steps={n_steps!r}, ...): n_steps must be an int >= 1.")
+    if not callable(fn):
+        raise ConfigError(f"jn.every(..., fn={fn!r}): fn must be callable as fn(record).")
+    target = _global if nitro is None else nitro.services.step_callbacks
+    target.append((n_steps, fn))
+    return fn
+
+
+def fire(local: list, record: StepRecord) -> None:
+    """Call the callbacks due at `record.step`: global ones first, then the run's."""
+    for n_steps, fn in (*_global, *local):
+        if record.step % n_steps == 0:
+            fn(record)
+
+
+def has_callbacks(local: list) -> bool:
+    return bool(_global or local)
