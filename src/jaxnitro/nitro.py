@@ -37,6 +37,7 @@ from .errors import (
     did_you_mean,
 )
 from .experiment import DEVICE, field_values, fields, graph_key, is_experiment, replace
+from .jsonable import jsonable as _jsonable
 from .loggers import JSONLogger, make_logger
 from .programs import ProgramSet
 from .progress import Display
@@ -877,20 +878,6 @@ def _int_setting(name: str, value, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}.")
     return int(value)
-
-
-def _jsonable(value):
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None  # JSON has no NaN/inf
-    if isinstance(value, (str, int, bool)) or value is None:
-        return value
-    if isinstance(value, (tuple, list)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if hasattr(value, "shape") and getattr(value, "shape", None) == ():
-        return _jsonable(np.asarray(value).item())
-    return repr(value)
 
 
 __all__ = ["Nitro", "Dist", "read_manifest"]

@@ -31,7 +31,7 @@ def on_phase(fn: Callable, *, nitro=None) -> Callable:
     if nitro is None:
         _global_monitors.append(fn)
     else:
-        nitro.__dict__.setdefault("monitors", []).append(fn)
+        nitro.services.monitors.append(fn)
     return fn
 
 
@@ -40,8 +40,8 @@ def set_phase(n, phase: str, *, info: dict | None = None, force: bool = False) -
     if phase == n.phase and not info and not force:
         return
     n.phase = phase
-    failed = n.__dict__.setdefault("_failed_monitors", set())
-    for fn in [*_global_monitors, *n.__dict__.get("monitors", [])]:
+    failed = n.services.failed_monitors
+    for fn in [*_global_monitors, *n.services.monitors]:
         try:
             fn(phase, n.step, n.epoch, {"nitro": n, **(info or {})})
         except Exception as e:  # noqa: BLE001 - a monitor must never kill the run

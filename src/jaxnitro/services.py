@@ -70,6 +70,8 @@ class Services:
     params_line: dict
     resume_path: Path | None = None
     step_callbacks: list = dataclasses.field(default_factory=list)  # (every n steps, fn)
+    monitors: list = dataclasses.field(default_factory=list)  # jn.on_phase(fn, nitro=n)
+    failed_monitors: set = dataclasses.field(default_factory=set)  # reported once each
     logger_open: bool = False
     _params_logged: bool = False
     _resume_marked: bool = False

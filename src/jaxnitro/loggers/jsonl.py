@@ -13,9 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..errors import ConfigError, JaxnitroError
+from ..jsonable import jsonable
 
 
 class LogWriteError(JaxnitroError, OSError):
@@ -42,22 +41,6 @@ LINE_TYPES = ("params", "metrics", "other", "finish")
 _PREFIXES = tuple(f'{{"type": "{t}"'.encode() for t in LINE_TYPES)
 _HEAD_BYTES = 1 << 20  # how much of an existing file's start is read to recognise it
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def _clean(value):
-    """JSON-safe values: numpy/jax scalars to Python, non-finite floats to null."""
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    if hasattr(value, "__array__") and not isinstance(value, (str, bytes)):
-        arr = np.asarray(value)
-        return _clean(arr.item() if arr.ndim == 0 else arr.tolist())
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, (int, str, bool)) or value is None:
-        return value
-    return repr(value)
 
 
 class JSONLogger:
@@ -162,7 +145,7 @@ class JSONLogger:
     def _write(self, obj: dict) -> None:
         if self._fh is None:
             return
-        self._emit(json.dumps(_clean(obj), allow_nan=False) + "\n")
+        self._emit(json.dumps(jsonable(obj), allow_nan=False) + "\n")
 
     def log_params(self, params: dict[str, Any]) -> None:
         self._write({"type": "params", "time": time.time(), **params})
