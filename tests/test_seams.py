@@ -64,7 +64,9 @@ def test_several_loggers_each_get_every_call(run_dir):
 
 def test_learning_rates_and_gradient_norm_are_logged_per_step(run_dir):
     table = {"opt.learning_rate": jn.schedules.linear(1.0, 0.0)}
-    jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir, schedules=table))
+    jn.train(
+        nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir, schedules=table, log_grad_norm=True)
+    )
     train = [ln for ln in lines(run_dir / "metrics.jsonl") if ln.get("context") == "train"]
     rates = [ln["lr"] for ln in train]
     assert rates[0] == pytest.approx(1e-2) and rates == sorted(rates, reverse=True)
@@ -72,7 +74,7 @@ def test_learning_rates_and_gradient_norm_are_logged_per_step(run_dir):
 
 
 def test_every_calls_back_with_a_frozen_step_record(run_dir):
-    n = nitro(Tiny(max_epochs=2, n_val=0), run_dir=run_dir)
+    n = nitro(Tiny(max_epochs=2, n_val=0), run_dir=run_dir, log_grad_norm=True)
     seen = []
     jn.every(3, seen.append, nitro=n)
     jn.train(n)
@@ -143,3 +145,17 @@ def test_preempted_is_a_system_exit_with_status_143(run_dir):
     assert isinstance(e.value, SystemExit) and e.value.code == 143
     assert e.value.step == n.step and e.value.checkpoint == n.checkpointer.latest()
     assert "resume='auto'" in str(e.value)
+
+
+def test_grad_norm_is_logged_with_clipping_and_off_by_default(run_dir):
+    @jn.experiment
+    class Clipped(Tiny):
+        def gradient_clip_norm(self):
+            return 1.0
+
+    jn.train(nitro(Clipped(max_epochs=1, n_val=0), run_dir=run_dir / "a"))
+    jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "b"))
+    a = [ln for ln in lines(run_dir / "a" / "metrics.jsonl") if ln.get("context") == "train"]
+    b = [ln for ln in lines(run_dir / "b" / "metrics.jsonl") if ln.get("context") == "train"]
+    assert all("grad_norm" in ln for ln in a) and not any("grad_norm" in ln for ln in b)
+    assert all("lr" in ln for ln in b)

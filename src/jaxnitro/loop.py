@@ -407,8 +407,11 @@ def _drain(
     hosts: list = []
     for _, run in itertools.groupby(items, key=lambda item: item[2]):
         outs = [o for *_, o in run]
-        stacked = jax.device_get(jax.tree.map(lambda *xs: jnp.stack(xs), *outs))
-        hosts += [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(len(outs))]
+        keys = list(outs[0])  # every output of one program has the same keys and shapes
+        flat = jnp.stack([o[k] for o in outs for k in keys])  # one device op, one transfer
+        host = np.asarray(jax.device_get(flat))
+        host = host.reshape((len(outs), len(keys)) + host.shape[1:])
+        hosts += [{k: host[i, j] for j, k in enumerate(keys)} for i in range(len(outs))]
     for (last_step, last_batch, steps, _), host in zip(items, hosts, strict=True):
         for j in range(steps):  # a fused call returns one row per optimizer step
             row = {

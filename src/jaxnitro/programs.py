@@ -377,6 +377,7 @@ def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
         steps_per_call,
         n.precision,
         n.on_nonfinite,
+        n.log_grad_norm,
         cache.optimizer_key(n.tx),
         cache.avals((n.carry, batch, extras, hyper)),
     )
@@ -388,14 +389,19 @@ def train_program(n, batch, hyper, steps_per_call: int) -> cache.Program:
         write_hyper=functools.partial(optim.write_hyper, n.optimizer),
         unpack_hyper=n.unpack_hyper,
         skip_nonfinite=n.on_nonfinite == "skip",
-        grad_norm=True,
+        grad_norm=n.log_grad_norm,
     )
     parts = _parts(
         n,
         "train",
         "train",
         {"batch": batch, "extras": extras["device"]},
-        {"accum": n.accum, "steps_per_call": steps_per_call, "precision": n.precision},
+        {
+            "accum": n.accum,
+            "steps_per_call": steps_per_call,
+            "precision": n.precision,
+            "log_grad_norm": n.log_grad_norm,
+        },
         optimizer=(optim.describe(n.optimizer), cache.optimizer_key(n.tx)),
     )
     label = n.cls.__name__ + (f", {steps_per_call} steps per call" if steps_per_call > 1 else "")
