@@ -546,3 +546,46 @@ def test_a_fresh_run_into_a_used_run_dir_keeps_the_earlier_runs_checkpoints(run_
     # resume="auto" continues the run that wrote last
     again = nitro(Tiny(max_epochs=4, width=24), run_dir=run_dir, resume="auto", checkpointer=ck())
     assert again.run_id == second_n.run_id and again.step == 24
+
+
+# ------------------------------------------------------------ found trying it as a new user
+def test_a_relative_checkpoint_path_loads(run_dir, monkeypatch):
+    jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir))
+    latest = jn.TopKCheckpointer(dir=run_dir / "checkpoints").latest()
+    monkeypatch.chdir(run_dir.parent)
+    relative = os.path.relpath(latest, run_dir.parent)
+    n = nitro(Tiny(), run_dir="other", checkpoint=relative)
+    assert 0 <= jn.validate(n)["acc"] <= 1
+    resumed = nitro(Tiny(max_epochs=2), run_dir="other2", resume=relative)
+    assert resumed.step == 8
+
+
+def test_a_val_split_with_other_features_is_named_at_setup(run_dir):
+    x, y = make_data(356)
+
+    @jn.experiment
+    class Narrow(Tiny):
+        def build_data(self, dist):
+            return {
+                "train": jn.DataLoader({"x": x[:256], "y": y[:256]}, 32, drop_last=True),
+                "val": jn.DataLoader({"x": x[256:, :7], "y": y[256:]}, 20),
+            }
+
+    with pytest.raises(
+        jn.DataError,
+        match=r"split 'val': field 'x' has per-sample shape \(7,\).*"
+        r"'train' split has \(8,\)",
+    ):
+        nitro(Narrow(), run_dir=run_dir)
+
+
+def test_predict_names_a_misnamed_field_and_a_wrong_width(run_dir):
+    n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir)
+    with pytest.raises(
+        jn.DataError,
+        match=r"needs field\(s\) \['x'\]; the batch has \['xx'\]\. "
+        r"Rename 'xx' to 'x'\.",
+    ):
+        jn.predict(n, {"xx": np.zeros((3, 8), np.float32)})
+    with pytest.raises(jn.DataError, match=r"field 'x' has per-sample shape \(5,\)"):
+        jn.predict(n, {"x": np.zeros((3, 5), np.float32)})

@@ -657,7 +657,7 @@ def load_checkpoint(
         >>> trees["params"]["w"], meta["step"], meta["metrics"]
         (array([1., 1., 1.]), 100, {'acc': 0.91})
     """
-    ckpt = Path(path)
+    ckpt = Path(path).absolute()  # Orbax refuses relative paths; a relative one is fine here
     info = _read_meta(ckpt)
     templates = templates or {}
     unknown = sorted(set(templates) - set(info["trees"]))

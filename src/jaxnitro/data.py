@@ -244,6 +244,19 @@ def check_specs(batch: Mapping[str, Any], split: str, index: int, specs: dict) -
             )
 
 
+def check_same_specs(specs: dict, reference: dict, split: str, against: str = "train") -> None:
+    """Fields a split shares with the `against` split must match its per-sample shape and
+    dtype (the model is the same): said at setup, before JAX fails inside `forward`."""
+    for k in sorted(specs.keys() & reference.keys()):
+        (shape, dtype), (ref_shape, ref_dtype) = specs[k], reference[k]
+        if shape != ref_shape or dtype != ref_dtype:
+            raise DataError(
+                f"split {split!r}: field {k!r} has per-sample shape {shape} and dtype {dtype}, "
+                f"but the {against!r} split has {ref_shape} and {ref_dtype}. The same model "
+                f"reads both: build the splits with the same features (same preprocessing)."
+            )
+
+
 def pad_batch(batch: Mapping[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
     """Pad to `size` rows by repeating the last row (real values: no NaN from zeros)."""
     out = {}

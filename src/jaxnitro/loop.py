@@ -629,12 +629,20 @@ def _predict_batch(n: Nitro, batch, *, pad_to: int | None):
     route = n.routes["forward"]
     missing = [f for f in route.required if f not in batch]
     if missing:
+        hints = [(m, _closest(m, batch)) for m in missing]
+        renames = [f"rename {got!r} to {m!r}" for m, got in hints if got]
         raise DataError(
-            f"predict: forward() needs field(s) {missing}; the batch has "
-            f"{sorted(batch)}." + "".join(did_you_mean(m, batch) for m in missing)
+            f"predict: forward() needs field(s) {missing}; the batch has {sorted(batch)}. "
+            + ("; ".join(renames).capitalize() + "." if renames else f"Pass a dict with {missing}.")
         )
     fields = [f for f in batch if route.takes_all or f in route.required or f in route.optional]
     size = data_mod.check_batch({f: batch[f] for f in fields}, "predict")
+    if "train" in n.batch_info:
+        data_mod.check_same_specs(
+            data_mod.batch_specs({f: batch[f] for f in fields}, "predict"),
+            n.batch_info["train"]["specs"],
+            "predict",
+        )
     if pad_to is None:  # a dict batch of any size: a bounded set of programs
         cap = _predict_cap(n)
         if size > cap:  # in pieces of the largest bucket, outputs joined (batch first)
@@ -659,6 +667,14 @@ def _predict_batch(n: Nitro, batch, *, pad_to: int | None):
     return jax.tree.map(
         lambda a: a[:size] if getattr(a, "ndim", 0) and a.shape[0] == target else a, out
     )
+
+
+def _closest(name: str, candidates) -> str | None:
+    """The candidate closest to `name` (a misnamed batch field), or None."""
+    import difflib
+
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
+    return match[0] if match else None
 
 
 def _predict_cap(n: Nitro) -> int:

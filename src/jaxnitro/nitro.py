@@ -357,7 +357,7 @@ class Nitro:
                     stacklevel=4,
                 )
         elif checkpoint is not None:
-            self._restore(Path(checkpoint), full=False)
+            self._restore(Path(checkpoint).absolute(), full=False)
 
         self.services.params_line = {
             "experiment": cls.__name__,
@@ -448,7 +448,7 @@ class Nitro:
                 f"checkpoint in run_dir if any), True (it must exist) or a "
                 f"checkpoint path."
             )
-        path = Path(resume)
+        path = Path(resume).absolute()
         if not path.exists():
             raise CheckpointError(
                 f"resume={resume!r}: no such checkpoint. Pass a checkpoint directory (e.g. "
@@ -568,6 +568,10 @@ class Nitro:
                 "first": first,
                 "specs": data_mod.batch_specs(first, split),
             }
+        if "train" in info:  # every split feeds the same model: the same per-sample fields
+            for split, sinfo in info.items():
+                if split != "train":
+                    data_mod.check_same_specs(sinfo["specs"], info["train"]["specs"], split)
         return info
 
     def _steps_per_epoch(self) -> int | None:

@@ -92,7 +92,9 @@ class Services:
                 self._read_only_warned = True
                 warnings.warn(
                     f"run_dir {self.run_dir} is being written by {self.lock.describe()}; "
-                    f"this handle only reads it: results are returned, not logged.",
+                    f"this handle only reads it: results are returned, not logged. To evaluate "
+                    f"the trainer's weights, load its checkpoint: jn.Nitro(exp, "
+                    f"run_dir='runs/eval', checkpoint=path).",
                     stacklevel=4,
                 )
             yield False
