@@ -589,3 +589,14 @@ def test_predict_names_a_misnamed_field_and_a_wrong_width(run_dir):
         jn.predict(n, {"xx": np.zeros((3, 8), np.float32)})
     with pytest.raises(jn.DataError, match=r"field 'x' has per-sample shape \(5,\)"):
         jn.predict(n, {"x": np.zeros((3, 5), np.float32)})
+
+
+@pytest.mark.parametrize("name", ["sweep[lr=0.1]", "a**b", "back\\slash"])
+def test_a_run_dir_with_glob_characters_trains_and_resumes(tmp_path, name):
+    run = tmp_path / name
+    first = jn.train(nitro(Tiny(max_epochs=1), run_dir=run))
+    assert first.best_checkpoint is not None
+    jn.load_checkpoint(first.best_checkpoint)  # loads: the array store was finalised
+    resumed = nitro(Tiny(max_epochs=2), run_dir=run, resume="auto")
+    assert resumed.step == 8
+    assert jn.train(resumed).stop_reason == "completed" and resumed.step == 16
