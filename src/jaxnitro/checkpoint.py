@@ -496,9 +496,16 @@ def _is_int(value: Any, minimum: int = 0) -> bool:
 
 
 def validate_int(
-    meta: dict, key: str, path: str | os.PathLike, *, minimum: int = 0, default: int | None = None
+    meta: dict,
+    key: str,
+    path: str | os.PathLike,
+    *,
+    minimum: int = 0,
+    maximum: int | None = None,
+    default: int | None = None,
 ) -> int:
-    """``meta[key]`` as an int >= ``minimum``, else a CheckpointError naming the field and path.
+    """``meta[key]`` as an int in [``minimum``, ``maximum``], else a CheckpointError naming
+    the field and path.
 
     A missing (or null) value gives ``default`` when one is given. For the user meta of a
     checkpoint, e.g. ``validate_int(meta, "batch_in_epoch", path, default=0)``.
@@ -506,8 +513,9 @@ def validate_int(
     value: Any = meta.get(key) if isinstance(meta, dict) else None
     if value is None and default is not None:
         return default
-    if not _is_int(value, minimum):
-        raise _bad_field(Path(path), key, value, f"an int >= {minimum}")
+    if not _is_int(value, minimum) or (maximum is not None and value > maximum):
+        bound = f" and <= {maximum}" if maximum is not None else ""
+        raise _bad_field(Path(path), key, value, f"an int >= {minimum}{bound}")
     return int(value)
 
 

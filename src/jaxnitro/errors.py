@@ -60,15 +60,21 @@ class NonFiniteLossError(JaxnitroError, FloatingPointError):
     """The training loss became NaN or infinite."""
 
 
-def did_you_mean(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str:
-    """Return ' Did you mean 'x'?' for the closest candidate, or '' when none is close."""
+def closest(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str | None:
+    """The candidate closest to `name` (a typo or an abbreviation of it), or None."""
     candidates = list(candidates)
     matches = difflib.get_close_matches(name, candidates, n=1, cutoff=cutoff)
     if not matches and len(name) >= 3:  # 'accuracy' for 'acc': an abbreviation is close too
         matches = [
             c for c in candidates if len(c) >= 3 and (c.startswith(name) or name.startswith(c))
         ][:1]
-    return f" Did you mean {matches[0]!r}?" if matches else ""
+    return matches[0] if matches else None
+
+
+def did_you_mean(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str:
+    """Return ' Did you mean 'x'?' for the closest candidate, or '' when none is close."""
+    match = closest(name, candidates, cutoff=cutoff)
+    return f" Did you mean {match!r}?" if match is not None else ""
 
 
 MODES = ("min", "max")

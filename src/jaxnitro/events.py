@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +45,9 @@ def every(n_steps: int, fn: Callable[[StepRecord], Any], *, nitro=None) -> Calla
     Example:
         >>> jn.every(100, lambda r: print(r.step, r.loss, r.learning_rates), nitro=n)
     """
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-        raise ConfigError(f"jn.every(n_steps={n_steps!r}, ...): n_steps must be an int >= 1.")
+    check_int(
+        "n_steps", n_steps, minimum=1, fix="pass how many steps apart, e.g. jn.every(100, fn)"
+    )
     if not callable(fn):
         raise ConfigError(f"jn.every(..., fn={fn!r}): fn must be callable as fn(record).")
     target = _global if nitro is None else nitro.services.step_callbacks

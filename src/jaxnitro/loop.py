@@ -26,7 +26,7 @@ from . import data as data_mod
 from . import events, feed, introspect, programs
 from . import metrics as metrics_mod
 from .compile import cache, report
-from .errors import ConfigError, DataError, NonFiniteLossError, did_you_mean
+from .errors import ConfigError, DataError, NonFiniteLossError, closest, did_you_mean
 from .experiment import DEVICE, GRAPH, fields, graph_key, replace
 from .history import History
 from .nitro import Nitro, _jsonable
@@ -629,7 +629,7 @@ def _predict_batch(n: Nitro, batch, *, pad_to: int | None):
     route = n.routes["forward"]
     missing = [f for f in route.required if f not in batch]
     if missing:
-        hints = [(m, _closest(m, batch)) for m in missing]
+        hints = [(m, closest(m, batch, cutoff=0.5)) for m in missing]
         renames = [f"rename {got!r} to {m!r}" for m, got in hints if got]
         raise DataError(
             f"predict: forward() needs field(s) {missing}; the batch has {sorted(batch)}. "
@@ -667,14 +667,6 @@ def _predict_batch(n: Nitro, batch, *, pad_to: int | None):
     return jax.tree.map(
         lambda a: a[:size] if getattr(a, "ndim", 0) and a.shape[0] == target else a, out
     )
-
-
-def _closest(name: str, candidates) -> str | None:
-    """The candidate closest to `name` (a misnamed batch field), or None."""
-    import difflib
-
-    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
-    return match[0] if match else None
 
 
 def _predict_cap(n: Nitro) -> int:

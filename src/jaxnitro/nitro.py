@@ -25,7 +25,7 @@ import numpy as np
 
 from . import data as data_mod
 from . import hooks, optim, signals
-from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
+from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest, validate_int
 from .checkpoint import _read_meta as checkpoint_meta
 from .devices import apply_env, make_mesh, replicated
 from .errors import (
@@ -34,6 +34,7 @@ from .errors import (
     ConfigError,
     DataError,
     HookError,
+    check_int,
     did_you_mean,
 )
 from .experiment import DEVICE, field_values, fields, graph_key, is_experiment, replace
@@ -260,7 +261,7 @@ class Nitro:
                     f"{self.seed}: the shuffle order and dropout must continue as they were.",
                     stacklevel=4,
                 )
-                self.seed = _meta_int(meta, "seed", self.resume_path)
+                self.seed = validate_int(meta, "seed", self.resume_path)
         self.checkpointer.for_run(self.run_id)
 
         # Data, then derived values (e.g. class weights) assigned to existing fields.
@@ -717,17 +718,17 @@ class Nitro:
                 Carry(params, mstate, trees["opt_state"], jnp.asarray(meta["step"], jnp.int32)),
                 self._rep,
             )
-            self.host_step = _meta_int(meta, "step", path)
+            self.host_step = validate_int(meta, "step", path)
             # Every epoch takes at least one step: a larger epoch is a damaged or edited meta.
-            self.epoch = _meta_int(meta, "epoch", path, maximum=self.host_step)
-            self.batch_in_epoch = _meta_int(
+            self.epoch = validate_int(meta, "epoch", path, maximum=self.host_step)
+            self.batch_in_epoch = validate_int(
                 meta,
                 "batch_in_epoch",
                 path,
                 default=0,
                 maximum=self.steps_per_epoch and self.steps_per_epoch * self.accum,
             )
-            self.skipped_steps = _meta_int(meta, "skipped_steps", path, default=0)
+            self.skipped_steps = validate_int(meta, "skipped_steps", path, default=0)
             history = meta.get("history", [])
             if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
                 raise CheckpointError(
@@ -749,28 +750,6 @@ def _read_meta(path: Path) -> dict:
     """The user meta of a checkpoint, read without its arrays (errors name what is wrong)."""
     full = checkpoint_meta(Path(path))
     return full.get("meta", full)
-
-
-def _meta_int(
-    meta: dict, key: str, path: Path, *, default: int | None = None, maximum: int | None = None
-) -> int:
-    """An integer field of a checkpoint's meta, validated (a bad one names the field)."""
-    value = meta.get(key, default)
-    if value is None and default is not None:
-        value = default
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < 0
-        or (maximum is not None and value > maximum)
-    ):
-        bound = f" and <= {maximum}" if maximum is not None else ""
-        raise CheckpointError(
-            f"checkpoint {path}: meta field {key!r} is {value!r}; it must be an int >= 0{bound}. "
-            f"The checkpoint's meta.json is damaged or was edited; resume from another "
-            f"checkpoint (TopKCheckpointer.records()) or start a new run."
-        )
-    return value
 
 
 def _resumed_run_id(meta: dict, fallback: str) -> str:
@@ -889,9 +868,9 @@ def _make_logger(value):
 
 
 def _int_setting(name: str, value, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}.")
-    return int(value)
+    return check_int(
+        name, value, minimum=minimum, fix=f"pass a whole number, e.g. {name}={max(minimum, 1)}"
+    )
 
 
 __all__ = ["Nitro", "Dist", "read_manifest"]
