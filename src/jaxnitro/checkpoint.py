@@ -509,6 +509,10 @@ def validate_int(
 
     A missing (or null) value gives ``default`` when one is given. For the user meta of a
     checkpoint, e.g. ``validate_int(meta, "batch_in_epoch", path, default=0)``.
+
+    Example:
+        >>> validate_int({"batch_in_epoch": 7}, "batch_in_epoch", "ckpt", default=0)
+        7
     """
     value: Any = meta.get(key) if isinstance(meta, dict) else None
     if value is None and default is not None:
@@ -545,29 +549,33 @@ def _check_record(ckpt: Path, info: dict) -> None:
         if not isinstance(t.get("sha256"), str) or not isinstance(leaves, list):
             raise _bad_field(ckpt, f"trees.{name}", t, "{index, sha256: str, leaves: list}")
         for j, leaf in enumerate(leaves):
-            ok = (
-                isinstance(leaf, dict)
-                and isinstance(leaf.get("path"), str)
-                and isinstance(leaf.get("dtype"), str)
-                and isinstance(leaf.get("prng_impl", 0), str | None)
-                and isinstance(leaf.get("shape"), list)
-                and all(_is_int(n) for n in leaf["shape"])
-                and isinstance(leaf.get("keys"), list)
-                and all(
-                    isinstance(e, list)
-                    and len(e) == 2
-                    and e[0] in ("i", "f", "a", "d")
-                    and isinstance(e[1], str | int)
-                    for e in leaf["keys"]
-                )
-            )
-            if not ok:
+            if not _leaf_spec_ok(leaf):
                 raise _bad_field(
                     ckpt,
                     f"trees.{name}.leaves[{j}]",
                     leaf,
                     "{path, keys, shape: [int >= 0], dtype: str, prng_impl}",
                 )
+
+
+def _leaf_spec_ok(leaf: Any) -> bool:
+    """Whether a meta.json leaf spec has the fields and types `_check_record` requires."""
+    return (
+        isinstance(leaf, dict)
+        and isinstance(leaf.get("path"), str)
+        and isinstance(leaf.get("dtype"), str)
+        and isinstance(leaf.get("prng_impl", 0), str | None)
+        and isinstance(leaf.get("shape"), list)
+        and all(_is_int(n) for n in leaf["shape"])
+        and isinstance(leaf.get("keys"), list)
+        and all(
+            isinstance(e, list)
+            and len(e) == 2
+            and e[0] in ("i", "f", "a", "d")
+            and isinstance(e[1], str | int)
+            for e in leaf["keys"]
+        )
+    )
 
 
 def _read_meta(ckpt: Path) -> dict:
@@ -668,6 +676,31 @@ def load_checkpoint(
     ckpt = Path(path).absolute()  # Orbax refuses relative paths; a relative one is fine here
     info = _read_meta(ckpt)
     templates = templates or {}
+    _check_templates(ckpt, info, templates)
+    try:
+        arrays = _read_arrays(ckpt, info)
+    except (KeyError, TypeError, ValueError) as exc:  # e.g. an unknown dtype or PRNG impl
+        raise CheckpointError(
+            f"checkpoint {ckpt} is corrupted (bad leaf spec in {META}: {_short(exc)}); use "
+            "another checkpoint"
+        ) from exc
+    trees = {
+        name: _rebuild_tree(ckpt, name, spec, arrays, templates.get(name, _NO_TEMPLATE))
+        for name, spec in info["trees"].items()
+    }
+    return trees, {
+        "epoch": info["epoch"],
+        "step": info["step"],
+        "metrics": info["metrics"],
+        **info["meta"],
+    }
+
+
+_NO_TEMPLATE = object()  # (None is a valid pytree template: the empty tree)
+
+
+def _check_templates(ckpt: Path, info: dict, templates: dict[str, Any]) -> None:
+    """Every template names a stored tree and matches its leaf specs (no array read yet)."""
     unknown = sorted(set(templates) - set(info["trees"]))
     if unknown:
         raise CheckpointError(
@@ -677,34 +710,22 @@ def load_checkpoint(
         )
     for name, template in templates.items():
         _check_template(ckpt, name, template, info["trees"][name]["leaves"])
-    try:
-        arrays = _read_arrays(ckpt, info)
-    except (KeyError, TypeError, ValueError) as exc:  # e.g. an unknown dtype or PRNG impl
+
+
+def _rebuild_tree(ckpt: Path, name: str, spec: dict, arrays: dict, template: Any) -> Any:
+    """One stored tree, checksum-verified, in the template's structure (or as nested dicts)."""
+    leaves = spec["leaves"]
+    stored = arrays.get(f"t{spec['index']}", {})
+    values = [np.asarray(stored[f"l{j}"]) for j in range(len(leaves))]
+    if _checksum([leaf["path"] for leaf in leaves], values) != spec["sha256"]:
         raise CheckpointError(
-            f"checkpoint {ckpt} is corrupted (bad leaf spec in {META}: {_short(exc)}); use "
+            f"checkpoint {ckpt} is corrupted (checksum mismatch in tree {name!r}); use "
             "another checkpoint"
-        ) from exc
-    trees = {}
-    for name, spec in info["trees"].items():
-        leaves = spec["leaves"]
-        stored = arrays.get(f"t{spec['index']}", {})
-        values = [np.asarray(stored[f"l{j}"]) for j in range(len(leaves))]
-        if _checksum([leaf["path"] for leaf in leaves], values) != spec["sha256"]:
-            raise CheckpointError(
-                f"checkpoint {ckpt} is corrupted (checksum mismatch in tree {name!r}); use "
-                "another checkpoint"
-            )
-        pairs = list(zip(leaves, values, strict=True))
-        if name in templates:
-            trees[name] = _assemble(templates[name], {leaf["path"]: (v, leaf) for leaf, v in pairs})
-        else:
-            trees[name] = _nest([(leaf["keys"], v) for leaf, v in pairs])
-    return trees, {
-        "epoch": info["epoch"],
-        "step": info["step"],
-        "metrics": info["metrics"],
-        **info["meta"],
-    }
+        )
+    pairs = list(zip(leaves, values, strict=True))
+    if template is not _NO_TEMPLATE:
+        return _assemble(template, {leaf["path"]: (v, leaf) for leaf, v in pairs})
+    return _nest([(leaf["keys"], v) for leaf, v in pairs])
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict:
@@ -713,6 +734,10 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     Reads and validates ``meta.json``, restores every array (in the recorded shapes only) and
     compares each tree's sha256 with the one recorded at save time, so a truncated, edited or
     half-deleted checkpoint is caught.
+
+    Example:
+        >>> jn.checkpoint.verify_checkpoint(ck.latest())["step"]
+        100
     """
     try:
         _, meta = load_checkpoint(path)
@@ -827,6 +852,125 @@ def _allowed_entry(entry: Path, listed: set[str]) -> bool:
     )
 
 
+def _first_valid(root: Path, rows: list[dict]) -> tuple[Path | None, list[tuple[str, Path, str]]]:
+    """The newest-written checkpoint of `rows` that verifies (or None), and the (name, path,
+    why) of each newer one that did not."""
+    # Newest written first, across every run in the directory: resuming continues the
+    # run that wrote last, even if an older run reached a higher step.
+    order = sorted(
+        range(len(rows)), key=lambda i: (rows[i]["time"], rows[i]["step"], i), reverse=True
+    )
+    skipped: list[tuple[str, Path, str]] = []
+    for i in order:
+        path = root / rows[i]["path"]
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            why = str(exc).removeprefix(f"checkpoint {path} is ")  # the path is said below
+            skipped.append((rows[i]["name"], path, _short(why, 300)))
+            continue
+        return path, skipped
+    return None, skipped
+
+
+def _prepare_dir(d: Path) -> None:
+    """Create the checkpoint directory `d` writable, refuse foreign content in it, and drop
+    the temp entries of writers that are gone (live writers' entries stay)."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot create checkpoint directory {d} ({exc}); pass a writable dir="
+        ) from exc
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"checkpoint directory {d} is not writable; fix its permissions or pass dir="
+        )
+    try:
+        listed = {r["name"] for r in _read_rows(d, quiet=True)[0]}
+    except _BadManifest:
+        listed = set()
+    foreign = sorted(
+        e.name + "/" * e.is_dir() for e in d.iterdir() if not _allowed_entry(e, listed)
+    )
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise CheckpointError(
+            f"checkpoint directory {d} holds entries jaxnitro did not create: "
+            f"{', '.join(map(repr, foreign[:3]))}{more}. Retention deletes inside it, so "
+            f"pass an empty or new dir= (e.g. {d / 'checkpoints'}) or a run's checkpoints "
+            "directory."
+        )
+    for entry in d.iterdir():  # leftovers of killed writers
+        if _is_stale_temp(entry):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def _counters(epoch: Any, step: Any) -> tuple[int, int]:
+    """(epoch, step) as ints >= 0: what _read_meta would refuse is refused at save time."""
+    try:
+        counters = int(epoch), int(step)
+    except (TypeError, ValueError, OverflowError):
+        counters = (-1, -1)
+    if min(counters) < 0:
+        raise CheckpointError(
+            f"checkpoint epoch and step must be ints >= 0; pass the run's "
+            f"counters, got epoch={epoch!r}, step={step!r}"
+        )
+    return counters
+
+
+def _free_name(root: Path, epoch: int, step: int, metric: str, metrics: dict) -> str:
+    """`epoch-E-step-S[-metric=V]`, suffixed `-<n>` when that entry exists already."""
+    name = f"epoch-{epoch:04d}-step-{step:06d}"
+    if metric in metrics:  # the raw value, so "nan"/"inf" stay visible in the name
+        name += "-{}={:.6g}".format(
+            re.sub(r"[^A-Za-z0-9_.]", "_", metric)[:40], float(metrics[metric])
+        )
+    base, n = name, 0
+    while (root / name).exists():  # same epoch/step saved twice: keep both
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def _new_record(epoch: int, step: int, metrics: dict, meta: dict | None) -> dict:
+    """The JSON record of a checkpoint (meta.json without its trees)."""
+    record = {
+        "format_version": FORMAT_VERSION,
+        "epoch": epoch,
+        "step": step,
+        "metrics": {str(k): _metric_value(k, v) for k, v in metrics.items()},
+        "time": datetime.now(UTC).isoformat(timespec="microseconds"),
+        "meta": meta or {},
+    }
+    try:  # NaN/inf (a history row of a diverged step) as null, numpy values as numbers
+        return jsonable(record)
+    except RecursionError as exc:
+        raise CheckpointError(
+            "checkpoint meta contains itself (a cycle); pass plain JSON data (str/number/list/dict)"
+        ) from exc
+
+
+def _write_atomically(root: Path, name: str, trees: dict[str, Any], record: dict) -> None:
+    """Write the checkpoint under a temp name, then rename it to `root / name`."""
+    tmp = root / f"{name}{_TMP}{os.getpid()}"
+    try:
+        with _writing(tmp):
+            _write_checkpoint(tmp, trees, record)
+            os.replace(tmp, root / name)  # the checkpoint appears complete or not at all
+        _fsync_dir(root)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        # Ctrl-C/exit propagate unchanged, as do our own errors (a leaf that is no array).
+        if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+            raise
+        raise _write_failed(root / name, exc) from exc
+
+
 class TopKCheckpointer:
     """Keep the ``k`` best checkpoints by ``metric`` (``mode`` "min"/"max") plus the newest.
 
@@ -870,6 +1014,9 @@ class TopKCheckpointer:
 
         Each checkpoint's meta names its run; a fresh run into a directory that holds an
         earlier run's checkpoints keeps its own top k and never deletes the others.
+
+        Example:
+            >>> ck.for_run("2024-06-01-run-a")  # retention now spares other runs' checkpoints
         """
         self.run_id = run_id
 
@@ -882,6 +1029,12 @@ class TopKCheckpointer:
 
         With ``writer=False`` (a reader, e.g. an evaluation while a trainer runs) nothing on
         disk is created or changed, and a missing directory simply holds no checkpoint.
+
+        Example:
+            >>> ck = jn.TopKCheckpointer(metric="acc", mode="max")
+            >>> ck.bind("runs/mnist")
+            >>> ck.dir.name
+            'checkpoints'
         """
         if self.dir is None:
             self.dir = (Path(run_dir) / "checkpoints").absolute()
@@ -894,37 +1047,7 @@ class TopKCheckpointer:
         if not writer:
             self._bound, self._writer = True, False
             return
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot create checkpoint directory {d} ({exc}); pass a writable dir="
-            ) from exc
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise CheckpointError(
-                f"checkpoint directory {d} is not writable; fix its permissions or pass dir="
-            )
-        try:
-            listed = {r["name"] for r in _read_rows(d, quiet=True)[0]}
-        except _BadManifest:
-            listed = set()
-        foreign = sorted(
-            e.name + "/" * e.is_dir() for e in d.iterdir() if not _allowed_entry(e, listed)
-        )
-        if foreign:
-            more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-            raise CheckpointError(
-                f"checkpoint directory {d} holds entries jaxnitro did not create: "
-                f"{', '.join(map(repr, foreign[:3]))}{more}. Retention deletes inside it, so "
-                f"pass an empty or new dir= (e.g. {d / 'checkpoints'}) or a run's checkpoints "
-                "directory."
-            )
-        for entry in d.iterdir():  # leftovers of killed writers; live writers' entries stay
-            if _is_stale_temp(entry):
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry, ignore_errors=True)
-                else:
-                    entry.unlink(missing_ok=True)
+        _prepare_dir(d)
         self._bound, self._writer = True, True
         # Killed between the checkpoint's rename and the manifest write: the checkpoint is
         # complete but unlisted, so adopt it rather than lose or leak it. Also drop dangling rows.
@@ -970,7 +1093,14 @@ class TopKCheckpointer:
     def save(
         self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any], meta: dict
     ) -> Path:
-        """Write one checkpoint durably, then list it in the manifest, then apply retention."""
+        """Write one checkpoint durably, then list it in the manifest, then apply retention.
+
+        Example:
+            >>> path = ck.save(epoch=1, step=100, metrics={"acc": 0.91},
+            ...                trees={"params": {"w": np.ones(3)}}, meta={"note": "warmup"})
+            >>> path.name
+            'epoch-0001-step-000100-acc=0.91'
+        """
         root = self._root()
         if not self._writer:
             raise CheckpointError(
@@ -981,54 +1111,11 @@ class TopKCheckpointer:
             raise CheckpointError(
                 f"checkpoint meta must be a dict, got {type(meta).__name__}; pass meta={{...}}"
             )
-        try:  # what _read_meta would refuse is refused here, not when resuming
-            counters = int(epoch), int(step)
-        except (TypeError, ValueError, OverflowError):
-            counters = (-1, -1)
-        if min(counters) < 0:
-            raise CheckpointError(
-                f"checkpoint epoch and step must be ints >= 0; pass the run's "
-                f"counters, got epoch={epoch!r}, step={step!r}"
-            )
-        epoch, step = counters
+        epoch, step = _counters(epoch, step)
         raw = dict(metrics or {})
-        clean = {str(k): _metric_value(k, v) for k, v in raw.items()}
-        name = f"epoch-{epoch:04d}-step-{step:06d}"
-        if self.metric in raw:  # the raw value, so "nan"/"inf" stay visible in the name
-            name += "-{}={:.6g}".format(
-                re.sub(r"[^A-Za-z0-9_.]", "_", self.metric)[:40], float(raw[self.metric])
-            )
-        base, n = name, 0
-        while (root / name).exists():  # same epoch/step saved twice: keep both
-            n += 1
-            name = f"{base}-{n}"
-        record = {
-            "format_version": FORMAT_VERSION,
-            "epoch": epoch,
-            "step": step,
-            "metrics": clean,
-            "time": datetime.now(UTC).isoformat(timespec="microseconds"),
-            "meta": meta or {},
-        }
-        try:  # NaN/inf (a history row of a diverged step) as null, numpy values as numbers
-            record = jsonable(record)
-        except RecursionError as exc:
-            raise CheckpointError(
-                "checkpoint meta contains itself (a cycle); pass plain JSON data "
-                "(str/number/list/dict)"
-            ) from exc
-        tmp = root / f"{name}{_TMP}{os.getpid()}"
-        try:
-            with _writing(tmp):
-                _write_checkpoint(tmp, trees, record)
-                os.replace(tmp, root / name)  # the checkpoint appears complete or not at all
-            _fsync_dir(root)
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            # Ctrl-C/exit propagate unchanged, as do our own errors (a leaf that is no array).
-            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
-                raise
-            raise _write_failed(root / name, exc) from exc
+        record = _new_record(epoch, step, raw, meta)
+        name = _free_name(root, epoch, step, self.metric, raw)
+        _write_atomically(root, name, trees, record)
         self._write_manifest(self.records() + [self._row(name, record)])
         self._apply_retention()
         return root / name
@@ -1101,7 +1188,12 @@ class TopKCheckpointer:
         return rows
 
     def records(self) -> list[dict]:
-        """Manifest rows whose checkpoint is complete on disk, oldest first."""
+        """Manifest rows whose checkpoint is complete on disk, oldest first.
+
+        Example:
+            >>> [(r["step"], r["score"]) for r in ck.records()]
+            [(100, 0.91)]
+        """
         root = self._root()
         good, lost, seen = [], [], set()
         for r in self._manifest_rows():  # (first of duplicate names wins)
@@ -1124,7 +1216,11 @@ class TopKCheckpointer:
         return good
 
     def latest(self) -> Path | None:
-        """Newest complete checkpoint of this run (highest step, then last written), or None."""
+        """Newest complete checkpoint of this run (highest step, then last written), or None.
+
+        Example:
+            >>> trees, meta = jn.load_checkpoint(ck.latest())
+        """
         row = self._newest(self._mine(self.records()))
         return self.dir / row["path"] if row else None
 
@@ -1136,26 +1232,13 @@ class TopKCheckpointer:
         when bound with ``writer=False``) each is also unlisted and renamed to
         ``<name>.corrupt-<n>`` (kept for inspection, never considered again, neither newest nor
         best). Costs one full read of the checkpoint.
+
+        Example:
+            >>> path = ck.latest_valid()  # None when no checkpoint verifies
+            >>> trees, meta = jn.load_checkpoint(path) if path is not None else ({}, {})
         """
-        root = self._root()
         rows = self.records()
-        # Newest written first, across every run in the directory: resuming continues the
-        # run that wrote last, even if an older run reached a higher step.
-        order = sorted(
-            range(len(rows)), key=lambda i: (rows[i]["time"], rows[i]["step"], i), reverse=True
-        )
-        skipped: list[tuple[str, Path, str]] = []
-        found = None
-        for i in order:
-            path = root / rows[i]["path"]
-            try:
-                verify_checkpoint(path)
-            except CheckpointError as exc:
-                why = str(exc).removeprefix(f"checkpoint {path} is ")  # the path is said below
-                skipped.append((rows[i]["name"], path, _short(why, 300)))
-                continue
-            found = path
-            break
+        found, skipped = _first_valid(self._root(), rows)
         moved = (
             self._quarantine([s[0] for s in skipped], rows)
             if skipped and quarantine and self._writer
@@ -1192,6 +1275,10 @@ class TopKCheckpointer:
         return moved
 
     def best(self) -> Path | None:
-        """Best checkpoint of this run by ``metric`` and ``mode``; None if none has a finite one."""
+        """Best checkpoint of this run by ``metric`` and ``mode``; None if none has a finite one.
+
+        Example:
+            >>> trees, meta = jn.load_checkpoint(ck.best(), {"params": params})
+        """
         ranked = self._ranked(self._mine(self.records()))
         return self.dir / ranked[0]["path"] if ranked else None

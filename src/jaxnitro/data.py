@@ -95,7 +95,11 @@ class DataLoader:
         return bool(self.num_samples % self.batch_size) and not self.drop_last
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the shuffle permutation of `epoch` (the driver calls this each epoch)."""
+        """Select the shuffle permutation of `epoch` (the driver calls this each epoch).
+
+        Example:
+            >>> loader.set_epoch(3)  # the next iteration uses epoch 3's permutation
+        """
         self.epoch = int(epoch)
 
     def _order(self) -> np.ndarray | None:
@@ -105,7 +109,12 @@ class DataLoader:
         return np.random.default_rng([seed, self.epoch]).permutation(self.num_samples)
 
     def iter_from(self, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
-        """Iterate the current epoch from batch index `start` (used to resume mid-epoch)."""
+        """Iterate the current epoch from batch index `start` (used to resume mid-epoch).
+
+        Example:
+            >>> sum(1 for _ in loader.iter_from(2)), len(loader)
+            (2, 4)
+        """
         order = self._order()
         for i in range(start, len(self)):
             lo, hi = i * self.batch_size, min((i + 1) * self.batch_size, self.num_samples)
@@ -172,7 +181,12 @@ def _as_array(name: str, value) -> np.ndarray:
 
 
 def check_batch(batch, split: str, *, expect_fields: frozenset | None = None) -> int:
-    """Validate one host batch; return its batch size (the shared leading dimension)."""
+    """Validate one host batch; return its batch size (the shared leading dimension).
+
+    Example:
+        >>> check_batch({"img": np.zeros((8, 784)), "label": np.zeros(8)}, "train")
+        8
+    """
     if not isinstance(batch, Mapping):
         raise DataError(
             f"the {split!r} split yielded a {type(batch).__name__}; batches are dicts of arrays "
@@ -228,7 +242,7 @@ def batch_specs(batch: Mapping[str, Any], split: str) -> dict[str, tuple[tuple, 
     return specs
 
 
-def check_specs(batch: Mapping[str, Any], split: str, index: int, specs: dict) -> None:
+def check_specs(batch: Mapping[str, Any], split: str, index: int, specs: Mapping) -> None:
     """A later batch must match the first one's per-sample shapes and dtypes (one program)."""
     for k, (shape, dtype) in specs.items():
         v = batch[k]
@@ -244,7 +258,9 @@ def check_specs(batch: Mapping[str, Any], split: str, index: int, specs: dict) -
             )
 
 
-def check_same_specs(specs: dict, reference: dict, split: str, against: str = "train") -> None:
+def check_same_specs(
+    specs: Mapping, reference: Mapping, split: str, against: str = "train"
+) -> None:
     """Fields a split shares with the `against` split must match its per-sample shape and
     dtype (the model is the same): said at setup, before JAX fails inside `forward`."""
     for k in sorted(specs.keys() & reference.keys()):
@@ -258,7 +274,12 @@ def check_same_specs(specs: dict, reference: dict, split: str, against: str = "t
 
 
 def pad_batch(batch: Mapping[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
-    """Pad to `size` rows by repeating the last row (real values: no NaN from zeros)."""
+    """Pad to `size` rows by repeating the last row (real values: no NaN from zeros).
+
+    Example:
+        >>> pad_batch({"x": np.arange(3)}, 5)["x"]
+        array([0, 1, 2, 2, 2])
+    """
     out = {}
     for k, v in batch.items():
         n = v.shape[0]

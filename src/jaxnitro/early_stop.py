@@ -124,11 +124,18 @@ class EarlyStopping:
         names = sorted(available)
         if self.metric not in names:
             no_val = "" if has_val else " Add a 'val' split for validation metrics."
-            raise ConfigError(
-                f"early stopping monitors {self.metric!r}, which this run never produces; "
-                f"it produces {names}.{did_you_mean(self.metric, names)} Pass "
-                f"EarlyStopping(metric=...) with one of these.{no_val}"
+            raise self._missing(
+                f"which this run never produces; it produces {names}", names, no_val
             )
+
+    def _missing(self, found: str, names: list[str], extra: str = "") -> ConfigError:
+        """The error for a monitored metric absent from ``names``: what is there, the closest
+        name, and the fix."""
+        return ConfigError(
+            f"early stopping monitors {self.metric!r}, {found}."
+            f"{did_you_mean(self.metric, names)} Pass EarlyStopping(metric=...) with one of "
+            f"these.{extra}"
+        )
 
     def improves(self, value: float | None) -> bool:
         """Whether ``value`` would count as an improvement over ``best`` (no state change)."""
@@ -146,6 +153,11 @@ class EarlyStopping:
         ``epoch`` must increase from call to call (call once per finished epoch, not for an
         epoch a stop request cut short). A missing metric is a ConfigError naming the metrics
         given; a NaN/inf/None value counts as an epoch without improvement.
+
+        Example:
+            >>> es = jn.EarlyStopping(metric="val_loss", patience=1)
+            >>> es.update(1, {"val_loss": 0.5}), es.update(2, {"val_loss": 0.6})
+            (False, True)
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             raise ConfigArgumentError(
@@ -166,11 +178,7 @@ class EarlyStopping:
             )
         if self.metric not in metrics:
             names = sorted(map(str, metrics))
-            raise ConfigError(
-                f"early stopping monitors {self.metric!r}, but epoch {epoch}'s metrics are "
-                f"{names}.{did_you_mean(self.metric, names)} Pass EarlyStopping(metric=...) "
-                f"with one of these."
-            )
+            raise self._missing(f"but epoch {epoch}'s metrics are {names}", names)
         value = _as_float(self.metric, metrics[self.metric])
         self.last_epoch = epoch
         if self.improves(value):
@@ -185,7 +193,12 @@ class EarlyStopping:
 
     # -- persistence -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict of the settings and counters (store it in the checkpoint)."""
+        """A JSON-safe dict of the settings and counters (store it in the checkpoint).
+
+        Example:
+            >>> jn.EarlyStopping(metric="acc", mode="max").state_dict()["bad_epochs"]
+            0
+        """
         return {
             "version": _STATE_VERSION,
             "metric": self.metric,
@@ -205,11 +218,17 @@ class EarlyStopping:
         The monitored metric and mode must match (a best value of another metric or
         direction means nothing); ``patience`` and ``min_delta`` come from this object, so a
         resumed run may change them.
+
+        Example:
+            >>> saved = jn.EarlyStopping(metric="acc", mode="max").state_dict()
+            >>> resumed = jn.EarlyStopping(metric="acc", mode="max", patience=10)
+            >>> resumed.load_state_dict(saved)
         """
         if not isinstance(state, Mapping):
             raise ConfigArgumentError(
                 f"EarlyStopping.load_state_dict takes the dict state_dict() "
-                f"returned, got {type(state).__name__}."
+                f"returned, got {type(state).__name__}; pass es.state_dict() (e.g. from the "
+                f"checkpoint's meta)."
             )
         missing = [
             k

@@ -102,6 +102,12 @@ def fields(cls_or_instance) -> tuple[FieldInfo, ...]:
 
 
 def is_experiment(obj) -> bool:
+    """Whether `obj` is an experiment class (made by `@jn.experiment`) or an instance of one.
+
+    Example:
+        >>> is_experiment(MnistMLP), is_experiment(MnistMLP()), is_experiment(object)
+        (True, True, False)
+    """
     cls = obj if isinstance(obj, type) else type(obj)
     return hasattr(cls, "__jn_fields__")
 
@@ -111,11 +117,17 @@ def _split_annotation(ann) -> tuple[Any, str]:
         base, *extras = typing.get_args(ann)
         kinds = [e.kind for e in extras if isinstance(e, _Marker)]
         if len(kinds) > 1 or (kinds and typing.get_origin(base) is typing.Annotated):
-            raise ConfigError(f"a field carries more than one marker ({kinds}); use exactly one.")
+            raise ConfigError(
+                f"a field carries more than one marker ({kinds}); use exactly one, e.g. "
+                f"jn.GraphConst[int] or jn.Device[float]."
+            )
         if kinds:
             inner_base, inner_kind = _split_annotation(base)
             if inner_kind != HOST or base is not inner_base:
-                raise ConfigError("markers cannot be nested (e.g. GraphConst[Device[int]]).")
+                raise ConfigError(
+                    "markers cannot be nested (e.g. GraphConst[Device[int]]); use one marker "
+                    "per field, e.g. jn.GraphConst[int] or jn.Device[int]."
+                )
             return base, kinds[0]
         return _split_annotation(base)
     if ann in (GraphConst, Device, Host):
@@ -289,7 +301,7 @@ def experiment(cls: Any = None, /):
 def _field_infos(cls: type) -> dict[str, FieldInfo]:
     """The fields of an experiment class: inherited experiment fields first, then its own."""
     hints = _type_hints(cls)
-    own = cls.__dict__.get("__annotations__", {})
+    own = vars(cls).get("__annotations__", {})  # its own namespace: no inherited fields
     docs = _field_docs(cls)
     infos: dict[str, FieldInfo] = {}
     for base in reversed(cls.__mro__[1:]):
@@ -303,7 +315,7 @@ def _field_infos(cls: type) -> dict[str, FieldInfo]:
                 f"{cls.__name__}.{name} is a driver setting and cannot be GraphConst: the driver "
                 f"reads it, the compiled program never does. Remove the marker (leave it Host)."
             )
-        default = cls.__dict__.get(name, dataclasses.MISSING)
+        default = vars(cls).get(name, dataclasses.MISSING)
         if isinstance(default, (list, dict, set, bytearray)) or type(default).__name__ == "ndarray":
             kind_name = type(default).__name__
             raise ConfigError(
@@ -320,7 +332,7 @@ def _field_infos(cls: type) -> dict[str, FieldInfo]:
 
 def _make_experiment(cls: Any, infos: dict[str, FieldInfo]) -> type:
     """Turn `cls` into the frozen keyword-only dataclass, its values checked on creation."""
-    user_post_init = cls.__dict__.get("__post_init__")
+    user_post_init = vars(cls).get("__post_init__")
 
     def __post_init__(self):
         for info in infos.values():
@@ -335,7 +347,7 @@ def _make_experiment(cls: Any, infos: dict[str, FieldInfo]) -> type:
     cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
     cls.__jn_fields__ = infos
     cls.__init__ = _checked_init(cls, cls.__init__)
-    if "presets" not in cls.__dict__ and not hasattr(cls, "presets"):
+    if "presets" not in vars(cls) and not hasattr(cls, "presets"):
         cls.presets = classmethod(lambda c: {})
     cls.from_preset = classmethod(_from_preset)
     return cls
@@ -365,7 +377,9 @@ def _checked_init(cls, init):
         ]
         if missing:
             raise ConfigArgumentError(
-                f"{cls.__name__} needs a value for field(s) {missing} (no default)."
+                f"{cls.__name__} needs a value for field(s) {missing} (no default); pass "
+                f"them as keywords, e.g. {cls.__name__}({missing[0]}=...), or give the "
+                f"field a default."
             )
         init(self, **kwargs)
 
@@ -398,7 +412,12 @@ def _from_preset(cls, name: str, **overrides):
 
 
 def field_values(exp, marker: str) -> dict[str, Any]:
-    """The experiment's values of every field carrying `marker`, in declaration order."""
+    """The experiment's values of every field carrying `marker`, in declaration order.
+
+    Example:
+        >>> field_values(MnistMLP(), "GraphConst")
+        {'width': 128}
+    """
     return {f.name: getattr(exp, f.name) for f in fields(exp) if f.marker == marker}
 
 
@@ -491,7 +510,12 @@ def CompileView(exp, device_values: dict[str, Any], hook: str | None = None):  #
 
 
 def replace(exp, **changes):
-    """`dataclasses.replace` for experiments, with the same validation."""
+    """`dataclasses.replace` for experiments, with the same validation.
+
+    Example:
+        >>> replace(MnistMLP(), width=256).width
+        256
+    """
     known = [f.name for f in fields(exp)]
     for key in changes:
         if key not in known:

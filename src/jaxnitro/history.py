@@ -40,6 +40,13 @@ class History:
 
     @property
     def best_index(self) -> int | None:
+        """Index of the best row by ``metric`` and ``mode`` (rows without a finite value
+        never win), or None.
+
+        Example:
+            >>> h.best_index
+            1
+        """
         scored = [
             (i, v) for i, r in enumerate(self.rows) if (v := _score(r.get(self.metric))) is not None
         ]
@@ -50,11 +57,17 @@ class History:
 
     @property
     def best(self) -> dict | None:
+        """The best row (see `best_index`), or None."""
         i = self.best_index
         return None if i is None else self.rows[i]
 
     def to_pandas(self):
-        """A DataFrame with a boolean `best` column (needs pandas)."""
+        """A DataFrame with a boolean `best` column (needs pandas).
+
+        Example:
+            >>> h.to_pandas()["best"].tolist()
+            [False, True]
+        """
         try:
             import pandas as pd
         except ImportError as e:

@@ -70,6 +70,10 @@ def mode(*, train: bool, rng: jax.Array | None = None) -> Iterator[None]:
 
     Blocks nest; leaving one restores the enclosing mode. The per-call key counter
     starts afresh on entry, so tracing the same step twice yields the same keys.
+
+    Example:
+        >>> with mode(train=True, rng=jax.random.key(0)):
+        ...     outputs, state = jn.apply(model, params, state, x)  # dropout active
     """
     if not isinstance(train, bool):
         # A traced or array flag cannot choose a Python code path at trace time.
@@ -86,7 +90,13 @@ def mode(*, train: bool, rng: jax.Array | None = None) -> Iterator[None]:
 
 
 def is_training() -> bool:
-    """Return whether the current thread is inside `mode(train=True)`."""
+    """Return whether the current thread is inside `mode(train=True)`.
+
+    Example:
+        >>> with mode(train=True):
+        ...     is_training()
+        True
+    """
     current = _current()
     return current is not None and current.train
 
@@ -369,6 +379,11 @@ def structure_key(model: Any) -> Hashable:
 
     It ignores parameter values but covers every static choice (widths, activation
     functions, string options), so it can go into a compile-cache key.
+
+    Example:
+        >>> model, params, state = jn.split_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+        >>> hash(structure_key(model)) == hash(structure_key(model))
+        True
     """
     if isinstance(model, NNXModel):
         return ("nnx", model.graphdef)

@@ -29,7 +29,15 @@ LOCK_NAME = ".jaxnitro.lock"
 
 
 class RunLock:
-    """A re-entrant (per handle) exclusive lock on one directory."""
+    """A re-entrant (per handle) exclusive lock on one directory.
+
+    Example:
+        >>> lock = RunLock("runs/mnist")
+        >>> lock.acquire("train", what="run directory runs/mnist")
+        >>> lock.held
+        True
+        >>> lock.release()
+    """
 
     def __init__(self, directory: str | os.PathLike):
         self.path = Path(directory) / LOCK_NAME

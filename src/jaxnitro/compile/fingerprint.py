@@ -15,11 +15,11 @@ reads that come right after it, so editing `losses.py` and reloading it is seen;
 there counts like a global of the reader (a function one level down, a value by content).
 
 A user class the code loads and uses as such (instantiates, passes on) is hashed by content:
-the functions in its own `__dict__` one level down, its class-level values, its user bases. A
-class the code only reads attributes from (`Cfg.SCALE`, a parent hook `Base.loss(self, x)`,
-`super().loss(x)`) contributes those attributes alone, so an edit elsewhere in that class
-does not recompile. An object of a user class hashed by identity carries its class's digest,
-so a method patched onto the class is seen.
+the functions in its own namespace (`vars(cls)`) one level down, its class-level values, its
+user bases. A class the code only reads attributes from (`Cfg.SCALE`, a parent hook
+`Base.loss(self, x)`, `super().loss(x)`) contributes those attributes alone, so an edit
+elsewhere in that class does not recompile. An object of a user class hashed by identity
+carries its class's digest, so a method patched onto the class is seen.
 
 Library code (jax, numpy, optax, flax, equinox, jaxnitro itself, the standard library,
 anything installed in site-packages) cannot change within a process, so it is hashed by name.
@@ -102,11 +102,18 @@ _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBAL
 _DEREF_LOADS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FROM_DICT_OR_DEREF"})
 _ATTR_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _MAX_CHAIN = 4  # `a.b.c.d.e`: attributes followed after the global
-# Class-dict entries that are bookkeeping of the class machinery, not behaviour: the
-# generated methods they describe (a dataclass __init__, __eq__) are hashed themselves.
-_CLASS_SKIP = frozenset(
+
+
+class _Plain:
+    """An empty class: its namespace holds only what every class statement adds."""
+
+
+# Class-namespace entries that are bookkeeping of the class machinery, not behaviour: the
+# generated methods they describe (a dataclass __init__, __eq__) are hashed themselves. An
+# empty class's own entries (the instance-namespace and weakref descriptors, ...) are among
+# them.
+_CLASS_SKIP = frozenset(vars(_Plain)) | frozenset(
     {
-        "__dict__",
         "__weakref__",
         "__module__",
         "__qualname__",
@@ -130,6 +137,12 @@ def fingerprint(obj, *, depth: int = 2) -> str:
     code always is, helpers it reaches are hashed with `depth - 1`, and below zero a helper
     counts by module + qualname only. The instance behind a bound method is not hashed
     (the caller keys `self` itself).
+
+    Example:
+        >>> def loss(x):
+        ...     return (x**2).sum()
+        >>> fingerprint(loss) == fingerprint(loss), len(fingerprint(loss))
+        (True, 64)
     """
     if not (callable(obj) or isinstance(obj, classmethod)):  # classmethod objects aren't callable
         raise ConfigArgumentError(
@@ -149,6 +162,15 @@ def describe_reach(obj, *, depth: int = 2) -> dict[str, str]:
     class-level values as ``global:<Class>.<name>`` and closure cells as
     ``closure:<name>``; a name that two different owners would share is qualified with the
     module or function. Diffing two results names exactly what changed.
+
+    Example:
+        >>> SCALE = 1.0
+        >>> def loss(x):
+        ...     return (x**2).sum() * SCALE
+        >>> before = describe_reach(loss)
+        >>> SCALE = 2.0
+        >>> sorted(k for k, v in describe_reach(loss).items() if before.get(k) != v)
+        ['global:SCALE']
     """
     hasher = _Hasher()
     hasher.callable_(obj, depth)
@@ -163,6 +185,12 @@ def fingerprint_value(value) -> str | None:
     dtypes, enums, dataclass instances (type and fields), modules (by name), classes (user
     classes by content, library classes by name) and functions (as `fingerprint`).
     Arbitrary objects give None.
+
+    Example:
+        >>> fingerprint_value((1, "a")) == fingerprint_value((1, "a"))
+        True
+        >>> fingerprint_value(object()) is None
+        True
     """
     return _Hasher().value(value, 2, strict=True)
 
@@ -256,42 +284,47 @@ class _Hasher:
             self.value(fn.__kwdefaults__, depth - 1, strict=False),
         )
         self._record(own, fn, qualname, f"{module}.{qualname}")
-        parts = [own]
         cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
+        return _h(
+            own,
+            *self._cell_parts(fn, cells, bare, depth),
+            *self._global_parts(fn, names, bare, depth),
+            *self._path_parts(fn, cells, paths, depth),
+        )
+
+    def _cell_parts(self, fn: types.FunctionType, cells: dict, bare, depth: int) -> list[str]:
+        """Name and digest of each closure cell `fn` reads."""
+        qualname = _names(fn)[1]
+        parts = []
         for name, cell in cells.items():
             try:
                 contents = cell.cell_contents
             except ValueError:  # a cell not assigned yet (its name is bound after the def)
                 parts += [name, "empty cell"]
                 continue
-            parts += [
-                name,
-                self._read(
-                    contents,
-                    ("deref", name) in bare,
-                    depth,
-                    fn,
-                    f"closure:{name}",
-                    f"closure:{qualname}.{name}",
-                ),
-            ]
+            keys = (f"closure:{name}", f"closure:{qualname}.{name}")
+            parts += [name, self._read(contents, ("deref", name) in bare, depth, fn, *keys)]
+        return parts
+
+    def _global_parts(self, fn: types.FunctionType, names, bare, depth: int) -> list[str]:
+        """Name and digest of each module-level name `fn` loads as a global."""
+        module = _names(fn)[0]
         globals_ = fn.__globals__
+        parts = []
         for name in sorted(names):  # sorted: set order changes with the string hash seed
             # Names not found are builtins or not defined yet; the code digest covers the
             # name, and defining it later changes this digest.
             if name in globals_:
-                parts += [
-                    name,
-                    self._read(
-                        globals_[name],
-                        ("global", name) in bare,
-                        depth,
-                        globals_,
-                        f"global:{name}",
-                        f"global:{module}.{name}",
-                    ),
-                ]
-        for kind, root, attrs in sorted(paths):  # `mod.attr`, `Cls.attr`, `super().attr`
+                keys = (f"global:{name}", f"global:{module}.{name}")
+                value = globals_[name]
+                parts += [name, self._read(value, ("global", name) in bare, depth, globals_, *keys)]
+        return parts
+
+    def _path_parts(self, fn: types.FunctionType, cells: dict, paths, depth: int) -> list[str]:
+        """Digests of the attribute paths `fn` reads: `mod.attr`, `Cls.attr`, `super().attr`."""
+        globals_ = fn.__globals__
+        parts = []
+        for kind, root, attrs in sorted(paths):
             if kind == "global":
                 if root not in globals_:
                     continue
@@ -306,7 +339,7 @@ class _Hasher:
                     parts += self._class_lookup(base, attrs[0], depth, skip_first=True)
             elif isinstance(base, (types.ModuleType, type)):
                 parts += self._attributes(base, attrs, depth)
-        return _h(*parts)
+        return parts
 
     def _read(self, value, bare: bool, depth: int, owner, *keys: str) -> str:
         """Digest of a global or closure value a function at `depth` reads."""
@@ -382,7 +415,7 @@ class _Hasher:
 
     def class_(self, cls: type, depth: int) -> str:
         """Digest of a user class by content: its bases (user ones by content, library ones
-        by name), metaclass (by name), and every entry of its own `__dict__`: functions,
+        by name), metaclass (by name), and every entry of its own namespace (`vars`): functions,
         static/class methods and property accessors hashed at `depth - 1`, plain values by
         content. Library classes, and any class below depth 0, count by name."""
         if depth < 0 or _is_library_class(cls):
@@ -396,10 +429,11 @@ class _Hasher:
         try:
             module, qualname = _names(cls)
             bases = [self.class_(base, depth) for base in cls.__bases__]
-            attrs = sorted(name for name in cls.__dict__ if name not in _CLASS_SKIP)
+            namespace = vars(cls)
+            attrs = sorted(name for name in namespace if name not in _CLASS_SKIP)
             parts = []
             for name in attrs:
-                parts += [name, self._class_attribute(cls, name, cls.__dict__[name], depth)]
+                parts += [name, self._class_attribute(cls, name, namespace[name], depth)]
             own = _h(
                 "class",
                 module,
@@ -744,7 +778,7 @@ def _wrapped(obj):
     """
     try:
         inner = vars(obj).get("__wrapped__")
-    except TypeError:  # no __dict__
+    except TypeError:  # no instance namespace: vars() has nothing to read
         return None
     return inner if callable(inner) and inner is not obj else None
 

@@ -155,6 +155,10 @@ def device_capacity(device=None, memory_budget: int | None = None) -> tuple[int,
     `memory_budget` wins when given. Otherwise the device's ``bytes_limit`` (on GPU about 75%
     of its memory, JAX's default preallocation); CPU devices report no memory stats, and
     there the device memory *is* host RAM, so the RAM available now is the capacity.
+
+    Example:
+      >>> device_capacity(memory_budget=2**30)
+      (1073741824, 'memory_budget')
     """
     if memory_budget is not None:
         return int(memory_budget), "memory_budget"
@@ -199,13 +203,8 @@ def plan(
       >>> print(p.table())
     """
     params_bytes, opt_bytes, state_bytes = map(tree_bytes, (params, opt_state, model_state))
-    programs = []
-    for name, compiled in compiled_programs.items():
-        memory = ProgramMemory.of(name, compiled)
-        if memory is None:  # no analysis on this backend: count at least what goes in
-            args = params_bytes + opt_bytes + state_bytes + batch_bytes
-            memory = ProgramMemory(name, args, 0, 0, 0, 0, args)
-        programs.append(memory)
+    inputs = params_bytes + opt_bytes + state_bytes + batch_bytes
+    programs = _program_memories(compiled_programs, inputs)
     if not programs:
         raise ConfigError(
             "there is no compiled program to plan: jn.memory_plan(n) needs a run with a "
@@ -229,6 +228,19 @@ def plan(
     )
 
 
+def _program_memories(
+    compiled_programs: Mapping[str, object], inputs_bytes: int
+) -> list[ProgramMemory]:
+    """Each program's memory analysis; where the backend has none, at least its inputs."""
+    programs = []
+    for name, compiled in compiled_programs.items():
+        memory = ProgramMemory.of(name, compiled)
+        if memory is None:  # no analysis on this backend: count at least what goes in
+            memory = ProgramMemory(name, inputs_bytes, 0, 0, 0, 0, inputs_bytes)
+        programs.append(memory)
+    return programs
+
+
 def suggestions(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> list[str]:
     """Concrete changes that would make `plan` fit, each with the bytes it would save.
 
@@ -237,37 +249,15 @@ def suggestions(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> list[st
     part of the temporaries that really is fixed is usually about that (measured on CPU:
     temporaries = 2104 B x batch + 4 kB for a 13 kB-param MLP), so the suggested batch errs
     on the safe side.
+
+    Example:
+      >>> for fix in suggestions(p, batch_size=256, n_devices=1):
+      ...     print("-", fix)
     """
     if plan.fits:
         return []
     temp = plan.largest.temporaries
-    grads = min(temp, plan.params_bytes)
-    per_batch = temp - grads + plan.batch_bytes * (plan.batches_in_flight + 1)  # +1: argument
-    fixed = max(plan.total - per_batch, 0)
-    out = []
-    per_sample = per_batch / max(batch_size, 1)
-    largest = math.floor((plan.capacity - fixed) / per_sample) if per_sample else 0
-    if 1 <= largest < batch_size:
-        out.append(
-            f"batch_size={largest} (from {batch_size}) should fit, about "
-            f"{format_bytes(fixed + largest * per_sample)}; this assumes temporaries (mostly "
-            f"activations) and batch buffers scale linearly with the batch size."
-        )
-        accum = next(
-            k
-            for k in range(2, batch_size + 1)
-            if batch_size % k == 0 and batch_size // k <= largest
-        )
-        out.append(
-            f"accum={accum} with batch_size={batch_size // accum} keeps the effective batch "
-            f"of {batch_size}: {accum} micro-batches per optimizer step, in one program."
-        )
-    else:
-        out.append(
-            f"a smaller batch alone will not do: the parts that do not scale with it "
-            f"(params, optimizer state, gradients, outputs, code, staging) take "
-            f"{format_bytes(fixed)} of {format_bytes(plan.capacity)}."
-        )
+    out = _batch_suggestions(plan, batch_size=batch_size)
     out.append(
         f'precision="bf16" stores activations in bfloat16, roughly halving temporaries: '
         f"about {format_bytes(plan.total - temp // 2)} in total{_verdict(plan, temp // 2)}."
@@ -277,23 +267,57 @@ def suggestions(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> list[st
         f"eqx.filter_checkpoint) to recompute activations in the backward pass instead of "
         f"storing them; saves up to the {format_bytes(temp)} of temporaries, for extra compute."
     )
-    sharded = plan.params_bytes + plan.opt_state_bytes
-    if n_devices > 1:
-        saved = sharded - sharded // n_devices
-        out.append(
-            f"FSDP over the {n_devices} devices keeps (params + optimizer state) / "
-            f"{n_devices} on each: saves {format_bytes(saved)}{_verdict(plan, saved)}."
-        )
-    else:
-        out.append(
-            f"FSDP over N devices keeps (params + optimizer state) / N on each "
-            f"({format_bytes(sharded)} now); it needs more than this one device."
-        )
+    out.append(_fsdp_suggestion(plan, n_devices=n_devices))
     return out
 
 
+def _batch_suggestions(plan: MemoryPlan, *, batch_size: int) -> list[str]:
+    """A smaller batch_size (and the accum that keeps the effective batch) that should fit,
+    or why a smaller batch alone cannot."""
+    temp = plan.largest.temporaries
+    grads = min(temp, plan.params_bytes)
+    per_batch = temp - grads + plan.batch_bytes * (plan.batches_in_flight + 1)  # +1: argument
+    fixed = max(plan.total - per_batch, 0)
+    per_sample = per_batch / max(batch_size, 1)
+    largest = math.floor((plan.capacity - fixed) / per_sample) if per_sample else 0
+    if not 1 <= largest < batch_size:
+        return [
+            f"a smaller batch alone will not do: the parts that do not scale with it "
+            f"(params, optimizer state, gradients, outputs, code, staging) take "
+            f"{format_bytes(fixed)} of {format_bytes(plan.capacity)}."
+        ]
+    accum = next(
+        k for k in range(2, batch_size + 1) if batch_size % k == 0 and batch_size // k <= largest
+    )
+    return [
+        f"batch_size={largest} (from {batch_size}) should fit, about "
+        f"{format_bytes(fixed + largest * per_sample)}; this assumes temporaries (mostly "
+        f"activations) and batch buffers scale linearly with the batch size.",
+        f"accum={accum} with batch_size={batch_size // accum} keeps the effective batch "
+        f"of {batch_size}: {accum} micro-batches per optimizer step, in one program.",
+    ]
+
+
+def _fsdp_suggestion(plan: MemoryPlan, *, n_devices: int) -> str:
+    sharded = plan.params_bytes + plan.opt_state_bytes
+    if n_devices > 1:
+        saved = sharded - sharded // n_devices
+        return (
+            f"FSDP over the {n_devices} devices keeps (params + optimizer state) / "
+            f"{n_devices} on each: saves {format_bytes(saved)}{_verdict(plan, saved)}."
+        )
+    return (
+        f"FSDP over N devices keeps (params + optimizer state) / N on each "
+        f"({format_bytes(sharded)} now); it needs more than this one device."
+    )
+
+
 def check(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> None:
-    """Raise `MemoryPlanError` with the table and the suggestions if `plan` does not fit."""
+    """Raise `MemoryPlanError` with the table and the suggestions if `plan` does not fit.
+
+    Example:
+      >>> check(p, batch_size=256, n_devices=1)  # returns None when it fits
+    """
     if plan.fits:
         return
     fixes = "\n".join(
@@ -313,7 +337,12 @@ def _verdict(plan: MemoryPlan, saved: int) -> str:
 
 
 def tree_bytes(tree) -> int:
-    """Bytes of a pytree of arrays or ``ShapeDtypeStruct``s."""
+    """Bytes of a pytree of arrays or ``ShapeDtypeStruct``s.
+
+    Example:
+      >>> tree_bytes({"w": np.zeros((4, 8), np.float32), "b": jax.ShapeDtypeStruct((8,), "f4")})
+      160
+    """
     total = 0
     for leaf in jax.tree.leaves(tree):
         nbytes = getattr(leaf, "nbytes", None)

@@ -135,42 +135,12 @@ def record(
     text = lowered.as_text()
     ops = _stablehlo_ops(text)
     constant_bytes = _constant_bytes(text)
-    program_memory = ProgramMemory.of(kind, compiled)
-    memory = None
-    if program_memory is not None:
-        memory = dataclasses.asdict(program_memory)
-        del memory["name"]
     where = "/".join(f"{h}()" for h in hooks) or "the traced hooks"
-
-    flags = []
-    if constant_bytes > thresholds.constant_bytes:
-        flags.append(
-            Flag(
-                "baked_constants",
-                (
-                    f"program '{kind}' bakes {format_bytes(constant_bytes)} of constants into the "
-                    f"program: an array captured by closure in {where} (usually a dataset or a "
-                    f"lookup table). Pass it as a jn.Device field or a batch field instead."
-                ),
-            )
-        )
-    loop = _loop_flag(kind, ops, _n_inputs(text), where, thresholds)
-    if loop is not None:
-        flags.append(loop)
-    if compile_seconds > thresholds.compile_seconds:
-        flags.append(
-            Flag(
-                "slow_compile",
-                (
-                    f"program '{kind}' took {compile_seconds:.0f} s to compile. Turn on the "
-                    f"persistent compilation cache so later runs skip it: "
-                    f"jn.setup_devices(compilation_cache=DIR). If the op count ({len(ops):,}) is "
-                    f"large, look for Python loops in {where} and use jax.lax.scan or "
-                    f"jax.lax.fori_loop."
-                ),
-            )
-        )
-
+    flags = [
+        _constants_flag(kind, constant_bytes, where, thresholds),
+        _loop_flag(kind, ops, _n_inputs(text), where, thresholds),
+        _slow_compile_flag(kind, compile_seconds, len(ops), where, thresholds),
+    ]
     return CompileRecord(
         kind=kind,
         label=label,
@@ -182,13 +152,60 @@ def record(
         text_bytes=len(text.encode()),
         constant_bytes=constant_bytes,
         flops=_flops(compiled),
-        memory=memory,
-        flags=tuple(flags),
+        memory=_memory(kind, compiled),
+        flags=tuple(f for f in flags if f is not None),
+    )
+
+
+def _memory(kind: str, compiled) -> dict | None:
+    """The program's memory analysis as a dict without its name, or None if unavailable."""
+    program_memory = ProgramMemory.of(kind, compiled)
+    if program_memory is None:
+        return None
+    memory = dataclasses.asdict(program_memory)
+    del memory["name"]
+    return memory
+
+
+def _constants_flag(kind: str, constant_bytes: int, where: str, t: Thresholds) -> Flag | None:
+    if constant_bytes <= t.constant_bytes:
+        return None
+    return Flag(
+        "baked_constants",
+        (
+            f"program '{kind}' bakes {format_bytes(constant_bytes)} of constants into the "
+            f"program: an array captured by closure in {where} (usually a dataset or a "
+            f"lookup table). Pass it as a jn.Device field or a batch field instead."
+        ),
+    )
+
+
+def _slow_compile_flag(
+    kind: str, compile_seconds: float, n_ops: int, where: str, t: Thresholds
+) -> Flag | None:
+    if compile_seconds <= t.compile_seconds:
+        return None
+    return Flag(
+        "slow_compile",
+        (
+            f"program '{kind}' took {compile_seconds:.0f} s to compile. Turn on the "
+            f"persistent compilation cache so later runs skip it: "
+            f"jn.setup_devices(compilation_cache=DIR). If the op count ({n_ops:,}) is "
+            f"large, look for Python loops in {where} and use jax.lax.scan or "
+            f"jax.lax.fori_loop."
+        ),
     )
 
 
 def format_table(records: Iterable[CompileRecord]) -> str:
-    """A plain-text table of compile records, then their flags, for end-of-run printing."""
+    """A plain-text table of compile records, then their flags, for end-of-run printing.
+
+    Example:
+      >>> lowered = jax.jit(step).lower(params, batch)
+      >>> rec = record("train", "batch (32, 784)", lowered, lowered.compile(),
+      ...              lower_seconds=0.2, compile_seconds=1.3)
+      >>> print(format_table([rec]))
+    """
     records = list(records)
     header = (
         "program",

@@ -105,7 +105,12 @@ class FanoutLogger:
 
 def make_logger(value, default) -> Any:
     """The logger a run uses: None → `default()`, False → none, a list → all of them,
-    anything else must implement the `jn.Logger` methods (checked here, at setup)."""
+    anything else must implement the `jn.Logger` methods (checked here, at setup).
+
+    Example:
+        >>> type(make_logger(False, JSONLogger)).__name__
+        'NullLogger'
+    """
     if value is None:
         return default()
     if value is False:
@@ -118,6 +123,12 @@ def make_logger(value, default) -> Any:
 
 
 def check_logger(value) -> Any:
+    """`value` if it has every `jn.Logger` method, else a ConfigError naming the missing ones.
+
+    Example:
+        >>> check_logger(NullLogger()).__class__.__name__
+        'NullLogger'
+    """
     missing = [m for m in METHODS if not callable(getattr(value, m, None))]
     if missing:
         raise ConfigError(

@@ -65,6 +65,12 @@ class JSONLogger:
     `finish()` does not close the file (a run can train again); `close()` does, and may be
     called any number of times; `open()` after `close()` appends again. As a context
     manager the logger is closed on exit (and opened on entry when it was given a `path`).
+
+    Example:
+        >>> with jn.JSONLogger("/tmp/run/metrics.jsonl") as log:
+        ...     log.log_metrics({"loss": 0.5}, context="train", epoch=1, step=10)
+        >>> jn.read_jsonl("/tmp/run/metrics.jsonl")[-1]["loss"]
+        0.5
     """
 
     def __init__(self, path: str | os.PathLike | None = None):
@@ -170,7 +176,11 @@ class JSONLogger:
 
     def log_resumed(self, from_step: int, checkpoint: str | os.PathLike) -> None:
         """Mark a resume: the lines after this one continue from `from_step` (the restored
-        checkpoint's step). `read_jsonl(..., dedupe=True)` uses it to drop the lost timeline."""
+        checkpoint's step). `read_jsonl(..., dedupe=True)` uses it to drop the lost timeline.
+
+        Example:
+            >>> log.log_resumed(400, "runs/mnist/checkpoints/epoch-0002-step-000400")
+        """
         self.log_other(
             {
                 "key": "resumed",
@@ -309,6 +319,11 @@ def read_jsonl(path: str | os.PathLike, *, dedupe: bool = False) -> list[dict]:
 
     Lines of other types (params, other, finish, the markers) are all kept, in place.
     Without markers (older logs), rule 2 alone applies.
+
+    Example:
+        >>> rows = jn.read_jsonl("runs/mnist/metrics.jsonl", dedupe=True)
+        >>> [r["step"] for r in rows if r["type"] == "metrics" and r["context"] == "validate"]
+        [100, 200, 300]
     """
     rows: list[dict] = []
     bad: list[int] = []
