@@ -1181,7 +1181,7 @@ def test_logger_without_the_protocol(run_dir):
     [("1GB", 10**9), ("512MiB", 512 * 2**20), ("1.5 GiB", int(1.5 * 2**30)), (4096, 4096)],
 )
 def test_memory_budget_sizes_are_parsed(run_dir, text, expected):
-    assert nitro(run_dir=run_dir, memory_budget=text).memory_budget == expected
+    assert nitro(run_dir=run_dir, memory_budget=text).spec.memory_budget == expected
 
 
 @pytest.mark.parametrize("bad", ["lots", "1 parsec", -5, 0])

@@ -84,7 +84,14 @@ TRAINER = textwrap.dedent("""
     import jaxnitro as jn
     from conftest import Tiny
     jn.on_phase(lambda phase, step, epoch, info: print("PHASE", phase, flush=True))
-    n = jn.Nitro(Tiny(max_epochs={epochs}, n_train=2048), run_dir={run!r}, progress=False)
+    # Keep every checkpoint: a reader then never races the trainer's retention (a checkpoint
+    # deleted while a reader loads it is a separate, reported failure).
+    n = jn.Nitro(
+        Tiny(max_epochs={epochs}, n_train=2048),
+        run_dir={run!r},
+        progress=False,
+        checkpointer=jn.TopKCheckpointer(k=1000),
+    )
     r = jn.train(n)
     print("END", r.stop_reason, n.step, flush=True)
 """)
@@ -169,7 +176,7 @@ def test_a_nan_validation_metric_is_logged_null_stored_and_never_best(run_dir):
         early_stop=es,
         checkpointer=jn.TopKCheckpointer(k=1, metric="recall9", mode="max"),
     )
-    assert again.step == 24 and again.history_rows[-1]["recall9"] is None
+    assert again.step == 24 and again.progress.history[-1]["recall9"] is None
 
 
 def test_on_nonfinite_skip_end_to_end(run_dir):
@@ -188,7 +195,7 @@ def test_on_nonfinite_skip_end_to_end(run_dir):
 
     n = nitro(Poisoned(max_epochs=2), run_dir=run_dir, on_nonfinite="skip")
     result = jn.train(n)
-    assert result.stop_reason == "completed" and n.skipped_steps == 2
+    assert result.stop_reason == "completed" and n.progress.skipped_steps == 2
     assert np.isnan(result.history[-1]["val_loss"])
     assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(n.params))
     finish = lines(run_dir / "metrics.jsonl")[-1]
@@ -540,12 +547,12 @@ def test_a_fresh_run_into_a_used_run_dir_keeps_the_earlier_runs_checkpoints(run_
     assert kept <= now  # nothing of the first run was deleted
     assert second.best_checkpoint.name in now and second.best_checkpoint.name not in kept
     _, meta = jn.load_checkpoint(second.best_checkpoint)
-    assert meta["run_id"] == second_n.run_id
+    assert meta["run_id"] == second_n.spec.run_id
     rows = jn.read_manifest(run_dir / "checkpoints")
     assert len({r["run_id"] for r in rows}) == 2
     # resume="auto" continues the run that wrote last
     again = nitro(Tiny(max_epochs=4, width=24), run_dir=run_dir, resume="auto", checkpointer=ck())
-    assert again.run_id == second_n.run_id and again.step == 24
+    assert again.spec.run_id == second_n.spec.run_id and again.step == 24
 
 
 # ------------------------------------------------------------ found trying it as a new user

@@ -79,7 +79,7 @@ def test_nonfinite_loss_error_names_step_epoch_and_batch(run_dir):
         jn.train(nitro(NaNAt(max_epochs=1), run_dir=run_dir / "a"))
     n = nitro(NaNAt(max_epochs=2), run_dir=run_dir / "b", on_nonfinite="skip")
     result = jn.train(n)
-    assert n.skipped_steps == 2 and n.step == 16
+    assert n.progress.skipped_steps == 2 and n.step == 16
     assert all(np.isfinite(np.asarray(x)).all() for x in jax_leaves(n.params))
     assert np.isfinite(result.history[-1]["train_loss"])
     finish = json.loads((run_dir / "b" / "metrics.jsonl").read_text().splitlines()[-1])
@@ -227,9 +227,9 @@ def test_early_stopping_ends_the_run_and_survives_resume(run_dir):
     # Stopped after 2 epochs, then resumed: the bad-epoch count carries over.
     b = nitro(Tiny(max_epochs=2), run_dir=run_dir / "b", early_stop=es())
     jn.train(b)
-    assert b.early_stop.bad_epochs == 1
+    assert b.spec.early_stop.bad_epochs == 1
     c = nitro(Tiny(max_epochs=10), run_dir=run_dir / "b", early_stop=es(), resume="auto")
-    assert c.early_stop.bad_epochs == 1 and c.early_stop.best_epoch == 1
+    assert c.spec.early_stop.bad_epochs == 1 and c.spec.early_stop.best_epoch == 1
     assert jn.train(c).stop_reason == "early_stop" and c.epoch == 3
     with pytest.raises(jn.ConfigError, match=r"'accuracy'.*Did you mean 'acc'"):
         nitro(Tiny(), run_dir=run_dir / "d", early_stop=jn.EarlyStopping(metric="accuracy"))

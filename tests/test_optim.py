@@ -13,7 +13,7 @@ import pytest
 from conftest import Tiny, host_copy, leaves_equal, make_data, nitro
 
 import jaxnitro as jn
-from jaxnitro import optim
+from jaxnitro import hyper, optim
 
 
 def allclose(a, b, atol=1e-6):
@@ -165,7 +165,7 @@ def test_schedules_never_recompile_and_follow_the_factory(run_dir):
     misses = jn.cache_stats()["misses"]
     jn.train(n)
     assert jn.cache_stats()["misses"] == misses  # schedule vs constant: the same program
-    lr = float(optim.read_hyper(n.optimizer, n.opt_state)["opt.default.learning_rate"])
+    lr = float(hyper.read(n.optimizer, n.opt_state)["opt.default.learning_rate"])
     f = sched(16)
     assert lr == pytest.approx(1e-2 * float(f(15)), rel=1e-6)
     assert f(0) == 0.0 and float(f(2)) == pytest.approx(1.0)
@@ -178,9 +178,9 @@ def test_device_schedule_and_replacement_semantics(run_dir):
             return {"device.smoothing": optim.linear(0.0, 0.5)}
 
     a = nitro(Sched(max_epochs=1), run_dir=run_dir / "a")
-    assert "device.smoothing" in a.schedules.fns
+    assert "device.smoothing" in a.spec.schedules.fns
     b = nitro(Sched(max_epochs=1), run_dir=run_dir / "b", schedules={})  # replaces, not merges
-    assert not b.schedules.fns
+    assert not b.spec.schedules.fns
     jn.train(a)
     misses = jn.cache_stats()["misses"]
     jn.train(b)
@@ -208,7 +208,7 @@ def test_schedule_past_the_horizon_holds_and_warns(run_dir):
     n.max_epochs = 2  # train past the horizon the schedule was built for
     with pytest.warns(UserWarning, match="horizon"):
         jn.train(n)
-    lr = float(optim.read_hyper(n.optimizer, n.opt_state)["opt.default.learning_rate"])
+    lr = float(hyper.read(n.optimizer, n.opt_state)["opt.default.learning_rate"])
     assert lr == pytest.approx(0.5e-2, rel=1e-6)
 
 
@@ -249,11 +249,17 @@ def test_accumulation_weights_sum_count_losses_by_count(run_dir):
             per = optax.softmax_cross_entropy_with_integer_labels(logits, y)
             return (per * m).sum(), m.sum()
 
-    n = nitro(Tokens(max_epochs=1, batch=8, rule="sgd"), run_dir=run_dir, accum=4)
-    start = host_copy(n.params)
-    state = jax.tree.map(jnp.copy, n.state)
     x, y = make_data(256)
     mask = (np.arange(256) % 7 < np.arange(256) % 5).astype(np.float32)
+    first32 = {"x": x[:32], "y": y[:32], "m": mask[:32]}  # one step of 4 micro-batches
+    n = nitro(
+        Tokens(max_epochs=1, batch=8, rule="sgd"),
+        run_dir=run_dir,
+        accum=4,
+        data={"train": jn.DataLoader(first32, batch_size=8)},
+    )
+    start = host_copy(n.params)
+    state = jax.tree.map(jnp.copy, n.state)
     model = n.model
 
     def total(p):
@@ -261,9 +267,6 @@ def test_accumulation_weights_sum_count_losses_by_count(run_dir):
         per = optax.softmax_cross_entropy_with_integer_labels(out, y[:32])
         return (per * mask[:32]).sum() / mask[:32].sum()
 
-    n.max_epochs = 1
-    loader = n.splits["train"]
-    n.splits["train"] = jn.DataLoader({k: v[:32] for k, v in loader.data.items()}, batch_size=8)
     jn.train(n)
     g = jax.grad(total)(jax.tree.map(jnp.asarray, start))
     expected = jax.tree.map(lambda p, g: p - 1e-2 * g, start, g)
@@ -337,7 +340,7 @@ def test_rule_hyperparameter_schedule_and_ambiguous_keys(run_dir):
     n = nitro(Opt(max_epochs=1, rule="adam"), run_dir=run_dir, schedules=sched)
     assert "opt.default.b1" in n.optimizer.hyper_paths
     jn.train(n)
-    b1 = float(optim.read_hyper(n.optimizer, n.opt_state)["opt.default.b1"])
+    b1 = float(hyper.read(n.optimizer, n.opt_state)["opt.default.b1"])
     assert b1 == pytest.approx(0.9 + (0.5 - 0.9) * 7 / 7, rel=1e-6)
     with pytest.raises(jn.ConfigError, match="another key sets too"):
         nitro(

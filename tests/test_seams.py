@@ -117,7 +117,7 @@ def test_validation_and_checkpoints_every_n_steps_resume_exactly(run_dir):
         run_dir=run_dir / "b",
         resume=str(run_dir / "a" / "checkpoints" / mid["path"]),
     )
-    assert resumed.step == 15 and resumed.batch_in_epoch == 7
+    assert resumed.step == 15 and resumed.progress.batch_in_epoch == 7
     jn.train(resumed)
     assert resumed.step == 16 and leaves_equal(resumed.params, n.params)
 

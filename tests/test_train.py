@@ -78,7 +78,7 @@ def test_fields_no_hook_names_stay_on_host(run_dir):
             return {"train": jn.DataLoader({"x": x, "y": y, "ids": ids}, 32, drop_last=True)}
 
     n = nitro(Extra(max_epochs=1), run_dir=run_dir)
-    assert n.batch_info["train"]["fields"] == ("x", "y")
+    assert n.spec.split_specs["train"].fields == ("x", "y")
     jn.train(n)
 
 
@@ -264,9 +264,9 @@ def test_stop_mid_epoch_then_resume_equals_straight_run(run_dir):
         nitro=first,
     )
     assert jn.train(first).stop_reason == "requested"
-    assert first.step == 1 and first.epoch == 0 and first.batch_in_epoch == 1
+    assert first.step == 1 and first.epoch == 0 and first.progress.batch_in_epoch == 1
     resumed = nitro(Tiny(max_epochs=2), run_dir=run_dir / "stopped", resume="auto")
-    assert resumed.step == 1 and resumed.batch_in_epoch == 1
+    assert resumed.step == 1 and resumed.progress.batch_in_epoch == 1
     result = jn.train(resumed)
     assert [r["epoch"] for r in result.history] == [1, 2]
     assert resumed.step == straight.step
@@ -277,7 +277,7 @@ def test_stop_mid_epoch_then_resume_equals_straight_run(run_dir):
 def test_rich_display_runs_on_a_terminal_like_stream(run_dir):
     import io
 
-    from jaxnitro.progress import Display
+    from jaxnitro.display import Display
 
     buf = io.StringIO()
     d = Display("rich", file=buf)

@@ -19,26 +19,17 @@ from .errors import (
     RoutingError,
     RunLockedError,
 )
-from .events import StepRecord, every
+from .evaluation import evaluate, validate
+from .events import Preempted, StepRecord, every, on_phase
 from .experiment import Device, GraphConst, Host, experiment, fields
 from .history import History
 from .introspect import compile, compile_report, explain, inspect, memory_plan
+from .live import device_value, history, request_stop, set_device
 from .loggers import JSONLogger, Logger, read_jsonl
-from .loop import (
-    TrainResult,
-    device_value,
-    evaluate,
-    history,
-    predict,
-    request_stop,
-    set_device,
-    train,
-    validate,
-)
+from .loop import TrainResult, train
 from .models import apply, split_model
 from .nitro import Dist, Nitro
-from .phases import on_phase
-from .signals import Preempted
+from .prediction import predict
 from .state import TrainState, train_step
 
 __version__ = "0.1.0"

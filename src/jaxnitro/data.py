@@ -242,7 +242,7 @@ def batch_specs(batch: Mapping[str, Any], split: str) -> dict[str, tuple[tuple, 
     return specs
 
 
-def check_specs(batch: Mapping[str, Any], split: str, index: int, specs: dict) -> None:
+def check_specs(batch: Mapping[str, Any], split: str, index: int, specs: Mapping) -> None:
     """A later batch must match the first one's per-sample shapes and dtypes (one program)."""
     for k, (shape, dtype) in specs.items():
         v = batch[k]
@@ -258,7 +258,9 @@ def check_specs(batch: Mapping[str, Any], split: str, index: int, specs: dict) -
             )
 
 
-def check_same_specs(specs: dict, reference: dict, split: str, against: str = "train") -> None:
+def check_same_specs(
+    specs: Mapping, reference: Mapping, split: str, against: str = "train"
+) -> None:
     """Fields a split shares with the `against` split must match its per-sample shape and
     dtype (the model is the same): said at setup, before JAX fails inside `forward`."""
     for k in sorted(specs.keys() & reference.keys()):

@@ -3,6 +3,7 @@
 Train batches are grouped into dispatch units (`steps_per_call` × `accum` batches), checked,
 stacked to (steps, micro-batches, batch, ...) and transferred, with the packed per-step
 hyperparameters (scheduled rates, scalar Device values) evaluated for the unit's steps.
+Everything here reads a `RunSpec`; nothing writes the handle.
 """
 
 from __future__ import annotations
@@ -14,42 +15,42 @@ from . import data as data_mod
 from .errors import DataError
 
 
-def _put(n, array, sharding):
+def put(spec, array, sharding):
     """To the device; on a single CPU device the compiled call takes numpy directly, which
     costs far less than an explicit transfer (the device memory *is* host memory)."""
-    return array if n.direct_feed else jax.device_put(array, sharding)
+    return array if spec.direct_feed else jax.device_put(array, sharding)
 
 
-def eval_prepare(n, split: str, pad_to: int | None):
+def eval_prepare(spec, split: str, pad_to: int | None):
     """Host batch -> (device batch padded to `pad_to`, real rows), for eval and predict."""
-    info = n.batch_info[split]
+    info = spec.split_specs[split]
     index = [0]
 
     def prepare(host):
-        size = data_mod.check_batch(host, split, expect_fields=info["keys"])
-        data_mod.check_specs(host, split, index[0], info["specs"])
+        size = data_mod.check_batch(host, split, expect_fields=info.keys)
+        data_mod.check_specs(host, split, index[0], info.specs)
         index[0] += 1
         if pad_to is not None and size < pad_to:
-            host = data_mod.pad_batch({k: host[k] for k in info["fields"]}, pad_to)
-        return {f: _put(n, np.asarray(host[f]), n.batch_sharding) for f in info["fields"]}, size
+            host = data_mod.pad_batch({k: host[k] for k in info.fields}, pad_to)
+        return {f: put(spec, np.asarray(host[f]), spec.batch_sharding) for f in info.fields}, size
 
     return prepare
 
 
-def train_units(n, loader, start: int, epoch: int):
+def train_units(spec, loader, start: int, epoch: int):
     """Dispatch units of `steps_per_call` × `accum` train batches from batch `start`, as
     ({field: (k, batch, ...)}, k). A DataLoader gathers each unit at once; any other source
     is checked batch by batch (fields, sizes) and stacked."""
-    info = n.batch_info["train"]
-    size = n.accum * n.steps_per_call
+    info = spec.split_specs["train"]
+    size = spec.accum * spec.steps_per_call
     if isinstance(loader, data_mod.DataLoader):
-        yield from loader.iter_stacked(start, size, info["fields"])
+        yield from loader.iter_stacked(start, size, info.fields)
         return
-    bs = info["batch_size"]
+    bs = info.batch_size
     group: list = []
     for index, host in enumerate(data_mod.skip(loader, start), start):
-        got = data_mod.check_batch(host, "train", expect_fields=info["keys"])
-        data_mod.check_specs(host, "train", index, info["specs"])
+        got = data_mod.check_batch(host, "train", expect_fields=info.keys)
+        data_mod.check_specs(host, "train", index, info.specs)
         if got != bs:
             raise DataError(
                 f"a train batch of epoch {epoch + 1} has {got} samples, not {bs}: a short "
@@ -58,22 +59,22 @@ def train_units(n, loader, start: int, epoch: int):
             )
         group.append(host)
         if len(group) == size:
-            yield _stack(group, info["fields"]), size
+            yield _stack(group, info.fields), size
             group = []
     if group:
-        yield _stack(group, info["fields"]), len(group)
+        yield _stack(group, info.fields), len(group)
 
 
-def first_unit(n, loader) -> tuple[dict, int]:
+def first_unit(spec, loader) -> tuple[dict, int]:
     """The first dispatch unit, for planning programs: a DataLoader gathers it (no side
     effects); any other source repeats its peeked first batch (only the shapes matter), so
     planning never iterates a source the run is about to train on."""
-    info = n.batch_info["train"]
-    size = n.accum * n.steps_per_call
+    info = spec.split_specs["train"]
+    size = spec.accum * spec.steps_per_call
     if isinstance(loader, data_mod.DataLoader):
-        return next(loader.iter_stacked(0, size, info["fields"]))
+        return next(loader.iter_stacked(0, size, info.fields))
     k = min(size, len(loader)) if hasattr(loader, "__len__") else size
-    return _stack([info["first"]] * k, info["fields"]), k
+    return _stack([info.first] * k, info.fields), k
 
 
 def _stack(group, fields) -> dict:
@@ -82,30 +83,17 @@ def _stack(group, fields) -> dict:
     return {f: np.stack([np.asarray(h[f]) for h in group]) for f in fields}
 
 
-def train_prepare(n, epoch: int):
+def train_prepare(spec, first_step: int, base):
     """A unit -> [(device batch, packed hyperparameters, optimizer steps)], in order.
 
     Runs in the prefetch thread: reshapes the unit to (steps, micro-batches, batch, ...)
-    (leading axes of size 1 dropped), transfers it, and evaluates the schedules for its steps.
+    (leading axes of size 1 dropped), transfers it, and packs the per-step hyperparameters of
+    its steps (from `first_step` on; `base` holds the unscheduled values).
     """
-    accum, spc = n.accum, n.steps_per_call
-    next_step = [n.host_step]
-    constant: dict[int, object] = {}  # nothing scheduled: one vector serves every step
+    accum, spc = spec.accum, spec.steps_per_call
+    next_step = [first_step]
+    hyper = _HyperFeed(spec, base)
     shardings: dict[int, object] = {}
-
-    def hyper_for(first: int, s: int):
-        if not n.schedules.fns and s in constant:
-            return constant[s]
-        hv = (
-            np.stack([n.hyper_values(t) for t in range(first, first + s)])
-            if s > 1
-            else n.hyper_values(first)
-        )
-        # Scheduled or constant, the same kind of input: the program must not depend on it.
-        arr = _put(n, hv, n._rep)
-        if not n.schedules.fns:
-            constant[s] = arr
-        return arr
 
     def prepare(item):
         stacked, k = item
@@ -123,17 +111,42 @@ def train_prepare(n, epoch: int):
             lead = (s,) * (s > 1) + (accum,) * (accum > 1)
             sharding = shardings.get(len(lead))
             if sharding is None:
-                sharding = shardings[len(lead)] = data_mod.batch_sharding(n.mesh, axis=len(lead))
+                sharding = shardings[len(lead)] = data_mod.batch_sharding(spec.mesh, axis=len(lead))
             batch = {}
             for f, arr in stacked.items():
                 if not lead:  # one step, one micro-batch: the batch itself
-                    batch[f] = _put(n, arr[offset], sharding)
+                    batch[f] = put(spec, arr[offset], sharding)
                     continue
                 part = arr[offset : offset + s * accum]
-                batch[f] = _put(n, part.reshape(lead + part.shape[1:]), sharding)
-            first = next_step[0]
+                batch[f] = put(spec, part.reshape(lead + part.shape[1:]), sharding)
+            payloads.append((batch, hyper.at(next_step[0], s), s))
             next_step[0] += s
-            payloads.append((batch, hyper_for(first, s), s))
         return payloads, k
 
     return prepare
+
+
+class _HyperFeed:
+    """The packed hyperparameters of `s` steps from a step on, on the device. Nothing
+    scheduled: one array per `s` serves every call."""
+
+    def __init__(self, spec, base):
+        self.spec, self.base = spec, base
+        self.constant: dict[int, object] = {}
+
+    def at(self, first: int, s: int):
+        spec = self.spec
+        scheduled = bool(spec.schedules.fns)
+        if not scheduled and s in self.constant:
+            return self.constant[s]
+        pack = spec.hyper.pack
+        hv = (
+            np.stack([pack(t, spec.schedules, self.base) for t in range(first, first + s)])
+            if s > 1
+            else pack(first, spec.schedules, self.base)
+        )
+        # Scheduled or constant, the same kind of input: the program must not depend on it.
+        arr = put(spec, hv, spec.replicated)
+        if not scheduled:
+            self.constant[s] = arr
+        return arr

@@ -93,18 +93,22 @@ def add(totals, batch):
     return jax.tree.map(lambda a, b: a + b.astype(a.dtype), totals, batch)
 
 
-def finalize(totals: Mapping[str, tuple[Any, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Divide counted metrics once. Returns (values, raw sums); scalars become Python floats."""
-    values, raw = {}, {}
+def finalize(totals: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
+    """Divide counted metrics once; scalars become Python floats.
+
+    Example:
+        >>> finalize({"acc": (np.float32(45), np.int32(50)), "top": (np.float32(2.5), None)})
+        {'acc': 0.9, 'top': 2.5}
+    """
+    values = {}
     for name, (total, count) in totals.items():
         total = np.asarray(total)
-        raw[name] = (total, None if count is None else np.asarray(count))
         if count is None:
             values[name] = _scalar(total)
         else:
             c = np.asarray(count)
             values[name] = _scalar(total / c) if c != 0 else float("nan")
-    return values, raw
+    return values
 
 
 def _scalar(x):

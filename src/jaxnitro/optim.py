@@ -10,6 +10,7 @@ constant and a schedule.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -96,7 +97,7 @@ class GroupSpec:
     count: int  # parameters in the group
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Optimizer:
     """The built optax transformation plus what schedules and `jn.inspect` need to know."""
 
@@ -112,7 +113,7 @@ def _group_rule(factory, decay_mask, toward_initial, hp_names):
 
     # A factory's own decay (optax.adamw's weight_decay=1e-4) would hit every leaf, biases
     # included, on top of ours: weight_decay(self, group) with its no_decay mask is the one.
-    own_decay = {"weight_decay": 0.0} if "weight_decay" in _defaults(factory) else {}
+    own_decay = {"weight_decay": 0.0} if "weight_decay" in factory_defaults(factory) else {}
 
     def rule(learning_rate, weight_decay, **hps):  # (inject_hyperparams reads __signature__)
         return optax.chain(
@@ -145,116 +146,146 @@ def _factory_hparams(factory) -> list[str]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Hooks:
+    """The experiment's optimization hooks, each with its default."""
+
+    group_of: Callable
+    no_decay: Callable
+    rule_of: Callable
+    rate_of: Callable
+    anchor_of: Callable
+    decay_of: Callable
+    clip: float
+
+    @classmethod
+    def of(cls, exp, decay_anchor: str) -> _Hooks:
+        if decay_anchor not in ("zero", "w0"):
+            raise ConfigError(
+                f"decay_anchor={decay_anchor!r} is invalid; use 'zero' (decay toward 0) or "
+                f"'w0' (toward the initial weights)."
+            )
+        clip_hook = _hook(exp, "gradient_clip_norm")
+        clip = float(clip_hook()) if clip_hook is not None else 0.0
+        if clip < 0 or not math.isfinite(clip):
+            raise ConfigError(
+                f"gradient_clip_norm() returned {clip}; return a finite number >= 0 (0 turns "
+                f"clipping off), e.g. `return 1.0`."
+            )
+        return cls(
+            group_of=_hook(exp, "param_group") or (lambda path, leaf: DEFAULT_GROUP),
+            no_decay=_hook(exp, "no_decay") or (lambda path, leaf: jnp.ndim(leaf) <= 1),
+            rule_of=_hook(exp, "optimizer") or (lambda group: optax.radam),
+            rate_of=_hook(exp, "learning_rate") or (lambda group: 1e-3),
+            anchor_of=_hook(exp, "decay_anchor") or (lambda group: decay_anchor),
+            decay_of=_hook(exp, "weight_decay") or (lambda group: 0.0),
+            clip=clip,
+        )
+
+
 def build(
     exp, params, *, scheduled: Collection[str] = frozenset(), decay_anchor: str = "zero"
 ) -> Optimizer:
-    """Build the optax transformation from the experiment's optimization hooks."""
-    if decay_anchor not in ("zero", "w0"):
-        raise ConfigError(
-            f"decay_anchor={decay_anchor!r} is invalid; use 'zero' (decay toward 0) or 'w0' "
-            f"(toward the initial weights)."
-        )
-    group_of = _hook(exp, "param_group") or (lambda path, leaf: DEFAULT_GROUP)
-    no_decay = _hook(exp, "no_decay") or (lambda path, leaf: jnp.ndim(leaf) <= 1)
-    rule_of = _hook(exp, "optimizer") or (lambda group: optax.radam)
-    rate_of = _hook(exp, "learning_rate") or (lambda group: 1e-3)
-    anchor_of = _hook(exp, "decay_anchor") or (lambda group: decay_anchor)
-    decay_of = _hook(exp, "weight_decay") or (lambda group: 0.0)
-    clip_hook = _hook(exp, "gradient_clip_norm")
-    clip = float(clip_hook()) if clip_hook is not None else 0.0
-    if clip < 0 or not math.isfinite(clip):
-        raise ConfigError(
-            f"gradient_clip_norm() returned {clip}; return a finite number >= 0 (0 turns "
-            f"clipping off), e.g. `return 1.0`."
-        )
+    """Build the optax transformation from the experiment's optimization hooks.
 
-    labels = jax.tree_util.tree_map_with_path(lambda p, x: _label(group_of, p, x), params)
+    The state is laid out by name: ``optax.named_chain(("clip", ...), ("update", ...))``,
+    with one `multi_transform` entry per group when there are several groups.
+
+    Example:
+        >>> opt = optim.build(exp, params)
+        >>> sorted(opt.groups), opt.clip
+        (['default'], 0.0)
+    """
+    hooks = _Hooks.of(exp, decay_anchor)
+    labels = jax.tree_util.tree_map_with_path(lambda p, x: _label(hooks.group_of, p, x), params)
     names = sorted(set(jax.tree.leaves(labels)))
+    sizes: collections.Counter[str] = collections.Counter()
+    for x, lab in zip(jax.tree.leaves(params), jax.tree.leaves(labels), strict=True):
+        sizes[lab] += int(np.prod(np.shape(x)))
     groups: dict[str, GroupSpec] = {}
     transforms: dict[str, optax.GradientTransformation] = {}
     hyper_paths: dict[str, tuple[str, str]] = {}
     for g in names:
-        count = sum(
-            int(np.prod(np.shape(x)))
-            for x, lab in zip(jax.tree.leaves(params), jax.tree.leaves(labels), strict=True)
-            if lab == g
-        )
-        rule, rate, wd = (
-            rule_of(g),
-            _number("learning_rate", g, rate_of(g)),
-            _number("weight_decay", g, decay_of(g)),
-        )
-        anchor = anchor_of(g)
-        if anchor not in ("zero", "w0"):
-            raise ConfigError(
-                f"decay_anchor({g!r}) returned {anchor!r}; use 'zero' or 'w0' "
-                f"(decay toward the initial weights)."
-            )
-        if rate < 0 or not math.isfinite(rate):
-            raise ConfigError(
-                f"learning_rate({g!r}) returned {rate}; return a finite rate >= 0 (0 freezes "
-                f"the group), e.g. `return 1e-3`."
-            )
-        if isinstance(rule, optax.GradientTransformation):
-            tuned = [k for k in scheduled if k.startswith(("opt.learning_rate", f"opt.{g}."))]
-            if wd or tuned:
-                raise ConfigError(
-                    f"optimizer({g!r}) returned a ready optax transformation, whose learning "
-                    f"rate and decay are fixed inside it, but the run also sets "
-                    f"{'weight decay' if wd else tuned}. Return the factory instead, e.g. "
-                    f"`return optax.adam` or `functools.partial(optax.sgd, momentum=0.9)`."
-                )
-            groups[g] = GroupSpec(g, None, rule, rate, wd, count)
-            transforms[g] = rule
-            continue
-        if not callable(rule):
-            raise ConfigError(
-                f"optimizer({g!r}) must return an optax factory such as optax.adamw "
-                f"or an optax.GradientTransformation, got {rule!r}."
-            )
-        groups[g] = GroupSpec(g, rule, None, rate, wd, count)
-        if rate == 0.0:
-            transforms[g] = optax.set_to_zero()  # frozen by its own rate
-            continue
-
-        # A callable mask: inside multi_transform it sees only this group's leaves.
-        def decay_mask(ps):
-            return jax.tree_util.tree_map_with_path(
-                lambda p, leaf: not bool(no_decay(path_str(p), leaf)), ps
-            )
-
-        hps = {
-            hp: None
-            for hp in _factory_hparams(rule)
-            if f"opt.{hp}" in scheduled or f"opt.{g}.{hp}" in scheduled
-        }
-        defaults = _defaults(rule)
-        injected = {hp: jnp.float32(defaults[hp]) for hp in hps}
-        decays = wd != 0 or "opt.weight_decay" in scheduled or f"opt.{g}.weight_decay" in scheduled
-        if decays:
-            transforms[g] = optax.inject_hyperparams(
-                _group_rule(rule, decay_mask, anchor == "w0", tuple(hps))
-            )(learning_rate=jnp.float32(rate), weight_decay=jnp.float32(wd), **injected)
-        else:
-            # No decay: the factory itself with its rate injected, as lean as a hand-written
-            # optimizer (no unit-rate pass, decay pass or extra scaling over the params).
-            own = {"weight_decay": 0.0} if "weight_decay" in defaults else {}
-            factory = functools.partial(rule, **own) if own else rule
-            transforms[g] = optax.inject_hyperparams(factory)(
-                learning_rate=jnp.float32(rate), **injected
-            )
-        for hp in ("learning_rate", *(("weight_decay",) if decays else ()), *hps):
-            hyper_paths[f"opt.{g}.{hp}"] = (g, hp)
-
+        groups[g], transforms[g], injected = _group(hooks, g, sizes[g], scheduled)
+        hyper_paths.update({f"opt.{g}.{hp}": (g, hp) for hp in injected})
     if all(spec.rate == 0.0 for spec in groups.values()):
         raise ConfigError(
             "every parameter group has learning rate 0: nothing would train. Set a positive "
             "rate in learning_rate(self, group) (a single group may be frozen with 0)."
         )
-    tx = transforms[names[0]] if len(names) == 1 else optax.multi_transform(transforms, labels)
-    if clip > 0:  # 0 adds no ops
-        tx = optax.chain(optax.clip_by_global_norm(clip), tx)
-    return Optimizer(tx, groups, labels, hyper_paths, clip)
+    core = transforms[names[0]] if len(names) == 1 else optax.multi_transform(transforms, labels)
+    chain = [("clip", optax.clip_by_global_norm(hooks.clip))] if hooks.clip > 0 else []
+    tx = optax.named_chain(*chain, ("update", core))
+    return Optimizer(tx, groups, labels, hyper_paths, hooks.clip)
+
+
+def _group(hooks: _Hooks, g: str, count: int, scheduled: Collection[str]):
+    """(GroupSpec, transformation, injected hyperparameter names) of one parameter group."""
+    rule = hooks.rule_of(g)
+    rate = _number("learning_rate", g, hooks.rate_of(g))
+    wd = _number("weight_decay", g, hooks.decay_of(g))
+    anchor = hooks.anchor_of(g)
+    if anchor not in ("zero", "w0"):
+        raise ConfigError(
+            f"decay_anchor({g!r}) returned {anchor!r}; use 'zero' or 'w0' "
+            f"(decay toward the initial weights)."
+        )
+    if rate < 0 or not math.isfinite(rate):
+        raise ConfigError(
+            f"learning_rate({g!r}) returned {rate}; return a finite rate >= 0 (0 freezes "
+            f"the group), e.g. `return 1e-3`."
+        )
+    if isinstance(rule, optax.GradientTransformation):
+        tuned = [k for k in scheduled if k.startswith(("opt.learning_rate", f"opt.{g}."))]
+        if wd or tuned:
+            raise ConfigError(
+                f"optimizer({g!r}) returned a ready optax transformation, whose learning "
+                f"rate and decay are fixed inside it, but the run also sets "
+                f"{'weight decay' if wd else tuned}. Return the factory instead, e.g. "
+                f"`return optax.adam` or `functools.partial(optax.sgd, momentum=0.9)`."
+            )
+        return GroupSpec(g, None, rule, rate, wd, count), rule, ()
+    if not callable(rule):
+        raise ConfigError(
+            f"optimizer({g!r}) must return an optax factory such as optax.adamw "
+            f"or an optax.GradientTransformation, got {rule!r}."
+        )
+    spec = GroupSpec(g, rule, None, rate, wd, count)
+    if rate == 0.0:
+        return spec, optax.set_to_zero(), ()  # frozen by its own rate
+    tx, injected = _injected_rule(hooks, g, rule, rate, wd, anchor, scheduled)
+    return spec, tx, injected
+
+
+def _injected_rule(hooks: _Hooks, g, rule, rate, wd, anchor, scheduled):
+    """The group's rule with its rate (and decay, and scheduled hyperparameters) injected."""
+    no_decay = hooks.no_decay
+
+    # A callable mask: inside multi_transform it sees only this group's leaves.
+    def decay_mask(ps):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, leaf: not bool(no_decay(path_str(p), leaf)), ps
+        )
+
+    hps = tuple(
+        hp
+        for hp in _factory_hparams(rule)
+        if f"opt.{hp}" in scheduled or f"opt.{g}.{hp}" in scheduled
+    )
+    defaults = factory_defaults(rule)
+    injected = {hp: jnp.float32(defaults[hp]) for hp in hps}
+    decays = wd != 0 or "opt.weight_decay" in scheduled or f"opt.{g}.weight_decay" in scheduled
+    if decays:
+        tx = optax.inject_hyperparams(_group_rule(rule, decay_mask, anchor == "w0", hps))(
+            learning_rate=jnp.float32(rate), weight_decay=jnp.float32(wd), **injected
+        )
+        return tx, ("learning_rate", "weight_decay", *hps)
+    # No decay: the factory itself with its rate injected, as lean as a hand-written
+    # optimizer (no unit-rate pass, decay pass or extra scaling over the params).
+    own = {"weight_decay": 0.0} if "weight_decay" in defaults else {}
+    factory = functools.partial(rule, **own) if own else rule
+    tx = optax.inject_hyperparams(factory)(learning_rate=jnp.float32(rate), **injected)
+    return tx, ("learning_rate", *hps)
 
 
 def _number(hook: str, group: str, value) -> float:
@@ -266,7 +297,7 @@ def _number(hook: str, group: str, value) -> float:
     return float(value)
 
 
-def _defaults(factory) -> dict[str, Any]:
+def factory_defaults(factory) -> dict[str, Any]:
     try:
         return {p.name: p.default for p in inspect.signature(factory).parameters.values()}
     except (TypeError, ValueError):
@@ -280,73 +311,6 @@ def _label(group_of, path, leaf) -> str:
             f"param_group must return a group name (str), got {g!r} for {path_str(path)!r}."
         )
     return g
-
-
-# -- hyperparameters in the optimizer state ------------------------------------------------
-def _group_states(opt: Optimizer, opt_state) -> dict[str, Any]:
-    core = opt_state[1] if opt.clip > 0 else opt_state  # chain(clip, groups)
-    if len(opt.groups) == 1:
-        return {next(iter(opt.groups)): core}
-    return dict(core.inner_states)
-
-
-def _hyper_holder(state):
-    """Descend through wrapper states (multi_transform's masking) to the one with hyperparams."""
-    while not hasattr(state, "hyperparams"):
-        state = state.inner_state
-    return state
-
-
-def _with_hyper(state, hps: Mapping[str, Any]):
-    if hasattr(state, "hyperparams"):
-        h = dict(state.hyperparams)
-        for k, v in hps.items():
-            h[k] = jnp.asarray(v, h[k].dtype)
-        return state._replace(hyperparams=h)
-    return state._replace(inner_state=_with_hyper(state.inner_state, hps))
-
-
-def read_hyper(opt: Optimizer, opt_state) -> dict[str, Any]:
-    """{"opt.<group>.<hp>": value} as stored in the optimizer state."""
-    states = _group_states(opt, opt_state)
-    return {
-        key: _hyper_holder(states[g]).hyperparams[hp] for key, (g, hp) in opt.hyper_paths.items()
-    }
-
-
-def write_hyper(opt: Optimizer, opt_state, values: Mapping[str, Any]):
-    """Return opt_state with the given hyperparameters replaced (inside the traced step)."""
-    if not values:
-        return opt_state
-    by_group: dict[str, dict] = {}
-    for key, v in values.items():
-        g, hp = opt.hyper_paths[key]
-        by_group.setdefault(g, {})[hp] = v
-    core = opt_state[1] if opt.clip > 0 else opt_state
-    if len(opt.groups) == 1:
-        (hps,) = by_group.values()
-        core = _with_hyper(core, hps)
-    else:
-        inner = dict(core.inner_states)
-        for g, hps in by_group.items():
-            inner[g] = _with_hyper(inner[g], hps)
-        core = core._replace(inner_states=inner)
-    return (opt_state[0], core) if opt.clip > 0 else core
-
-
-def host_hyper(opt: Optimizer) -> dict[str, np.float32]:
-    """The unscheduled value of every hyperparameter (what a step feeds when nothing is
-    scheduled)."""
-    out = {}
-    for key, (g, hp) in opt.hyper_paths.items():
-        spec = opt.groups[g]
-        if hp == "learning_rate":
-            out[key] = np.float32(spec.rate)
-        elif hp == "weight_decay":
-            out[key] = np.float32(spec.weight_decay)
-        else:
-            out[key] = np.float32(_defaults(spec.factory)[hp])
-    return out
 
 
 # -- schedules --------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
+from .events.phases import PhaseTracker
+from .events.signals import StopControl
 from .runlock import RunLock
 
 
@@ -55,7 +57,8 @@ class NoCheckpointer:
 
 @dataclasses.dataclass
 class Services:
-    """The run's logger, checkpointer, display and lock, and the state of its writing session.
+    """The run's logger, checkpointer, display and lock, its phase and stop request, and the
+    state of its writing session.
 
     Attributes:
         params_line: the `params` log line, logged by the handle's first writing session.
@@ -70,12 +73,16 @@ class Services:
     params_line: dict
     resume_path: Path | None = None
     step_callbacks: list = dataclasses.field(default_factory=list)  # (every n steps, fn)
-    monitors: list = dataclasses.field(default_factory=list)  # jn.on_phase(fn, nitro=n)
-    failed_monitors: set = dataclasses.field(default_factory=set)  # reported once each
+    phases: PhaseTracker = dataclasses.field(default_factory=PhaseTracker)  # jn.on_phase
+    control: StopControl = dataclasses.field(default_factory=StopControl)  # stop requests
     logger_open: bool = False
     _params_logged: bool = False
     _resume_marked: bool = False
     _read_only_warned: bool = False
+
+    def describe(self, params_line: dict, resume_path: Path | None) -> None:
+        """What the first writing session logs: the run's params line and where it resumed."""
+        self.params_line, self.resume_path = params_line, resume_path
 
     @contextlib.contextmanager
     def writing(self, purpose: str, *, step: int, required: bool = True) -> Iterator[bool]:

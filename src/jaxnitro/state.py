@@ -16,8 +16,8 @@ import optax
 
 from . import models
 from .compile import cache
-from .errors import HookError
-from .step import Carry, make_train_step, scalar_loss
+from .errors import ConfigArgumentError, HookError
+from .step import make_train_step, scalar_loss
 
 
 def default_optimizer(learning_rate: float = 1e-3) -> optax.GradientTransformation:
@@ -56,9 +56,9 @@ class TrainState:
         """Initialize the optimizer state (default RAdam at 1e-3) and the step counter."""
         tx = tx if tx is not None else default_optimizer()
         if not hasattr(tx, "init") or not hasattr(tx, "update"):
-            raise TypeError(
+            raise ConfigArgumentError(
                 f"tx must be an optax.GradientTransformation, got {type(tx).__name__}; "
-                f"e.g. optax.adam(1e-3)."
+                f"pass one, e.g. jn.TrainState.create(model, params, state, optax.adam(1e-3))."
             )
         state = {} if state is None else state
         return cls(
@@ -105,26 +105,26 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
             loss, new_state, aux = _split_loss_output(loss_fn(model, params, model_state, batch))
         return scalar_loss(loss, "loss_fn"), (model_state if new_state is None else new_state, aux)
 
-    carry = Carry(state.params, state.state, state.opt_state, state.step)
-    extras = {"rng": state.rng}
+    leaves, treedef = jax.tree.flatten(state)
     key = (
         "train_step",
         cache.freeze(loss_fn),
         cache.freeze(models.structure_key(model)),
         cache.optimizer_key(tx),
-        cache.avals((carry, batch, extras)),
+        cache.avals(([state.params, state.state, state.opt_state, state.step, state.rng], batch)),
     )
-    hyper: dict = {}
     step_fn = make_train_step(inner, tx)
+
+    def flat_step(leaves, batch):  # the state travels as its leaves (model and tx are static)
+        new, out = step_fn(jax.tree.unflatten(treedef, leaves), batch, {}, {})
+        return jax.tree.leaves(new), out
+
     prog = cache.get_or_compile(
         key,
-        lambda: jax.jit(step_fn, donate_argnums=(0,)).lower(carry, batch, extras, hyper),
+        lambda: jax.jit(flat_step, donate_argnums=(0,)).lower(leaves, batch),
         kind="train_step",
         label=getattr(loss_fn, "__qualname__", "loss_fn"),
     )
-    carry, out = prog(carry, batch, extras, hyper)
-    new = state.replace(
-        params=carry.params, state=carry.model_state, opt_state=carry.opt_state, step=carry.step
-    )
+    leaves, out = prog(leaves, batch)
     loss = out.pop("loss")
-    return new, loss, out
+    return jax.tree.unflatten(treedef, leaves), loss, out

@@ -1,4 +1,4 @@
-"""Pure step builders: `(carry, batch, extras) -> (carry, out)`.
+"""Pure step builders: `(state, batch, extras, hyper) -> (state, out)` on a `TrainState`.
 
 The train step fuses forward, loss, gradient and the optimizer update in one program; the
 eval step runs forward + metrics and adds the batch's (sum, count) totals to running totals
@@ -8,23 +8,14 @@ in-graph; the predict step runs forward in inference mode. Nothing here touches 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from . import metrics as metrics_mod
 from .errors import HookError
-
-
-class Carry(NamedTuple):
-    """All mutable training state, donated to and returned by the train step."""
-
-    params: Any
-    model_state: Any
-    opt_state: Any
-    step: jax.Array  # optimizer steps taken (int32)
-
 
 #: loss_fn(params, model_state, batch, extras, rng) -> (loss, (new_model_state, aux)), where
 #: `loss` is a scalar or a (sum, count) pair (a count-weighted mean).
@@ -65,26 +56,9 @@ def loss_parts(value, hook: str = "loss") -> tuple[jax.Array, jax.Array]:
     return value, jnp.ones((), value.dtype)
 
 
-def make_train_step(
-    loss_fn: LossFn,
-    tx: optax.GradientTransformation,
-    *,
-    accum: int = 1,
-    steps_per_call: int = 1,
-    write_hyper=None,
-    unpack_hyper=None,
-    skip_nonfinite: bool = False,
-    grad_norm: bool = False,
-):
-    """Build the fused train step: gradient (accumulated in-graph), one optimizer update.
-
-    With `accum=k` the batch arrives stacked as (k, micro_batch, ...) and the k micro-batches
-    run in a `lax.scan`; gradients of the summed loss numerators are divided once by the
-    summed counts, so the step equals the big-batch step (token-weighted for (sum, count)).
-    With `steps_per_call=s` the inputs carry a leading (s, ...) axis and s optimizer steps run
-    in one dispatch. `hyper` holds per-step values ({"opt": {...}, "device": {...}}, or a
-    packed vector that `unpack_hyper` turns into that dict).
-    """
+def _gradients(loss_fn: LossFn, accum: int):
+    """(params, model_state, batch, extras, rng) -> (grads, loss, new model state, aux): the
+    gradient of the count-weighted mean loss, over `accum` micro-batches in a `lax.scan`."""
 
     def grads_of(params, model_state, batch, extras, rng):
         def objective(p, ms, b, r):
@@ -111,38 +85,63 @@ def make_train_step(
         aux = jax.tree.map(lambda a: a[-1], auxs)  # the closing micro-batch's train metrics
         return jax.tree.map(lambda g: g / c_sum, g_sum), n_sum / c_sum, model_state, aux
 
-    def one_step(carry: Carry, batch, extras, hyper):
-        rng = jax.random.fold_in(extras["rng"], carry.step)
+    return grads_of
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    *,
+    accum: int = 1,
+    steps_per_call: int = 1,
+    write_hyper=None,
+    unpack_hyper=None,
+    skip_nonfinite: bool = False,
+    grad_norm: bool = False,
+):
+    """Build the fused train step: gradient (accumulated in-graph), one optimizer update.
+
+    With `accum=k` the batch arrives stacked as (k, micro_batch, ...) and the k micro-batches
+    run in a `lax.scan`; gradients of the summed loss numerators are divided once by the
+    summed counts, so the step equals the big-batch step (token-weighted for (sum, count)).
+    With `steps_per_call=s` the inputs carry a leading (s, ...) axis and s optimizer steps run
+    in one dispatch. `hyper` holds per-step values ({"opt": {...}, "device": {...}}, or a
+    packed vector that `unpack_hyper` turns into that dict).
+    """
+
+    grads_of = _gradients(loss_fn, accum)
+
+    def one_step(ts, batch, extras, hyper):
+        rng = jax.random.fold_in(ts.rng, ts.step)
         hyper = unpack_hyper(hyper) if unpack_hyper is not None else (hyper or {})
         extras = {**extras, "device": {**extras.get("device", {}), **hyper.get("device", {})}}
-        grads, loss, model_state, aux = grads_of(
-            carry.params, carry.model_state, batch, extras, rng
-        )
-        opt_state = carry.opt_state
+        grads, loss, model_state, aux = grads_of(ts.params, ts.state, batch, extras, rng)
+        opt_state = ts.opt_state
         if write_hyper is not None and hyper.get("opt"):
             opt_state = write_hyper(opt_state, hyper["opt"])
-        updates, opt_state = tx.update(grads, opt_state, carry.params)
-        params = optax.apply_updates(carry.params, updates)
+        updates, opt_state = tx.update(grads, opt_state, ts.params)
+        params = optax.apply_updates(ts.params, updates)
         out = {"loss": loss, **aux}
         if grad_norm:  # the driver logs it per step; the low-level train_step does not pay
             out["grad_norm"] = optax.tree.norm(grads)
         if skip_nonfinite:  # a non-finite loss leaves params, state and optimizer untouched
             ok = jnp.isfinite(loss)
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-            params, model_state = keep(params, carry.params), keep(model_state, carry.model_state)
-            opt_state = keep(opt_state, carry.opt_state)
+            params, model_state = keep(params, ts.params), keep(model_state, ts.state)
+            opt_state = keep(opt_state, ts.opt_state)
             out["skipped"] = (~ok).astype(jnp.float32)
-        return Carry(params, model_state, opt_state, carry.step + 1), out
+        new = ts.replace(params=params, state=model_state, opt_state=opt_state, step=ts.step + 1)
+        return new, out
 
     if steps_per_call == 1:
         return one_step
 
-    def fused(carry: Carry, batches, extras, hyper):
+    def fused(ts, batches, extras, hyper):
         def body(c, xs):
             b, h = xs
             return one_step(c, b, extras, h)
 
-        return jax.lax.scan(body, carry, (batches, hyper))
+        return jax.lax.scan(body, ts, (batches, hyper))
 
     return fused
 
@@ -156,8 +155,7 @@ def make_eval_step(metrics_fn, n_valid: int | None):
     """
 
     def eval_step(params, model_state, batch, extras, totals):
-        batch_totals = metrics_fn(params, model_state, batch, extras, n_valid)
-        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), totals, batch_totals)
+        return metrics_mod.add(totals, metrics_fn(params, model_state, batch, extras, n_valid))
 
     return eval_step
 

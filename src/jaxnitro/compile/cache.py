@@ -33,7 +33,7 @@ class Program:
     lower_seconds: float
     compile_seconds: float
     label: str = ""
-    parts: Any = None  # explain.KeyParts: the key's parts, named for explanations
+    parts: Any = None  # explain.ProgramKey: the key itself, when it is one
     record: Any = None  # report.CompileRecord
     reasons: tuple[str, ...] = ()  # why this was a miss, against the closest earlier program
     deps: tuple = ()  # (function name, fingerprint) of the user code traced into it
@@ -163,35 +163,71 @@ def get_or_compile(
     kind: str,
     label: str = "",
     devices: tuple = (),
-    parts=None,
     hooks: tuple[str, ...] = (),
     compile_options: dict | None = None,
     on_compile: Callable[[str, str], Any] | None = None,
-    deps: tuple = (),
 ) -> Program:
     """Return the cached program for `key`, compiling it (once per process) on a miss.
 
-    `lower()` returns a `jax.stages.Traced` or `Lowered`. Two keys that lower to identical
-    StableHLO (and the same `devices`) share one executable: the program text is the
-    authoritative identity. `parts` (an `explain.KeyParts`) lets a miss say why it happened;
-    `on_compile(kind, label)` is a context-manager factory the caller uses to show progress.
+    `key` is an `explain.ProgramKey` (a run's programs: a miss says why it happened) or any
+    hashable (the low-level `jn.train_step`). `lower()` returns a `jax.stages.Traced` or
+    `Lowered`. Two keys that lower to identical StableHLO (and the same `devices`) share one
+    executable: the program text is the authoritative identity. `on_compile(kind, label)` is
+    a context-manager factory the caller uses to show progress.
     """
     with _lock:
         prog = _entries.get(key)
         if prog is not None:
             _stats["hits"] += 1
             return prog
+    lowered, trace_seconds, lower_seconds = _lower(lower)
+    text_key = _text_key(lowered, devices, compile_options)
+    with _lock:
+        twin = _by_text.get(text_key)
+        if twin is not None:
+            _entries[key] = twin
+            _stats["hits"] += 1
+            return twin
+    t0 = time.perf_counter()
+    ctx = on_compile(kind, label) if on_compile is not None else contextlib.nullcontext()
+    with ctx:
+        compiled = lowered.compile(compiler_options=compile_options or None)
+    compile_seconds = time.perf_counter() - t0
+    rec = report.record(
+        kind,
+        label,
+        lowered,
+        compiled,
+        lower_seconds=lower_seconds,
+        compile_seconds=compile_seconds,
+        trace_seconds=trace_seconds,
+        hooks=hooks or ("forward", "loss"),
+    )
+    parts = key if isinstance(key, explain.ProgramKey) else None
+    with _lock:
+        why, deps = _why(parts), parts.deps if parts is not None else ()
+        prog = Program(
+            kind, key, compiled, lower_seconds, compile_seconds, label, parts, rec, why, deps
+        )
+        _stats["misses"] += 1
+        _entries[key] = prog
+        _by_text[text_key] = prog
+    return prog
+
+
+def _lower(lower: Callable[[], Any]) -> tuple[Any, float | None, float]:
+    """(Lowered, trace seconds or None, lower seconds) from a Traced or Lowered factory."""
     t0 = time.perf_counter()
     staged = lower()
     t1 = time.perf_counter()
-    trace_seconds = None
     if hasattr(staged, "lower") and not hasattr(staged, "compile"):  # Traced -> Lowered
         lowered = staged.lower()
-        trace_seconds = t1 - t0
-    else:
-        lowered = staged
-    t2 = time.perf_counter()
-    # Same text, devices and pytree signature => the same executable is correct to share.
+        return lowered, t1 - t0, time.perf_counter() - t1
+    return staged, None, t1 - t0
+
+
+def _text_key(lowered, devices: tuple, compile_options: dict | None) -> str:
+    """Same text, devices and pytree signature => the same executable is correct to share."""
     ident = (
         lowered.as_text(),
         repr(devices),
@@ -199,41 +235,7 @@ def get_or_compile(
         repr(lowered.out_tree),
         repr(sorted((compile_options or {}).items())),
     )
-    text_key = hashlib.sha256("\x00".join(ident).encode()).hexdigest()
-    with _lock:
-        twin = _by_text.get(text_key)
-        if twin is not None:
-            _entries[key] = twin
-            _stats["hits"] += 1
-            return twin
-    ctx = on_compile(kind, label) if on_compile is not None else contextlib.nullcontext()
-    with ctx:
-        compiled = (
-            lowered.compile(compiler_options=compile_options)
-            if compile_options
-            else lowered.compile()
-        )
-    t3 = time.perf_counter()
-    lower_seconds = t2 - (t1 if trace_seconds is not None else t0)
-    rec = report.record(
-        kind,
-        label,
-        lowered,
-        compiled,
-        lower_seconds=lower_seconds,
-        compile_seconds=t3 - t2,
-        trace_seconds=trace_seconds,
-        hooks=hooks or ("forward", "loss"),
-    )
-    with _lock:
-        why = _why(parts)
-        prog = Program(
-            kind, key, compiled, lower_seconds, t3 - t2, label, parts, rec, why, tuple(deps)
-        )
-        _stats["misses"] += 1
-        _entries[key] = prog
-        _by_text[text_key] = prog
-    return prog
+    return hashlib.sha256("\x00".join(ident).encode()).hexdigest()
 
 
 def _why(parts) -> tuple[str, ...]:

@@ -1,11 +1,11 @@
 """Why did that recompile? Cache misses explained in the user's terms.
 
-A program's cache key is an opaque tuple. Alongside it the cache keeps a `KeyParts`: the same
-information, structured and named the way the user wrote it (GraphConst fields, hooks, batch
-fields). On a miss, `closest` picks the cached program the new one most resembles and
-`reasons` says what changed: "GraphConst `width` changed 128 → 256", "hook `loss` was
-edited", "batch shape (32, 784) → (17, 784) for `img` on split 'train': a partial batch? use
-drop_last=True".
+A program's cache key *is* its explanation: a frozen `ProgramKey` whose parts are named the way
+the user wrote them (GraphConst fields, hooks, batch fields, options). The cache is keyed on it,
+so a part added to the key is explained with it. On a miss, `closest` picks the cached program
+the new one most resembles and `reasons` says what changed: "GraphConst `width` changed
+128 → 256", "hook `loss` was edited", "batch shape (32, 784) → (17, 784) for `img` on split
+'train': a partial batch? use drop_last=True".
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from typing import Any
 
 from .fingerprint import describe_reach, fingerprint
 
-__all__ = ["KeyParts", "closest", "hook_parts", "reasons"]
+__all__ = ["KeyParts", "ProgramKey", "closest", "hook_parts", "reasons"]
 
 
 @dataclasses.dataclass(frozen=True)
-class KeyParts:
-    """The parts of a program's cache key, named for explaining a miss.
+class ProgramKey:
+    """A program's cache key: every part that changes the compiled graph, named for
+    explaining a miss (hashable; the cache is keyed on it).
 
     Attributes:
       kind: ``"train"``, ``"eval"`` or ``"predict"``.
@@ -39,6 +40,15 @@ class KeyParts:
         ``"batch['img']"`` or ``"extras['device']['smoothing']"``.
       split: the data split the program was compiled for, if any.
       options: ``(name, value)`` for accum, steps_per_call, precision, compile options, mesh.
+      graph_types: ``(field, type name)`` of every GraphConst (``1`` and ``1.0`` are equal
+        values but bake in different constants).
+      module: the experiment class's module (with `experiment`, which programs a stale
+        check may drop).
+      routes: ``(hook, required, optional, takes_all)``: the batch fields each hook takes.
+      deps: ``(function, fingerprint)`` of every function the program traces (stale
+        detection compares these by name).
+      avals: the input tree structure with every leaf's shape, dtype, weak type and
+        sharding (what `inputs` names, plus shardings).
     """
 
     kind: str
@@ -51,6 +61,18 @@ class KeyParts:
     inputs: tuple[tuple[str, tuple, str, bool], ...]
     split: str | None
     options: tuple[tuple[str, Any], ...]
+    module: str = ""
+    graph_types: tuple[tuple[str, str], ...] = ()
+    routes: tuple = ()
+    deps: tuple[tuple[str, str], ...] = ()
+    avals: Hashable = None
+
+    def option(self, name: str, default=None):
+        return dict(self.options).get(name, default)
+
+
+#: The name the explanations were first written against.
+KeyParts = ProgramKey
 
 
 def hook_parts(
@@ -83,12 +105,20 @@ def reasons(old: KeyParts, new: KeyParts) -> list[str]:
         f"GraphConst `{name}` changed {_show(a)} → {_show(b)}"
         for name, a, b in _changed(old.graph_consts, new.graph_consts)
     ]
+    changed = {name for name, *_ in _changed(old.graph_consts, new.graph_consts)}
+    out += [
+        f"GraphConst `{name}` changed type {a} → {b}"
+        for name, a, b in _changed(old.graph_types, new.graph_types)
+        if name not in changed
+    ]
     out += _code_reasons(old, new)
     out += _input_reasons(old, new, _leading(old), _leading(new))
     if old.split != new.split:
         out.append(f"split {_show(old.split)} → {_show(new.split)}")
     out += [f"{name} {_show(a)} → {_show(b)}" for name, a, b in _changed(old.options, new.options)]
     out += _optimizer_reasons(old.optimizer, new.optimizer)
+    if old.routes and new.routes and old.routes != new.routes:
+        out.append("the batch fields a hook takes changed (its signature)")
     if old.model != new.model:
         out.append("the model structure changed (layers, widths or static fields)")
     if old.experiment != new.experiment:
@@ -286,9 +316,9 @@ def _equal(a, b) -> bool:
 def _distance(a: KeyParts, b: KeyParts) -> int:
     """How many parts differ: one per changed name in the named fields, one per other."""
     count = 0
-    for field in dataclasses.fields(KeyParts):
+    for field in dataclasses.fields(ProgramKey):
         x, y = getattr(a, field.name), getattr(b, field.name)
-        if field.name in ("graph_consts", "hooks", "helpers", "options"):
+        if field.name in ("graph_consts", "graph_types", "hooks", "helpers", "options"):
             count += len(_changed(x, y))
         elif field.name == "inputs":
             count += len(_changed([(p, rest) for p, *rest in x], [(p, rest) for p, *rest in y]))

@@ -14,8 +14,28 @@ import sys
 import threading
 
 
+class StopControl:
+    """A run's stop request: set by Ctrl-C, SIGTERM or `jn.request_stop`, read by the loop
+    after each dispatch."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.preempted = False
+
+    def request(self, *, preempted: bool = False) -> None:
+        self.requested = True
+        self.preempted = self.preempted or preempted
+
+    def clear(self) -> None:
+        self.requested = self.preempted = False
+
+    def begin(self) -> None:
+        """A new `train` call: a stop asked for before it still counts, a preemption not."""
+        self.preempted = False
+
+
 @contextlib.contextmanager
-def graceful_stop(n):
+def graceful_stop(control: StopControl):
     """Install the handlers for the duration of a `train` call (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -30,7 +50,7 @@ def graceful_stop(n):
         if presses[0] > 1:
             signal.signal(signal.SIGINT, previous_int)
             raise KeyboardInterrupt
-        n.stop_requested = True
+        control.request()
         print(
             "\nstopping after this step (validate, checkpoint); Ctrl-C again to abort",
             file=sys.stderr,
@@ -38,8 +58,7 @@ def graceful_stop(n):
         )
 
     def on_terminate(signum, frame):
-        n.stop_requested = True
-        n.preempted = True
+        control.request(preempted=True)
 
     previous_int = signal.signal(signal.SIGINT, on_interrupt)
     previous_term = signal.signal(signal.SIGTERM, on_terminate)

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import ConfigError, check_int
+from ..errors import ConfigError, check_int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,485 @@
+"""A run's compiled programs: traced functions built from its hooks, keyed by `ProgramKey`.
+
+Builders take a `RunSpec` (what setup decided), a `ProgramSet` (this run's bookkeeping) and
+the current `TrainState`; traced hooks run against the compile view (GraphConst values, Device
+tracers, Host refused). The functions built here close over the model structure and the
+optimizer, which the key covers, so a cached program is correct for every run whose key is
+the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect as pyinspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import metrics as metrics_mod
+from .. import models, optim
+from ..devices import mesh_id
+from ..errors import HookError, JaxnitroError
+from ..experiment import GRAPH, CompileView, field_values
+from ..step import loss_parts, make_eval_step, make_train_step, scalar_loss, slice_rows
+from . import cache, explain
+from .fingerprint import fingerprint
+
+_TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics")
+# The hooks each kind of program traces: a program's key holds their fingerprints only, so
+# editing `metrics` never invalidates the train program.
+_KIND_HOOKS = {
+    "train": ("forward", "loss", "train_metrics"),
+    "eval": ("forward", "loss", "metrics"),
+    "predict": ("forward",),
+}
+
+
+def _forward(spec, device, params, model_state, batch):
+    try:
+        out = spec.cls.forward(
+            CompileView(spec.experiment, device, "forward"),
+            spec.model,
+            params,
+            model_state,
+            **spec.routes["forward"].select(batch),
+        )
+    except Exception as e:
+        if not isinstance(e, JaxnitroError):  # the model's own error: say where it happened
+            shapes = {k: f"{tuple(v.shape)} {v.dtype}" for k, v in batch.items()}
+            e.add_note(f"jaxnitro: raised in {spec.cls.__name__}.forward on a batch {shapes}")
+        raise
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise HookError(
+            f"{spec.cls.__name__}.forward must return (outputs, new_state), got "
+            f"{type(out).__name__}. Return what jn.apply returns: "
+            f"`return jn.apply(model, params, state, x)`."
+        )
+    return out
+
+
+def _cast_floats(tree, dtype):
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, tree
+    )
+
+
+def train_loss_fn(spec):
+    """(params, model_state, batch, extras, rng) -> (loss, (new_model_state, train metrics)).
+
+    With precision="bf16" the forward and backward run in bfloat16 on a bf16 copy of the
+    params and floating inputs (the gradient flows back through the cast to the f32 master
+    params), and the outputs are cast to f32 before the loss.
+    """
+    bf16 = spec.precision == "bf16"
+
+    def loss_fn(params, model_state, batch, extras, rng):
+        device = extras["device"]
+        if bf16:
+            params, batch_in = _cast_floats(params, jnp.bfloat16), _cast_floats(batch, jnp.bfloat16)
+        else:
+            batch_in = batch
+        with models.mode(train=True, rng=rng):
+            outputs, new_state = _forward(spec, device, params, model_state, batch_in)
+        if bf16:
+            outputs = _cast_floats(outputs, jnp.float32)
+            new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, model_state)
+        loss = spec.cls.loss(
+            CompileView(spec.experiment, device, "loss"),
+            outputs,
+            **spec.routes["loss"].select(batch),
+        )
+        aux = {}
+        if "train_metrics" in spec.routes:
+            got = spec.cls.train_metrics(
+                CompileView(spec.experiment, device, "train_metrics"),
+                outputs,
+                **spec.routes["train_metrics"].select(batch),
+            )
+            if not isinstance(got, dict):
+                raise HookError(
+                    f"train_metrics must return a dict name -> scalar, got {type(got).__name__}."
+                )
+            for k, v in got.items():
+                v = jnp.asarray(v)
+                if v.shape != ():
+                    raise HookError(
+                        f"train_metrics {k!r} has shape {v.shape}; each train metric is a scalar."
+                    )
+                aux[k] = v.astype(jnp.float32)
+        return loss, (new_state, aux)
+
+    return loss_fn
+
+
+def eval_metrics_fn(spec, split: str):
+    """(params, model_state, batch, extras, n_valid) -> {name: (sum, count)} for one batch."""
+    has_loss = spec.split_specs[split].has_loss
+
+    def metrics_fn(params, model_state, batch, extras, n_valid):
+        device = extras["device"]
+        size = next(iter(batch.values())).shape[0]
+        with models.mode(train=False):
+            outputs, _ = _forward(spec, device, params, model_state, batch)
+        outputs, batch = slice_rows(outputs, n_valid, size), slice_rows(batch, n_valid, size)
+        rows = size if n_valid is None else n_valid
+        totals = {}
+        if has_loss:
+            # Exact over the split: a scalar mean is weighted by the batch's rows, a
+            # (sum, count) loss by its count, so the total divides once to sum / count.
+            raw = spec.cls.loss(
+                CompileView(spec.experiment, device, "loss"),
+                outputs,
+                **spec.routes["loss"].select(batch),
+            )
+            if isinstance(raw, (tuple, list)) and len(raw) == 2:
+                total, count = loss_parts(raw)
+                totals["val_loss"] = (total, count.astype(jnp.float32))
+            else:
+                loss = scalar_loss(raw)
+                totals["val_loss"] = (loss * rows, jnp.asarray(rows, jnp.int32))
+        if "metrics" in spec.routes:
+            got = spec.cls.metrics(
+                CompileView(spec.experiment, device, "metrics"),
+                outputs,
+                **spec.routes["metrics"].select(batch),
+            )
+            totals.update(metrics_mod.normalize(got))
+        return totals
+
+    return metrics_fn
+
+
+def _no_compile_context(kind: str, label: str):
+    return contextlib.nullcontext()
+
+
+@dataclasses.dataclass
+class ProgramSet:
+    """A run's compiled programs and what they were compiled from.
+
+    Attributes:
+        log: called with each compile's `other` log line (the run's logger, when writing).
+        on_compile: `on_compile(kind, label)` -> a context manager around each XLA compile
+            (the run's phase and progress display).
+        prints: (name, fingerprint) of every traced function when the run first compiled
+            (an entry point compares against it to find edited code).
+        used: (kind, label) -> the program this run last used for it.
+        compiled: the programs this run compiled (not cache hits), in order.
+        train: (kind, steps per call) -> the train program of the current entry point.
+        slots: the planned program slots already filled (a second compile of one warns).
+    """
+
+    log: Callable[[dict], Any] = lambda values: None
+    on_compile: Callable[[str, str], Any] = _no_compile_context
+    prints: tuple | None = None
+    used: dict = dataclasses.field(default_factory=dict)
+    compiled: list = dataclasses.field(default_factory=list)
+    train: dict = dataclasses.field(default_factory=dict)
+    slots: set = dataclasses.field(default_factory=set)
+
+    def reset_train(self) -> None:
+        """Drop the run's train-program map (re-fetched from the cache, keyed anew)."""
+        self.train = {}
+
+
+def _code_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def traced_functions(spec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
+    """The traced `hooks`, plus the experiment's methods and properties they reach via `self`.
+
+    `self.helper(...)` is an attribute load, invisible to a function fingerprint; following
+    the names the code loads (three levels) puts an edited helper method into the key.
+    """
+    out: dict[str, Any] = {}
+    frontier = [h for h in hooks if h in spec.routes]
+    fields = spec.cls.__jn_fields__
+    for _ in range(3):
+        nxt = []
+        for name in frontier:
+            if name in out or name in fields or name.startswith("__"):
+                continue
+            attr = pyinspect.getattr_static(spec.cls, name, None)
+            fn = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+            if not pyinspect.isfunction(fn):
+                continue
+            out[name] = fn
+            nxt += sorted(_code_names(fn.__code__))
+        frontier = nxt
+    return out
+
+
+def hook_prints(spec, kind: str | None = None) -> tuple:
+    """(name, fingerprint) of every function a `kind` of program traces (all kinds: None)."""
+    hooks = _TRACED_HOOKS if kind is None else _KIND_HOOKS[kind]
+    return tuple(
+        sorted((name, fingerprint(fn)) for name, fn in traced_functions(spec, hooks).items())
+    )
+
+
+def _state_arrays(ts) -> tuple:
+    """The arrays of a TrainState (its model and optimizer are in the key by structure)."""
+    return (ts.params, ts.state, ts.opt_state, ts.step, ts.rng)
+
+
+def program_key(
+    spec,
+    ps: ProgramSet,
+    kind: str,
+    split: str | None,
+    inputs: dict,
+    options: dict,
+    *,
+    avals: tuple,
+    optimizer=None,
+) -> explain.ProgramKey:
+    """The key of one program: every part that changes its graph, named for explanations."""
+    if ps.prints is None:
+        ps.prints = hook_prints(spec)
+    hooks, helpers = explain.hook_parts(traced_functions(spec, _KIND_HOOKS[kind]))
+    rows = tuple(
+        (jax.tree_util.keystr(path), *cache.input_spec(leaf))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(inputs)[0]
+    )
+    graph = field_values(spec.experiment, GRAPH)
+    return explain.ProgramKey(
+        kind=kind,
+        experiment=spec.cls.__qualname__,
+        graph_consts=tuple(graph.items()),
+        model=cache.freeze(models.structure_key(spec.model)),
+        optimizer=optimizer,
+        hooks=hooks,
+        helpers=helpers,
+        inputs=rows,
+        split=split,
+        options=tuple(
+            sorted(
+                {
+                    **options,
+                    "mesh": mesh_id(spec.mesh),
+                    **{f"compile option {k}": v for k, v in spec.compile_options.items()},
+                }.items()
+            )
+        ),
+        module=spec.cls.__module__,
+        graph_types=tuple((k, type(v).__name__) for k, v in graph.items()),
+        routes=tuple(
+            sorted((k, r.required, r.optional, r.takes_all) for k, r in spec.routes.items())
+        ),
+        deps=hook_prints(spec, kind),
+        avals=avals,
+    )
+
+
+def check_stale(spec, ps: ProgramSet) -> None:
+    """At an entry point: if a traced hook or helper was edited since this run compiled,
+    drop the programs built from the old code and say so once, naming what changed."""
+    old = ps.prints
+    if old is None:
+        return
+    new = hook_prints(spec)
+    if new == old:
+        return
+    was, now = dict(old), dict(new)
+    edited = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+
+    def stale(p) -> bool:  # only programs that trace the edited code; the others stay valid
+        return any(now.get(name) != digest for name, digest in p.deps)
+
+    kinds = sorted({p.kind for p in ps.used.values() if stale(p)})
+    dropped = cache.drop(
+        lambda p: (
+            isinstance(p.key, explain.ProgramKey)
+            and (p.key.module, p.key.experiment) == (spec.cls.__module__, spec.cls.__qualname__)
+            and stale(p)
+        )
+    )
+    ps.reset_train()
+    ps.prints = new
+    ps.slots = set()  # the recompiles that follow are explained here, not again
+    which = f" (the {' and '.join(kinds)} program{'s' * (len(kinds) > 1)})" if kinds else ""
+    warnings.warn(
+        f"{spec.cls.__name__}: {', '.join(f'`{e}`' for e in edited)} changed since this Nitro "
+        f"compiled its programs; {dropped} stale program(s) dropped{which}, they will be "
+        f"recompiled; programs that do not call it are kept.",
+        stacklevel=3,
+    )
+
+
+def _acquire(
+    spec, ps: ProgramSet, key: explain.ProgramKey, lower, *, label: str, bucket=None
+) -> cache.Program:
+    """get_or_compile, plus this run's bookkeeping: reports, logs, recompile warnings."""
+    kind = key.kind
+    before = cache.cache_stats()["misses"]
+    prog = cache.get_or_compile(
+        key,
+        lower,
+        kind=kind,
+        label=label,
+        devices=mesh_id(spec.mesh),
+        hooks=tuple(h for h in _KIND_HOOKS[kind] if h in spec.routes),
+        compile_options=dict(spec.compile_options),
+        on_compile=ps.on_compile,
+    )
+    # A planned variant (the ragged last eval batch, a tail of single steps) is its own slot.
+    slot = (kind, key.split, key.option("rows"), key.option("steps_per_call"), bucket)
+    if cache.cache_stats()["misses"] > before:
+        ps.compiled.append(prog)
+        ps.log({"compile": _compile_line(prog)})
+        for flag in prog.record.flags:
+            warnings.warn(flag.message, stacklevel=4)
+        if slot in ps.slots:
+            why = "; ".join(prog.reasons) or "a new input signature"
+            warnings.warn(f"recompiling the {kind} program ({label}): {why}", stacklevel=4)
+    ps.slots.add(slot)
+    ps.used[(kind, label)] = prog
+    return prog
+
+
+def _compile_line(prog: cache.Program) -> dict:
+    rec = prog.record
+    return {
+        "kind": prog.kind,
+        "label": prog.label,
+        "trace_s": rec.trace_seconds,
+        "lower_s": rec.lower_seconds,
+        "compile_s": rec.compile_seconds,
+        "hlo_ops": rec.hlo_ops,
+        "stablehlo_ops": rec.stablehlo_ops,
+        "text_bytes": rec.text_bytes,
+        "constant_bytes": rec.constant_bytes,
+        "flops": rec.flops,
+        "memory": rec.memory,
+        "reasons": list(prog.reasons),
+        "flags": [f.message for f in rec.flags],
+    }
+
+
+def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) -> cache.Program:
+    """The fused train step for these shapes: `(state leaves, batch, extras, hyper) ->
+    (state leaves, outputs)`, compiled once per process."""
+    options = {
+        "accum": spec.accum,
+        "steps_per_call": steps,
+        "precision": spec.precision,
+        "on_nonfinite": spec.on_nonfinite,
+        "log_grad_norm": spec.log_grad_norm,
+    }
+    key = program_key(
+        spec,
+        ps,
+        "train",
+        "train",
+        {"batch": batch, "extras": extras["device"]},
+        options,
+        avals=cache.avals((_state_arrays(ts), batch, extras, hyper)),
+        optimizer=(optim.describe(spec.optimizer), cache.optimizer_key(spec.tx)),
+    )
+    step = make_train_step(
+        train_loss_fn(spec),
+        spec.tx,
+        accum=spec.accum,
+        steps_per_call=steps,
+        write_hyper=spec.hyper.write,
+        unpack_hyper=spec.hyper.unpack,
+        skip_nonfinite=spec.on_nonfinite == "skip",
+        grad_norm=spec.log_grad_norm,
+    )
+    leaves, treedef = jax.tree.flatten(ts)
+
+    def flat_step(leaves, batch, extras, hyper):  # the state travels as a flat list
+        new, out = step(jax.tree.unflatten(treedef, leaves), batch, extras, hyper)
+        return jax.tree.leaves(new), out
+
+    label = spec.cls.__name__ + (f", {steps} steps per call" if steps > 1 else "")
+    return _acquire(
+        spec,
+        ps,
+        key,
+        lambda: jax.jit(flat_step, donate_argnums=(0,), out_shardings=spec.replicated).trace(
+            leaves, batch, extras, hyper
+        ),
+        label=label,
+    )
+
+
+def eval_metric_shapes(spec, ts, split: str, extras) -> dict:
+    """Abstract {name: (sum, count)} of the eval step on the split's first batch."""
+    info = spec.split_specs[split]
+    batch = {
+        k: jax.ShapeDtypeStruct(info.first[k].shape, jnp.asarray(info.first[k][:1]).dtype)
+        for k in info.fields
+    }
+    fn = eval_metrics_fn(spec, split)
+    return jax.eval_shape(
+        lambda p, s, b, e: fn(p, s, b, e, None), ts.params, ts.state, batch, extras
+    )
+
+
+def eval_program(
+    spec, ps: ProgramSet, ts, split: str, batch, extras, totals, n_valid: int | None
+) -> cache.Program:
+    """Forward + metrics added into running totals; one program per ragged width."""
+    args = (ts.params, ts.state, batch, extras, totals)
+    key = program_key(
+        spec,
+        ps,
+        "eval",
+        split,
+        {"batch": batch, "extras": extras["device"]},
+        {
+            "rows": n_valid,
+            "on the train split": split == "train",
+            "loss": spec.split_specs[split].has_loss,
+        },
+        avals=cache.avals(args),
+    )
+    step = make_eval_step(eval_metrics_fn(spec, split), n_valid)
+    label = split if n_valid is None else f"{split}, last batch of {n_valid}"
+    return _acquire(
+        spec,
+        ps,
+        key,
+        lambda: jax.jit(step, donate_argnums=(4,), out_shardings=spec.replicated).trace(*args),
+        label=label,
+    )
+
+
+def predict_program(spec, ps: ProgramSet, ts, batch, extras) -> cache.Program:
+    """Forward in inference mode, on a batch padded to a bucket (the host slices padding)."""
+
+    def predict_step(params, model_state, batch, extras):
+        with models.mode(train=False):
+            outputs, _ = _forward(spec, extras["device"], params, model_state, batch)
+        return outputs
+
+    args = (ts.params, ts.state, batch, extras)
+    key = program_key(
+        spec,
+        ps,
+        "predict",
+        None,
+        {"batch": batch, "extras": extras["device"]},
+        {"rows": None},
+        avals=cache.avals(args),
+    )
+    # Each padded size (a bucket) is a planned program of its own, not a recompile.
+    bucket = next(iter(batch.values())).shape[0]
+    return _acquire(
+        spec,
+        ps,
+        key,
+        lambda: jax.jit(predict_step).trace(*args),
+        label=spec.cls.__name__,
+        bucket=bucket,
+    )

@@ -1,0 +1,120 @@
+"""`jn.validate` and `jn.evaluate`: exact metrics over a split with the eval program.
+
+Per batch the program adds (sum, count) totals on the device; the totals are read back and
+divided once at the end, so a metric over a split is exact (not a mean of batch means), and
+a ragged last batch is padded and masked in a program of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import data as data_mod
+from . import feed
+from . import metrics as metrics_mod
+from .compile.programs import check_stale, eval_metric_shapes, eval_program
+from .errors import ConfigError, DataError, did_you_mean
+from .events.phases import set_phase
+
+
+def check_split(n, split: str) -> None:
+    splits = n.spec.splits
+    if split not in splits:
+        raise DataError(
+            f"no split {split!r}; the data has {sorted(splits)}." + did_you_mean(split, splits)
+        )
+
+
+def run_eval(n, split: str) -> dict[str, Any]:
+    """The metrics of `split` (no logging): totals on the device, divided once."""
+    check_split(n, split)
+    spec, ps = n.spec, n.programs
+    check_stale(spec, ps)
+    set_phase(n, "Evaluating", info={"split": split})
+    bs = spec.split_specs[split].batch_size
+    ts, extras = n.train_state, n.device.extras
+    stream = data_mod.Prefetcher(iter(spec.splits[split]), feed.eval_prepare(spec, split, bs))
+    totals = jax.device_put(
+        metrics_mod.zeros_like_totals(eval_metric_shapes(spec, ts, split, extras)),
+        spec.replicated,
+    )
+    progs: dict = {}
+    try:
+        for dev_batch, size, _ in stream:
+            if size > bs:
+                raise DataError(
+                    f"a {split!r} batch has {size} rows, more than the first batch's {bs}; "
+                    f"batches of a split share one size (the last may be shorter)."
+                )
+            n_valid = None if size == bs else size
+            prog = progs.get(n_valid)
+            if prog is None:
+                prog = progs[n_valid] = eval_program(
+                    spec, ps, ts, split, dev_batch, extras, totals, n_valid
+                )
+            totals = prog(ts.params, ts.state, dev_batch, extras, totals)
+    finally:
+        stream.close()
+    return _finalize(n, split, metrics_mod.finalize(jax.device_get(totals)))
+
+
+def _finalize(n, split: str, values: dict) -> dict[str, Any]:
+    if split != "val" and "val_loss" in values:  # the loss is named after its split
+        values[f"{split}_loss"] = values.pop("val_loss")
+    fin = getattr(n.spec.cls, "finalize_metrics", None)
+    if fin is None:
+        return values
+    out = fin(n.experiment, values, split)
+    if not isinstance(out, Mapping):
+        raise ConfigError(
+            f"finalize_metrics must return a dict, got {type(out).__name__}; return the dict "
+            f"of metrics it was given, changed (name -> value)."
+        )
+    return {k: _host_value(v) for k, v in out.items()}
+
+
+def _host_value(v):
+    """0-d numpy/jax values become Python floats (logged, compared, JSON-safe)."""
+    if hasattr(v, "shape") and getattr(v, "shape", None) == ():
+        return float(np.asarray(v))
+    return v
+
+
+def is_scalar(v) -> bool:
+    return isinstance(v, (int, float)) or v is None
+
+
+def validate(n) -> dict[str, Any]:
+    """Evaluate the 'val' split; returns {metric: value} (exact: totals divided once).
+
+    Example:
+        >>> jn.validate(n)
+        {'acc': 0.91, 'val_loss': 0.31}
+    """
+    return evaluate(n, split="val")
+
+
+def evaluate(n, split: str = "test") -> dict[str, Any]:
+    """Evaluate any split with the eval program; returns {metric: value}, and logs it when
+    the run dir is free to write.
+
+    Example:
+        >>> jn.evaluate(n, split="test")["acc"]
+    """
+    check_split(n, split)
+    phase = n.phase
+    values = run_eval(n, split)
+    with n.services.writing("evaluate", step=n.step, required=False) as may_write:
+        if may_write:
+            n.logger.log_metrics(
+                {"split": split, **{k: v for k, v in values.items() if is_scalar(v)}},
+                context="validate",
+                epoch=n.epoch,
+                step=n.step,
+            )
+    set_phase(n, phase if phase not in ("Starting", "Evaluating") else "Done")
+    return values

@@ -1,0 +1,577 @@
+"""Setup: from an experiment and the options of `jn.Nitro(...)` to the parts of a run.
+
+The order is fixed and each step is a small function returning a frozen piece: settings →
+run dir and services → resume record → data → derive → mesh and Device values → model →
+routing checks on the first batches → optimizer, schedules and hyperparameter layout →
+checkpointer and metric checks → restore. Setup validates everything it can before anything
+compiles, and writes none of the run's files (only a resume may move a corrupted checkpoint
+aside, under the run lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import data as data_mod
+from . import hooks, optim
+from .checkpoint import TopKCheckpointer, load_checkpoint, validate_int
+from .checkpoint import _read_meta as checkpoint_meta
+from .devices import apply_env, make_mesh, replicated
+from .display import Display
+from .errors import CheckpointError, ConfigError, DataError, HookError, did_you_mean
+from .experiment import DEVICE, field_values, fields, graph_key, replace
+from .hyper import HyperLayout
+from .jsonable import jsonable
+from .loggers import JSONLogger, make_logger
+from .progress import Progress
+from .runlock import RunLock
+from .services import Services, check_resumable, make_checkpointer
+from .settings import Settings
+from .spec import DeviceValues, RunSpec, SplitSpec
+from .state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class Dist:
+    """What `build_data(self, dist)` learns about the run, so each process loads its shard."""
+
+    process_index: int
+    process_count: int
+    n_devices: int
+    mesh: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """The parts of a run that setup returns to the handle."""
+
+    spec: RunSpec
+    state: TrainState
+    progress: Progress
+    device: DeviceValues
+
+
+# -- run dir and services -------------------------------------------------------------------
+def make_run_dir(path: Path) -> None:
+    """An unusable run dir fails before any work."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run_dir {path} is a file; give a directory path (run_dir='runs/x').")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create run_dir {path}: {e}. Pick a writable path.") from e
+
+
+def services(s: Settings) -> tuple[Services, bool]:
+    """(the run's services, whether the user named the checkpointer)."""
+    checkpointer, named = make_checkpointer(s.checkpointer, default=TopKCheckpointer)
+    check_resumable(checkpointer, s.resume)
+    svc = Services(
+        logger=logger_of(s.logger),
+        checkpointer=checkpointer,
+        display=Display(s.progress),
+        lock=RunLock(s.run_dir),
+        run_dir=s.run_dir,
+        params_line={},
+    )
+    checkpointer.bind(s.run_dir, writer=False)
+    return svc, named
+
+
+def logger_of(value):
+    return make_logger(value, JSONLogger)
+
+
+def resume_record(svc: Services, run_dir: Path, resume) -> Path | None:
+    """The checkpoint to resume from (None: a fresh run)."""
+    if resume in (False, None):
+        return None
+    if resume in (True, "auto"):
+        # The newest checkpoint that verifies: a truncated or corrupted newest one is reported
+        # and moved aside, which writes: a run another writer holds cannot be resumed now.
+        svc.lock.acquire("resume", what=f"run_dir {run_dir}")
+        try:
+            svc.checkpointer.bind(run_dir, writer=True)
+            latest = svc.checkpointer.latest_valid()
+        finally:
+            svc.lock.release()
+        if latest is None and resume is True:
+            raise CheckpointError(
+                f"resume=True but {svc.checkpointer.dir} holds no checkpoint. Use "
+                f"resume='auto' to start fresh when there is none."
+            )
+        return latest
+    if not isinstance(resume, (str, os.PathLike)):
+        raise ConfigError(
+            f"resume={resume!r}; use False, 'auto' (continue from the newest checkpoint in "
+            f"run_dir if any), True (it must exist) or a checkpoint path."
+        )
+    path = Path(resume).absolute()
+    if not path.exists():
+        raise CheckpointError(
+            f"resume={resume!r}: no such checkpoint. Pass a checkpoint directory (e.g. "
+            f"TopKCheckpointer(dir=...).latest()), or resume='auto' to continue from the "
+            f"newest one in run_dir."
+        )
+    return path
+
+
+def identity(resume_path: Path | None, seed: int) -> tuple[str, int]:
+    """(run id, seed): a resumed run keeps its checkpoint's id and seed."""
+    run_id = uuid.uuid4().hex[:12]
+    if resume_path is None:
+        return run_id, seed
+    meta = read_meta(resume_path)
+    saved = meta.get("run_id")
+    if isinstance(saved, str) and re.fullmatch(r"[0-9a-zA-Z_-]{1,64}", saved):
+        run_id = saved
+    if meta.get("seed") is not None and meta["seed"] != seed:
+        warnings.warn(
+            f"resuming with seed {meta['seed']} from the checkpoint instead of {seed}: the "
+            f"shuffle order and dropout must continue as they were.",
+            stacklevel=5,
+        )
+        seed = validate_int(meta, "seed", resume_path)
+    return run_id, seed
+
+
+def read_meta(path: Path) -> dict:
+    """The user meta of a checkpoint, read without its arrays (errors name what is wrong)."""
+    full = checkpoint_meta(Path(path))
+    return full.get("meta", full)
+
+
+# -- data -----------------------------------------------------------------------------------
+def build_data(exp, data, dist: Dist, seed: int) -> dict[str, Any]:
+    """The splits: `Nitro(data=...)` or `build_data(self, dist)`, checked as re-iterables."""
+    splits = data if data is not None else exp.build_data(dist)
+    if not isinstance(splits, Mapping):
+        raise HookError(
+            f"build_data must return a dict of splits like {{'train': loader, 'val': loader}}, "
+            f"got {type(splits).__name__}."
+        )
+    splits = dict(splits)
+    if splits and "train" not in splits:
+        raise DataError(
+            f"the data has splits {sorted(splits)} but no 'train' split, which is required."
+            + did_you_mean("train", splits)
+        )
+    for name, src in splits.items():
+        if isinstance(src, Iterator):
+            raise DataError(
+                f"split {name!r} is a one-shot iterator ({type(src).__name__}): it would be "
+                f"empty after the first epoch. Pass a re-iterable (a list of batches or a "
+                f"jn.DataLoader)."
+            )
+        if isinstance(src, data_mod.DataLoader) and src.seed is None:
+            src.seed = seed  # the Nitro seed controls shuffling
+    return splits
+
+
+def derive(exp, splits):
+    """`derive(self, splits)` -> field updates (e.g. class weights), applied to the experiment."""
+    fn = getattr(type(exp), "derive", None)
+    if fn is None:
+        return exp
+    updates = fn(exp, splits) or {}
+    if not isinstance(updates, Mapping):
+        raise HookError(
+            f"derive must return a dict field -> value, got {type(updates).__name__}; "
+            f"return e.g. {{'class_weights': w}} (or None to change nothing)."
+        )
+    return replace(exp, **updates)
+
+
+def device_array(name: str, value, rep) -> jax.Array:
+    """A Device field's value as a strongly typed replicated array (a Python float would be
+    weakly typed and could retrace on a change of type)."""
+    arr = np.asarray(value)
+    if arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
+    elif arr.dtype == np.int64:
+        arr = arr.astype(np.int32)
+    elif arr.dtype.kind not in "biuf":
+        raise ConfigError(
+            f"Device field {name!r} holds {value!r}, which is not numeric; give it a number or "
+            f"an array, or mark it GraphConst/Host."
+        )
+    return jax.device_put(arr, rep)
+
+
+def check_splits(splits: Mapping, routes, n_devices: int) -> dict[str, SplitSpec]:
+    """Route every split's first batch through the hooks; check sizes and devices."""
+    info = {split: _split_spec(split, src, routes, n_devices) for split, src in splits.items()}
+    if "train" in info:  # every split feeds the same model: the same per-sample fields
+        for split, sinfo in info.items():
+            if split != "train":
+                data_mod.check_same_specs(sinfo.specs, info["train"].specs, split)
+    return info
+
+
+def _peek(split: str, src) -> dict:
+    """The first batch, iterating the source once (every later use reads the SplitSpec)."""
+    it = iter(src)
+    if it is iter(src):
+        raise DataError(
+            f"split {split!r} ({type(src).__name__}) returns the same iterator each time it is "
+            f"iterated, so it would be empty after the first epoch. Make __iter__ start a new "
+            f"pass (e.g. a generator function), or pass a jn.DataLoader or a list of batches."
+        )
+    first = next(it, None)
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+    if first is None:
+        raise DataError(
+            f"split {split!r} is empty (it yielded no batch). Remove the split, or check "
+            f"what build_data loads."
+        )
+    return first
+
+
+def _split_spec(split: str, src, routes, n_devices: int) -> SplitSpec:
+    first = _peek(split, src)
+    bs = data_mod.check_batch(first, split)
+    train = split == "train"
+    needed = ("forward", "loss", "train_metrics") if train else ("forward", "loss", "metrics")
+    hooks.check_batch(routes, first, split, hooks=needed if train else ("forward", "metrics"))
+    loss_ok = all(f in first for f in routes["loss"].required)
+    use = needed if loss_ok else ("forward", "metrics")
+    if train and isinstance(src, data_mod.DataLoader) and src.ragged:
+        raise DataError(
+            f"the 'train' split has {src.num_samples} samples, which batch_size="
+            f"{src.batch_size} does not divide: the last train batch would be short "
+            f"({src.num_samples % src.batch_size}) and need its own program. Pass "
+            f"drop_last=True to the train DataLoader."
+        )
+    if bs % n_devices:
+        raise DataError(
+            f"the {split!r} batch size {bs} does not divide by the {n_devices} devices of the "
+            f"data mesh. Use a batch size that is a multiple of {n_devices}."
+        )
+    return SplitSpec(
+        batch_size=bs,
+        fields=tuple(hooks.device_fields(routes, first, hooks=use)),
+        keys=frozenset(first),
+        has_loss=loss_ok,
+        first=first,
+        specs=data_mod.batch_specs(first, split),
+    )
+
+
+def steps_per_epoch(splits: Mapping, accum: int) -> int | None:
+    """Optimizer steps per epoch; `accum` must divide the batches of an epoch."""
+    loader = splits.get("train")
+    if loader is None or not hasattr(loader, "__len__"):
+        return None
+    batches = len(loader)
+    if batches % accum:
+        near = sorted(
+            {d for d in range(1, batches + 1) if batches % d == 0},
+            key=lambda d: (abs(d - accum), d),
+        )[:3]
+        raise ConfigError(
+            f"accum={accum} does not divide the {batches} train batches of an epoch, so the "
+            f"last optimizer step would be short. Use accum in {sorted(near)}, or change the "
+            f"batch size or the number of samples (drop_last=True drops a final partial batch)."
+        )
+    return batches // accum
+
+
+# -- model and optimizer --------------------------------------------------------------------
+def build_model(exp, seed: int, rep) -> tuple[Any, Any, Any, jax.Array]:
+    """(model, params, model state, the run's RNG key), every array replicated on the mesh."""
+    init_key, rng = jax.random.split(jax.random.PRNGKey(seed))
+    built = exp.build_model(init_key)
+    if not (isinstance(built, tuple) and len(built) == 3):
+        raise HookError(
+            f"{type(exp).__name__}.build_model must return (model, params, state), got "
+            f"{type(built).__name__}. Wrap your module: return jn.split_model(module)."
+        )
+    params = replicate(built[1], rep)
+    state = replicate(built[2] if built[2] is not None else {}, rep)
+    return built[0], params, state, jax.device_put(rng, rep)
+
+
+def replicate(tree, rep):
+    return jax.tree.map(
+        lambda x: (
+            jax.device_put(x, rep, may_alias=False) if isinstance(x, (jax.Array, np.ndarray)) else x
+        ),
+        tree,
+    )
+
+
+def grad_norm_setting(value, optimizer) -> bool:
+    """The gradient norm per step costs a pass over the gradients (~15% of a small MLP's step
+    on CPU): logged when clipping computes it anyway, or when asked for."""
+    if value not in (None, True, False):
+        raise ConfigError(
+            f"log_grad_norm={value!r}; use True, False or None (the default: on when "
+            f"gradient_clip_norm is set)."
+        )
+    return optimizer.clip > 0 if value is None else value
+
+
+def schedules_of(s: Settings, exp, optimizer, spe: int | None):
+    """(resolved schedules, total steps): resolved against the run's optimizer steps."""
+    total = (spe or 0) * s.max_epochs
+    if s.schedules and not spe:
+        raise ConfigError(
+            "schedules need the number of steps per epoch, but the 'train' split has no len(); "
+            "use a jn.DataLoader or give it __len__."
+        )
+    markers = {f.name: f.marker for f in fields(exp)}
+    resolved = optim.resolve_schedules(
+        s.schedules, opt=optimizer, device_fields=markers, total_steps=max(total, 1)
+    )
+    return resolved, total
+
+
+def initial_state(model, params, state, tx, rng, rep) -> TrainState:
+    """Every leaf lives replicated on the mesh, as the train step returns it, so the
+    program's input avals (and key) are the same at step 1 and step N."""
+    opt_state = jax.jit(tx.init, out_shardings=rep)(params)
+    ts = TrainState(params, state, opt_state, jnp.zeros((), jnp.int32), rng, model=model, tx=tx)
+    return jax.device_put(ts, rep)
+
+
+# -- checks on the metrics the run produces -------------------------------------------------
+def eval_metric_names(spec: RunSpec, ts: TrainState, device: DeviceValues, split: str):
+    """The metric names validation produces (traced abstractly; nothing compiles)."""
+    from .compile.programs import eval_metric_shapes
+
+    return sorted(eval_metric_shapes(spec, ts, split, device.extras))
+
+
+def check_metrics(spec: RunSpec, ts, device, svc: Services, named: bool) -> None:
+    """The checkpointer's and early stopping's metrics are produced by this run."""
+    metric = svc.checkpointer.metric
+    has_val = "val" in spec.splits
+    names = eval_metric_names(spec, ts, device, "val") if has_val else []
+    if not has_val and named and metric is not None:
+        raise ConfigError(
+            f"the checkpointer monitors {metric!r} but the data has no 'val' split, so no "
+            f"metric is ever produced. Add a 'val' split, or use the default checkpointer "
+            f"(keeps the newest)."
+        )
+    if has_val and metric not in names:
+        if named:
+            raise ConfigError(
+                f"the checkpointer monitors {metric!r}, which this run never produces; "
+                f"validation produces {names}." + did_you_mean(metric, names)
+            )
+        svc.checkpointer.metric = names[0] if names else metric
+    es = spec.early_stop
+    if es is not None:
+        if not (hasattr(es, "update") and hasattr(es, "check_metric")):
+            raise ConfigError(
+                f"early_stop must be a jn.EarlyStopping, got {type(es).__name__}; pass "
+                f"jn.EarlyStopping(metric='val_loss', patience=3)."
+            )
+        es.check_metric(["train_loss", *names], has_val=has_val)
+
+
+# -- restore --------------------------------------------------------------------------------
+_TREES = {
+    "params": "the model structure (layers, widths, parameter names)",
+    "model_state": "the model state (batch statistics, RNG streams)",
+    "opt_state": "the optimizer state layout (param groups, optimizer rules, clipping or "
+    "scheduled hyperparameters)",
+}
+
+
+def check_config(spec: RunSpec, path: Path) -> None:
+    """A resume needs the same GraphConst config: report changed fields, not array shapes."""
+    have = read_meta(path).get("config")
+    want = jsonable(dict(graph_key(spec.experiment)))
+    if have is not None and have != want:
+        diff = {
+            k: (have.get(k), want.get(k))
+            for k in set(have) | set(want)
+            if have.get(k) != want.get(k)
+        }
+        raise CheckpointError(
+            f"cannot resume from {path}: its GraphConst config differs from this run's "
+            f"(field: checkpoint → now): {diff}. Resume with the same config, or start a new "
+            f"run_dir."
+        )
+
+
+def load_trees(ts: TrainState, path: Path, *, full: bool) -> tuple[dict, dict]:
+    """(trees, meta) of a checkpoint, restored onto this run's templates."""
+    templates = {"params": ts.params, "model_state": ts.state}
+    if full:
+        templates["opt_state"] = ts.opt_state
+    try:
+        return load_checkpoint(path, templates)
+    except CheckpointError as e:
+        tree = next((t for t in _TREES if f"tree '{t}' does not match" in str(e)), None)
+        if tree is None:
+            raise
+        fix = (
+            "Resume with the same settings, or pass checkpoint=path to load the weights only."
+            if tree == "opt_state"
+            else "Resume with the same model."
+        )
+        raise CheckpointError(
+            f"cannot {'resume' if full else 'load weights'} from {path}: {_TREES[tree]} "
+            f"differs from this run's. {fix}\n{e}"
+        ) from e
+    except Exception as e:  # noqa: BLE001 - add which checkpoint and why
+        raise CheckpointError(
+            f"cannot load checkpoint {path}: {e}. Pass another checkpoint (or resume=False)."
+        ) from e
+
+
+def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Progress, Any]:
+    """Resume: the state, the progress and the schedules' horizon saved in the checkpoint."""
+    check_config(spec, path)
+    trees, meta = load_trees(ts, path, full=True)
+    step = validate_int(meta, "step", path)
+    ts = jax.device_put(
+        ts.replace(
+            params=replicate(trees["params"], spec.replicated),
+            state=replicate(trees["model_state"], spec.replicated),
+            opt_state=trees["opt_state"],
+            step=jnp.asarray(step, jnp.int32),
+        ),
+        spec.replicated,
+    )
+    history = meta.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
+        raise CheckpointError(
+            f"checkpoint {path}: meta field 'history' must be a list of rows, got "
+            f"{type(history).__name__}. Resume from another checkpoint."
+        )
+    spe = spec.steps_per_epoch
+    progress = Progress(
+        step=step,
+        # Every epoch takes at least one step: a larger epoch is a damaged or edited meta.
+        epoch=validate_int(meta, "epoch", path, maximum=step),
+        batch_in_epoch=validate_int(
+            meta, "batch_in_epoch", path, default=0, maximum=spe and spe * spec.accum
+        ),
+        skipped_steps=validate_int(meta, "skipped_steps", path, default=0),
+        history=tuple(history),
+        early_stop=meta.get("early_stop"),
+    )
+    return ts, progress, meta.get("total_steps")
+
+
+def load_weights(spec: RunSpec, ts: TrainState, path: Path) -> TrainState:
+    """`checkpoint=path`: the weights (params and model state) only; a fresh optimizer."""
+    trees, _ = load_trees(ts, path, full=False)
+    return ts.replace(
+        params=replicate(trees["params"], spec.replicated),
+        state=replicate(trees["model_state"], spec.replicated),
+    )
+
+
+def warn_horizon(spec: RunSpec, progress: Progress, horizon) -> None:
+    if spec.schedules.fns and isinstance(horizon, int) and horizon != spec.total_steps:
+        warnings.warn(
+            f"resuming a run whose schedules spanned {horizon} steps into one of "
+            f"{spec.total_steps} (max_epochs={spec.max_epochs}): the schedules are stretched "
+            f"to the new length, so from step {progress.step} on the scheduled values differ "
+            f"from the original run's.",
+            stacklevel=5,
+        )
+
+
+def params_line(spec: RunSpec) -> dict:
+    """The `params` log line: what this run is."""
+    exp = spec.experiment
+    return {
+        "experiment": spec.cls.__name__,
+        "seed": spec.seed,
+        "max_epochs": spec.max_epochs,
+        "n_devices": spec.n_devices,
+        "backend": jax.default_backend(),
+        "run_id": spec.run_id,
+        "config": {f.name: jsonable(getattr(exp, f.name)) for f in fields(exp)},
+        "markers": {f.name: f.marker for f in fields(exp)},
+    }
+
+
+# -- the sequence ---------------------------------------------------------------------------
+def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
+    """Everything after the services, in the documented order."""
+    resume_path = resume_record(svc, s.run_dir, s.resume)
+    run_id, seed = identity(resume_path, s.seed)
+    svc.checkpointer.for_run(run_id)
+    apply_env()
+    mesh = make_mesh(s.n_devices)
+    dist = Dist(jax.process_index(), jax.process_count(), mesh.size, mesh)
+    splits = build_data(exp, s.data, dist, seed)
+    exp = derive(exp, splits)
+    rep = replicated(mesh)
+    values = {k: device_array(k, v, rep) for k, v in field_values(exp, DEVICE).items()}
+    model, params, mstate, rng = build_model(exp, seed, rep)
+    split_specs = check_splits(splits, routes, mesh.size)
+    optimizer = optim.build(exp, params, scheduled=set(s.schedules))
+    spe = steps_per_epoch(splits, s.accum)
+    schedules, total = schedules_of(s, exp, optimizer, spe)
+    layout = HyperLayout.build(optimizer, values, schedules)
+    spec = RunSpec(
+        experiment=exp,
+        cls=type(exp),
+        routes=routes,
+        splits=splits,
+        split_specs=split_specs,
+        dist=dist,
+        model=model,
+        mesh=mesh,
+        replicated=rep,
+        batch_sharding=data_mod.batch_sharding(mesh),
+        direct_feed=mesh.size == 1 and mesh.devices.flat[0].platform == "cpu",
+        optimizer=optimizer,
+        hyper=layout,
+        schedules=schedules,
+        steps_per_epoch=spe,
+        total_steps=total,
+        seed=seed,
+        run_dir=s.run_dir,
+        run_id=run_id,
+        max_epochs=s.max_epochs,
+        accum=s.accum,
+        steps_per_call=s.steps_per_call,
+        precision=s.precision,
+        on_nonfinite=s.on_nonfinite,
+        log_grad_norm=grad_norm_setting(s.log_grad_norm, optimizer),
+        compile_options=s.compile_options,
+        memory_budget=s.memory_budget,
+        val_every=s.val_every,
+        checkpoint_every=s.checkpoint_every,
+        checkpoint_every_minutes=s.checkpoint_every_minutes,
+        early_stop=s.early_stop,
+        resume_path=resume_path,
+    )
+    device = DeviceValues(values, layout.base(optimizer, values))
+    ts = initial_state(model, params, mstate, optimizer.tx, rng, rep)
+    check_metrics(spec, ts, device, svc, named)
+    return _restored(spec, ts, device, s)
+
+
+def _restored(spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings) -> Built:
+    progress = Progress()
+    if spec.resume_path is not None:
+        ts, progress, horizon = restore(spec, ts, spec.resume_path)
+        spec = spec.replace(resumed_total_steps=horizon)
+        warn_horizon(spec, progress, horizon)
+    elif s.checkpoint is not None:
+        ts = load_weights(spec, ts, Path(s.checkpoint).absolute())
+    if spec.early_stop is not None and progress.early_stop is not None:
+        spec.early_stop.load_state_dict(progress.early_stop)
+    return Built(spec, ts, progress, device)
