@@ -353,7 +353,8 @@ class NitroRuns:
         self.cold_rate = r.steps_per_second
         self.data_line = _data_line(n)  # the first run: its peak is this work's alone
         self.plan_bytes = int(jn.memory_plan(n).total)
-        self.train_loss = n.history_rows[-1]["train_loss"] if n.history_rows else None
+        rows = jn.history(n).rows
+        self.train_loss = rows[-1]["train_loss"] if rows else None
         self.warm_programs = 0
         self.rates: list[float] = []
         self.e2es: list[float] = []

@@ -45,7 +45,13 @@ _READBACK_CHUNK = 16
 
 @dataclasses.dataclass
 class TrainResult:
-    """What `jn.train` returns."""
+    """What `jn.train` returns.
+
+    Example:
+        >>> result = jn.train(n)
+        >>> result.stop_reason, result.best_checkpoint, result.programs_compiled
+        ('completed', PosixPath('runs/MnistMLP/checkpoints/epoch-0003-...'), 2)
+    """
 
     history: History
     best_checkpoint: Path | None
@@ -205,6 +211,8 @@ class _Epoch:
         self.lr_of = _lr_reader(self.spec, n.device)
         self.cadence = _Cadence(self.spec)
         self.compile_s = 0.0
+        self.calls: dict = {}  # steps per call -> the compiled train program
+        self.fire = False
         self.t0 = self.clock = time.perf_counter()
 
     def run(self) -> tuple[list[float], float]:
@@ -234,10 +242,12 @@ class _Epoch:
         return self.losses, seconds
 
     def _steps(self, stream, total: int | None) -> None:
-        control = self.n.services.control
+        control, cadence = self.n.services.control, self.cadence.active
         for payloads, _, _ in stream:
             for dev_batch, hyper, steps in payloads:
                 self._dispatch(dev_batch, hyper, steps)
+                if not cadence:
+                    continue
                 validate, save = self.cadence.due(self.step - steps, self.step)
                 if (validate or save) and self.batch != total:  # the epoch end does both
                     self._drain(len(self.pending))
@@ -252,18 +262,26 @@ class _Epoch:
                 break
 
     def _dispatch(self, dev_batch, hyper, steps: int) -> None:
+        call = self.calls.get(steps)
+        if call is None:
+            call = self.calls[steps] = self._program(dev_batch, hyper, steps).compiled
+        self.leaves, out = call(self.leaves, dev_batch, self.extras, hyper)
+        self.batch += steps * self.spec.accum
+        self.step += steps
+        self.pending.append((self.step, self.batch, steps, out))
+
+    def _program(self, dev_batch, hyper, steps: int):
+        """The train program for `steps` per call (fetched or compiled; compiles not timed)."""
         progs = self.n.programs.train
         prog = progs.get(("train", steps))
         if prog is None:
+            self._commit()  # the handle's state is this one (its shapes key the program)
             c0 = time.perf_counter()
             prog = progs[("train", steps)] = train_program(
                 self.spec, self.n.programs, self.n.train_state, dev_batch, self.extras, hyper, steps
             )
             self.compile_s += time.perf_counter() - c0
-        self.leaves, out = prog(self.leaves, dev_batch, self.extras, hyper)
-        self.batch += steps * self.spec.accum
-        self.step += steps
-        self.pending.append((self.step, self.batch, steps, out))
+        return prog
 
     def _commit(self) -> None:
         progress = self.n.progress.replace(
@@ -282,6 +300,7 @@ class _Epoch:
         steps_read = sum(item[2] for item in items)
         step_s = (now - self.clock) / steps_read if steps_read else None
         self.clock = now
+        self.fire = step_events.has_callbacks(self.n.services.step_callbacks)
         for (last_step, last_batch, steps, _), host in zip(items, _read_back(items), strict=True):
             for j in range(steps):  # a fused call returns one row per optimizer step
                 row = {
@@ -312,8 +331,8 @@ class _Epoch:
         rates = self.lr_of(step - 1)
         row.update(rates)
         n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
-        callbacks = n.services.step_callbacks
-        if step_events.has_callbacks(callbacks):
+        if self.fire:
+            callbacks = n.services.step_callbacks
             groups = [g for _, g in self.spec.hyper.learning_rates()]
             step_events.fire(
                 callbacks,
@@ -375,6 +394,7 @@ class _Cadence:
         minutes = spec.checkpoint_every_minutes
         self.seconds = None if minutes is None else minutes * 60
         self.last = time.monotonic()
+        self.active = any(v is not None for v in (self.val, self.ckpt, self.seconds))
 
     def due(self, before: int, after: int) -> tuple[bool, bool]:
         validate = self.val is not None and after // self.val > before // self.val

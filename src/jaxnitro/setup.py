@@ -44,7 +44,13 @@ from .state import TrainState
 
 @dataclasses.dataclass(frozen=True)
 class Dist:
-    """What `build_data(self, dist)` learns about the run, so each process loads its shard."""
+    """What `build_data(self, dist)` learns about the run, so each process loads its shard.
+
+    Example:
+        >>> def build_data(self, dist):
+        ...     rows = slice(dist.process_index, None, dist.process_count)  # this process's share
+        ...     return {"train": jn.DataLoader({"x": x[rows], "y": y[rows]}, batch_size=64)}
+    """
 
     process_index: int
     process_count: int

@@ -94,6 +94,13 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
     `loss_fn(model, params, model_state, batch)` returns `loss`, `(loss, new_model_state)` or
     `(loss, new_model_state, aux_dict)`. Inside it, `jn.apply` runs the model in training mode
     with a fresh per-step RNG. The input state's buffers are donated: keep the returned state.
+
+    Example:
+        >>> def loss_fn(model, params, state, batch):
+        ...     logits, state = jn.apply(model, params, state, batch["x"])
+        ...     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        ...     return loss.mean(), state
+        >>> ts, loss, aux = jn.train_step(loss_fn, ts, {"x": x, "y": y})
     """
     model, tx = state.model, state.tx
     batch = jax.tree.map(

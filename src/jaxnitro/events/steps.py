@@ -25,6 +25,9 @@ class StepRecord:
         learning_rates: group -> learning rate used by this step (schedules applied).
         step_seconds: wall seconds per step, averaged over the chunk read back with it.
         metrics: everything the step logged (train_metrics included).
+
+    Example:
+        >>> jn.every(50, lambda r: print(f"step {r.step}: loss {r.loss:.3f}"), nitro=n)
     """
 
     step: int
