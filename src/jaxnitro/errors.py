@@ -125,3 +125,19 @@ class MemoryPlanError(JaxnitroError, MemoryError):
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (e.g. corrupted) and an older one is used instead."""
+
+
+class ExportError(JaxnitroError, ValueError):
+    """`jn.export_model` refused or failed: the program cannot be served without Python
+    (a host callback, an unstable custom call), a hook returned the wrong thing, or the
+    written bundle did not reproduce `jn.predict` in a fresh process."""
+
+
+class BundleError(JaxnitroError, ValueError):
+    """`jn.load_bundle` cannot use a bundle: a file is missing, tampered with or outside
+    the bundle, or the bundle's jaxlib is outside jax.export's compatibility window."""
+
+
+class BundleInputError(BundleError):
+    """A `Bundle` was called with inputs that do not match its manifest (names, dtypes,
+    per-example shapes, batch size)."""

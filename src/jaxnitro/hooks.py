@@ -18,6 +18,7 @@ OPTIONAL = (
     "learning_rate", "weight_decay", "decay_anchor", "no_decay", "gradient_clip_norm",
     "schedules",
     "presets",
+    "export_inputs", "export_preprocess", "export_postprocess",
 )  # fmt: skip
 #: Hooks traced into a compiled program, with how many positional arguments follow `self`.
 TRACED = {"forward": 3, "loss": 1, "metrics": 1, "train_metrics": 1}

@@ -1,0 +1,85 @@
+"""Where a bundle came from: versions, the experiment, its checkpoint, the code's commit."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from ..experiment import GRAPH, field_values
+from ..jsonable import jsonable
+from . import compat
+
+
+def provenance(n, exported) -> dict:
+    """The manifest's ``provenance``: what made the bundle, enough to rebuild or audit it."""
+    import jaxnitro
+
+    spec = n.spec
+    versions = compat.versions()
+    return {
+        "jaxnitro": jaxnitro.__version__,
+        "jax": versions["jax"],
+        "jaxlib": versions["jaxlib"],
+        "serialization_version": versions["serialization_version"],
+        "calling_convention_version": exported.calling_convention_version,
+        "experiment": f"{spec.cls.__module__}.{spec.cls.__qualname__}",
+        "graph_consts": jsonable(field_values(spec.experiment, GRAPH)),
+        "device_values": {
+            k: jsonable(np.asarray(jax.device_get(v))) for k, v in n.device.values.items()
+        },
+        "seed": spec.seed,
+        "step": n.step,
+        "epoch": n.epoch,
+        "run_dir": str(spec.run_dir),
+        "checkpoint": source_checkpoint(n),
+        "git": git_state(Path(spec.run_dir)),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def source_checkpoint(n) -> dict | None:
+    """The run's checkpoint holding exactly these weights (its step is the handle's), or None."""
+    try:
+        rows = n.checkpointer.records()
+    except (AttributeError, NotImplementedError):  # checkpointer=False
+        return None
+    run_id = getattr(n.checkpointer, "run_id", None)
+    mine = [
+        r
+        for r in rows
+        if r.get("step") == n.step and (run_id is None or r.get("run_id") in (None, run_id))
+    ]
+    if not mine:
+        return None
+    row = mine[-1]
+    return {
+        "path": str(Path(n.checkpointer.dir) / row["path"]),
+        "step": row["step"],
+        "epoch": row.get("epoch"),
+        "metrics": jsonable(row.get("metrics", {})),
+    }
+
+
+def git_state(where: Path) -> dict | None:
+    """{"commit", "dirty"} when ``where`` is inside a git work tree (tracked files only
+    count as dirty: run directories are usually untracked), else None."""
+    probe = where if where.is_dir() else where.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", "-C", str(probe), *args], capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    if git("rev-parse", "--is-inside-work-tree") != "true":
+        return None
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if status is None else bool(status)}

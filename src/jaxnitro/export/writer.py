@@ -1,0 +1,202 @@
+"""`jn.export_model`: write a run's model as a bundle that serves without its code.
+
+The order: the wire inputs (`export_inputs`, else forward's fields) → the weights as a flat
+dict → the program (`export_preprocess → forward → export_postprocess` in inference mode,
+Device values frozen), exported for every platform and refused if it calls back into Python
+or uses an unstable custom call → the files, into a staging directory → the servable check
+(a fresh process, without the model's code, must reproduce `jn.predict`) → the files moved
+into place. A failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..compile.programs import check_stale
+from ..errors import BundleError, ExportError, did_you_mean
+from . import compat
+from .format import FORMAT, FORMAT_VERSION, MANIFEST, PLATFORMS, PROGRAM, WEIGHTS
+from .manifest import file_entry, read_manifest, write_manifest
+from .program import (
+    export_program,
+    output_specs,
+    serialize,
+    serving_function,
+    wire_inputs,
+)
+from .provenance import provenance
+from .servable import check_servable
+from .weights import flatten_weights
+
+_EXPORT_HOOKS = ("export_inputs", "export_preprocess", "export_postprocess")
+
+
+def export_model(
+    n,
+    dir: str | os.PathLike,
+    *,
+    name: str | None = None,
+    platforms: Sequence[str] = ("cpu", "cuda"),
+    allow_custom_calls: Sequence[str] = (),
+) -> Path:
+    """Write the run's model as a bundle: manifest.json, weights.safetensors, model.jaxexport.
+
+    The program is `forward` in inference mode (BatchNorm running statistics, no dropout)
+    with the Device values of now, wrapped by the optional hooks `export_preprocess(self,
+    **wire)` and `export_postprocess(self, outputs)`; its inputs are `export_inputs(self)`
+    (default: the fields forward takes, as the first train batch has them), each with a
+    symbolic batch dimension. Before returning, the bundle is loaded in a fresh process that
+    cannot import the model's code and compared with `jn.predict` on a sample batch.
+
+    Args:
+        n: the run (`jn.Nitro`), trained or not: its current weights are exported.
+        dir: the bundle directory: created, or written into (an earlier bundle's files are
+            replaced, other files are left alone).
+        name: the model name (default: the experiment class name, lowercased).
+        platforms: the platforms to lower for (any of cpu, cuda, rocm, tpu; this machine
+            need not have them).
+        allow_custom_calls: custom-call targets to export although jax.export gives them no
+            compatibility guarantee (the bundle then needs this exact jaxlib).
+
+    Returns:
+        The bundle directory.
+
+    Example:
+        >>> path = jn.export_model(n, "bundles/mnist")
+        >>> jn.load_bundle(path)(x_test[:3]).shape
+        (3, 10)
+    """
+    root = Path(dir)
+    where = root.absolute()
+    _check_destination(where)  # before anything is traced: fail fast
+    platforms = _platforms(platforms)
+    name = _name(name, n.spec.cls)
+    check_stale(n.spec, n.programs)
+    with n.programs.on_compile("export", name):
+        allow = (allow_custom_calls,) if isinstance(allow_custom_calls, str) else allow_custom_calls
+        manifest, files, wire = _build(n, name, platforms, tuple(allow))
+    staging = where.parent / f".{where.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    try:
+        for fname, data in files.items():
+            (staging / fname).write_bytes(data)
+        write_manifest(staging, manifest)
+        here = compat.platform()
+        manifest["check"] = None
+        if here in platforms:
+            manifest["check"] = check_servable(n, staging, wire, here)
+        else:
+            warnings.warn(
+                f"export_model: this machine runs {here}, not one of {list(platforms)}, so the "
+                f"bundle was not run here (no servable check). Load it on a {platforms[0]} "
+                f"machine to verify it.",
+                stacklevel=2,
+            )
+        write_manifest(staging, manifest)
+        _publish(staging, where)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return root
+
+
+def _build(n, name: str, platforms: tuple[str, ...], allow: tuple[str, ...]):
+    """(manifest without files' check, {file name: bytes}, wire input specs)."""
+    import safetensors.numpy
+
+    wire = wire_inputs(n)
+    ts = n.train_state
+    weights = flatten_weights(ts.params, ts.state)
+    order: list[str] = []
+    fn = serving_function(n, weights, order)
+    exported = export_program(
+        fn, weights.specs(), wire, platforms=platforms, allow_custom_calls=allow
+    )
+    outputs = output_specs(exported, order)
+    arrays = {k: np.asarray(v, order="C") for k, v in weights.arrays.items()}
+    files = {
+        PROGRAM: serialize(exported),
+        WEIGHTS: safetensors.numpy.save(arrays, metadata={"format": FORMAT}),
+    }
+    cls = n.spec.cls
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "name": name,
+        "inputs": [ts_.entry(k) for k, ts_ in wire.items()],
+        "outputs": [ts_.entry(k) for k, ts_ in outputs.items()],
+        "platforms": list(exported.platforms),
+        "hooks": [h for h in _EXPORT_HOOKS if callable(getattr(cls, h, None))],
+        "allowed_custom_calls": list(allow),
+        "weights": {
+            "count": len(arrays),
+            "bytes": int(sum(a.nbytes for a in arrays.values())),
+            "prng_keys": {k: str(v) for k, v in weights.prng.items()},
+        },
+        "provenance": provenance(n, exported),
+        "files": {k: file_entry(v) for k, v in files.items()},
+    }
+    return manifest, files, wire
+
+
+def _platforms(platforms) -> tuple[str, ...]:
+    items = (platforms,) if isinstance(platforms, str) else tuple(platforms)
+    for p in items:
+        if p not in PLATFORMS:
+            hint = " Did you mean 'cuda'?" if p == "gpu" else did_you_mean(str(p), PLATFORMS)
+            raise ExportError(
+                f"platforms: {p!r} is not a platform jax.export lowers for; use any of "
+                f"{list(PLATFORMS)}, e.g. platforms=('cpu', 'cuda').{hint}"
+            )
+    if not items:
+        raise ExportError("platforms is empty; pass e.g. platforms=('cpu', 'cuda').")
+    return tuple(dict.fromkeys(items))
+
+
+def _name(name: str | None, cls) -> str:
+    name = cls.__name__.lower() if name is None else name
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", name):
+        raise ExportError(
+            f"name={name!r} cannot name a served model (it goes into URLs such as "
+            f"/v2/models/<name>); use letters, digits, '_', '.', '-', e.g. name='mnist-mlp'."
+        )
+    return name
+
+
+def _check_destination(root: Path) -> None:
+    """A bundle goes into a directory (new or not); an existing manifest.json must be a
+    bundle's, since it is replaced (a checkpoint directory has one of its own)."""
+    if root.is_symlink() or (root.exists() and not root.is_dir()):
+        raise ExportError(f"{root} exists and is not a directory; choose another bundle path.")
+    if (root / MANIFEST).exists() and not _is_bundle(root):
+        raise ExportError(
+            f"{root} has a {MANIFEST} that is not a jaxnitro bundle's (a checkpoint "
+            f"directory?), so it is not replaced. Choose another directory for the bundle."
+        )
+
+
+def _publish(staging: Path, root: Path) -> None:
+    """Move the checked bundle into place: the whole directory when ``root`` is new, else
+    its three files (the manifest last), leaving anything else in ``root`` alone."""
+    _check_destination(root)  # again: time passed since the export started
+    if not root.exists():
+        staging.rename(root)
+        return
+    for fname in (PROGRAM, WEIGHTS, MANIFEST):
+        os.replace(staging / fname, root / fname)
+    staging.rmdir()
+
+
+def _is_bundle(root: Path) -> bool:
+    try:
+        return read_manifest(root).get("format") == FORMAT
+    except BundleError:
+        return False
