@@ -1,16 +1,25 @@
 """Loggers: the `jn.Logger` protocol, the JSONL log every run writes, and loggers made of
-others (`logger=False`, `logger=[a, b]`). A logger for another backend is one module here."""
+others (`logger=False`, `logger=[a, b]`). A logger for another backend is one module here:
+TensorBoard, MLflow and W&B (each an optional extra, imported when constructed), CSV."""
 
 from .base import FanoutLogger, Logger, NullLogger, check_logger, make_logger
+from .csv import CSVLogger
 from .jsonl import JSONLogger, LogWarning, LogWriteError, read_jsonl
+from .mlflow import MLflowLogger
+from .tensorboard import TensorBoardLogger
+from .wandb import WandbLogger
 
 __all__ = [
+    "CSVLogger",
     "FanoutLogger",
     "JSONLogger",
     "LogWarning",
     "LogWriteError",
     "Logger",
+    "MLflowLogger",
     "NullLogger",
+    "TensorBoardLogger",
+    "WandbLogger",
     "check_logger",
     "make_logger",
     "read_jsonl",

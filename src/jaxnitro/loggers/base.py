@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import ConfigError
+from .jsonl import JSONLogger, LogWarning
 
 METHODS = ("open", "log_params", "log_metrics", "log_other", "finish", "close")
 
@@ -17,6 +19,11 @@ class Logger(Protocol):
     `jn.train`, or an evaluation that logs), `log_params` once per handle, `log_metrics` /
     `log_other` while it runs, `finish` with the status (completed, early_stop, requested,
     preempted, error), then `close`. Implement these six to send a run somewhere else.
+
+    Optional: `state_dict() -> dict` (JSON-able; saved in every checkpoint) and
+    `load_state_dict(d)` (called at setup on a resume, before `open`), for a logger that
+    should continue the same remote run after a resume. A logger that raises is warned
+    about once and dropped (see `FanoutLogger`).
 
     Example:
         >>> class Printer:
@@ -62,50 +69,159 @@ class NullLogger:
 
 
 class FanoutLogger:
-    """`logger=[a, b]`: every call goes to each logger in order. `finish` and `close` reach
-    every logger even if one raises (each failure is warned once, then the first re-raised by
-    `close`), so one broken logger never leaves another's file open."""
+    """`logger=[a, b]`: every call goes to each logger in order.
+
+    A logger that fails (any Exception from one of its methods: an MLflow server gone, a full
+    disk) is warned about once (`LogWarning`, naming the logger and the error), closed as far
+    as it can be, and dropped: training and the other loggers go on. A `JSONLogger` is the
+    exception: it handles its own write failures, so what it raises (a log it refuses to
+    open) reaches the caller as before. Alone, a logger other than the `JSONLogger` is
+    wrapped in a fan-out of one, so the same rule holds.
+
+    `state_dict()` holds each logger's own `state_dict()` (where it has one), keyed by class
+    name; checkpoints save it and a resume hands it back to `load_state_dict()`, so the
+    loggers reattach to their runs (a TensorBoard dir, an MLflow or W&B run).
+
+    Example:
+        >>> n = jn.Nitro(MnistMLP(), logger=[jn.JSONLogger(), jn.TensorBoardLogger()])
+    """
 
     def __init__(self, loggers: list[Any]):
         self.loggers = list(loggers)
+        self._all = list(loggers)  # dropped ones too: a resume reattaches them
+        self.dropped: list[tuple[Any, Exception]] = []
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> None:
+        for lg in list(self.loggers):
+            if _hardened(lg):
+                getattr(lg, method)(*args, **kwargs)
+                continue
+            try:
+                getattr(lg, method)(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - one broken logger must not stop the run
+                self._drop(lg, method, e)
+
+    def _drop(self, lg: Any, method: str, e: Exception) -> None:
+        self.loggers.remove(lg)
+        self.dropped.append((lg, e))
+        if method != "close":
+            with contextlib.suppress(Exception):  # release what it holds, if it can
+                lg.close()
+        with contextlib.suppress(Exception):  # a warning filter set to "error" stops here
+            warnings.warn(
+                f"logger {type(lg).__name__} failed in {method}(): {e!r}. It is dropped: "
+                f"training and the other loggers go on without it.",
+                LogWarning,
+                stacklevel=4,
+            )
 
     def open(self, run_dir: Path, *, resume: bool) -> None:
-        for lg in self.loggers:
-            lg.open(run_dir, resume=resume)
+        opened = []
+        try:
+            for lg in list(self.loggers):
+                if _hardened(lg):
+                    lg.open(run_dir, resume=resume)
+                else:
+                    try:
+                        lg.open(run_dir, resume=resume)
+                    except Exception as e:  # noqa: BLE001
+                        self._drop(lg, "open", e)
+                        continue
+                opened.append(lg)
+        except BaseException:  # a log that cannot be opened: close the ones opened so far
+            for lg in opened:
+                with contextlib.suppress(Exception):
+                    lg.close()
+            raise
 
     def log_params(self, params: dict[str, Any]) -> None:
-        for lg in self.loggers:
-            lg.log_params(params)
+        self._call("log_params", params)
 
     def log_metrics(self, metrics, *, context: str, epoch: int, step: int) -> None:
-        for lg in self.loggers:
-            lg.log_metrics(metrics, context=context, epoch=epoch, step=step)
+        self._call("log_metrics", metrics, context=context, epoch=epoch, step=step)
 
     def log_other(self, values: dict[str, Any]) -> None:
-        for lg in self.loggers:
-            lg.log_other(values)
+        self._call("log_other", values)
 
     def finish(self, status: str, **info: Any) -> None:
-        for lg in self.loggers:
+        """Reaches every logger; never raises (the driver calls it in its error handler)."""
+        for lg in list(self.loggers):
             try:
                 lg.finish(status, **info)
             except Exception as e:  # noqa: BLE001 - the others must still finish
-                warnings.warn(f"logger {type(lg).__name__}.finish raised {e!r}", stacklevel=2)
+                self._drop(lg, "finish", e)
 
     def close(self) -> None:
+        """Reaches every logger; only a `JSONLogger`'s error is re-raised (none is expected)."""
         errors = []
-        for lg in self.loggers:
+        for lg in list(self.loggers):
             try:
                 lg.close()
             except Exception as e:  # noqa: BLE001 - close the rest first
-                errors.append(e)
+                if _hardened(lg):
+                    errors.append(e)
+                else:
+                    self._drop(lg, "close", e)
         if errors:
             raise errors[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """{class name: that logger's state} for the loggers that have a `state_dict()`."""
+        out: dict[str, Any] = {}
+        for key, lg in _keyed(self._all):
+            fn = getattr(lg, "state_dict", None)
+            if not callable(fn):
+                continue
+            try:
+                out[key] = fn()
+            except Exception as e:  # noqa: BLE001 - a checkpoint must not fail for a logger
+                with contextlib.suppress(Exception):
+                    warnings.warn(
+                        f"logger {key}.state_dict() raised {e!r}; a resume starts it afresh.",
+                        LogWarning,
+                        stacklevel=2,
+                    )
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Hand each logger its saved state (as `state_dict()` keyed it)."""
+        if not isinstance(state, dict):
+            return
+        for key, lg in _keyed(self._all):
+            fn = getattr(lg, "load_state_dict", None)
+            if key not in state or not callable(fn):
+                continue
+            try:
+                fn(state[key])
+            except Exception as e:  # noqa: BLE001
+                with contextlib.suppress(Exception):
+                    warnings.warn(
+                        f"logger {key}.load_state_dict() raised {e!r}; it starts afresh.",
+                        LogWarning,
+                        stacklevel=2,
+                    )
+
+
+def _hardened(lg: Any) -> bool:
+    """The JSONLogger handles its own write failures; what it raises is meant for the user."""
+    return isinstance(lg, JSONLogger)
+
+
+def _keyed(loggers: list[Any]) -> list[tuple[str, Any]]:
+    """(class name, logger); a second logger of one class is `<name>#2`, and so on."""
+    seen: dict[str, int] = {}
+    out = []
+    for lg in loggers:
+        name = type(lg).__name__
+        seen[name] = seen.get(name, 0) + 1
+        out.append((name if seen[name] == 1 else f"{name}#{seen[name]}", lg))
+    return out
 
 
 def make_logger(value, default) -> Any:
     """The logger a run uses: None → `default()`, False → none, a list → all of them,
-    anything else must implement the `jn.Logger` methods (checked here, at setup).
+    anything else must implement the `jn.Logger` methods (checked here, at setup). Every
+    logger but a `JSONLogger` ends up in a `FanoutLogger`, which drops one that fails.
 
     Example:
         >>> type(make_logger(False, JSONLogger)).__name__
@@ -119,7 +235,10 @@ def make_logger(value, default) -> Any:
         if not value:
             raise ConfigError("logger=[] lists no logger; pass logger=False to log nothing.")
         return FanoutLogger([check_logger(v) for v in value])
-    return check_logger(value)
+    logger = check_logger(value)
+    if isinstance(logger, (NullLogger, FanoutLogger)) or _hardened(logger):
+        return logger
+    return FanoutLogger([logger])  # a failing logger is dropped, as in a list
 
 
 def check_logger(value) -> Any:
