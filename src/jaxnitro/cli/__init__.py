@@ -1,0 +1,69 @@
+"""The `jaxnitro` command: train, evaluate, sweep and look at runs from the shell.
+
+Built on click. The options of `train`, `sweep`, `validate`... are the TARGET experiment's
+fields, known only once TARGET is loaded: click lets a command build `click.Option` objects at
+run time (`ExperimentCommand` adds them just before parsing), and then does the rest of the
+work a hand-written parser gets wrong: typed conversion with errors that name the option
+(exit status 2), a did-you-mean for a misspelled option, `--name/--no-name` flags, help text
+with sections (fields grouped by marker), and a group of subcommands that `export`, `serve`
+and `launch` join later with `cli.add_command(...)`. argparse cannot add options after
+reading the first argument without parsing twice; typer, built on click, derives options
+from a function's signature, which is fixed before TARGET is known.
+
+Exit status: 0 on success, 1 on a jaxnitro error (a short message, no traceback), 2 on a
+usage error (a bad TARGET, option or value), 143 on preemption (SIGTERM; `--resume auto`
+continues), 130 on a second Ctrl-C.
+
+Example:
+    $ jaxnitro train examples/mnist.py:MnistMLP --width 256 --max-epochs 3
+    $ jaxnitro runs
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import click
+
+from ..errors import JaxnitroError
+from ..events.signals import Preempted
+from . import browse, run, sweep
+from .common import echo_err
+from .export import export
+from .fields import ExperimentCommand
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(importlib.metadata.version("jaxnitro"), prog_name="jaxnitro")
+def cli() -> None:
+    """JAX-first training: declare the experiment, compile once, train.
+
+    TARGET is path/to/file.py:Class or pkg.module:Class (an @jn.experiment class); its
+    fields become options: jaxnitro train TARGET --help lists them.
+    """
+
+
+for _command in [*run.COMMANDS, sweep.sweep, *browse.COMMANDS, export]:
+    cli.add_command(_command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script: run the command line `argv` (default `sys.argv[1:]`) and exit."""
+    try:
+        code = cli.main(args=argv, prog_name="jaxnitro", standalone_mode=False)
+    except click.ClickException as e:
+        e.show()
+        raise SystemExit(e.exit_code) from None
+    except click.Abort:
+        echo_err("Aborted.")
+        raise SystemExit(130) from None
+    except Preempted as e:
+        echo_err(f"{e} From the shell: the same command with --resume auto.")
+        raise SystemExit(143) from None
+    except JaxnitroError as e:
+        echo_err(f"Error: {type(e).__name__}: {e}")
+        raise SystemExit(1) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
+
+
+__all__ = ["ExperimentCommand", "cli", "main"]
