@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,8 @@ from flax import nnx
 import jaxnitro as jn
 
 jax.config.update("jax_platforms", "cpu")
+# The end-of-train curves.png costs ~0.5 s a run; the tests that check it turn it back on.
+os.environ.setdefault("JAXNITRO_NO_PLOT", "1")
 
 
 class TinyMLP(nnx.Module):

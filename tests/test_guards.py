@@ -26,6 +26,7 @@ def test_graphconst_change_is_explained(run_dir):
 
 
 def test_predict_bucket_compile_is_explained_with_the_shape(run_dir):
+    jn.cache_reset()  # other tests predict with Tiny too: make these two real compiles
     n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir)
     x, _ = make_data(12)
     jn.predict(n, {"x": x[:8]})

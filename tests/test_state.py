@@ -99,3 +99,27 @@ def test_optimizer_key_is_kept_per_transformation_and_tells_rates_apart():
     assert cache.optimizer_key(a) is cache.optimizer_key(a)  # computed once per object
     assert cache.optimizer_key(a) == cache.optimizer_key(optax.adam(1e-3))
     assert cache.optimizer_key(a) != cache.optimizer_key(b)
+
+
+def test_the_fast_path_recompiles_a_redefined_loss_and_cache_reset_clears_it():
+    import jaxnitro.state as state_mod
+
+    model, params, state = jn.split_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+    ts = jn.TrainState.create(model, params, state, optax.sgd(0.1))
+    batch = {"x": np.ones((4, 3), np.float32)}
+
+    def make(scale):
+        def loss_fn(model, params, state, batch):
+            out, state = jn.apply(model, params, state, batch["x"])
+            return scale * (out**2).mean(), state
+
+        return loss_fn
+
+    first, again = make(1.0), make(3.0)  # the same code, another closure value
+    ts1, l1, _ = jn.train_step(first, ts, batch)
+    ts2, l2, _ = jn.train_step(again, ts1, batch)
+    ts3, l3, _ = jn.train_step(first, ts2, batch)
+    assert len(state_mod._fast) >= 2  # one entry per function object
+    assert float(l2) > 2.0 * float(l3)  # `again` really ran with scale 3, not first's program
+    jn.cache_reset()
+    assert not state_mod._fast

@@ -7,9 +7,12 @@ from .data import DataLoader
 from .devices import setup_devices
 from .early_stop import EarlyStopping
 from .errors import (
+    BundleError,
+    BundleInputError,
     CheckpointError,
     ConfigError,
     DataError,
+    ExportError,
     HookError,
     HostFieldError,
     JaxnitroError,
@@ -22,19 +25,37 @@ from .errors import (
 from .evaluation import evaluate, validate
 from .events import Preempted, StepRecord, every, on_phase
 from .experiment import Device, GraphConst, Host, experiment, fields
+from .export import Bundle, TensorSpec, export_model, load_bundle
 from .history import History
 from .introspect import compile, compile_report, explain, inspect, memory_plan
 from .live import device_value, history, request_stop, set_device
-from .loggers import JSONLogger, Logger, read_jsonl
+from .loggers import (
+    CSVLogger,
+    JSONLogger,
+    Logger,
+    MLflowLogger,
+    TensorBoardLogger,
+    WandbLogger,
+    read_jsonl,
+)
 from .loop import TrainResult, train
 from .models import apply, split_model
 from .nitro import Dist, Nitro
+from .plot import plot
 from .prediction import predict
+from .sharding import Sharding
 from .state import TrainState, train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BundleError",
+    "BundleInputError",
+    "ExportError",
+    "Bundle",
+    "TensorSpec",
+    "export_model",
+    "load_bundle",
     "CheckpointError",
     "ConfigError",
     "EarlyStopping",
@@ -54,15 +75,20 @@ __all__ = [
     "Host",
     "HookError",
     "HostFieldError",
+    "CSVLogger",
     "JSONLogger",
     "JaxnitroError",
     "Logger",
+    "MLflowLogger",
+    "TensorBoardLogger",
+    "WandbLogger",
     "MetricsError",
     "Nitro",
     "NonFiniteLossError",
     "Preempted",
     "RoutingError",
     "RunLockedError",
+    "Sharding",
     "StepRecord",
     "TopKCheckpointer",
     "TrainResult",
@@ -79,6 +105,7 @@ __all__ = [
     "history",
     "load_checkpoint",
     "on_phase",
+    "plot",
     "predict",
     "read_jsonl",
     "read_manifest",

@@ -14,6 +14,7 @@ import dataclasses
 from .compile import memory, plan, report
 from .compile.programs import check_stale
 from .experiment import fields
+from .units import format_bytes
 
 
 def compile(n) -> dict:  # noqa: A001 - the public name
@@ -74,9 +75,11 @@ class Inspection:
     groups: str
     compile_report: str
     memory: str
+    sharding: str = ""
 
     def __str__(self) -> str:
-        return "\n\n".join([self.binding, self.groups, self.compile_report, self.memory])
+        parts = [self.binding, self.groups, self.sharding, self.compile_report, self.memory]
+        return "\n\n".join(p for p in parts if p)
 
 
 def inspect(n, *, show: bool = True) -> Inspection:
@@ -95,6 +98,7 @@ def inspect(n, *, show: bool = True) -> Inspection:
         + "\n"
         + report.format_table(p.record for p in n.programs.used.values() if p.record),
         memory=mem.table(),
+        sharding=_sharding(n),
     )
     if show:
         n.display.line(str(result)) if n.display.mode != "off" else print(result)
@@ -139,6 +143,32 @@ def _groups(n) -> str:
         f"{spec.total_steps} optimizer steps planned"
     )
     return "parameter groups\n" + "\n".join(rows + extra)
+
+
+def _sharding(n) -> str:
+    """Each parameter's spec and bytes per device, on this run's mesh."""
+    from .sharding import describe
+
+    spec = n.spec
+    mesh = dict(zip(spec.mesh.axis_names, spec.mesh.devices.shape, strict=True))
+    how = spec.sharding.describe() if spec.sharding is not None else "dp"
+    rows = describe(n.params)
+    width = max([len(r[0]) for r in rows] + [9])
+    lines = [
+        f"sharding {how} on mesh {mesh}",
+        f"{'parameter':<{width}} {'shape':<16} {'spec':<24} {'bytes':>10} {'per device':>10}",
+    ]
+    for name, shape, pspec, total, per in rows:
+        lines.append(
+            f"{name:<{width}} {str(shape):<16} {pspec or 'replicated':<24} "
+            f"{format_bytes(total):>10} {format_bytes(per):>10}"
+        )
+    total = sum(r[3] for r in rows)
+    per = sum(r[4] for r in rows)
+    lines.append(
+        f"{'total':<{width}} {'':<16} {'':<24} {format_bytes(total):>10} {format_bytes(per):>10}"
+    )
+    return "\n".join(lines)
 
 
 def peak_memory(n) -> int | None:

@@ -37,6 +37,7 @@ from .history import History
 from .introspect import peak_memory
 from .jsonable import jsonable
 from .live import history
+from .plot import write_curves
 
 # Losses are read back in chunks, a chunk behind the newest step, so dispatch never waits on
 # the device and one transfer serves many steps.
@@ -138,6 +139,7 @@ def _train(n) -> TrainResult:
         skipped_steps=n.progress.skipped_steps,
     )
     _report(n, compiled, planned)
+    write_curves(n)  # run_dir/curves.png; JAXNITRO_NO_PLOT=1 skips it, a failure only warns
     _summary(n, result)
     if stop_reason == "preempted":
         raise Preempted(n.step, n.checkpointer.latest())  # exit status 143, catchable
@@ -542,9 +544,16 @@ def _checkpoint(n, row: dict, *, stop_reason: str | None = None, validated: bool
         "skipped_steps": progress.skipped_steps,
         "stop_reason": stop_reason,
         "early_stop": spec.early_stop.state_dict() if spec.early_stop is not None else None,
+        "loggers": _logger_state(n),
     }
     trees = {"params": ts.params, "model_state": ts.state, "opt_state": ts.opt_state}
     n.checkpointer.save(epoch=row["epoch"], step=n.step, metrics=metrics, trees=trees, meta=meta)
+
+
+def _logger_state(n) -> Any:
+    """What the loggers need to reattach to their runs on a resume (see jn.Logger)."""
+    state = getattr(n.logger, "state_dict", None)
+    return jsonable(state()) if callable(state) else None
 
 
 def _summary(n, r: TrainResult) -> None:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -82,6 +84,9 @@ class Nitro:
         checkpoint_every: int | None = None,
         checkpoint_every_minutes: float | None = None,
         log_grad_norm: bool | None = None,
+        sharding="dp",
+        remat: list[str] | None = None,
+        remat_policy: str = "full",
         **unknown,
     ):
         _check_arguments(exp, unknown)
@@ -172,8 +177,10 @@ class Nitro:
         return self._spec.model
 
     @property
-    def splits(self) -> dict[str, Any]:
-        return dict(self._spec.splits)
+    def splits(self) -> Mapping[str, Any]:
+        """The data splits (read-only: the run's batch specs and programs were set up from
+        them; pass other data with `jn.Nitro(exp, data=...)`)."""
+        return MappingProxyType(dict(self._spec.splits))
 
     @property
     def mesh(self):

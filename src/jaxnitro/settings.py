@@ -50,6 +50,9 @@ class Settings:
     checkpoint_every: int | None
     checkpoint_every_minutes: float | None
     progress: Any
+    sharding: Any
+    remat: tuple[str, ...]
+    remat_policy: str
     log_grad_norm: bool | None
     logger: Any
     checkpointer: Any
@@ -95,6 +98,8 @@ def settings(exp, given: Mapping[str, Any]) -> Settings:
         checkpoint_every=_optional_int("checkpoint_every", given.get("checkpoint_every")),
         checkpoint_every_minutes=_minutes_setting(given.get("checkpoint_every_minutes")),
         progress=_progress_setting(given.get("progress")),
+        sharding=_sharding_setting(given.get("sharding")),
+        **_remat_setting(given.get("remat"), given.get("remat_policy", "full")),
         log_grad_norm=given.get("log_grad_norm"),
         logger=s["logger"],
         checkpointer=s["checkpointer"],
@@ -103,6 +108,19 @@ def settings(exp, given: Mapping[str, Any]) -> Settings:
         checkpoint=given.get("checkpoint"),
         data=given.get("data"),
     )
+
+
+def _sharding_setting(value):
+    from .sharding import resolve
+
+    return resolve(value)
+
+
+def _remat_setting(blocks, policy) -> dict:
+    from .remat import check
+
+    names, policy = check(blocks, policy)
+    return {"remat": names, "remat_policy": policy}
 
 
 def max_epochs(value) -> int:

@@ -24,10 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import data as data_mod
-from . import hooks, optim
+from . import hooks, optim, remat
+from . import sharding as sharding_mod
 from .checkpoint import TopKCheckpointer, load_checkpoint, validate_int
 from .checkpoint import _read_meta as checkpoint_meta
-from .devices import apply_env, make_mesh, replicated
+from .devices import apply_env, replicated
 from .display import Display
 from .errors import CheckpointError, ConfigError, DataError, HookError, did_you_mean
 from .experiment import DEVICE, field_values, fields, graph_key, replace
@@ -156,6 +157,17 @@ def read_meta(path: Path) -> dict:
     """The user meta of a checkpoint, read without its arrays (errors name what is wrong)."""
     full = checkpoint_meta(Path(path))
     return full.get("meta", full)
+
+
+def restore_loggers(svc: Services, resume_path: Path | None) -> None:
+    """A resume hands the loggers the state its checkpoint saved (`meta["loggers"]`), so they
+    reattach to their runs: the same TensorBoard dir, MLflow run, W&B run."""
+    load = getattr(svc.logger, "load_state_dict", None)
+    if resume_path is None or not callable(load):
+        return
+    state = read_meta(resume_path).get("loggers")
+    if isinstance(state, dict):
+        load(state)
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -345,12 +357,23 @@ def schedules_of(s: Settings, exp, optimizer, spe: int | None):
     return resolved, total
 
 
-def initial_state(model, params, state, tx, rng, rep) -> TrainState:
-    """Every leaf lives replicated on the mesh, as the train step returns it, so the
-    program's input avals (and key) are the same at step 1 and step N."""
-    opt_state = jax.jit(tx.init, out_shardings=rep)(params)
-    ts = TrainState(params, state, opt_state, jnp.zeros((), jnp.int32), rng, model=model, tx=tx)
-    return jax.device_put(ts, rep)
+def initial_state(model, params, state, tx, rng, rep, shardings=None) -> TrainState:
+    """Every leaf lives on the mesh as the train step returns it (parameters by their
+    shardings, optimizer state after its parameter, the rest replicated), so the program's
+    input avals (and key) are the same at step 1 and step N."""
+    if shardings is None:
+        shardings = jax.tree.map(lambda _: rep, params)
+    params = sharding_mod.place(params, shardings)
+    opt_sh = sharding_mod.opt_state_shardings(tx, params, shardings, rep)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), rep)
+    return TrainState(params, state, opt_state, step, rng, model=model, tx=tx)
+
+
+def on_targets(tree, like):
+    """A restored host tree placed like `like` (this run's shardings: a checkpoint from
+    another device count or sharding lands on this run's)."""
+    return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding, may_alias=False), tree, like)
 
 
 # -- checks on the metrics the run produces -------------------------------------------------
@@ -446,14 +469,11 @@ def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Prog
     check_config(spec, path)
     trees, meta = load_trees(ts, path, full=True)
     step = validate_int(meta, "step", path)
-    ts = jax.device_put(
-        ts.replace(
-            params=replicate(trees["params"], spec.replicated),
-            state=replicate(trees["model_state"], spec.replicated),
-            opt_state=trees["opt_state"],
-            step=jnp.asarray(step, jnp.int32),
-        ),
-        spec.replicated,
+    ts = ts.replace(
+        params=on_targets(trees["params"], ts.params),
+        state=on_targets(trees["model_state"], ts.state),
+        opt_state=on_targets(trees["opt_state"], ts.opt_state),
+        step=jax.device_put(jnp.asarray(step, jnp.int32), spec.replicated),
     )
     history = meta.get("history", [])
     if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
@@ -480,8 +500,8 @@ def load_weights(spec: RunSpec, ts: TrainState, path: Path) -> TrainState:
     """`checkpoint=path`: the weights (params and model state) only; a fresh optimizer."""
     trees, _ = load_trees(ts, path, full=False)
     return ts.replace(
-        params=replicate(trees["params"], spec.replicated),
-        state=replicate(trees["model_state"], spec.replicated),
+        params=on_targets(trees["params"], ts.params),
+        state=on_targets(trees["model_state"], ts.state),
     )
 
 
@@ -517,8 +537,10 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     resume_path = resume_record(svc, s.run_dir, s.resume)
     run_id, seed = identity(resume_path, s.seed)
     svc.checkpointer.for_run(run_id)
+    restore_loggers(svc, resume_path)
     apply_env()
-    mesh = make_mesh(s.n_devices)
+    sharding = sharding_mod.resolve(s.sharding)
+    mesh = sharding_mod.make_mesh(sharding, s.n_devices)
     dist = Dist(jax.process_index(), jax.process_count(), mesh.size, mesh)
     splits = build_data(exp, s.data, dist, seed)
     exp = derive(exp, splits)
@@ -558,6 +580,8 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         log_grad_norm=grad_norm_setting(s.log_grad_norm, optimizer),
         compile_options=s.compile_options,
         memory_budget=s.memory_budget,
+        sharding=sharding,
+        remat=remat.plan(s.remat, s.remat_policy, model, params, mstate),
         val_every=s.val_every,
         checkpoint_every=s.checkpoint_every,
         checkpoint_every_minutes=s.checkpoint_every_minutes,
@@ -565,7 +589,9 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         resume_path=resume_path,
     )
     device = DeviceValues(values, layout.base(optimizer, values))
-    ts = initial_state(model, params, mstate, optimizer.tx, rng, rep)
+    shardings = sharding_mod.param_shardings(params, sharding, mesh)
+    ts = initial_state(model, params, mstate, optimizer.tx, rng, rep, shardings)
+    sharding_mod.check_fsdp(ts.params, sharding, mesh.size)
     check_metrics(spec, ts, device, svc, named)
     return _restored(spec, ts, device, s)
 

@@ -76,6 +76,8 @@ class RunSpec:
     log_grad_norm: bool = False
     compile_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     memory_budget: int | None = None
+    sharding: Any = None  # sharding.Sharding: the mesh axes, rules, FSDP
+    remat: Any = None  # remat.RematPlan: blocks recomputed in the backward pass
     val_every: int | None = None
     checkpoint_every: int | None = None
     checkpoint_every_minutes: float | None = None

@@ -6,6 +6,7 @@ a `Nitro`: one fused program per (loss function, model structure, optimizer, bat
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -95,6 +96,11 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
     `(loss, new_model_state, aux_dict)`. Inside it, `jn.apply` runs the model in training mode
     with a fresh per-step RNG. The input state's buffers are donated: keep the returned state.
 
+    A call is one lookup by the function object, model, optimizer and shapes, then the
+    dispatch. A redefined `loss_fn` (a notebook cell run again, `importlib.reload`) is a new
+    object and compiles anew; a module-level value or closure variable the *same* function
+    object reads is not re-checked on each call: after changing one, call `jn.cache_reset()`.
+
     Example:
         >>> def loss_fn(model, params, state, batch):
         ...     logits, state = jn.apply(model, params, state, batch["x"])
@@ -102,17 +108,58 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
         ...     return loss.mean(), state
         >>> ts, loss, aux = jn.train_step(loss_fn, ts, {"x": x, "y": y})
     """
-    model, tx = state.model, state.tx
     batch = jax.tree.map(
         lambda x: jnp.asarray(x) if isinstance(x, (np.ndarray, list)) else x, batch
     )
+    leaves, treedef = jax.tree.flatten(state)
+    batch_leaves, batch_def = jax.tree.flatten(batch)
+    # The fast path: one lookup per (function object, model, optimizer, shapes). A new or
+    # redefined function, model or optimizer is a new object, so it takes the full path
+    # (fingerprints and structure keys) and an edit never reuses a stale program.
+    fast = (
+        id(loss_fn),
+        id(state.model),
+        id(state.tx),
+        batch_def,
+        tuple((x.shape, x.dtype) for x in leaves),
+        tuple(
+            (np.shape(x), getattr(x, "dtype", None), getattr(x, "weak_type", None))
+            for x in batch_leaves
+        ),
+    )
+    hit = _fast.get(fast)
+    if hit is not None and hit[0] is loss_fn and hit[1] == treedef:
+        call = hit[2]
+    else:
+        call = _program(loss_fn, state, leaves, treedef, batch).compiled
+        _remember(fast, (loss_fn, treedef, call, state.model, state.tx))
+    leaves, out = call(leaves, batch)
+    loss = out.pop("loss")
+    return jax.tree.unflatten(treedef, leaves), loss, out
+
+
+_fast: collections.OrderedDict = collections.OrderedDict()
+_FAST_ENTRIES = 64
+cache.on_reset(_fast.clear)
+
+
+def _remember(key, entry) -> None:
+    """Keep the entry (it holds the function, model and optimizer, so their ids stay theirs)."""
+    _fast[key] = entry
+    _fast.move_to_end(key)
+    while len(_fast) > _FAST_ENTRIES:
+        _fast.popitem(last=False)
+
+
+def _program(loss_fn, state: TrainState, leaves, treedef, batch) -> cache.Program:
+    """The train-step program, from the process-wide cache (keyed by fingerprints)."""
+    model, tx = state.model, state.tx
 
     def inner(params, model_state, batch, extras, rng):
         with models.mode(train=True, rng=rng):
             loss, new_state, aux = _split_loss_output(loss_fn(model, params, model_state, batch))
         return scalar_loss(loss, "loss_fn"), (model_state if new_state is None else new_state, aux)
 
-    leaves, treedef = jax.tree.flatten(state)
     key = (
         "train_step",
         cache.freeze(loss_fn),
@@ -126,12 +173,9 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
         new, out = step_fn(jax.tree.unflatten(treedef, leaves), batch, {}, {})
         return jax.tree.leaves(new), out
 
-    prog = cache.get_or_compile(
+    return cache.get_or_compile(
         key,
         lambda: jax.jit(flat_step, donate_argnums=(0,)).lower(leaves, batch),
         kind="train_step",
         label=getattr(loss_fn, "__qualname__", "loss_fn"),
     )
-    leaves, out = prog(leaves, batch)
-    loss = out.pop("loss")
-    return jax.tree.unflatten(treedef, leaves), loss, out

@@ -71,6 +71,16 @@ def cache_reset() -> None:
         _entries.clear()
         _by_text.clear()
         _stats["hits"] = _stats["misses"] = 0
+        for hook in _reset_hooks:
+            hook()
+
+
+_reset_hooks: list[Callable[[], Any]] = []
+
+
+def on_reset(hook: Callable[[], Any]) -> None:
+    """Call `hook()` on `cache_reset` (a layer with its own lookup table in front of this one)."""
+    _reset_hooks.append(hook)
 
 
 def avals(tree) -> tuple:

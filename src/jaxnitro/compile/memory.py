@@ -263,9 +263,10 @@ def suggestions(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> list[st
         f"about {format_bytes(plan.total - temp // 2)} in total{_verdict(plan, temp // 2)}."
     )
     out.append(
-        f"remat: wrap blocks of forward() in jax.checkpoint (nnx.remat, "
-        f"eqx.filter_checkpoint) to recompute activations in the backward pass instead of "
-        f"storing them; saves up to the {format_bytes(temp)} of temporaries, for extra compute."
+        f"remat: jn.Nitro(..., remat=['Block'], remat_policy='dots_saveable') names the "
+        f"block classes of the model whose activations are recomputed in the backward pass "
+        f"instead of stored; saves up to the {format_bytes(temp)} of temporaries, for extra "
+        f"compute."
     )
     out.append(_fsdp_suggestion(plan, n_devices=n_devices))
     return out
@@ -303,12 +304,13 @@ def _fsdp_suggestion(plan: MemoryPlan, *, n_devices: int) -> str:
     if n_devices > 1:
         saved = sharded - sharded // n_devices
         return (
-            f"FSDP over the {n_devices} devices keeps (params + optimizer state) / "
-            f"{n_devices} on each: saves {format_bytes(saved)}{_verdict(plan, saved)}."
+            f'FSDP (sharding="fsdp") splits the parameters and optimizer state over the '
+            f"{n_devices} devices ((params + optimizer state) / {n_devices} on each): saves up to "
+            f"{format_bytes(saved)}{_verdict(plan, saved)}."
         )
     return (
-        f"FSDP over N devices keeps (params + optimizer state) / N on each "
-        f"({format_bytes(sharded)} now); it needs more than this one device."
+        f'FSDP (sharding="fsdp") over N devices keeps (params + optimizer state) / N on each '
+        f"({format_bytes(sharded)} now); it needs more than this one device (n_devices=N)."
     )
 
 
@@ -337,7 +339,8 @@ def _verdict(plan: MemoryPlan, saved: int) -> str:
 
 
 def tree_bytes(tree) -> int:
-    """Bytes of a pytree of arrays or ``ShapeDtypeStruct``s.
+    """Bytes on one device of a pytree of arrays or ``ShapeDtypeStruct``s (a sharded array
+    counts its shard: the plan is per device).
 
     Example:
       >>> tree_bytes({"w": np.zeros((4, 8), np.float32), "b": jax.ShapeDtypeStruct((8,), "f4")})
@@ -345,6 +348,10 @@ def tree_bytes(tree) -> int:
     """
     total = 0
     for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_replicated:
+            shard = leaf.sharding.shard_shape(leaf.shape)
+            total += math.prod(shard) * leaf.dtype.itemsize
+            continue
         nbytes = getattr(leaf, "nbytes", None)
         if nbytes is None:
             if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import metrics as metrics_mod
-from .. import models, optim
+from .. import models, optim, remat
 from ..devices import mesh_id
 from ..errors import HookError, JaxnitroError
 from ..experiment import GRAPH, CompileView, field_values
@@ -374,6 +374,7 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
         "precision": spec.precision,
         "on_nonfinite": spec.on_nonfinite,
         "log_grad_norm": spec.log_grad_norm,
+        "remat": spec.remat.key() if spec.remat is not None else None,
     }
     key = program_key(
         spec,
@@ -401,16 +402,17 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
         new, out = step(jax.tree.unflatten(treedef, leaves), batch, extras, hyper)
         return jax.tree.leaves(new), out
 
+    def lower():
+        with remat.applied(spec.remat):  # named blocks recompute in the backward pass
+            return jax.jit(
+                flat_step,
+                donate_argnums=(0,),
+                # the state comes back placed as it went in (FSDP shards stay shards)
+                out_shardings=([x.sharding for x in leaves], spec.replicated),
+            ).trace(leaves, batch, extras, hyper)
+
     label = spec.cls.__name__ + (f", {steps} steps per call" if steps > 1 else "")
-    return _acquire(
-        spec,
-        ps,
-        key,
-        lambda: jax.jit(flat_step, donate_argnums=(0,), out_shardings=spec.replicated).trace(
-            leaves, batch, extras, hyper
-        ),
-        label=label,
-    )
+    return _acquire(spec, ps, key, lower, label=label)
 
 
 def eval_metric_shapes(spec, ts, split: str, extras) -> dict:
