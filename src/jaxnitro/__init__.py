@@ -43,6 +43,7 @@ from .models import apply, split_model
 from .nitro import Dist, Nitro
 from .plot import plot
 from .prediction import predict
+from .render import render
 from .sharding import Sharding
 from .state import TrainState, train_step
 
@@ -107,6 +108,7 @@ __all__ = [
     "on_phase",
     "plot",
     "predict",
+    "render",
     "read_jsonl",
     "read_manifest",
     "request_stop",

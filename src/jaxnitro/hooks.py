@@ -19,6 +19,7 @@ OPTIONAL = (
     "schedules",
     "presets",
     "export_inputs", "export_preprocess", "export_postprocess",
+    "visualize",
 )  # fmt: skip
 #: Hooks traced into a compiled program, with how many positional arguments follow `self`.
 TRACED = {"forward": 3, "loss": 1, "metrics": 1, "train_metrics": 1}

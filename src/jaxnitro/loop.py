@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import data as data_mod
-from . import feed
+from . import feed, render
 from .compile import cache, plan, report
 from .compile.programs import check_stale, train_program
 from .errors import DataError, NonFiniteLossError
@@ -424,12 +424,19 @@ def _mid_epoch(n, epoch: int, *, validate: bool, save: bool) -> None:
 
 
 def _log_validation(n, row: dict, epoch: int) -> None:
+    """The validation line (a matrix metric as nested lists; scalar backends skip it), then
+    the heatmaps of matrix metrics."""
     n.logger.log_metrics(
-        {k: v for k, v in row.items() if k not in ("epoch", "step") and is_scalar(v)},
+        {
+            k: v if is_scalar(v) else jsonable(v)
+            for k, v in row.items()
+            if k not in ("epoch", "step") and (is_scalar(v) or np.ndim(v) == 2)
+        },
         context="validate",
         epoch=epoch + 1,
         step=n.step,
     )
+    render.matrices(n, row)
 
 
 def _check_epoch_length(n, epoch: int, total: int | None):

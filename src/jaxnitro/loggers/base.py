@@ -143,6 +143,17 @@ class FanoutLogger:
     def log_other(self, values: dict[str, Any]) -> None:
         self._call("log_other", values)
 
+    def log_images(self, images: dict[str, Path], *, step: int) -> None:
+        """PNG files (name -> path) to the loggers that take images (`log_images`)."""
+        for lg in list(self.loggers):
+            send = getattr(lg, "log_images", None)
+            if not callable(send):
+                continue
+            try:
+                send(images, step=step)
+            except Exception as e:  # noqa: BLE001 - one broken logger must not stop the run
+                self._drop(lg, "log_images", e)
+
     def finish(self, status: str, **info: Any) -> None:
         """Reaches every logger; never raises (the driver calls it in its error handler)."""
         for lg in list(self.loggers):

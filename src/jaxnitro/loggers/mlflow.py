@@ -197,6 +197,12 @@ class MLflowLogger:
             chunk = [metric(*row) for row in batch[i : i + _BATCH]]
             self._client.log_batch(run_id, metrics=chunk)
 
+    def log_images(self, images: dict[str, Path], *, step: int) -> None:
+        """PNG files as artifacts of the run, under `viz/`."""
+        run_id = self._run()
+        for path in images.values():
+            self._client.log_artifact(run_id, str(path), artifact_path="viz")
+
     def log_other(self, values: dict[str, Any]) -> None:
         if values.get("key") == "resumed" and "from_step" in values:
             self._client.set_tag(self._run(), "resumed_from_step", str(values["from_step"]))

@@ -88,6 +88,17 @@ class TensorBoardLogger:
         )
         w.file_writer.add_summary(summary, global_step=int(step))
 
+    def log_images(self, images: dict[str, Path], *, step: int) -> None:
+        """PNG files as TensorBoard images, under `images/<name>`."""
+        from matplotlib.image import imread
+
+        w = self._w()
+        if w is None:
+            return
+        for name, path in images.items():
+            pixels = imread(str(path))[..., :3]  # RGBA floats in [0, 1]: drop alpha
+            w.add_image(f"images/{name}", pixels, global_step=int(step), dataformats="HWC")
+
     def log_other(self, values: dict[str, Any]) -> None:
         if values.get("key") == "resumed" and isinstance(values.get("from_step"), int):
             if self._writer is None:  # TensorBoard drops what the killed run wrote after it
