@@ -73,3 +73,15 @@ def test_render_without_the_hook_names_it(run_dir):
     n = nitro(Tiny(max_epochs=1), run_dir=run_dir)
     with pytest.raises(jn.HookError, match=r"visualize\(self, outputs, \*\*batch\)"):
         jn.render(n)
+
+
+@pytest.mark.slow
+def test_mlflow_receives_the_heatmaps_as_artifacts(run_dir, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    ml = jn.MLflowLogger()
+    n = nitro(Seen(max_epochs=1), run_dir=run_dir, logger=[jn.JSONLogger(), ml])
+    jn.train(n)
+    client = mlflow.MlflowClient(ml.tracking_uri)
+    names = [a.path for a in client.list_artifacts(ml.run_id, "viz")]
+    assert names == ["viz/confusion-step000008.png"]
