@@ -572,21 +572,11 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         seed=seed,
         run_dir=s.run_dir,
         run_id=run_id,
-        max_epochs=s.max_epochs,
-        accum=s.accum,
-        steps_per_call=s.steps_per_call,
-        precision=s.precision,
-        on_nonfinite=s.on_nonfinite,
         log_grad_norm=grad_norm_setting(s.log_grad_norm, optimizer),
-        compile_options=s.compile_options,
-        memory_budget=s.memory_budget,
         sharding=sharding,
         remat=remat.plan(s.remat, s.remat_policy, model, params, mstate),
-        val_every=s.val_every,
-        checkpoint_every=s.checkpoint_every,
-        checkpoint_every_minutes=s.checkpoint_every_minutes,
-        early_stop=s.early_stop,
         resume_path=resume_path,
+        **_options(s),
     )
     device = DeviceValues(values, layout.base(optimizer, values))
     shardings = sharding_mod.param_shardings(params, sharding, mesh)
@@ -594,6 +584,26 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     sharding_mod.check_fsdp(ts.params, sharding, mesh.size)
     check_metrics(spec, ts, device, svc, named)
     return _restored(spec, ts, device, s)
+
+
+_OPTIONS = (
+    "max_epochs",
+    "accum",
+    "steps_per_call",
+    "precision",
+    "on_nonfinite",
+    "compile_options",
+    "memory_budget",
+    "val_every",
+    "checkpoint_every",
+    "checkpoint_every_minutes",
+    "early_stop",
+)
+
+
+def _options(s: Settings) -> dict[str, Any]:
+    """The settings a RunSpec keeps as they are."""
+    return {k: getattr(s, k) for k in _OPTIONS}
 
 
 def _restored(spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings) -> Built:

@@ -86,26 +86,32 @@ def export_model(
     staging = where.parent / f".{where.name}.tmp-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     try:
-        for fname, data in files.items():
-            (staging / fname).write_bytes(data)
-        write_manifest(staging, manifest)
-        here = compat.platform()
-        manifest["check"] = None
-        if here in platforms:
-            manifest["check"] = check_servable(n, staging, wire, here)
-        else:
-            warnings.warn(
-                f"export_model: this machine runs {here}, not one of {list(platforms)}, so the "
-                f"bundle was not run here (no servable check). Load it on a {platforms[0]} "
-                f"machine to verify it.",
-                stacklevel=2,
-            )
-        write_manifest(staging, manifest)
+        _write_checked(n, staging, manifest, files, wire, platforms)
         _publish(staging, where)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return root
+
+
+def _write_checked(n, staging: Path, manifest: dict, files: dict, wire, platforms) -> None:
+    """The bundle's files in `staging`, then the servable check (where this platform is one
+    of the bundle's) recorded in its manifest."""
+    for fname, data in files.items():
+        (staging / fname).write_bytes(data)
+    write_manifest(staging, manifest)
+    here = compat.platform()
+    manifest["check"] = None
+    if here in platforms:
+        manifest["check"] = check_servable(n, staging, wire, here)
+    else:
+        warnings.warn(
+            f"export_model: this machine runs {here}, not one of {list(platforms)}, so the "
+            f"bundle was not run here (no servable check). Load it on a {platforms[0]} "
+            f"machine to verify it.",
+            stacklevel=3,
+        )
+    write_manifest(staging, manifest)
 
 
 def _build(n, name: str, platforms: tuple[str, ...], allow: tuple[str, ...]):
