@@ -27,6 +27,7 @@ import click
 
 from ..errors import JaxnitroError
 from ..events.signals import Preempted
+from ..serve.command import serve_command
 from . import browse, run, sweep
 from .common import echo_err
 from .export import export
@@ -43,7 +44,7 @@ def cli() -> None:
     """
 
 
-for _command in [*run.COMMANDS, sweep.sweep, *browse.COMMANDS, export]:
+for _command in [*run.COMMANDS, sweep.sweep, *browse.COMMANDS, export, serve_command]:
     cli.add_command(_command)
 
 

@@ -1,0 +1,47 @@
+"""`jaxnitro serve`: exported bundles over the Open Inference Protocol (KServe V2), so
+standard clients (tritonclient.http/grpc, KServe, plain JSON) work unchanged.
+
+The modules, in the order a request meets them:
+
+- `body`: the request body within size and time limits, gzip/deflate decoded;
+- `codec`: REST JSON + binary tensor framing <-> `InferRequest` / response bytes;
+  `tensors`: datatype names and element decoding;
+- `registry`: the models by name, metadata, and the checks that run before queueing;
+- `batcher`: the per-model queue that merges concurrent requests into one bundle call;
+- `runtime`: registry + batchers + metrics, and their life cycle;
+- `rest` (Starlette) and `grpc_service` (grpc.aio): the two protocols;
+- `metrics`: Prometheus text; `server`: `serve` and `build_app`; `command`: the CLI.
+
+Example:
+    >>> jn.export_model(n, "bundles/tiny")
+    >>> from jaxnitro.serve import serve
+    >>> serve(["bundles/tiny"], port=8000, grpc_port=8001, max_batch_size=32)
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidRequest, NotFound, PayloadTooLarge, ServeError, Unavailable
+
+if TYPE_CHECKING:
+    from .server import build_app, serve
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: `jaxnitro serve --help` (and the jaxnitro CLI, which registers
+    # the command) must work without starlette, uvicorn and grpcio installed.
+    if name in ("serve", "build_app"):
+        from . import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "InvalidRequest",
+    "NotFound",
+    "PayloadTooLarge",
+    "ServeError",
+    "Unavailable",
+    "build_app",
+    "serve",
+]

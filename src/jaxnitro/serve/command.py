@@ -1,0 +1,98 @@
+"""The `jaxnitro serve` command (registered in the `jaxnitro` group by the CLI; also
+`python -m jaxnitro.serve`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .batcher import MAX_QUEUE_SIZE
+from .body import MAX_BODY_BYTES
+
+
+@click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument(
+    "dirs",
+    nargs=-1,
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    metavar="DIR [DIR ...]",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port",
+    default=8000,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="REST port (0: a free one, printed at start-up).",
+)
+@click.option(
+    "--grpc-port",
+    default=None,
+    type=click.IntRange(0, 65535),
+    help="Also serve gRPC (inference.GRPCInferenceService) on this port.",
+)
+@click.option(
+    "--max-batch-size",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Merge concurrent requests into model calls of up to N rows. [default: off]",
+)
+@click.option(
+    "--max-batch-delay-ms",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="How long a request may wait for others to join its call.",
+)
+@click.option(
+    "--max-body-bytes",
+    default=MAX_BODY_BYTES,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Largest request body (also after decompression) and decoded input.",
+)
+@click.option(
+    "--max-queue-size",
+    default=MAX_QUEUE_SIZE,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Requests waiting per model before new ones get 503.",
+)
+@click.option("--log-requests", is_flag=True, help="Log one line per request.")
+def serve_command(
+    dirs: tuple[Path, ...],
+    host: str,
+    port: int,
+    grpc_port: int | None,
+    max_batch_size: int | None,
+    max_batch_delay_ms: float,
+    max_body_bytes: int,
+    max_queue_size: int,
+    log_requests: bool,
+) -> None:
+    """Serve exported bundles over the Open Inference Protocol (KServe V2).
+
+    Each DIR is a bundle written by jn.export_model, served under its manifest name at
+    /v2/models/<name>. Standard clients work unchanged (tritonclient.http / .grpc).
+    Ready (/v2/health/ready) once every model has compiled its batch sizes; SIGTERM
+    finishes the requests in flight, then exits 0.
+
+    \b
+    Example:
+        jaxnitro serve bundles/mnist --port 8000 --grpc-port 8001 --max-batch-size 32
+    """
+    from .server import serve  # starlette, uvicorn, grpcio: only when serving
+
+    serve(
+        list(dirs),
+        host=host,
+        port=port,
+        grpc_port=grpc_port,
+        max_batch_size=max_batch_size,
+        max_batch_delay_ms=max_batch_delay_ms,
+        max_body_bytes=max_body_bytes,
+        max_queue_size=max_queue_size,
+        log_requests=log_requests,
+    )

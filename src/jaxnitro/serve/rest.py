@@ -1,0 +1,229 @@
+"""The REST side of the Open Inference Protocol (KServe V2) as a Starlette app.
+
+Routes: ``GET /v2`` (server metadata), ``GET /v2/health/live``, ``GET /v2/health/ready``,
+``GET /v2/models/{name}[/versions/{v}]`` (model metadata), ``GET .../ready``,
+``POST .../infer``, and ``GET /metrics``. Every error, the router's 404 and 405 included, is
+``{"error": "<message>"}``; the infer route reads the raw body (tritonclient sends no
+Content-Type), so no request is ever answered 422.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import logging
+import time
+import zlib
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import body, codec
+from .errors import ServeError
+from .metrics import CONTENT_TYPE
+from .runtime import OFFLOAD_BYTES, Runtime, server_metadata
+
+log = logging.getLogger("jaxnitro.serve")
+
+
+def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        json.dumps(doc, separators=(",", ":")),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+def error_response(e: ServeError) -> Response:
+    return _json({"error": str(e)}, e.status, e.headers or None)
+
+
+def create_app(runtime: Runtime, *, lifespan=None) -> Starlette:
+    """The app serving ``runtime``'s models (its batchers must run in the app's loop)."""
+    api = _Api(runtime)
+    routes = [
+        Route("/v2", api.server_metadata, methods=["GET"]),
+        Route("/v2/health/live", api.live, methods=["GET"]),
+        Route("/v2/health/ready", api.ready, methods=["GET"]),
+    ]
+    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        routes += [
+            Route(prefix, api.model_metadata, methods=["GET"]),
+            Route(prefix + "/ready", api.model_ready, methods=["GET"]),
+            Route(prefix + "/infer", api.infer, methods=["POST"]),
+        ]
+    routes.append(Route("/metrics", api.metrics, methods=["GET"]))
+    return Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+        middleware=[Middleware(_AccessLog)] if runtime.log_requests else [],
+        lifespan=lifespan,
+    )
+
+
+class _AccessLog:
+    """One log line per HTTP request: client, method, path, status, time, rows inferred."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            rows = scope.get("state", {}).get("rows")
+            log.info(
+                '%s "%s %s" %d %.1fms%s',
+                client[0],
+                scope["method"],
+                scope["path"][:200],
+                status,
+                (time.perf_counter() - started) * 1e3,
+                f" rows={rows}" if rows else "",
+            )
+
+
+class _Api:
+    """The route handlers."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.registry = runtime.registry
+
+    async def server_metadata(self, request: Request) -> Response:
+        return _json(server_metadata())
+
+    async def live(self, request: Request) -> Response:
+        return _json({"live": True})
+
+    async def ready(self, request: Request) -> Response:
+        ok = self.registry.ready
+        return _json({"ready": ok}, 200 if ok else 503)
+
+    async def model_metadata(self, request: Request) -> Response:
+        return self._about_model(request, "metadata", lambda m: _json(m.metadata()))
+
+    async def model_ready(self, request: Request) -> Response:
+        def answer(m):
+            return _json({"name": m.name, "ready": m.ready}, 200 if m.ready else 503)
+
+        return self._about_model(request, "ready", answer)
+
+    def _about_model(self, request: Request, endpoint: str, answer) -> Response:
+        found = ""
+        try:
+            model = self.registry.get(request.path_params["name"], _version(request))
+            response, found = answer(model), model.name
+        except ServeError as e:
+            response = error_response(e)
+        self.runtime.metrics.request(
+            protocol="http",
+            endpoint=endpoint,
+            model=found,
+            code=response.status_code,
+            seconds=None,
+        )
+        return response
+
+    async def infer(self, request: Request) -> Response:
+        runtime = self.runtime
+        started = time.perf_counter()
+        found, rows = "", 0
+        runtime.metrics.inflight += 1
+        try:
+            model = self.registry.get(request.path_params["name"], _version(request))
+            found = model.name
+            data = await body.read_body(
+                request.headers, request.stream(), limit=runtime.max_body_bytes
+            )
+            header_length = request.headers.get(codec.HEADER_LENGTH)
+
+            def decode():
+                parsed = codec.parse_request(data, header_length)
+                return parsed, model.prepare(parsed)
+
+            if len(data) < OFFLOAD_BYTES:
+                parsed, prepared = decode()
+            else:
+                parsed, prepared = await asyncio.to_thread(decode)
+            rows = prepared.rows
+            outputs = await runtime.run(model, prepared)
+            content, headers = codec.encode_response(
+                model=model.name,
+                version=model.version,
+                request=parsed,
+                outputs=outputs,
+                binary=codec.binary_choice(parsed, list(outputs), model_dtypes(model)),
+            )
+            response = _compressed(content, headers, request.headers.get("accept-encoding"))
+        except ServeError as e:
+            response = error_response(e)
+        finally:
+            runtime.metrics.inflight -= 1
+        seconds = time.perf_counter() - started
+        runtime.metrics.request(
+            protocol="http",
+            endpoint="infer",
+            model=found,
+            code=response.status_code,
+            seconds=seconds,
+        )
+        request.state.rows = rows  # for the access log
+        return response
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.runtime.render_metrics(), media_type=CONTENT_TYPE)
+
+
+def _version(request: Request) -> str | None:
+    return request.path_params.get("version")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """The router's 404/405 (and any HTTPException) as ``{"error": ...}``."""
+    assert isinstance(exc, HTTPException)
+    messages = {404: f"no route {request.url.path[:200]!r}", 405: "method not allowed"}
+    text = messages.get(exc.status_code, str(exc.detail))
+    return _json({"error": text}, exc.status_code, dict(exc.headers or {}))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("internal error answering %s", request.url.path[:200])
+    return _json({"error": f"internal server error: {type(exc).__name__}: {exc}"}, 500)
+
+
+def model_dtypes(model) -> dict:
+    return {k: spec.dtype for k, spec in model.outputs.items()}
+
+
+def _compressed(content: bytes, headers: dict[str, str], accept: str | None) -> Response:
+    """The response, gzip/deflate-compressed if the client accepts it (tritonclient's
+    response_compression_algorithm) and it is worth it."""
+    codings = {c.split(";")[0].strip().lower() for c in (accept or "").split(",")}
+    if len(content) >= 1024 and "gzip" in codings:
+        content, headers = gzip.compress(content, 1), {**headers, "content-encoding": "gzip"}
+    elif len(content) >= 1024 and "deflate" in codings:
+        content, headers = zlib.compress(content, 1), {**headers, "content-encoding": "deflate"}
+    media = headers.pop("content-type")
+    return Response(content, media_type=media, headers=headers)

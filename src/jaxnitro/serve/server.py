@@ -1,0 +1,333 @@
+"""`serve` (blocking: REST on uvicorn, gRPC on grpc.aio, one event loop) and `build_app`
+(the Starlette app alone, for in-process use).
+
+The order of `serve`: load every bundle (a bad one fails here, before anything listens)
+→ bind the ports → print the models and URLs → warm up (live but not ready until every
+bucket size of every model has run once) → serve → on SIGTERM or Ctrl-C: stop accepting,
+answer every request already received, stop the worker threads, return (exit status 0).
+A second signal aborts what is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+try:
+    import starlette  # noqa: F401
+    import uvicorn
+except ImportError as e:  # pragma: no cover - the `serve` extra is missing
+    raise ImportError(
+        f"jaxnitro serve needs starlette and uvicorn ({e}); pip install 'jaxnitro[serve]'."
+    ) from e
+
+from ..errors import ConfigError, check_int
+from .batcher import MAX_QUEUE_SIZE
+from .body import MAX_BODY_BYTES
+from .registry import Registry, Servable, load_models
+from .rest import create_app
+from .runtime import Runtime
+
+#: Seconds gRPC calls in progress get to finish after SIGTERM.
+GRPC_GRACE_S = 60.0
+
+log = logging.getLogger("jaxnitro.serve")
+Sources = Sequence[str | os.PathLike | Servable] | str | os.PathLike
+
+
+def build_app(
+    dirs: Sources,
+    *,
+    max_batch_size: int | None = None,
+    max_batch_delay_ms: float = 0.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_queue_size: int = MAX_QUEUE_SIZE,
+    log_requests: bool = False,
+):
+    """The Starlette app serving the bundles in ``dirs`` (REST only; no ports, no signals).
+
+    The bundles load now; the batchers start and every bucket size is compiled when the
+    app starts up (its lifespan), so use it as a context manager.
+
+    Args:
+        dirs: bundle directories (or loaded `jn.Bundle` objects), each served under its
+            manifest name.
+        max_batch_size: merge concurrent requests into calls of up to this many rows (None:
+            each request runs alone).
+        max_batch_delay_ms: how long a request may wait for others to join its call.
+        max_body_bytes: the largest request body, before and after decompression, and the
+            largest decoded input tensor.
+        max_queue_size: requests waiting per model before new ones get 503.
+        log_requests: log one line per request (logger ``jaxnitro.serve``).
+
+    Example:
+        >>> from starlette.testclient import TestClient
+        >>> with TestClient(build_app(["bundles/mnist"])) as client:
+        ...     client.get("/v2/models/mnistmlp").json()["inputs"]
+        [{'name': 'img', 'datatype': 'UINT8', 'shape': [-1, 28, 28]}]
+    """
+    runtime = _runtime(
+        dirs,
+        max_batch_size=max_batch_size,
+        max_batch_delay_ms=max_batch_delay_ms,
+        max_body_bytes=max_body_bytes,
+        max_queue_size=max_queue_size,
+        log_requests=log_requests,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        runtime.start()
+        await runtime.warm_up()
+        try:
+            yield
+        finally:
+            await runtime.close()
+
+    app = create_app(runtime, lifespan=lifespan)
+    app.state.runtime = runtime
+    return app
+
+
+def serve(
+    dirs: Sources,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    grpc_port: int | None = None,
+    max_batch_size: int | None = None,
+    max_batch_delay_ms: float = 0.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_queue_size: int = MAX_QUEUE_SIZE,
+    log_requests: bool = False,
+) -> None:
+    """Serve bundles over the Open Inference Protocol (KServe V2) until SIGTERM or Ctrl-C.
+
+    Standard clients work unchanged: tritonclient.http (JSON and binary tensors, gzip),
+    tritonclient.grpc, KServe V2 JSON. Each bundle is served under its manifest name at
+    ``/v2/models/<name>``; ``/v2/health/ready`` answers 200 once every model has compiled
+    every batch size it can be padded to. Port 0 picks a free port (printed at start-up).
+
+    Args:
+        dirs: bundle directories (or loaded `jn.Bundle` objects).
+        host: the address to listen on (both protocols).
+        port: the REST port.
+        grpc_port: the gRPC port; None: no gRPC.
+        max_batch_size, max_batch_delay_ms, max_body_bytes, max_queue_size, log_requests:
+            as in `build_app`.
+
+    Example:
+        >>> jn.serve.serve(["bundles/mnist"], port=8000, grpc_port=8001, max_batch_size=32)
+    """
+    for name, value in (("port", port), ("grpc_port", grpc_port)):
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535
+        ):
+            raise ConfigError(f"{name} must be an int in [0, 65535], got {value!r}.")
+    if grpc_port is not None and grpc_port == port != 0:
+        raise ConfigError(f"port and grpc_port are both {port}; give gRPC its own port.")
+    runtime = _runtime(
+        dirs,
+        max_batch_size=max_batch_size,
+        max_batch_delay_ms=max_batch_delay_ms,
+        max_body_bytes=max_body_bytes,
+        max_queue_size=max_queue_size,
+        log_requests=log_requests,
+    )
+    _configure_logging()
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(_serve(runtime, host, port, grpc_port))
+
+
+def _loop_factory():
+    """uvloop's event loop when it is installed (uvicorn's default too), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def _runtime(
+    dirs: Sources,
+    *,
+    max_batch_size: int | None,
+    max_batch_delay_ms: float,
+    max_body_bytes: int,
+    max_queue_size: int,
+    log_requests: bool,
+) -> Runtime:
+    if max_batch_size is not None:
+        check_int("max_batch_size", max_batch_size, fix="pass e.g. 32, or None for no batching")
+    if isinstance(max_batch_delay_ms, bool) or not (
+        isinstance(max_batch_delay_ms, (int, float)) and 0 <= max_batch_delay_ms < math.inf
+    ):
+        raise ConfigError(
+            f"max_batch_delay_ms must be a number of milliseconds >= 0, got "
+            f"{max_batch_delay_ms!r}; e.g. 2.0."
+        )
+    check_int("max_body_bytes", max_body_bytes, fix="pass e.g. 64 << 20 (64 MiB)")
+    check_int("max_queue_size", max_queue_size, fix="pass e.g. 1024")
+    models = load_models(dirs, bucket_cap=max_batch_size, max_tensor_bytes=max_body_bytes)
+    return Runtime(
+        Registry(models),
+        max_batch_size=max_batch_size,
+        max_batch_delay_ms=float(max_batch_delay_ms),
+        max_body_bytes=max_body_bytes,
+        max_queue_size=max_queue_size,
+        log_requests=log_requests,
+    )
+
+
+def _configure_logging() -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+async def _serve(runtime: Runtime, host: str, port: int, grpc_port: int | None) -> None:
+    class _Uvicorn(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # ours handle SIGTERM/SIGINT, and exit 0 afterwards
+            yield
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = _handle_signals(loop, stop)
+    sock = _bind(host, port)
+    runtime.start()
+    config = uvicorn.Config(
+        create_app(runtime),
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        timeout_graceful_shutdown=None,
+    )
+    http = _Uvicorn(config)
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    grpc_server = None
+    try:
+        while not http.started and not http_task.done():
+            await asyncio.sleep(0.01)
+        if http_task.done():
+            http_task.result()
+            raise ConfigError(f"the REST server on {host}:{port} did not start.")
+        rest_port = sock.getsockname()[1]
+        grpc_bound = None
+        if grpc_port is not None:
+            try:
+                from .grpc_service import start_grpc
+            except ImportError as e:
+                raise ConfigError(
+                    f"gRPC needs grpcio and protobuf ({e}); pip install 'jaxnitro[serve]', or "
+                    f"leave out grpc_port."
+                ) from e
+            try:
+                grpc_server, grpc_bound = await start_grpc(runtime, host, grpc_port)
+            except OSError as e:
+                raise ConfigError(f"{e}; choose another --grpc-port.") from None
+        _banner(runtime, host, rest_port, grpc_bound)
+        started = time.perf_counter()
+        warm = asyncio.create_task(runtime.warm_up())
+        waiting = {warm, http_task, asyncio.create_task(stop.wait())}
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if warm in done:
+            warm.result()
+            _say(f"ready: every model warmed up in {time.perf_counter() - started:.1f}s")
+            await asyncio.wait({http_task, *waiting - {warm}}, return_when="FIRST_COMPLETED")
+    finally:
+        await _shut_down(runtime, http, http_task, grpc_server, signals)
+
+
+async def _shut_down(runtime, http, http_task, grpc_server, signals: list[int]) -> None:
+    inflight = runtime.metrics.inflight
+    _say(f"stopping: no new requests; finishing {inflight} in flight")
+    http.should_exit = True
+    tasks = [http_task]
+    if grpc_server is not None:
+        tasks.append(asyncio.ensure_future(grpc_server.stop(GRPC_GRACE_S)))
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    await runtime.close()
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+            raise result
+    _say("stopped")
+
+
+def _handle_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> list[int]:
+    """SIGTERM/SIGINT set ``stop``; a second one also aborts what is running."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        return received
+
+    def on_signal(sig: int) -> None:
+        received.append(sig)
+        if len(received) > 1:
+            _say("second signal: aborting requests in flight")
+            os._exit(1)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return received
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
+    # without it every response waits ~40 ms for the client's delayed ACK (Nagle).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port "
+            f"(0 picks a free one)."
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _banner(runtime: Runtime, host: str, rest_port: int, grpc_port: int | None) -> None:
+    shown = f"[{host}]" if ":" in host else host
+    models = runtime.registry.models
+    _say(f"jaxnitro serve: {len(models)} model(s)")
+    for model in models.values():
+        meta = model.metadata()
+        ins = ", ".join(f"{t['name']} {t['datatype']}{t['shape']}" for t in meta["inputs"])
+        outs = ", ".join(f"{t['name']} {t['datatype']}{t['shape']}" for t in meta["outputs"])
+        _say(f"  {model.name} (version {model.version}): {ins} -> {outs}")
+    if runtime.max_batch_size:
+        batching = (
+            f"dynamic batching: up to {runtime.max_batch_size} rows, "
+            f"{runtime.max_batch_delay_ms:g} ms delay"
+        )
+    else:
+        batching = "dynamic batching: off (each request runs alone)"
+    _say(batching)
+    base = f"http://{shown}:{rest_port}"
+    _say(f"REST:    {base}/v2  (POST {base}/v2/models/<name>/infer)")
+    if grpc_port is not None:
+        _say(f"gRPC:    {shown}:{grpc_port}")
+    _say(f"metrics: {base}/metrics")
+    sizes = {len(m.bucket_sizes()) for m in models.values()}
+    _say(f"warming up: {max(sizes)} batch sizes per model (not ready until done)")
