@@ -24,6 +24,9 @@ from jaxnitro.errors import BundleError, BundleInputError, ExportError, HookErro
 from jaxnitro.export import compat
 from jaxnitro.hooks import check_hooks
 
+# Most tests export an untrained handle on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:export_model.*no optimizer step")
+
 SRC = Path(jn.__file__).resolve().parent
 
 

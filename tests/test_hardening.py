@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import Tiny, make_data, nitro
+from conftest import Tiny, leaves_equal, make_data, nitro
 
 import jaxnitro as jn
 from jaxnitro.devices import check_cache_trust
@@ -607,3 +607,18 @@ def test_a_run_dir_with_glob_characters_trains_and_resumes(tmp_path, name):
     resumed = nitro(Tiny(max_epochs=2), run_dir=run, resume="auto")
     assert resumed.step == 8
     assert jn.train(resumed).stop_reason == "completed" and resumed.step == 16
+
+
+def test_new_user_mistakes_from_the_trial_are_named(run_dir, tmp_path):
+    # An uncalled logger class is refused at setup (it used to disable all logging quietly).
+    with pytest.raises(jn.ConfigError, match=r"logger=JSONLogger is the class; pass an instance"):
+        nitro(Tiny(), run_dir=run_dir / "a", logger=jn.JSONLogger)
+    with pytest.raises(jn.ConfigError, match=r"is the class"):
+        nitro(Tiny(), run_dir=run_dir / "b", logger=[jn.JSONLogger(), jn.JSONLogger])
+    # checkpoint= takes a run directory (its best checkpoint), as the CLI does.
+    first = nitro(Tiny(max_epochs=1), run_dir=run_dir / "trained")
+    jn.train(first)
+    again = nitro(Tiny(max_epochs=1), run_dir=run_dir / "eval", checkpoint=run_dir / "trained")
+    assert leaves_equal(again.params, first.params)
+    with pytest.raises(jn.CheckpointError, match=r"does not exist; pass a checkpoint directory"):
+        nitro(Tiny(), run_dir=run_dir / "c", checkpoint=tmp_path / "nope")

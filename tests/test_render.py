@@ -69,6 +69,17 @@ def test_tensorboard_receives_the_heatmaps_as_images(run_dir):
     assert [e.step for e in acc.Images("images/confusion")] == [8]
 
 
+def test_render_after_train_still_reaches_tensorboard(run_dir):
+    pytest.importorskip("tensorboardX")
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    n = nitro(Seen(max_epochs=1), run_dir=run_dir, logger=[jn.JSONLogger(), jn.TensorBoardLogger()])
+    jn.train(n)
+    paths = jn.render(n, max_samples=2)  # after train: render opens its own writing session
+    acc = ea.EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0})
+    acc.Reload()
+    assert {f"images/{p.stem}" for p in paths} <= set(acc.Tags()["images"])
+
+
 def test_render_without_the_hook_names_it(run_dir):
     n = nitro(Tiny(max_epochs=1), run_dir=run_dir)
     with pytest.raises(jn.HookError, match=r"visualize\(self, outputs, \*\*batch\)"):

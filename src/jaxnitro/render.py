@@ -143,7 +143,14 @@ def matrices(n, row: dict[str, Any]) -> list[Path]:
 
 
 def _send(n, images: dict[str, Path]) -> None:
-    """To the loggers that take images (`log_images(images, step=...)`), when writing."""
+    """To the loggers that take images (`log_images(images, step=...)`): inside `jn.train`'s
+    writing session, or in one of its own when the run dir is free (a reader only draws)."""
     log = getattr(n.logger, "log_images", None)
-    if images and callable(log) and n.services.logger_open:
+    if not images or not callable(log):
+        return
+    if n.services.logger_open:
         log(images, step=n.step)
+        return
+    with n.services.writing("render", step=n.step, required=False) as may_write:
+        if may_write:
+            log(images, step=n.step)

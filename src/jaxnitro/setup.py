@@ -496,6 +496,32 @@ def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Prog
     return ts, progress, meta.get("total_steps")
 
 
+def weights_path(path: Path) -> Path:
+    """`checkpoint=`: a checkpoint directory, or a run (or checkpoints) directory, whose best
+    checkpoint (by its checkpointer's metric; else the newest) is used."""
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint={str(path)!r} does not exist; pass a checkpoint directory or a run "
+            f"directory (its best checkpoint), e.g. checkpoint='runs/MyExp'."
+        )
+    if (path / "meta.json").is_file() or not path.is_dir():
+        return path  # a checkpoint; anything else is reported by the load
+    from .runs import checkpoint_metric
+
+    ck_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    run_dir = ck_dir.parent if ck_dir != path else path
+    metric, mode = checkpoint_metric(run_dir, None)
+    ck = TopKCheckpointer(metric=metric, mode=mode, dir=ck_dir)
+    ck.bind(run_dir, writer=False)
+    found = ck.best() or ck.latest()
+    if found is None:
+        raise CheckpointError(
+            f"checkpoint={str(path)!r} is neither a checkpoint (no meta.json) nor a directory "
+            f"holding checkpoints; pass a path from TopKCheckpointer.best() or latest()."
+        )
+    return found
+
+
 def load_weights(spec: RunSpec, ts: TrainState, path: Path) -> TrainState:
     """`checkpoint=path`: the weights (params and model state) only; a fresh optimizer."""
     trees, _ = load_trees(ts, path, full=False)
@@ -613,7 +639,9 @@ def _restored(spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings) 
         spec = spec.replace(resumed_total_steps=horizon)
         warn_horizon(spec, progress, horizon)
     elif s.checkpoint is not None:
-        ts = load_weights(spec, ts, Path(s.checkpoint).absolute())
+        path = weights_path(Path(s.checkpoint).absolute())
+        ts = load_weights(spec, ts, path)
+        spec = spec.replace(weights_path=path)
     if spec.early_stop is not None and progress.early_stop is not None:
         spec.early_stop.load_state_dict(progress.early_stop)
     return Built(spec, ts, progress, device)

@@ -76,6 +76,13 @@ def export_model(
     """
     root = Path(dir)
     where = root.absolute()
+    if n.step == 0 and n.spec.weights_path is None:
+        warnings.warn(
+            f"export_model: {n.spec.cls.__name__} has taken no optimizer step, so the bundle "
+            f"holds its initial weights. Train first (jn.train(n)), or load trained weights "
+            f"with jn.Nitro(exp, checkpoint='runs/...').",
+            stacklevel=2,
+        )
     _check_destination(where)  # before anything is traced: fail fast
     platforms = _platforms(platforms)
     name = _name(name, n.spec.cls)

@@ -259,6 +259,11 @@ def check_logger(value) -> Any:
         >>> check_logger(NullLogger()).__class__.__name__
         'NullLogger'
     """
+    if isinstance(value, type):
+        raise ConfigError(
+            f"logger={value.__name__} is the class; pass an instance: "
+            f"logger={value.__name__}() (or a list of instances)."
+        )
     missing = [m for m in METHODS if not callable(getattr(value, m, None))]
     if missing:
         raise ConfigError(
