@@ -39,6 +39,7 @@ from .loggers import (
     read_jsonl,
 )
 from .loop import TrainResult, train
+from .lr_find import LRFindResult, lr_find
 from .models import apply, split_model
 from .nitro import Dist, Nitro
 from .plot import plot
@@ -105,6 +106,8 @@ __all__ = [
     "fields",
     "history",
     "load_checkpoint",
+    "lr_find",
+    "LRFindResult",
     "on_phase",
     "plot",
     "predict",
