@@ -516,8 +516,9 @@ def weights_path(path: Path) -> Path:
     found = ck.best() or ck.latest()
     if found is None:
         raise CheckpointError(
-            f"checkpoint={str(path)!r} is neither a checkpoint (no meta.json) nor a directory "
-            f"holding checkpoints; pass a path from TopKCheckpointer.best() or latest()."
+            f"{path} is not a complete checkpoint (no meta.json), nor a directory holding "
+            f"checkpoints; pass a path returned by TopKCheckpointer.save(), latest() or best(), "
+            f"or a run directory."
         )
     return found
 
