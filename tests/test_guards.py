@@ -33,6 +33,8 @@ def test_predict_bucket_compile_is_explained_with_the_shape(run_dir):
     jn.predict(n, {"x": x[:3]})  # padded to the next bucket, 4 rows: planned, no warning
     why = [r for row in jn.explain(n) if row["kind"] == "predict" for r in row["reasons"]]
     assert any("(8, 8) → (4, 8)" in r for r in why), why
+    assert not any("drop_last" in r for r in why)  # predict pads to buckets: not a short batch
+    assert any("another predict bucket" in r for r in why)
 
 
 def test_live_nitro_warns_once_when_a_hook_is_edited(run_dir):

@@ -244,12 +244,17 @@ def _input_reasons(old: KeyParts, new: KeyParts, lead0: int = 0, lead1: int = 0)
     if partial:  # one sentence for all fields of the short batch
         path, shape0, shape1 = partial[0]
         others = ", ".join(f"`{_field(p)}`" for p, *_ in partial[1:])
+        # predict pads any batch to a power-of-two bucket: a new bucket, not a partial batch
+        hint = (
+            ": another predict bucket (batches pad to powers of two)"
+            if new.kind == "predict"
+            else ": a partial batch? use drop_last=True"
+        )
         out.insert(
             0,
             (
                 f"batch shape {tuple(shape0)} → {tuple(shape1)} for `{_field(path)}`"
-                f"{f' (and {others})' if others else ''}{split}: a partial batch? use "
-                f"drop_last=True"
+                f"{f' (and {others})' if others else ''}{split}{hint}"
             ),
         )
     return out
