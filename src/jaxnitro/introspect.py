@@ -156,7 +156,7 @@ def _sharding(n) -> str:
     width = max([len(r[0]) for r in rows] + [9])
     lines = [
         f"sharding {how} on mesh {mesh}",
-        f"{'parameter':<{width}} {'shape':<16} {'spec':<24} {'bytes':>10} {'per device':>10}",
+        f"{'parameter':<{width}} {'shape':<16} {'spec':<24} {'total':>10} {'per device':>10}",
     ]
     for name, shape, pspec, total, per in rows:
         lines.append(
