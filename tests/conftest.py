@@ -76,6 +76,31 @@ class Tiny:
         return {"acc": ((logits.argmax(-1) == y).sum(), y.shape[0])}
 
 
+class Recorder:
+    """A logger that records which of the six `jn.Logger` methods were called, in order."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def open(self, run_dir, *, resume):
+        self.calls.append("open")
+
+    def log_params(self, params):
+        self.calls.append("params")
+
+    def log_metrics(self, metrics, *, context, epoch, step):
+        self.calls.append(context)
+
+    def log_other(self, values):
+        self.calls.append("other")
+
+    def finish(self, status, **info):
+        self.calls.append(f"finish {status}")
+
+    def close(self):
+        self.calls.append("close")
+
+
 @pytest.fixture
 def run_dir(tmp_path):
     return tmp_path / "run"

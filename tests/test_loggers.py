@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Tiny, nitro
+from conftest import Recorder, Tiny, nitro
 
 import jaxnitro as jn
 from jaxnitro.loggers import FanoutLogger, LogWarning, NullLogger, make_logger, read_jsonl
@@ -35,29 +35,6 @@ def newest_checkpoint_meta(run_dir: Path) -> dict:
     rows = jn.read_manifest(run_dir / "checkpoints")
     newest = max(rows, key=lambda r: r["step"])
     return read_meta(run_dir / "checkpoints" / newest["path"])
-
-
-class Recorder:
-    def __init__(self):
-        self.calls: list[str] = []
-
-    def open(self, run_dir, *, resume):
-        self.calls.append("open")
-
-    def log_params(self, params):
-        self.calls.append("params")
-
-    def log_metrics(self, metrics, *, context, epoch, step):
-        self.calls.append(context)
-
-    def log_other(self, values):
-        self.calls.append("other")
-
-    def finish(self, status, **info):
-        self.calls.append(f"finish {status}")
-
-    def close(self):
-        self.calls.append("close")
 
 
 class Broken(Recorder):

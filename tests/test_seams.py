@@ -7,36 +7,13 @@ import json
 
 import numpy as np
 import pytest
-from conftest import Tiny, leaves_equal, nitro
+from conftest import Recorder, Tiny, leaves_equal, nitro
 
 import jaxnitro as jn
 
 
 def lines(path):
     return [json.loads(s) for s in path.read_text().splitlines() if s.strip()]
-
-
-class Recorder:
-    def __init__(self):
-        self.calls = []
-
-    def open(self, run_dir, *, resume):
-        self.calls.append("open")
-
-    def log_params(self, params):
-        self.calls.append("params")
-
-    def log_metrics(self, metrics, *, context, epoch, step):
-        self.calls.append(context)
-
-    def log_other(self, values):
-        self.calls.append("other")
-
-    def finish(self, status, **info):
-        self.calls.append(f"finish {status}")
-
-    def close(self):
-        self.calls.append("close")
 
 
 def test_logger_false_and_checkpointer_false_write_nothing(run_dir):

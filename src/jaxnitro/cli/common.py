@@ -22,7 +22,6 @@ from .values import from_json
 #: Commands parse `--max_epochs` like `--max-epochs`.
 CONTEXT = {"token_normalize_func": lambda s: s.replace("_", "-"), "show_default": False}
 PROGRESS = click.Choice(["auto", "rich", "plain", "off"])
-_CKPT_MARKERS = ("meta.json",)
 
 
 def experiment_class(ctx: click.Context) -> Any:
@@ -128,25 +127,15 @@ def run_options(fn: Callable) -> Callable:
 
 
 def checkpoint_path(path: Path) -> Path:
-    """A checkpoint directory; a run (or checkpoints) directory gives its best checkpoint."""
-    if any((path / m).is_file() for m in _CKPT_MARKERS):
-        return path
-    from ..checkpoint import TopKCheckpointer
-    from ..runs import checkpoint_metric
+    """A checkpoint directory; a run (or checkpoints) directory gives its best checkpoint
+    (the library's rule for `jn.Nitro(checkpoint=...)`), a bad one a usage error (exit 2)."""
+    from ..errors import CheckpointError
+    from ..setup import weights_path
 
-    ck_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    run_dir = ck_dir.parent if ck_dir != path else path
-    metric, mode = checkpoint_metric(run_dir, None)
-    ck = TopKCheckpointer(metric=metric, mode=mode, dir=ck_dir)
-    ck.bind(run_dir, writer=False)
-    found = ck.best() or ck.latest()
-    if found is None:
-        raise click.BadParameter(
-            f"{path} is neither a checkpoint (no meta.json) nor a directory holding "
-            f"checkpoints; pass e.g. runs/<Class>/checkpoints/epoch-0002-step-000016-...",
-            param_hint="'--checkpoint'",
-        )
-    return found
+    try:
+        return weights_path(path.absolute())
+    except CheckpointError as e:
+        raise click.BadParameter(str(e), param_hint="'--checkpoint'") from None
 
 
 def checkpoint_config(ctx: click.Context, path: Path) -> dict[str, Any]:
