@@ -309,7 +309,9 @@ def steps_per_epoch(splits: Mapping, accum: int) -> int | None:
 
 # -- model and optimizer --------------------------------------------------------------------
 def build_model(exp, seed: int, rep) -> tuple[Any, Any, Any, jax.Array]:
-    """(model, params, model state, the run's RNG key), every array replicated on the mesh."""
+    """(model, params, model state, the run's RNG key). The model state and key are
+    replicated on the mesh; the params are placed once, by their shardings, in
+    `initial_state` (a replicated copy first would hold every parameter twice)."""
     init_key, rng = jax.random.split(jax.random.PRNGKey(seed))
     built = exp.build_model(init_key)
     if not (isinstance(built, tuple) and len(built) == 3):
@@ -317,18 +319,9 @@ def build_model(exp, seed: int, rep) -> tuple[Any, Any, Any, jax.Array]:
             f"{type(exp).__name__}.build_model must return (model, params, state), got "
             f"{type(built).__name__}. Wrap your module: return jn.split_model(module)."
         )
-    params = replicate(built[1], rep)
-    state = replicate(built[2] if built[2] is not None else {}, rep)
-    return built[0], params, state, jax.device_put(rng, rep)
-
-
-def replicate(tree, rep):
-    return jax.tree.map(
-        lambda x: (
-            jax.device_put(x, rep, may_alias=False) if isinstance(x, (jax.Array, np.ndarray)) else x
-        ),
-        tree,
-    )
+    state = built[2] if built[2] is not None else {}
+    state = sharding_mod.place(state, jax.tree.map(lambda _: rep, state))
+    return built[0], built[1], state, jax.device_put(rng, rep)
 
 
 def grad_norm_setting(value, optimizer) -> bool:
