@@ -3,6 +3,7 @@
 from . import datasets, schedules
 from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
 from .compile.cache import cache_reset, cache_stats
+from .custom import group_grad, optimizer_step
 from .data import DataLoader
 from .devices import setup_devices
 from .early_stop import EarlyStopping
@@ -108,6 +109,8 @@ __all__ = [
     "load_checkpoint",
     "lr_find",
     "LRFindResult",
+    "group_grad",
+    "optimizer_step",
     "on_phase",
     "plot",
     "predict",

@@ -20,9 +20,10 @@ OPTIONAL = (
     "presets",
     "export_inputs", "export_preprocess", "export_postprocess",
     "visualize",
+    "train_step", "optimizers",
 )  # fmt: skip
 #: Hooks traced into a compiled program, with how many positional arguments follow `self`.
-TRACED = {"forward": 3, "loss": 1, "metrics": 1, "train_metrics": 1}
+TRACED = {"forward": 3, "loss": 1, "metrics": 1, "train_metrics": 1, "train_step": 5}
 _SIGNATURES = {
     "build_model": "build_model(self, rng)",
     "build_data": "build_data(self, dist)",
@@ -30,6 +31,7 @@ _SIGNATURES = {
     "loss": "loss(self, outputs, *, <batch fields>)",
     "metrics": "metrics(self, outputs, *, <batch fields>)",
     "train_metrics": "train_metrics(self, outputs, *, <batch fields>)",
+    "train_step": "train_step(self, model, params, opt_state, state, rng, *, <batch fields>)",
 }
 
 
@@ -58,7 +60,9 @@ def check_hooks(cls) -> dict[str, Route]:
     """Validate the experiment's hooks; return the routes of the traced ones that exist."""
     methods = {n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n, None))}
     known = set(REQUIRED) | set(OPTIONAL) | {"from_preset"}
-    missing = [h for h in REQUIRED if _own_hook(cls, h) is None]
+    # A custom `train_step` replaces `loss` in training; validation logs a loss when it exists.
+    custom = _own_hook(cls, "train_step") is not None
+    missing = [h for h in REQUIRED if _own_hook(cls, h) is None and not (custom and h == "loss")]
     if missing:
         hints = "".join(
             f"\n  - {_SIGNATURES[h]}" + did_you_mean(h, methods - known, cutoff=0.7)

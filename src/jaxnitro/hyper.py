@@ -63,7 +63,7 @@ class HyperLayout:
                     f"schedule {key!r}: only scalar float Device fields can be scheduled; "
                     f"make the field a jn.Device[float], or drop the schedule."
                 )
-        return cls(tuple(slots), dict(optimizer.hyper_paths), scalar, len(optimizer.groups) == 1)
+        return cls(tuple(slots), dict(optimizer.hyper_paths), scalar, optimizer.single_state)
 
     # -- on the host ------------------------------------------------------------------------
     def base(self, optimizer, device_values: Mapping[str, Any]) -> dict[str, np.float32]:
@@ -153,7 +153,7 @@ def read(optimizer, opt_state) -> dict[str, Any]:
         >>> float(hyper.read(n.optimizer, n.opt_state)["opt.default.learning_rate"])
         0.001
     """
-    single = len(optimizer.groups) == 1
+    single = optimizer.single_state
     tables = {g: read_group(opt_state, g, single=single) for g, _ in optimizer.hyper_paths.values()}
     return {key: tables[g][hp] for key, (g, hp) in optimizer.hyper_paths.items()}
 

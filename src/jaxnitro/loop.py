@@ -208,7 +208,7 @@ class _Epoch:
         self.step, self.batch = n.step, n.progress.batch_in_epoch
         self.skipped = n.progress.skipped_steps
         self.pending: collections.deque = collections.deque()
-        self.losses: list[float] = []
+        self.losses: list[float | None] = []
         self.extras = n.device.extras
         self.lr_of = _lr_reader(self.spec, n.device)
         self.cadence = _Cadence(self.spec)
@@ -217,7 +217,13 @@ class _Epoch:
         self.fire = False
         self.t0 = self.clock = time.perf_counter()
 
-    def run(self) -> tuple[list[float], float]:
+    def watched(self, row: dict) -> list[str]:
+        """The step outputs that stop the run when not finite."""
+        if "train_step" in self.spec.routes:
+            return sorted(k for k in row if k != "skipped")
+        return ["loss"]
+
+    def run(self) -> tuple[list[float | None], float]:
         """Run the epoch's steps; returns (losses, seconds excluding compiles)."""
         n, spec = self.n, self.spec
         set_phase(n, "Training")
@@ -321,15 +327,18 @@ class _Epoch:
         n, epoch = self.n, self.epoch
         if row.get("skipped"):
             self.skipped += 1
-        elif not math.isfinite(row["loss"]):
-            raise NonFiniteLossError(
-                f"the training loss is {row['loss']} at step {step} (epoch {epoch + 1}, batch "
-                f"{batch}). Lower the learning rate, check the data for NaN/inf, or add "
-                f"gradient clipping (or pass on_nonfinite='skip' to skip such steps). "
-                + _last_good(n)
-            )
-        if not row.get("skipped"):
-            self.losses.append(row["loss"])
+        else:
+            # the loss; with a custom train_step (no single loss) every metric it returns
+            bad = [k for k in self.watched(row) if not math.isfinite(row[k])]
+            if bad:
+                what = "the training loss is" if bad == ["loss"] else f"train metric {bad[0]!r} is"
+                raise NonFiniteLossError(
+                    f"{what} {row[bad[0]]} at step {step} (epoch {epoch + 1}, batch "
+                    f"{batch}). Lower the learning rate, check the data for NaN/inf, or add "
+                    f"gradient clipping (or pass on_nonfinite='skip' to skip such steps). "
+                    + _last_good(n)
+                )
+            self.losses.append(row.get("loss"))  # None: a custom step without a "loss"
         rates = self.lr_of(step - 1)
         row.update(rates)
         n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
@@ -341,7 +350,7 @@ class _Epoch:
                 step_events.StepRecord(
                     step=step,
                     epoch=epoch + 1,
-                    loss=row["loss"],
+                    loss=row.get("loss"),
                     grad_norm=row.get("grad_norm"),
                     learning_rates=dict(zip(groups, rates.values(), strict=True)),
                     step_seconds=step_s,
@@ -464,13 +473,15 @@ def _check_epoch_length(n, epoch: int, total: int | None):
     return progress
 
 
-def _end_epoch(n, epoch: int, losses: list[float], seconds: float) -> str:
+def _end_epoch(n, epoch: int, losses: list[float | None], seconds: float) -> str:
     """Validate, record, log, checkpoint, and decide whether to stop; returns the stop reason."""
     control = n.services.control
     row = {
         "epoch": epoch + 1,
         "step": n.step,
-        "train_loss": float(np.mean(losses)) if losses else None,
+        "train_loss": float(np.mean(known))
+        if (known := [x for x in losses if x is not None])
+        else None,
     }
     if "val" in n.spec.splits and not control.preempted:  # preemption leaves no time
         n.display.phase("validating")

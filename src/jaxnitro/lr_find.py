@@ -62,6 +62,12 @@ def lr_find(
         >>> n2 = jn.Nitro(MnistMLP(lr=found.suggestion))
     """
     spec = n.spec
+    if "train_step" in spec.routes:
+        raise ConfigError(
+            f"jn.lr_find needs one training loss, but {spec.cls.__name__} has its own "
+            f"train_step (several optimizers and metrics). Run the range test on each model "
+            f"with a plain experiment, or sweep the rates with `jaxnitro sweep`."
+        )
     _check(spec, min_lr, max_lr, steps)
     check_stale(spec, n.programs)
     ramp = np.geomspace(min_lr, max_lr, steps)

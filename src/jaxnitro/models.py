@@ -270,11 +270,16 @@ def _no_extra_args(what: str, args: tuple, kwargs: dict, why: str) -> None:
 # -------------------------------------------------------------------------- apply
 
 
-def apply(model: Any, params: Any, state: Any, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
+def apply(
+    model: Any, params: Any, state: Any, *inputs: Any, method: Any = None, **kwargs: Any
+) -> tuple[Any, Any]:
     """Run `model` on `inputs` in the current mode and return `(outputs, new_state)`.
 
     Extra `kwargs` go to the model call and override the mode-derived arguments
-    (`train`, `deterministic`, `rngs`, `key`, `rng`) of the same name.
+    (`train`, `deterministic`, `rngs`, `key`, `rng`) of the same name. `method` calls a
+    method or submodule instead of the model itself (Flax and Equinox): a name
+    (`method="generator"`) or a function `(module, *inputs) -> outputs` — how one model with
+    several parts (a GAN's generator and discriminator) is run part by part.
 
     Example:
         >>> model, params, state = jn.split_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
@@ -284,12 +289,18 @@ def apply(model: Any, params: Any, state: Any, *inputs: Any, **kwargs: Any) -> t
     """
     training, key = is_training(), _next_key()
     if isinstance(model, NNXModel):
-        return _apply_nnx(model, params, state, training, inputs, kwargs)
+        return _apply_nnx(model, params, state, training, inputs, kwargs, method)
     if isinstance(model, LinenModel):
-        return _apply_linen(model, params, state, training, key, inputs, kwargs)
+        return _apply_linen(model, params, state, training, key, inputs, kwargs, method)
     if isinstance(model, EqxModel):
-        return _apply_eqx(model, params, state, training, key, inputs, kwargs)
+        return _apply_eqx(model, params, state, training, key, inputs, kwargs, method)
     if callable(model):
+        if method is not None:
+            raise ConfigError(
+                f"apply(..., method={method!r}) selects a method of a Flax or Equinox model; "
+                f"this model is a plain function. Split the module with jn.split_model, or "
+                f"call the function you want directly."
+            )
         flags = _accepted(model, ("train", "rng"))
         defaults = {"train": training, "rng": key}
         call_kwargs = {name: defaults[name] for name in flags}
@@ -300,7 +311,24 @@ def apply(model: Any, params: Any, state: Any, *inputs: Any, **kwargs: Any) -> t
     )
 
 
-def _apply_nnx(model, params, state, training, inputs, kwargs):
+def _bound(module: Any, method: Any) -> Callable:
+    """The callable `method` names on `module` (the module itself when None)."""
+    if method is None:
+        return module
+    if callable(method):
+        return functools.partial(method, module)
+    fn = getattr(module, method, None) if isinstance(method, str) else None
+    if not callable(fn):
+        names = sorted(n for n in dir(module) if not n.startswith("_"))
+        raise ConfigError(
+            f"apply(..., method={method!r}): {type(module).__name__} has no callable "
+            f"{method!r}. Name one of its methods or submodules (it has {names[:12]}), or "
+            f"pass a function (module, *inputs) -> outputs."
+        )
+    return fn
+
+
+def _apply_nnx(model, params, state, training, inputs, kwargs, method=None):
     """Merge a private copy of the NNX module, set its mode, call it, split it."""
     nnx = _module("flax.nnx")
     # copy=True: merging the caller's Variables in place inside value_and_grad under
@@ -309,17 +337,28 @@ def _apply_nnx(model, params, state, training, inputs, kwargs):
     # Module.train()/eval() flip `deterministic`/`use_running_average` on every
     # submodule that has them; this copy is private, so mutating it is safe.
     module.train() if training else module.eval()
-    outputs = module(*inputs, **kwargs)
+    outputs = _bound(module, method)(*inputs, **kwargs)
     # NNX dropout draws from the module's own Rngs stream, which lives in `state`
     # (RngKey/RngCount) and advances here; it ignores the mode's rng.
     _, _, new_state = nnx.split(module, nnx.Param, ...)
     return outputs, new_state
 
 
-def _apply_linen(model, params, state, training, key, inputs, kwargs):
+def _apply_linen(model, params, state, training, key, inputs, kwargs, method=None):
     """Call a Linen module; in training, with a dropout key and mutable state."""
     variables = {"params": params, **state}
     call_kwargs: dict[str, Any] = _linen_flags(model, train=training)
+    if method is not None:  # Linen binds the method itself; flags go where it takes them
+        target = getattr(type(model.module), method, None) if isinstance(method, str) else method
+        if target is None:
+            raise ConfigError(
+                f"apply(..., method={method!r}): {type(model.module).__name__} has no method "
+                f"{method!r}. Name one of its methods, or pass a function "
+                f"(module, *inputs) -> outputs."
+            )
+        accepted = _accepted(target, ("train", "deterministic"))
+        call_kwargs = {k: v for k, v in call_kwargs.items() if k in accepted}
+        kwargs = {"method": method, **kwargs}
     if not training:
         return model.module.apply(variables, *inputs, **{**call_kwargs, **kwargs}), state
     if key is not None:
@@ -336,7 +375,7 @@ def _linen_flags(model: LinenModel, *, train: bool) -> dict[str, bool]:
     return {name: flags[name] for name in model.mode_flags}
 
 
-def _apply_eqx(model, params, state, training, key, inputs, kwargs):
+def _apply_eqx(model, params, state, training, key, inputs, kwargs, method=None):
     """Call a single-example Equinox model on a batch, vmapped over axis 0."""
     eqx = _module("equinox")
     if not jax.tree.leaves(inputs):
@@ -346,18 +385,19 @@ def _apply_eqx(model, params, state, training, key, inputs, kwargs):
             "Pass the batch as inputs: apply(model, params, state, x)."
         )
     module = eqx.nn.inference_mode(eqx.combine(params, model.static), not training)
+    call = _bound(module, method)
     # Only models that declare a `key` get one, and only in training: eval is
     # deterministic.
     keys = None
-    if training and key is not None and _accepted(module, ("key",)):
+    if training and key is not None and _accepted(call, ("key",)):
         batch_size = jax.tree.leaves(inputs)[0].shape[0]
         keys = jax.random.split(key, batch_size)
 
     def one_example(example, example_key, state):
         call_kwargs = kwargs if example_key is None else {"key": example_key, **kwargs}
         if model.stateful:
-            return module(*example, state, **call_kwargs)
-        return module(*example, **call_kwargs), None
+            return call(*example, state, **call_kwargs)
+        return call(*example, **call_kwargs), None
 
     # axis_name="batch" is the name eqx.nn.BatchNorm(axis_name="batch") averages
     # over; state is shared by the whole batch, so it is neither mapped nor stacked.

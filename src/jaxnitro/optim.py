@@ -99,13 +99,23 @@ class GroupSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
-    """The built optax transformation plus what schedules and `jn.inspect` need to know."""
+    """The built optax transformation plus what schedules and `jn.inspect` need to know.
+
+    For a custom `train_step` each group has its own optimizer (`parts`, applied one at a time
+    by `jn.optimizer_step`), and the state is a dict group -> that optimizer's state.
+    """
 
     tx: optax.GradientTransformation
     groups: dict[str, GroupSpec]
     labels: Any
     hyper_paths: dict[str, tuple[str, str]]  # "opt.<group>.<hp>" -> (group, hp)
     clip: float
+    parts: Mapping[str, optax.GradientTransformation] | None = None
+
+    @property
+    def single_state(self) -> bool:
+        """One group in one optimizer state: no `multi_transform` level to look under."""
+        return len(self.groups) == 1 and self.parts is None
 
 
 def _group_rule(factory, decay_mask, toward_initial, hp_names):
@@ -159,7 +169,7 @@ class _Hooks:
     clip: float
 
     @classmethod
-    def of(cls, exp, decay_anchor: str) -> _Hooks:
+    def of(cls, exp, decay_anchor: str, *, separate: bool = False) -> _Hooks:
         if decay_anchor not in ("zero", "w0"):
             raise ConfigError(
                 f"decay_anchor={decay_anchor!r} is invalid; use 'zero' (decay toward 0) or "
@@ -172,10 +182,16 @@ class _Hooks:
                 f"gradient_clip_norm() returned {clip}; return a finite number >= 0 (0 turns "
                 f"clipping off), e.g. `return 1.0`."
             )
+        group_of = _hook(exp, "param_group")
+        rule_of = _hook(exp, "optimizer")
+        table = _optimizer_table(exp, separate, rule_of)
+        if table is not None:
+            rule_of = table.__getitem__
+            group_of = group_of or _top_level(table)
         return cls(
-            group_of=_hook(exp, "param_group") or (lambda path, leaf: DEFAULT_GROUP),
+            group_of=group_of or (lambda path, leaf: DEFAULT_GROUP),
             no_decay=_hook(exp, "no_decay") or (lambda path, leaf: jnp.ndim(leaf) <= 1),
-            rule_of=_hook(exp, "optimizer") or (lambda group: optax.radam),
+            rule_of=rule_of or (lambda group: optax.radam),
             rate_of=_hook(exp, "learning_rate") or (lambda group: 1e-3),
             anchor_of=_hook(exp, "decay_anchor") or (lambda group: decay_anchor),
             decay_of=_hook(exp, "weight_decay") or (lambda group: 0.0),
@@ -183,22 +199,115 @@ class _Hooks:
         )
 
 
+def _optimizer_table(exp, separate: bool, rule_of) -> dict[str, Any] | None:
+    """`optimizers(self)`: {name: optax factory or transformation}, one per parameter group."""
+    hook = _hook(exp, "optimizers")
+    if hook is None:
+        return None
+    cls = type(exp).__name__
+    if not separate:
+        raise ConfigError(
+            f"{cls}.optimizers() gives the optimizers of a custom train step, but {cls} has "
+            f"no train_step. Define train_step(self, model, params, opt_state, state, rng, "
+            f"*, <batch fields>), or give per-group rules with optimizer(self, group) and "
+            f"param_group(self, path, leaf)."
+        )
+    if rule_of is not None:
+        raise ConfigError(
+            f"{cls} defines both optimizers() and optimizer(group); keep one: optimizers() "
+            f"returns {{name: optax transformation}} for every group at once."
+        )
+    table = hook()
+    if not isinstance(table, Mapping) or not table or not all(isinstance(k, str) for k in table):
+        raise ConfigError(
+            f"{cls}.optimizers() must return a non-empty dict name -> optax transformation "
+            f"(or factory), e.g. {{'gen': optax.adam(2e-4, b1=0.5), 'disc': "
+            f"optax.adam(2e-4, b1=0.5)}}; got {table!r}."
+        )
+    return dict(table)
+
+
+def _top_level(table: Mapping[str, Any]) -> Callable[[str, Any], str]:
+    """The default `param_group` with `optimizers()`: a parameter's top-level module."""
+
+    def group_of(path: str, leaf) -> str:
+        top = path.split("/", 1)[0]
+        if top not in table:
+            raise ConfigError(
+                f"parameter {path!r} is under {top!r}, which names none of the optimizers "
+                f"{sorted(table)}. Name the optimizers after the model's top-level modules, "
+                f"or define param_group(self, path, leaf) returning one of {sorted(table)}."
+            )
+        return top
+
+    return group_of
+
+
+def _check_table_groups(hooks: _Hooks, names: list[str], table_keys) -> None:
+    unused = sorted(set(table_keys) - set(names))
+    if unused:
+        raise ConfigError(
+            f"optimizers() names {unused}, but no parameter is in "
+            f"{'that group' if len(unused) == 1 else 'those groups'} (the groups are "
+            f"{names}). Drop it, or send parameters to it from param_group(self, path, leaf)."
+        )
+
+
+def _separate(core: Mapping[str, optax.GradientTransformation], labels, clip: float):
+    """One optimizer per group over the whole tree (the other groups' updates are zero and
+    their state empty), and a transformation whose state is {group: that optimizer's state}."""
+    chain = [("clip", optax.clip_by_global_norm(clip))] if clip > 0 else []
+    parts = {
+        g: optax.named_chain(
+            *chain,
+            (
+                "update",
+                optax.multi_transform(
+                    {o: (t if o == g else optax.set_to_zero()) for o, t in core.items()}, labels
+                ),
+            ),
+        )
+        for g in core
+    }
+
+    def init(params):
+        return {g: part.init(params) for g, part in parts.items()}
+
+    def update(updates, state, params=None):
+        raise ConfigError(
+            "a custom train step's optimizers are applied one at a time: call "
+            "jn.optimizer_step(group, params, opt_state, grads) inside train_step."
+        )
+
+    return optax.GradientTransformation(init, update), parts
+
+
 def build(
-    exp, params, *, scheduled: Collection[str] = frozenset(), decay_anchor: str = "zero"
+    exp,
+    params,
+    *,
+    scheduled: Collection[str] = frozenset(),
+    decay_anchor: str = "zero",
+    separate: bool = False,
 ) -> Optimizer:
     """Build the optax transformation from the experiment's optimization hooks.
 
     The state is laid out by name: ``optax.named_chain(("clip", ...), ("update", ...))``,
-    with one `multi_transform` entry per group when there are several groups.
+    with one `multi_transform` entry per group when there are several groups. With
+    `separate=True` (a custom train step) every group gets its own such optimizer, from
+    `optimizers(self)` when the experiment defines it.
 
     Example:
         >>> opt = optim.build(exp, params)
         >>> sorted(opt.groups), opt.clip
         (['default'], 0.0)
     """
-    hooks = _Hooks.of(exp, decay_anchor)
+    hooks = _Hooks.of(exp, decay_anchor, separate=separate)
     labels = jax.tree_util.tree_map_with_path(lambda p, x: _label(hooks.group_of, p, x), params)
     names = sorted(set(jax.tree.leaves(labels)))
+    table = _optimizer_table(exp, separate, None)
+    if table is not None:
+        _check_table_groups(hooks, names, table)
     sizes: collections.Counter[str] = collections.Counter()
     for x, lab in zip(jax.tree.leaves(params), jax.tree.leaves(labels), strict=True):
         sizes[lab] += int(np.prod(np.shape(x)))
@@ -213,6 +322,9 @@ def build(
             "every parameter group has learning rate 0: nothing would train. Set a positive "
             "rate in learning_rate(self, group) (a single group may be frozen with 0)."
         )
+    if separate:
+        tx, parts = _separate(transforms, labels, hooks.clip)
+        return Optimizer(tx, groups, labels, hyper_paths, hooks.clip, parts)
     core = transforms[names[0]] if len(names) == 1 else optax.multi_transform(transforms, labels)
     chain = [("clip", optax.clip_by_global_norm(hooks.clip))] if hooks.clip > 0 else []
     tx = optax.named_chain(*chain, ("update", core))

@@ -262,10 +262,15 @@ def _split_spec(split: str, src, routes, n_devices: int) -> SplitSpec:
     first = _peek(split, src)
     bs = data_mod.check_batch(first, split)
     train = split == "train"
-    needed = ("forward", "loss", "train_metrics") if train else ("forward", "loss", "metrics")
-    hooks.check_batch(routes, first, split, hooks=needed if train else ("forward", "metrics"))
-    loss_ok = all(f in first for f in routes["loss"].required)
-    use = needed if loss_ok else ("forward", "metrics")
+    if train and "train_step" in routes:  # a custom step names the fields it trains on
+        needed: tuple[str, ...] = ("train_step",)
+        hooks.check_batch(routes, first, split, hooks=needed)
+        use, loss_ok = needed, False
+    else:
+        needed = ("forward", "loss", "train_metrics") if train else ("forward", "loss", "metrics")
+        hooks.check_batch(routes, first, split, hooks=needed if train else ("forward", "metrics"))
+        loss_ok = "loss" in routes and all(f in first for f in routes["loss"].required)
+        use = needed if loss_ok else ("forward", "metrics")
     if train and isinstance(src, data_mod.DataLoader) and src.ragged:
         raise DataError(
             f"the 'train' split has {src.num_samples} samples, which batch_size="
@@ -322,6 +327,27 @@ def build_model(exp, seed: int, rep) -> tuple[Any, Any, Any, jax.Array]:
     state = built[2] if built[2] is not None else {}
     state = sharding_mod.place(state, jax.tree.map(lambda _: rep, state))
     return built[0], built[1], state, jax.device_put(rng, rep)
+
+
+def check_custom_step(s: Settings, routes) -> bool:
+    """A custom `train_step` is selected; the options that assume one loss are refused."""
+    if "train_step" not in routes:
+        return False
+    refused = {
+        "accum": (s.accum > 1, f"accum={s.accum}", "accumulate inside train_step (a lax.scan "
+                  "over micro-batches) or raise the batch size"),
+        "precision": (s.precision != "f32", f"precision={s.precision!r}", "cast the params "
+                      "and inputs to bfloat16 inside train_step"),
+        "log_grad_norm": (s.log_grad_norm is True, "log_grad_norm=True", "return the norm "
+                          "you want among train_step's metrics (optax.tree.norm(grads))"),
+    }  # fmt: skip
+    for bad, what, fix in refused.values():
+        if bad:
+            raise ConfigError(
+                f"{what} applies to the built-in train step (one loss, one gradient); this "
+                f"experiment defines its own train_step. Drop the option, and {fix}."
+            )
+    return True
 
 
 def grad_norm_setting(value, optimizer) -> bool:
@@ -568,7 +594,8 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     values = {k: device_array(k, v, rep) for k, v in field_values(exp, DEVICE).items()}
     model, params, mstate, rng = build_model(exp, seed, rep)
     split_specs = check_splits(splits, routes, mesh.size)
-    optimizer = optim.build(exp, params, scheduled=set(s.schedules))
+    custom = check_custom_step(s, routes)
+    optimizer = optim.build(exp, params, scheduled=set(s.schedules), separate=custom)
     spe = steps_per_epoch(splits, s.accum)
     schedules, total = schedules_of(s, exp, optimizer, spe)
     layout = HyperLayout.build(optimizer, values, schedules)
@@ -592,7 +619,7 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         seed=seed,
         run_dir=s.run_dir,
         run_id=run_id,
-        log_grad_norm=grad_norm_setting(s.log_grad_norm, optimizer),
+        log_grad_norm=grad_norm_setting(s.log_grad_norm, optimizer) and not custom,
         sharding=sharding,
         remat=remat.plan(s.remat, s.remat_policy, model, params, mstate),
         resume_path=resume_path,

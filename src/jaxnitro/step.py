@@ -133,6 +133,12 @@ def make_train_step(
         new = ts.replace(params=params, state=model_state, opt_state=opt_state, step=ts.step + 1)
         return new, out
 
+    return fuse(one_step, steps_per_call)
+
+
+def fuse(one_step, steps_per_call: int):
+    """`steps_per_call` optimizer steps in one dispatch (a `lax.scan` over a leading axis of
+    the batch and the per-step hyperparameters); one step is returned as it is."""
     if steps_per_call == 1:
         return one_step
 

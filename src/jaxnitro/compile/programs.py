@@ -19,16 +19,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .. import custom, models, optim, remat
 from .. import metrics as metrics_mod
-from .. import models, optim, remat
 from ..devices import mesh_id
 from ..errors import HookError, JaxnitroError
 from ..experiment import GRAPH, CompileView, field_values
-from ..step import loss_parts, make_eval_step, make_train_step, scalar_loss, slice_rows
+from ..step import fuse, loss_parts, make_eval_step, make_train_step, scalar_loss, slice_rows
 from . import cache, explain
 from .fingerprint import fingerprint
 
-_TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics")
+_TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics", "train_step")
 # The hooks each kind of program traces: a program's key holds their fingerprints only, so
 # editing `metrics` never invalidates the train program.
 _KIND_HOOKS = {
@@ -36,6 +36,14 @@ _KIND_HOOKS = {
     "eval": ("forward", "loss", "metrics"),
     "predict": ("forward",),
 }
+
+
+def _kind_hooks(spec, kind: str) -> tuple[str, ...]:
+    """The hooks a kind of program traces; a custom step's train program traces that hook
+    (and what it reaches through `self`) instead of forward and loss."""
+    if kind == "train" and "train_step" in spec.routes:
+        return ("train_step",)
+    return _KIND_HOOKS[kind]
 
 
 def _forward(spec, device, params, model_state, batch):
@@ -113,6 +121,28 @@ def train_loss_fn(spec):
         return loss, (new_state, aux)
 
     return loss_fn
+
+
+def custom_step_fn(spec):
+    """(params, opt_state, state, rng, batch, extras) -> what the experiment's `train_step`
+    returns, called in training mode (dropout on; `jn.apply` draws from its own key)."""
+    route = spec.routes["train_step"]
+
+    def user_step(params, opt_state, state, rng, batch, extras):
+        hook_rng, mode_rng = jax.random.split(rng)
+        view = CompileView(spec.experiment, extras["device"], "train_step")
+        try:
+            with models.mode(train=True, rng=mode_rng):
+                return spec.cls.train_step(
+                    view, spec.model, params, opt_state, state, hook_rng, **route.select(batch)
+                )
+        except Exception as e:
+            if not isinstance(e, JaxnitroError):
+                shapes = {k: f"{tuple(v.shape)} {v.dtype}" for k, v in batch.items()}
+                e.add_note(f"jaxnitro: raised in {spec.cls.__name__}.train_step on {shapes}")
+            raise
+
+    return user_step
 
 
 def eval_metrics_fn(spec, split: str):
@@ -220,7 +250,7 @@ def traced_functions(spec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, 
 
 def hook_prints(spec, kind: str | None = None) -> tuple:
     """(name, fingerprint) of every function a `kind` of program traces (all kinds: None)."""
-    hooks = _TRACED_HOOKS if kind is None else _KIND_HOOKS[kind]
+    hooks = _TRACED_HOOKS if kind is None else _kind_hooks(spec, kind)
     return tuple(
         sorted((name, fingerprint(fn)) for name, fn in traced_functions(spec, hooks).items())
     )
@@ -245,7 +275,7 @@ def program_key(
     """The key of one program: every part that changes its graph, named for explanations."""
     if ps.prints is None:
         ps.prints = hook_prints(spec)
-    hooks, helpers = explain.hook_parts(traced_functions(spec, _KIND_HOOKS[kind]))
+    hooks, helpers = explain.hook_parts(traced_functions(spec, _kind_hooks(spec, kind)))
     rows = tuple(
         (jax.tree_util.keystr(path), *cache.input_spec(leaf))
         for path, leaf in jax.tree_util.tree_flatten_with_path(inputs)[0]
@@ -386,16 +416,7 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
         avals=cache.avals((_state_arrays(ts), batch, extras, hyper)),
         optimizer=(optim.describe(spec.optimizer), cache.optimizer_key(spec.tx)),
     )
-    step = make_train_step(
-        train_loss_fn(spec),
-        spec.tx,
-        accum=spec.accum,
-        steps_per_call=steps,
-        write_hyper=spec.hyper.write,
-        unpack_hyper=spec.hyper.unpack,
-        skip_nonfinite=spec.on_nonfinite == "skip",
-        grad_norm=spec.log_grad_norm,
-    )
+    step = _train_step(spec, steps)
     leaves, treedef = jax.tree.flatten(ts)
 
     def flat_step(leaves, batch, extras, hyper):  # the state travels as a flat list
@@ -413,6 +434,29 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
 
     label = spec.cls.__name__ + (f", {steps} steps per call" if steps > 1 else "")
     return _acquire(spec, ps, key, lower, label=label)
+
+
+def _train_step(spec, steps: int):
+    """The built-in step (forward, loss, one gradient and update) or the experiment's own."""
+    if "train_step" in spec.routes:
+        one = custom.make_custom_step(
+            custom_step_fn(spec),
+            custom.Tools(spec.optimizer.labels, spec.optimizer.parts),
+            write_hyper=spec.hyper.write,
+            unpack_hyper=spec.hyper.unpack,
+            skip_nonfinite=spec.on_nonfinite == "skip",
+        )
+        return fuse(one, steps)
+    return make_train_step(
+        train_loss_fn(spec),
+        spec.tx,
+        accum=spec.accum,
+        steps_per_call=steps,
+        write_hyper=spec.hyper.write,
+        unpack_hyper=spec.hyper.unpack,
+        skip_nonfinite=spec.on_nonfinite == "skip",
+        grad_norm=spec.log_grad_norm,
+    )
 
 
 def eval_metric_shapes(spec, ts, split: str, extras) -> dict:

@@ -21,7 +21,8 @@ class StepRecord:
 
     Attributes:
         step: the optimizer step (1-based); epoch: the epoch it belongs to (1-based).
-        loss: the training loss; grad_norm: the global norm of the gradient (before clipping).
+        loss: the training loss (None for a custom train_step that returns no "loss"; its
+            metrics are in `metrics`); grad_norm: the global norm of the gradient (before clipping).
         learning_rates: group -> learning rate used by this step (schedules applied).
         step_seconds: wall seconds per step, averaged over the chunk read back with it.
         metrics: everything the step logged (train_metrics included).
@@ -32,7 +33,7 @@ class StepRecord:
 
     step: int
     epoch: int
-    loss: float
+    loss: float | None
     grad_norm: float | None
     learning_rates: Mapping[str, float]
     step_seconds: float | None
