@@ -9,7 +9,7 @@ one group's parameters (the other held constant) and `jn.optimizer_step` applies
 optimizer. Validation, checkpoints, resume, schedules and logging are the framework's.
 
 On 2 CPU cores it trains in well under a minute and covers all 8 modes (MMD to the data about
-0.005; two independent samples of the data are about 0.002 apart).
+0.004-0.008; two independent samples of the data are about 0.002 apart).
 """
 
 import argparse
@@ -67,7 +67,7 @@ def mmd(a, b, scale: float = 0.5):
 class RingGAN:
     latent: jn.GraphConst[int] = 2
     width: jn.GraphConst[int] = 128
-    lr: float = 1e-3
+    lr: float = 5e-4  # 1e-3 drops modes for some seeds; 5e-4 covered all 8 for seeds 0-2, 7, 42
     max_epochs: int = 30
 
     def build_model(self, rng):

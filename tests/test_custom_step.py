@@ -258,3 +258,28 @@ def test_apply_method_names_a_part_or_says_what_exists():
     assert out.shape == (2, 4)
     with pytest.raises(jn.ConfigError, match=r"has no callable 'c'"):
         jn.apply(model, params, state, x, method="c")
+
+
+@pytest.mark.slow
+def test_the_gan_example_covers_all_eight_modes(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "gan.py"
+    spec = importlib.util.spec_from_file_location("gan_example", path)
+    gan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gan)
+    n = nitro(
+        gan.RingGAN(max_epochs=30),
+        run_dir=tmp_path,
+        steps_per_call=20,
+        checkpointer=jn.TopKCheckpointer(metric="mmd", mode="min"),
+    )
+    result = jn.train(n)
+    best = result.history.best
+    assert best["modes"] == 8, best  # every mode holds >= 2% of the samples
+    assert best["mmd"] < 0.02 and best["quality"] > 0.8, best
+    assert result.best_checkpoint is not None and sorted(n.opt_state) == [
+        "discriminator",
+        "generator",
+    ]

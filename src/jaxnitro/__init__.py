@@ -44,6 +44,7 @@ from .lr_find import LRFindResult, lr_find
 from .models import apply, split_model
 from .nitro import Dist, Nitro
 from .plot import plot
+from .population import member
 from .prediction import predict
 from .render import render
 from .sharding import Sharding
@@ -110,6 +111,7 @@ __all__ = [
     "lr_find",
     "LRFindResult",
     "group_grad",
+    "member",
     "optimizer_step",
     "on_phase",
     "plot",

@@ -14,9 +14,9 @@ import jax
 import numpy as np
 
 from . import data as data_mod
-from . import feed
+from . import feed, population
 from . import metrics as metrics_mod
-from .compile.programs import check_stale, eval_metric_shapes, eval_program
+from .compile.programs import check_stale, eval_program, eval_totals
 from .errors import ConfigError, DataError, did_you_mean
 from .events.phases import set_phase
 
@@ -38,10 +38,7 @@ def run_eval(n, split: str) -> dict[str, Any]:
     bs = spec.split_specs[split].batch_size
     ts, extras = n.train_state, n.device.extras
     stream = data_mod.Prefetcher(iter(spec.splits[split]), feed.eval_prepare(spec, split, bs))
-    totals = jax.device_put(
-        metrics_mod.zeros_like_totals(eval_metric_shapes(spec, ts, split, extras)),
-        spec.replicated,
-    )
+    totals = eval_totals(spec, ts, split, extras)
     progs: dict = {}
     try:
         for dev_batch, size, _ in stream:
@@ -59,7 +56,15 @@ def run_eval(n, split: str) -> dict[str, Any]:
             totals = prog(ts.params, ts.state, dev_batch, extras, totals)
     finally:
         stream.close()
-    return _finalize(n, split, metrics_mod.finalize(jax.device_get(totals)))
+    host = jax.device_get(totals)
+    pop = spec.population
+    if pop is None:
+        return _finalize(n, split, metrics_mod.finalize(host))
+    rows = [
+        _finalize(n, split, metrics_mod.finalize(population.take(host, i))) for i in range(pop.size)
+    ]
+    metric, mode = getattr(n.checkpointer, "metric", None), getattr(n.checkpointer, "mode", "min")
+    return population.member_metrics(rows, metric=metric, mode=mode)
 
 
 def _finalize(n, split: str, values: dict) -> dict[str, Any]:

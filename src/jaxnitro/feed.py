@@ -43,6 +43,14 @@ def train_units(spec, loader, start: int, epoch: int):
     is checked batch by batch (fields, sizes) and stacked."""
     info = spec.split_specs["train"]
     size = spec.accum * spec.steps_per_call
+    pop = spec.population
+    if pop is not None and pop.own_data:  # each member's own order: (k, members, batch, ...)
+        for mine in pop.loaders:
+            mine.set_epoch(epoch)
+        units = [mine.iter_stacked(start, size, info.fields) for mine in pop.loaders]
+        for parts in zip(*units, strict=True):
+            yield {f: np.stack([p[0][f] for p in parts], axis=1) for f in info.fields}, parts[0][1]
+        return
     if isinstance(loader, data_mod.DataLoader):
         yield from loader.iter_stacked(start, size, info.fields)
         return
@@ -71,6 +79,10 @@ def first_unit(spec, loader) -> tuple[dict, int]:
     planning never iterates a source the run is about to train on."""
     info = spec.split_specs["train"]
     size = spec.accum * spec.steps_per_call
+    pop = spec.population
+    if pop is not None and pop.own_data:
+        unit, k = next(loader.iter_stacked(0, size, info.fields))
+        return {f: np.stack([a] * pop.size, axis=1) for f, a in unit.items()}, k
     if isinstance(loader, data_mod.DataLoader):
         return next(loader.iter_stacked(0, size, info.fields))
     k = min(size, len(loader)) if hasattr(loader, "__len__") else size
@@ -94,6 +106,7 @@ def train_prepare(spec, first_step: int, base):
     next_step = [first_step]
     hyper = _HyperFeed(spec, base)
     shardings: dict[int, object] = {}
+    members = spec.population is not None and spec.population.own_data
 
     def prepare(item):
         stacked, k = item
@@ -109,15 +122,22 @@ def train_prepare(spec, first_step: int, base):
         payloads = []
         for offset, s in splits:
             lead = (s,) * (s > 1) + (accum,) * (accum > 1)
-            sharding = shardings.get(len(lead))
+            axis = len(lead) + members  # the batch axis (after a member axis)
+            sharding = shardings.get(axis)
             if sharding is None:
-                sharding = shardings[len(lead)] = data_mod.batch_sharding(spec.mesh, axis=len(lead))
+                sharding = shardings[axis] = data_mod.batch_sharding(spec.mesh, axis=axis)
             batch = {}
             for f, arr in stacked.items():
                 if not lead:  # one step, one micro-batch: the batch itself
                     batch[f] = put(spec, arr[offset], sharding)
                     continue
                 part = arr[offset : offset + s * accum]
+                if members:  # (s·accum, members, batch, ...) -> (s, members, accum, batch, ...)
+                    m, tail = part.shape[1], part.shape[2:]
+                    shaped = part.reshape((s, accum, m) + tail).swapaxes(1, 2)
+                    lead_m = (s,) * (s > 1) + (m,) + (accum,) * (accum > 1)
+                    batch[f] = put(spec, shaped.reshape(lead_m + tail), sharding)
+                    continue
                 batch[f] = put(spec, part.reshape(lead + part.shape[1:]), sharding)
             payloads.append((batch, hyper.at(next_step[0], s), s))
             next_step[0] += s
@@ -139,14 +159,21 @@ class _HyperFeed:
         scheduled = bool(spec.schedules.fns)
         if not scheduled and s in self.constant:
             return self.constant[s]
-        pack = spec.hyper.pack
-        hv = (
-            np.stack([pack(t, spec.schedules, self.base) for t in range(first, first + s)])
-            if s > 1
-            else pack(first, spec.schedules, self.base)
-        )
+        pack = _packer(spec, self.base)
+        hv = np.stack([pack(t) for t in range(first, first + s)]) if s > 1 else pack(first)
         # Scheduled or constant, the same kind of input: the program must not depend on it.
         arr = put(spec, hv, spec.replicated)
         if not scheduled:
             self.constant[s] = arr
         return arr
+
+
+def _packer(spec, base):
+    """step -> the packed hyperparameters; for a population, (members, slots) from each
+    member's own values and schedules."""
+    pop, pack = spec.population, spec.hyper.pack
+    if pop is None:
+        return lambda t: pack(t, spec.schedules, base)
+    return lambda t: np.stack(
+        [pack(t, sched, b) for sched, b in zip(pop.schedules, base, strict=True)]
+    )

@@ -37,6 +37,21 @@ def set_device(n, **values) -> None:
                 f"Only jn.Device fields are live inputs."
             )
         arr, old = device_array(name, value, spec.replicated), current[name]
+        pop = spec.population
+        if pop is not None:  # every member takes the value (the ones the population varies: no)
+            if name in pop.values:
+                raise ConfigError(
+                    f"set_device cannot change {name!r} here: the population gives each member "
+                    f"its own value ({list(pop.values[name])}). Set it on one member's handle "
+                    f"(jn.member(n, i)), or start a population with other values."
+                )
+            host = np.asarray(jax.device_get(arr))
+            if host.shape != old.shape[1:] and host.shape != old.shape:
+                raise ConfigError(
+                    f"set_device({name}=...) on a population of {pop.size}: pass one value of "
+                    f"shape {old.shape[1:]} (every member) or {old.shape} (one per member)."
+                )
+            arr = jax.device_put(np.broadcast_to(host, old.shape), spec.replicated)
         if arr.shape != old.shape or arr.dtype != old.dtype:
             raise ConfigError(
                 f"set_device({name}=...) would change its shape/dtype from {old.shape}/"

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import data as data_mod
-from . import feed, render
+from . import feed, population, render
 from .compile import cache, plan, report
 from .compile.programs import check_stale, train_program
 from .errors import DataError, NonFiniteLossError
@@ -61,6 +61,7 @@ class TrainResult:
     steps_per_second: float
     programs_compiled: int
     wall_seconds: float
+    members: list[dict] | None = None  # a population's members, best first (last validation)
 
 
 def train(n) -> TrainResult:
@@ -107,7 +108,24 @@ def _result(n, reason: str, rate: float, compiled: int, wall: float) -> TrainRes
         steps_per_second=rate,
         programs_compiled=compiled,
         wall_seconds=wall,
+        members=_members(n),
     )
+
+
+def _members(n) -> list[dict] | None:
+    """A population's members ranked by the checkpointer's metric at the last validation,
+    each with its seed, values and last metrics."""
+    pop = n.spec.population
+    if pop is None:
+        return None
+    rows = n.progress.history
+    last = rows[-1] if rows else {}
+    per = [
+        {k[: -len(f"/{i}")]: v for k, v in last.items() if k.endswith(f"/{i}")}
+        for i in range(pop.size)
+    ]
+    metric = getattr(n.checkpointer, "metric", None)
+    return population.ranked(pop, per, metric=metric, mode=getattr(n.checkpointer, "mode", "min"))
 
 
 def _train(n) -> TrainResult:
@@ -218,10 +236,22 @@ class _Epoch:
         self.t0 = self.clock = time.perf_counter()
 
     def watched(self, row: dict) -> list[str]:
-        """The step outputs that stop the run when not finite."""
+        """The step outputs that stop the run when not finite (each member's, for a
+        population, except the members whose step was skipped)."""
         if "train_step" in self.spec.routes:
-            return sorted(k for k in row if k != "skipped")
-        return ["loss"]
+            names = sorted(k for k in row if not k.startswith("skipped") and "/" not in k)
+        else:
+            names = ["loss"]
+        pop = self.spec.population
+        if pop is None:
+            return names
+        return [
+            f"{k}/{i}"
+            for i in range(pop.size)
+            if not row.get(f"skipped/{i}")
+            for k in names
+            if f"{k}/{i}" in row
+        ]
 
     def run(self) -> tuple[list[float | None], float]:
         """Run the epoch's steps; returns (losses, seconds excluding compiles)."""
@@ -309,12 +339,18 @@ class _Epoch:
         step_s = (now - self.clock) / steps_read if steps_read else None
         self.clock = now
         self.fire = step_events.has_callbacks(self.n.services.step_callbacks)
+        pop = self.spec.population
         for (last_step, last_batch, steps, _), host in zip(items, _read_back(items), strict=True):
             for j in range(steps):  # a fused call returns one row per optimizer step
-                row = {
-                    k: float(np.asarray(v).reshape(-1)[j] if steps > 1 else v)
-                    for k, v in host.items()
-                }
+                if pop is not None:
+                    row = _member_row(
+                        {k: np.asarray(v).reshape(steps, -1)[j] for k, v in host.items()}
+                    )
+                else:
+                    row = {
+                        k: float(np.asarray(v).reshape(-1)[j] if steps > 1 else v)
+                        for k, v in host.items()
+                    }
                 self._step_row(
                     row,
                     last_step - steps + 1 + j,
@@ -352,7 +388,9 @@ class _Epoch:
                     epoch=epoch + 1,
                     loss=row.get("loss"),
                     grad_norm=row.get("grad_norm"),
-                    learning_rates=dict(zip(groups, rates.values(), strict=True)),
+                    learning_rates=dict(zip(groups, rates.values(), strict=True))
+                    if self.spec.population is None
+                    else dict(rates),
                     step_seconds=step_s,
                     metrics=dict(row),
                 ),
@@ -509,13 +547,43 @@ def _end_epoch(n, epoch: int, losses: list[float | None], seconds: float) -> str
     return reason
 
 
+def _member_row(values: dict) -> dict[str, float]:
+    """One step's outputs for every member (name -> (members,)) as `name/i` per member and
+    the members' mean under the name (skipped: 1 only when every member skipped)."""
+    row: dict[str, float] = {}
+    skipped = values.get("skipped")
+    for k, arr in values.items():
+        for i, v in enumerate(arr):
+            row[f"{k}/{i}"] = float(v)
+        if k == "skipped":
+            row[k] = float(np.all(arr > 0))
+            continue
+        kept = arr if skipped is None else arr[skipped == 0]
+        finite = kept[np.isfinite(kept)]
+        row[k] = float(finite.mean()) if finite.size else float("nan")
+    return row
+
+
 def _lr_reader(spec, device):
-    """step (0-based) -> {"lr": rate} (one group) or {"lr/<group>": rate}, as fed to the step."""
+    """step (0-based) -> {"lr": rate} (one group) or {"lr/<group>": rate}, as fed to the step
+    (for a population, each member's as `lr/<i>` or `lr/<group>/<i>`)."""
     slots = spec.hyper.learning_rates()
     names = ["lr"] if len(slots) == 1 else [f"lr/{g}" for _, g in slots]
     base = device.hyper_base
+    pop = spec.population
 
     def at(t: int) -> dict[str, float]:
+        if pop is not None:
+            out = {}
+            for m, (sched, b) in enumerate(zip(pop.schedules, base, strict=True)):
+                vec = spec.hyper.pack(t, sched, b)
+                out.update(
+                    {
+                        f"{name}/{m}": float(vec[i])
+                        for name, (i, _) in zip(names, slots, strict=True)
+                    }
+                )
+            return out
         vec = spec.hyper.pack(t, spec.schedules, base)
         return {name: float(vec[i]) for name, (i, _) in zip(names, slots, strict=True)}
 

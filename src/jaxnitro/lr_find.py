@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import feed
+from . import feed, population
 from .compile.programs import check_stale, train_program
 from .errors import ConfigError, DataError
 
@@ -62,6 +62,7 @@ def lr_find(
         >>> n2 = jn.Nitro(MnistMLP(lr=found.suggestion))
     """
     spec = n.spec
+    population.refuse(n, "jn.lr_find")
     if "train_step" in spec.routes:
         raise ConfigError(
             f"jn.lr_find needs one training loss, but {spec.cls.__name__} has its own "

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from . import hooks
+from . import hooks, population
 from . import settings as settings_mod
 from . import setup as setup_mod
 from .checkpoint import read_manifest
@@ -87,6 +87,7 @@ class Nitro:
         sharding="dp",
         remat: list[str] | None = None,
         remat_policy: str = "full",
+        population=None,
         **unknown,
     ):
         _check_arguments(exp, unknown)
@@ -244,7 +245,11 @@ class Nitro:
     def _set_device(self, values: dict[str, Any], experiment) -> None:
         """New Device values (checked by `jn.set_device`), and the experiment showing them."""
         merged = {**self._device.values, **values}
-        base = self._spec.hyper.base(self._spec.optimizer, merged)
+        spec = self._spec
+        if spec.population is None:
+            base = spec.hyper.base(spec.optimizer, merged)
+        else:  # (the values carry a member axis)
+            base = population.member_bases(spec.population, spec.hyper, spec.optimizer, merged)
         self._device = DeviceValues(merged, base)
         self._experiment = experiment
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from . import data as data_mod
-from . import feed
+from . import feed, population
 from .compile.programs import check_stale, predict_program
 from .errors import DataError, closest
 
@@ -29,6 +29,7 @@ def predict(n, batch_or_loader):
         >>> logits.shape
         (10, 10)
     """
+    population.refuse(n, "jn.predict")
     check_stale(n.spec, n.programs)
     if isinstance(batch_or_loader, Mapping):
         return _predict_batch(n, batch_or_loader, pad_to=None)

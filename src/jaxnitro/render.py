@@ -44,8 +44,10 @@ def render(
         >>> paths[0].name
         'val-b0-s0-step000120.png'
     """
+    from .population import refuse
     from .prediction import predict
 
+    refuse(n, "jn.render")
     spec = n.spec
     hook = getattr(spec.cls, "visualize", None)
     if hook is None:

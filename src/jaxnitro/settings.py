@@ -60,6 +60,7 @@ class Settings:
     resume: Any
     checkpoint: Any
     data: Any
+    population: Any = None  # None, a member count, or {field: [per-member values]}
 
 
 def settings(exp, given: Mapping[str, Any]) -> Settings:
@@ -107,7 +108,14 @@ def settings(exp, given: Mapping[str, Any]) -> Settings:
         resume=given.get("resume", False),
         checkpoint=given.get("checkpoint"),
         data=given.get("data"),
+        population=_population_setting(given.get("population")),
     )
+
+
+def _population_setting(value):
+    from .population import check_setting
+
+    return check_setting(value)
 
 
 def _sharding_setting(value):

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import data as data_mod
 from . import hooks, optim, remat
+from . import population as population_mod
 from . import sharding as sharding_mod
 from .checkpoint import TopKCheckpointer, load_checkpoint, validate_int
 from .checkpoint import _read_meta as checkpoint_meta
@@ -376,10 +377,17 @@ def schedules_of(s: Settings, exp, optimizer, spe: int | None):
     return resolved, total
 
 
-def initial_state(model, params, state, tx, rng, rep, shardings=None) -> TrainState:
+def initial_state(
+    model, params, state, tx, rng, rep, shardings=None, *, members: int | None = None
+) -> TrainState:
     """Every leaf lives on the mesh as the train step returns it (parameters by their
     shardings, optimizer state after its parameter, the rest replicated), so the program's
-    input avals (and key) are the same at step 1 and step N."""
+    input avals (and key) are the same at step 1 and step N. With `members`, the trees
+    carry a leading member axis (replicated) and each member gets its optimizer state."""
+    if members is not None:
+        opt_state = jax.jit(jax.vmap(tx.init), out_shardings=rep)(params)
+        step = jax.device_put(jnp.zeros((members,), jnp.int32), rep)
+        return TrainState(params, state, opt_state, step, rng, model=model, tx=tx)
     if shardings is None:
         shardings = jax.tree.map(lambda _: rep, params)
     params = sharding_mod.place(params, shardings)
@@ -387,6 +395,58 @@ def initial_state(model, params, state, tx, rng, rep, shardings=None) -> TrainSt
     opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), rep)
     return TrainState(params, state, opt_state, step, rng, model=model, tx=tx)
+
+
+# -- a population of members ----------------------------------------------------------------
+def population_of(s: Settings, exp, seed: int, optimizer, train, schedules):
+    """`population=`: the members (seeds, per-member values and rates), or None."""
+    if s.population is None:
+        return None
+    if s.sharding.fsdp or s.sharding.rules:
+        raise ConfigError(
+            "population= trains small models side by side on replicated parameters; it does "
+            "not combine with sharding='fsdp' or sharding rules. Use sharding='dp'."
+        )
+    markers = {f.name: f.marker for f in fields(exp)}
+    rate_keys = [k for k in optimizer.hyper_paths if k.endswith(".learning_rate")]
+    pop = population_mod.resolve(
+        s.population, seed=seed, device_fields=markers, rate_keys=rate_keys
+    )
+    return population_mod.with_run(pop, train, seed, schedules)
+
+
+def member_trees(exp, pop, rep, first: tuple) -> tuple:
+    """(params, model state, RNG key) with a member axis: member i built from its seed (the
+    first from the run's seed, as built already); one build repeated when seeds are equal."""
+    if len(set(pop.seeds)) == 1:
+        stacked = population_mod.broadcast(first, pop.size)
+    else:
+        built = [first] + [build_model(exp, sd, rep)[1:] for sd in pop.seeds[1:]]
+        stacked = population_mod.stack(built)
+    return jax.device_put(stacked, rep)
+
+
+def member_device_values(pop, layout, optimizer, values: Mapping, rep) -> DeviceValues:
+    """Every Device value with a member axis (a population's own per member), and each
+    member's unscheduled hyperparameters (its Device values and learning rates)."""
+    per_member = []
+    for i in range(pop.size):
+        mine = dict(values)
+        for k, v in pop.member_values(i).items():
+            arr = device_array(k, v, rep)
+            if np.can_cast(arr.dtype, values[k].dtype, casting="same_kind"):  # 0 for 0.0
+                arr = arr.astype(values[k].dtype)
+            mine[k] = arr
+        for k, v in mine.items():
+            if v.shape != values[k].shape or v.dtype != values[k].dtype:
+                raise ConfigError(
+                    f"population[{k!r}][{i}] is {v.dtype}{list(v.shape)}, but the field holds "
+                    f"{values[k].dtype}{list(values[k].shape)}; give every member a value of "
+                    f"the field's type and shape."
+                )
+        per_member.append(mine)
+    stacked = {k: jax.device_put(jnp.stack([m[k] for m in per_member]), rep) for k in values}
+    return DeviceValues(stacked, population_mod.member_bases(pop, layout, optimizer, stacked))
 
 
 def on_targets(tree, like):
@@ -492,7 +552,8 @@ def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Prog
         params=on_targets(trees["params"], ts.params),
         state=on_targets(trees["model_state"], ts.state),
         opt_state=on_targets(trees["opt_state"], ts.opt_state),
-        step=jax.device_put(jnp.asarray(step, jnp.int32), spec.replicated),
+        # (a population keeps one step counter per member)
+        step=jax.device_put(jnp.full(ts.step.shape, step, jnp.int32), spec.replicated),
     )
     history = meta.get("history", [])
     if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
@@ -599,6 +660,7 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     spe = steps_per_epoch(splits, s.accum)
     schedules, total = schedules_of(s, exp, optimizer, spe)
     layout = HyperLayout.build(optimizer, values, schedules)
+    pop = population_of(s, exp, seed, optimizer, splits["train"], schedules)
     spec = RunSpec(
         experiment=exp,
         cls=type(exp),
@@ -623,11 +685,17 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         sharding=sharding,
         remat=remat.plan(s.remat, s.remat_policy, model, params, mstate),
         resume_path=resume_path,
+        population=pop,
         **_options(s),
     )
-    device = DeviceValues(values, layout.base(optimizer, values))
-    shardings = sharding_mod.param_shardings(params, sharding, mesh)
-    ts = initial_state(model, params, mstate, optimizer.tx, rng, rep, shardings)
+    if pop is None:
+        device = DeviceValues(values, layout.base(optimizer, values))
+        shardings = sharding_mod.param_shardings(params, sharding, mesh)
+        ts = initial_state(model, params, mstate, optimizer.tx, rng, rep, shardings)
+    else:
+        device = member_device_values(pop, layout, optimizer, values, rep)
+        params, mstate, rng = member_trees(exp, pop, rep, (params, mstate, rng))
+        ts = initial_state(model, params, mstate, optimizer.tx, rng, rep, members=pop.size)
     sharding_mod.check_fsdp(ts.params, sharding, mesh.size)
     check_metrics(spec, ts, device, svc, named)
     return _restored(spec, ts, device, s)

@@ -85,6 +85,7 @@ class RunSpec:
     resume_path: Path | None = None
     weights_path: Path | None = None  # checkpoint=: the weights were loaded from there
     resumed_total_steps: int | None = None
+    population: Any = None  # population.Population: members trained in one program
 
     @property
     def n_devices(self) -> int:
@@ -105,7 +106,7 @@ class DeviceValues:
     `jn.set_device` replaces it; nothing recompiles."""
 
     values: Mapping[str, Any]
-    hyper_base: Mapping[str, Any]
+    hyper_base: Any  # {slot: value}; for a population, a tuple of one such dict per member
 
     @property
     def extras(self) -> dict:

@@ -7,12 +7,9 @@ run that will not fit, before it trains. Nothing here trains or writes the run's
 
 from __future__ import annotations
 
-import jax
-
 from .. import feed
-from .. import metrics as metrics_mod
 from . import memory
-from .programs import ProgramSet, eval_metric_shapes, eval_program, train_program
+from .programs import ProgramSet, eval_program, eval_totals, train_program
 
 
 def planned(spec, ps: ProgramSet, ts, device, *, epoch: int, step: int, train: bool = True) -> dict:
@@ -46,8 +43,7 @@ def planned(spec, ps: ProgramSet, ts, device, *, epoch: int, step: int, train: b
 def _planned_eval(spec, ps: ProgramSet, ts, extras) -> dict:
     info = spec.split_specs["val"]
     dev, _ = feed.eval_prepare(spec, "val", info.batch_size)(info.first)
-    shapes = eval_metric_shapes(spec, ts, "val", extras)
-    totals = jax.device_put(metrics_mod.zeros_like_totals(shapes), spec.replicated)
+    totals = eval_totals(spec, ts, "val", extras)
     out = {"eval": eval_program(spec, ps, ts, "val", dev, extras, totals, None)}
     loader = spec.splits["val"]
     if getattr(loader, "ragged", False):

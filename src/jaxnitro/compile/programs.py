@@ -405,6 +405,7 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
         "on_nonfinite": spec.on_nonfinite,
         "log_grad_norm": spec.log_grad_norm,
         "remat": spec.remat.key() if spec.remat is not None else None,
+        "population": spec.population.key() if spec.population is not None else None,
     }
     key = program_key(
         spec,
@@ -437,7 +438,8 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
 
 
 def _train_step(spec, steps: int):
-    """The built-in step (forward, loss, one gradient and update) or the experiment's own."""
+    """The built-in step (forward, loss, one gradient and update) or the experiment's own;
+    for a population, that step under `vmap` over the members; `steps` of it per call."""
     if "train_step" in spec.routes:
         one = custom.make_custom_step(
             custom_step_fn(spec),
@@ -446,17 +448,20 @@ def _train_step(spec, steps: int):
             unpack_hyper=spec.hyper.unpack,
             skip_nonfinite=spec.on_nonfinite == "skip",
         )
-        return fuse(one, steps)
-    return make_train_step(
-        train_loss_fn(spec),
-        spec.tx,
-        accum=spec.accum,
-        steps_per_call=steps,
-        write_hyper=spec.hyper.write,
-        unpack_hyper=spec.hyper.unpack,
-        skip_nonfinite=spec.on_nonfinite == "skip",
-        grad_norm=spec.log_grad_norm,
-    )
+    else:
+        one = make_train_step(
+            train_loss_fn(spec),
+            spec.tx,
+            accum=spec.accum,
+            write_hyper=spec.hyper.write,
+            unpack_hyper=spec.hyper.unpack,
+            skip_nonfinite=spec.on_nonfinite == "skip",
+            grad_norm=spec.log_grad_norm,
+        )
+    pop = spec.population
+    if pop is not None:  # state, Device values and hyperparameters per member; batch shared
+        one = jax.vmap(one, in_axes=(0, 0 if pop.own_data else None, 0, 0))
+    return fuse(one, steps)
 
 
 def eval_metric_shapes(spec, ts, split: str, extras) -> dict:
@@ -467,9 +472,20 @@ def eval_metric_shapes(spec, ts, split: str, extras) -> dict:
         for k in info.fields
     }
     fn = eval_metrics_fn(spec, split)
-    return jax.eval_shape(
-        lambda p, s, b, e: fn(p, s, b, e, None), ts.params, ts.state, batch, extras
-    )
+    params, state = ts.params, ts.state
+    if spec.population is not None:  # one member's shapes (the totals gain a member axis)
+        params, state, extras = jax.eval_shape(
+            lambda t: jax.tree.map(lambda x: x[0], t), (params, state, extras)
+        )
+    return jax.eval_shape(lambda p, s, b, e: fn(p, s, b, e, None), params, state, batch, extras)
+
+
+def eval_totals(spec, ts, split: str, extras):
+    """Zero running totals of the eval step, on the mesh (one set per population member)."""
+    zeros = metrics_mod.zeros_like_totals(eval_metric_shapes(spec, ts, split, extras))
+    if spec.population is not None:
+        zeros = jax.tree.map(lambda z: jnp.broadcast_to(z, (spec.population.size, *z.shape)), zeros)
+    return jax.device_put(zeros, spec.replicated)
 
 
 def eval_program(
@@ -487,10 +503,13 @@ def eval_program(
             "rows": n_valid,
             "on the train split": split == "train",
             "loss": spec.split_specs[split].has_loss,
+            "population": spec.population.key() if spec.population is not None else None,
         },
         avals=cache.avals(args),
     )
     step = make_eval_step(eval_metrics_fn(spec, split), n_valid)
+    if spec.population is not None:  # every member on the same batch, totals per member
+        step = jax.vmap(step, in_axes=(0, 0, None, 0, 0))
     label = split if n_valid is None else f"{split}, last batch of {n_valid}"
     return _acquire(
         spec,

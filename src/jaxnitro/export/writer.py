@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import population
 from ..compile.programs import check_stale
 from ..errors import BundleError, ExportError, did_you_mean
 from . import compat
@@ -74,6 +75,7 @@ def export_model(
         >>> jn.load_bundle(path)(x_test[:3]).shape
         (3, 10)
     """
+    population.refuse(n, "jn.export_model")
     root = Path(dir)
     where = root.absolute()
     if n.step == 0 and n.spec.weights_path is None:

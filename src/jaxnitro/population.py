@@ -1,0 +1,327 @@
+"""Population training: N members of one experiment in ONE compiled program (`jax.vmap`).
+
+`jn.Nitro(exp, population=N)` trains N members, member i from seed `seed + i` (its
+initialisation, its dropout and, for a shuffled `jn.DataLoader` seeded by the run, its data
+order); `population={"smoothing": [0.0, 0.05, 0.1]}` trains one member per value of Device
+fields or learning rates (`"opt.learning_rate"`, `"opt.<group>.learning_rate"`), every member
+with the run's seed, so members differ only in those values. Parameters, optimizer and model
+states, RNG keys and Device values carry a leading member axis; the train and eval programs are
+the single-member programs under `vmap`: one compile and one dispatch per step for all members.
+
+Member i is the standalone run with the same seed and values. Validation reports every
+member's metrics (`acc/0`, `acc/1`, ...) and, under the metric's plain name, the best member's
+(`member` names it), so checkpoints, early stopping and the history follow the best member;
+`jn.member(n, i)` returns a normal handle for one member (to predict, export, serve).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import ConfigError, did_you_mean
+from .experiment import DEVICE
+
+
+@dataclasses.dataclass(frozen=True)
+class Population:
+    """The members of a population run.
+
+    Attributes:
+        size: the number of members.
+        seeds: each member's seed (its init, RNG stream and derived data order).
+        values: Device field -> one value per member (fields not named keep the experiment's).
+        rates: "opt.<group>.learning_rate" -> one rate per member.
+        own_data: members draw their own shuffled order of the train split (their seeds
+            differ and the train loader is shuffled by the run's seed).
+    """
+
+    size: int
+    seeds: tuple[int, ...]
+    values: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    rates: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    own_data: bool = False
+    loaders: tuple | None = None  # with own_data: each member's train loader
+    schedules: tuple | None = None  # each member's resolved schedules (its rates)
+
+    def member_values(self, i: int) -> dict[str, Any]:
+        """Member i's Device values (only the fields the population varies)."""
+        return {k: v[i] for k, v in self.values.items()}
+
+    def describe(self, i: int) -> dict[str, Any]:
+        """What sets member i apart: its seed, values and rates."""
+        return {"member": i, "seed": self.seeds[i], **self.member_values(i),
+                **{k: v[i] for k, v in self.rates.items()}}  # fmt: skip
+
+    def key(self) -> tuple:
+        """What the compiled programs depend on: the member count and the data layout."""
+        return (self.size, self.own_data)
+
+
+def check_setting(value) -> int | dict | None:
+    """`population=`: None, a member count >= 1, or {field: [values]} (checked at setup)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, Mapping)):
+        raise ConfigError(
+            f"population={value!r}; pass a number of members (population=8: seeds seed..seed+7) "
+            f"or a dict of per-member values, e.g. population={{'smoothing': [0.0, 0.1]}}."
+        )
+    if isinstance(value, Mapping):
+        if not value:
+            raise ConfigError("population={} names no field; give {field: [v1, v2, ...]}.")
+        return {str(k): v for k, v in value.items()}
+    if value < 1:
+        raise ConfigError(f"population={value}; a population has at least 1 member.")
+    return int(value)
+
+
+def resolve(setting, *, seed: int, device_fields: Mapping[str, str], rate_keys) -> Population:
+    """The members of `setting` (from `check_setting`) for a run with this seed.
+
+    Args:
+        device_fields: every field of the experiment -> its marker (DEVICE, GRAPH, HOST).
+        rate_keys: the "opt.<group>.learning_rate" keys the optimizer can take per step.
+    """
+    if isinstance(setting, int):
+        return Population(setting, tuple(seed + i for i in range(setting)))
+    sizes = set()
+    values: dict[str, tuple] = {}
+    rates: dict[str, tuple] = {}
+    for key, seq in setting.items():
+        if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence) or len(seq) == 0:
+            raise ConfigError(
+                f"population[{key!r}] must be a non-empty list of per-member values, got {seq!r}."
+            )
+        sizes.add(len(seq))
+        if key in ("opt.learning_rate", "learning_rate"):
+            for k in rate_keys:
+                rates[k] = tuple(float(v) for v in seq)
+            continue
+        if key.startswith("opt."):
+            if key not in rate_keys:
+                raise ConfigError(
+                    f"population key {key!r}: the per-member optimizer values are learning "
+                    f"rates, {sorted(rate_keys) or 'none here (a ready optax transformation)'}."
+                    + did_you_mean(key, rate_keys)
+                )
+            rates[key] = tuple(float(v) for v in seq)
+            continue
+        marker = device_fields.get(key)
+        if marker != DEVICE:
+            why = (
+                f"it is a {marker} field: members share one compiled program, so only Device "
+                f"fields (traced inputs) and learning rates can differ"
+                if marker is not None
+                else "the experiment has no such field" + did_you_mean(key, device_fields)
+            )
+            raise ConfigError(f"population key {key!r}: {why}.")
+        values[key] = tuple(seq)
+    if len(sizes) != 1:
+        raise ConfigError(
+            f"population lists have different lengths "
+            f"{ {k: len(v) for k, v in setting.items()} }; give every key one value per member."
+        )
+    size = sizes.pop()
+    return Population(size, (seed,) * size, values, rates)
+
+
+# -- trees with a member axis ----------------------------------------------------------------
+def stack(trees: Sequence[Any]):
+    """One tree whose leaves stack the members' leaves on a new leading axis."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def broadcast(tree, size: int):
+    """`tree` repeated for `size` members (a leading axis)."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (size, *jnp.shape(x))), tree)
+
+
+def take(tree, i: int):
+    """Member i's slice of a tree with a member axis."""
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def with_run(pop: Population, loader, run_seed: int, schedules) -> Population:
+    """`pop` with each member's train loader and schedules.
+
+    Members draw their own train order when their seeds differ and the train split is a
+    shuffled `jn.DataLoader` seeded by the run (a standalone run with the member's seed
+    would shuffle so); a scheduled learning rate follows each member's own rate.
+    """
+    from .data import DataLoader
+
+    own = (
+        isinstance(loader, DataLoader)
+        and loader.shuffle
+        and loader.seed == run_seed
+        and len(set(pop.seeds)) > 1
+    )
+    loaders = None
+    if own:
+        loaders = []
+        for s in pop.seeds:
+            mine = copy.copy(loader)  # the arrays are shared; only the shuffle seed differs
+            mine.seed = s
+            loaders.append(mine)
+    member_schedules = tuple(
+        dataclasses.replace(
+            schedules,
+            multiplier={
+                **schedules.multiplier,
+                **{k: v[i] for k, v in pop.rates.items() if k in schedules.multiplier},
+            },
+        )
+        for i in range(pop.size)
+    )
+    return dataclasses.replace(
+        pop,
+        own_data=own,
+        loaders=tuple(loaders) if loaders else None,
+        schedules=member_schedules,
+    )
+
+
+def member_bases(pop: Population, layout, optimizer, stacked: Mapping[str, Any]) -> tuple:
+    """Each member's unscheduled per-step hyperparameters: from its Device values (`stacked`
+    holds them with a member axis) and its learning rates."""
+    bases = []
+    for i in range(pop.size):
+        base = dict(layout.base(optimizer, {k: v[i] for k, v in stacked.items()}))
+        base.update({k: np.float32(v[i]) for k, v in pop.rates.items()})
+        bases.append(base)
+    return tuple(bases)
+
+
+# -- metrics of the members --------------------------------------------------------------
+def member_metrics(values: Sequence[Mapping[str, Any]], *, metric: str | None, mode: str):
+    """Every member's scalar metrics as `name/i`, and the best member's under their names
+    (best by `metric` and `mode`; a member without a finite value never wins)."""
+    best = best_member(values, metric=metric, mode=mode)
+    out: dict[str, Any] = dict(values[best])
+    out["member"] = best
+    for i, row in enumerate(values):
+        for k, v in row.items():
+            if isinstance(v, (int, float)) or v is None:
+                out[f"{k}/{i}"] = v
+    return out
+
+
+def best_member(values: Sequence[Mapping[str, Any]], *, metric: str | None, mode: str) -> int:
+    """The index of the best member by `metric` (member 0 when no member has it)."""
+    if metric is None:
+        metric = "val_loss" if "val_loss" in values[0] else None
+        mode = "min"
+    scored = [
+        (float(row[metric]), i)
+        for i, row in enumerate(values)
+        if metric is not None
+        and isinstance(row.get(metric), (int, float))
+        and math.isfinite(float(row[metric]))
+    ]
+    if not scored:
+        return 0
+    return (min(scored) if mode == "min" else max(scored, key=lambda s: (s[0], -s[1])))[1]
+
+
+def ranked(pop: Population, rows: Sequence[Mapping[str, Any]], *, metric, mode):
+    """The members best first (by the checkpointer's metric), each with its values."""
+    out = [{**pop.describe(i), **dict(rows[i])} for i in range(pop.size)]
+    key_metric = metric if metric is not None else "val_loss"
+
+    def score(row):
+        v = row.get(key_metric)
+        if not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+            return math.inf
+        return float(v) if mode == "min" or metric is None else -float(v)
+
+    return sorted(out, key=lambda r: (score(r), r["member"]))
+
+
+# -- one member as a normal handle ----------------------------------------------------------
+def refuse(n, what: str) -> None:
+    """`what` works on one model: a population handle says how to pick a member."""
+    pop = n.spec.population
+    if pop is not None:
+        raise ConfigError(
+            f"{what} works on one model, and this handle trains a population of {pop.size}. "
+            f"Pick a member: jn.{what.removeprefix('jn.')}(jn.member(n, i), ...) (jn.train(n)"
+            f".members ranks them, best first)."
+        )
+
+
+def member(n, i: int):
+    """A normal handle for member `i` of a population: its parameters, model and optimizer
+    state, its seed and values; to predict, evaluate, export or serve (or train further).
+
+    The handle reads the run's data and writes nothing of its own (no logger, no
+    checkpointer); its run dir is `<run_dir>/members/<i>`.
+
+    Example:
+        >>> result = jn.train(jn.Nitro(exp, population=8))
+        >>> best = jn.member(n, result.members[0]["member"])
+        >>> jn.export_model(best, "bundles/best")
+    """
+    from .experiment import replace
+    from .nitro import Nitro
+    from .schedules import constant
+
+    pop = n.spec.population
+    if pop is None:
+        raise ConfigError(
+            "jn.member(n, i) picks one member of a population (jn.Nitro(exp, population=...)); "
+            "this handle trains one model: use it as it is."
+        )
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < pop.size:
+        raise ConfigError(f"member {i!r}: the population has members 0..{pop.size - 1}.")
+    spec = n.spec
+    splits = dict(spec.splits)
+    if pop.own_data:
+        splits["train"] = pop.loaders[i]
+    m = Nitro(
+        replace(n.experiment, **pop.member_values(i)),
+        seed=pop.seeds[i],
+        run_dir=spec.run_dir / "members" / str(i),
+        data=splits,
+        logger=False,
+        checkpointer=False,
+        progress=False,
+        max_epochs=spec.max_epochs,
+        accum=spec.accum,
+        steps_per_call=spec.steps_per_call,
+        on_nonfinite=spec.on_nonfinite,
+        schedules=_member_schedules(spec, pop, int(i), constant),
+    )
+    ts = n.train_state
+    mine = m.train_state.replace(
+        params=take(ts.params, i),
+        state=take(ts.state, i),
+        opt_state=take(ts.opt_state, i),
+        step=ts.step[i],
+        rng=ts.rng[i],
+    )
+    m._commit(state=mine, progress=n.progress)
+    return m
+
+
+def _member_schedules(spec, pop: Population, i: int, constant) -> dict:
+    """The run's schedules as member i follows them (its own rates as constant multipliers
+    of the group's rate), for a handle that trains on like the member."""
+    out: dict[str, Any] = {}
+    sched = pop.schedules[i] if pop.schedules is not None else spec.schedules
+    for key, fn in sched.fns.items():
+        scale = sched.multiplier.get(key, 1.0) / spec.schedules.multiplier.get(key, 1.0)
+        out[key] = lambda total, fn=fn, scale=scale: lambda t: fn(t) * scale
+    for key, rates in pop.rates.items():
+        if key not in out:
+            group, _ = spec.optimizer.hyper_paths[key]
+            rate = spec.optimizer.groups[group].rate
+            out[key] = constant(rates[i] / rate) if rate else constant(0.0)
+    return out

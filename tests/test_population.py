@@ -1,0 +1,116 @@
+"""Population training: N members in one compiled program, each equal to its standalone run."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import Tiny, host_copy, leaves_equal, make_data, nitro
+
+import jaxnitro as jn
+
+
+def _max_diff(stacked, i, single) -> float:
+    a, b = jax.tree.leaves(host_copy(stacked)), jax.tree.leaves(host_copy(single))
+    return max(float(np.abs(x[i] - y).max()) for x, y in zip(a, b, strict=True))
+
+
+@jn.experiment
+class Rated(Tiny):
+    lr: float = 1e-2
+
+    def learning_rate(self, group):
+        return self.lr
+
+
+def test_members_by_seed_equal_their_standalone_runs_in_one_program(tmp_path):
+    jn.cache_reset()
+    n = nitro(Tiny(dropout=0.2), run_dir=tmp_path / "pop", population=3)
+    result = jn.train(n)
+    assert result.programs_compiled == 2  # one train program, one eval program, all members
+    for i in range(3):
+        alone = nitro(Tiny(dropout=0.2), run_dir=tmp_path / f"s{i}", seed=42 + i)
+        jn.train(alone)
+        assert _max_diff(n.params, i, alone.params) < 1e-6, i
+        assert _max_diff(n.opt_state, i, alone.opt_state) < 1e-6, i
+    lines = [json.loads(s) for s in (tmp_path / "pop" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if r.get("context") == "train"]
+    assert len(train) == 16 and {"loss/0", "loss/1", "loss/2", "loss"} <= set(train[0])
+    val = [r for r in lines if r.get("context") == "validate"][-1]
+    assert {"acc/0", "acc/1", "acc/2", "member"} <= set(val)
+    ranked = result.members
+    assert [m["member"] for m in ranked] == sorted(range(3), key=lambda i: val[f"val_loss/{i}"])
+    assert ranked[0]["seed"] == 42 + ranked[0]["member"]
+    assert val["val_loss"] == val[f"val_loss/{val['member']}"]  # the best member's, by name
+
+
+def test_members_by_value_differ_only_in_their_values(tmp_path):
+    values = [0.0, 0.1, 0.3]
+    lrs = [1e-2, 3e-2, 3e-3]
+    n = nitro(
+        Rated(), run_dir=tmp_path / "pop", population={"smoothing": values, "learning_rate": lrs}
+    )
+    jn.train(n)
+    for i, (v, lr) in enumerate(zip(values, lrs, strict=True)):
+        alone = nitro(Rated(smoothing=v, lr=lr), run_dir=tmp_path / f"s{i}")
+        jn.train(alone)
+        assert _max_diff(n.params, i, alone.params) < 1e-6, i
+    np.testing.assert_allclose(jn.device_value(n, "smoothing"), values)
+
+
+def test_a_population_fuses_steps_and_resumes_bitwise(tmp_path):
+    straight = nitro(Tiny(max_epochs=2), run_dir=tmp_path / "a", population=2)
+    jn.train(straight)
+    fused = nitro(Tiny(max_epochs=2), run_dir=tmp_path / "b", population=2, steps_per_call=4)
+    jn.train(fused)
+    assert leaves_equal(fused.state_leaves, straight.state_leaves)
+    jn.train(nitro(Tiny(max_epochs=1), run_dir=tmp_path / "c", population=2))
+    resumed = nitro(Tiny(max_epochs=2), run_dir=tmp_path / "c", population=2, resume="auto")
+    jn.train(resumed)
+    assert leaves_equal(resumed.state_leaves, straight.state_leaves)  # all members, one ckpt
+
+
+def test_member_is_a_normal_handle(tmp_path):
+    n = nitro(Tiny(max_epochs=1), run_dir=tmp_path / "pop", population=2)
+    jn.train(n)
+    x, _ = make_data(10, seed=3)
+    with pytest.raises(jn.ConfigError, match=r"jn.predict works on one model.*jn.member\(n, i\)"):
+        jn.predict(n, {"x": x})
+    alone = nitro(Tiny(max_epochs=1), run_dir=tmp_path / "s1", seed=43)
+    jn.train(alone)
+    one = jn.member(n, 1)
+    assert one.spec.population is None and one.step == n.step
+    np.testing.assert_allclose(
+        jn.predict(one, {"x": x}), jn.predict(alone, {"x": x}), rtol=1e-5, atol=1e-6
+    )
+    assert jn.validate(one)["acc"] == pytest.approx(jn.validate(alone)["acc"])
+    with pytest.raises(jn.ConfigError, match=r"members 0..1"):
+        jn.member(n, 2)
+    with pytest.raises(jn.ConfigError, match=r"trains one model"):
+        jn.member(alone, 0)
+
+
+def test_population_settings_say_what_is_wrong(tmp_path):
+    with pytest.raises(jn.ConfigError, match=r"'width': it is a GraphConst field"):
+        nitro(Tiny(), run_dir=tmp_path, population={"width": [8, 16]})
+    with pytest.raises(jn.ConfigError, match=r"no such field"):
+        nitro(Tiny(), run_dir=tmp_path, population={"smoothin": [0.0, 0.1]})
+    with pytest.raises(jn.ConfigError, match=r"different lengths"):
+        nitro(
+            Tiny(), run_dir=tmp_path, population={"smoothing": [0.0, 0.1], "learning_rate": [1.0]}
+        )
+    with pytest.raises(jn.ConfigError, match=r"at least 1 member"):
+        nitro(Tiny(), run_dir=tmp_path, population=0)
+    with pytest.raises(jn.ConfigError, match=r"sharding='dp'"):
+        nitro(Tiny(), run_dir=tmp_path, population=2, sharding="fsdp")
+
+
+def test_set_device_on_a_population(tmp_path):
+    n = nitro(Tiny(max_epochs=1), run_dir=tmp_path / "a", population=2)
+    jn.set_device(n, smoothing=0.2)  # every member
+    np.testing.assert_allclose(jn.device_value(n, "smoothing"), [0.2, 0.2])
+    varied = nitro(Tiny(max_epochs=1), run_dir=tmp_path / "b", population={"smoothing": [0, 0.1]})
+    with pytest.raises(jn.ConfigError, match=r"gives each member its own value"):
+        jn.set_device(varied, smoothing=0.2)
