@@ -114,3 +114,43 @@ def test_set_device_on_a_population(tmp_path):
     varied = nitro(Tiny(max_epochs=1), run_dir=tmp_path / "b", population={"smoothing": [0, 0.1]})
     with pytest.raises(jn.ConfigError, match=r"gives each member its own value"):
         jn.set_device(varied, smoothing=0.2)
+
+
+def test_each_member_stops_early_on_its_own(tmp_path):
+    # member 1 (a rate of 0) never improves: it stops after `patience` epochs and is frozen
+    es = jn.EarlyStopping(metric="val_loss", patience=2, min_delta=0.0)
+    kw = dict(population={"learning_rate": [1e-2, 0.0]}, early_stop=es)
+    n = nitro(Rated(max_epochs=5), run_dir=tmp_path / "a", **kw)
+    result = jn.train(n)
+    stopping = n.spec.early_stop
+    assert [m.stopped_epoch for m in stopping.members] == [None, 3]
+    assert result.stop_reason == "completed" and n.epoch == 5  # member 0 trained on
+    assert result.members[0]["member"] == 0
+    # resumed from epoch 4, the stopped member stays frozen and the run ends bitwise the same
+    jn.train(nitro(Rated(max_epochs=4), run_dir=tmp_path / "b", **kw))
+    kw["early_stop"] = jn.EarlyStopping(metric="val_loss", patience=2, min_delta=0.0)
+    resumed = nitro(Rated(max_epochs=5), run_dir=tmp_path / "b", resume="auto", **kw)
+    jn.train(resumed)
+    assert leaves_equal(resumed.state_leaves, n.state_leaves)
+
+
+def test_a_population_of_custom_steps(tmp_path):
+    from test_custom_step import Alternating
+
+    n = nitro(Alternating(shuffle=True), run_dir=tmp_path / "pop", population=2)
+    jn.train(n)
+    alone = nitro(Alternating(shuffle=True), run_dir=tmp_path / "s1", seed=43)
+    jn.train(alone)
+    assert _max_diff(n.params, 1, alone.params) < 1e-6
+    assert _max_diff(n.opt_state, 1, alone.opt_state) < 1e-6
+
+
+def test_the_memory_plan_counts_the_members_and_says_how_many_fit(tmp_path):
+    one = jn.memory_plan(nitro(Tiny(), run_dir=tmp_path / "a"))
+    eight = jn.memory_plan(nitro(Tiny(), run_dir=tmp_path / "b", population=8))
+    assert eight.params_bytes == 8 * one.params_bytes
+    assert eight.members == 8 and "population: 8 members" in eight.table()
+    budget = eight.total // 2  # room for about half the members
+    n = nitro(Tiny(), run_dir=tmp_path / "c", population=8, memory_budget=budget)
+    with pytest.raises(jn.MemoryPlanError, match=r"population=[1-4] \(from 8\) should fit"):
+        jn.train(n)

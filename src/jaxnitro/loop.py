@@ -539,6 +539,8 @@ def _end_epoch(n, epoch: int, losses: list[float | None], seconds: float) -> str
     es = n.spec.early_stop
     if es is not None and finished and not control.requested and es.update(epoch + 1, row):
         reason = "early_stop"
+    if isinstance(es, population.MemberStopping):  # members that stopped train no more
+        n._set_active(es.active())
     if control.requested:
         reason = "preempted" if control.preempted else "requested"
     set_phase(n, "Checkpointing")

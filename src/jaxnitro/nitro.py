@@ -14,6 +14,7 @@ through `_commit`, `jn.set_device` new Device values through `_set_device`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Mapping
 from pathlib import Path
@@ -250,8 +251,13 @@ class Nitro:
             base = spec.hyper.base(spec.optimizer, merged)
         else:  # (the values carry a member axis)
             base = population.member_bases(spec.population, spec.hyper, spec.optimizer, merged)
-        self._device = DeviceValues(merged, base)
+        self._device = dataclasses.replace(self._device, values=merged, hyper_base=base)
         self._experiment = experiment
+
+    def _set_active(self, active) -> None:
+        """A population's members that still train (per-member early stopping)."""
+        rep = self._spec.replicated
+        self._device = dataclasses.replace(self._device, active=jax.device_put(active, rep))
 
     @contextlib.contextmanager
     def _compiling(self, kind: str, label: str):

@@ -325,3 +325,49 @@ def _member_schedules(spec, pop: Population, i: int, constant) -> dict:
             rate = spec.optimizer.groups[group].rate
             out[key] = constant(rates[i] / rate) if rate else constant(0.0)
     return out
+
+
+# -- early stopping per member --------------------------------------------------------------
+class MemberStopping:
+    """Early stopping for each member: a member whose metric stops improving is frozen (its
+    updates are dropped in the program; the others train on), and the run stops when every
+    member has stopped. It has `jn.EarlyStopping`'s interface, so the loop treats it as one.
+    """
+
+    def __init__(self, template, size: int):
+        self.template = template
+        self.metric, self.mode = template.metric, template.mode
+        self.members = [copy.deepcopy(template) for _ in range(size)]
+        for es in self.members:
+            es.reset()
+
+    def check_metric(self, available, *, has_val: bool = True) -> None:
+        self.template.check_metric(available, has_val=has_val)
+
+    def active(self) -> np.ndarray:
+        """Which members still train (a (members,) bool vector, an input of the program)."""
+        return np.array([not es.should_stop for es in self.members])
+
+    def update(self, epoch: int, metrics: Mapping[str, Any]) -> bool:
+        """Each member's epoch from its `name/i` metrics; True once every member stopped."""
+        for i, es in enumerate(self.members):
+            if es.should_stop:
+                continue
+            es.update(epoch, {**metrics, self.metric: metrics.get(f"{self.metric}/{i}")})
+        return bool(all(es.should_stop for es in self.members))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"members": [es.state_dict() for es in self.members]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = state.get("members") if isinstance(state, Mapping) else None
+        if not isinstance(saved, list) or len(saved) != len(self.members):
+            raise ConfigError(
+                f"cannot restore per-member early stopping from {state!r}: the checkpoint was "
+                f"not written by a population of {len(self.members)} with early stopping."
+            )
+        for es, s in zip(self.members, saved, strict=True):
+            es.load_state_dict(s)
+
+    def __repr__(self) -> str:
+        return f"MemberStopping({self.template!r}, members={len(self.members)})"

@@ -31,6 +31,7 @@ from .checkpoint import TopKCheckpointer, load_checkpoint, validate_int
 from .checkpoint import _read_meta as checkpoint_meta
 from .devices import apply_env, replicated
 from .display import Display
+from .early_stop import EarlyStopping
 from .errors import CheckpointError, ConfigError, DataError, HookError, did_you_mean
 from .experiment import DEVICE, field_values, fields, graph_key, replace
 from .hyper import HyperLayout
@@ -696,6 +697,10 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         device = member_device_values(pop, layout, optimizer, values, rep)
         params, mstate, rng = member_trees(exp, pop, rep, (params, mstate, rng))
         ts = initial_state(model, params, mstate, optimizer.tx, rng, rep, members=pop.size)
+        if isinstance(spec.early_stop, EarlyStopping):  # each member stops on its own metric
+            stopping = population_mod.MemberStopping(spec.early_stop, pop.size)
+            spec = spec.replace(early_stop=stopping)
+            device = dataclasses.replace(device, active=jax.device_put(stopping.active(), rep))
     sharding_mod.check_fsdp(ts.params, sharding, mesh.size)
     check_metrics(spec, ts, device, svc, named)
     return _restored(spec, ts, device, s)
@@ -733,4 +738,7 @@ def _restored(spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings) 
         spec = spec.replace(weights_path=path)
     if spec.early_stop is not None and progress.early_stop is not None:
         spec.early_stop.load_state_dict(progress.early_stop)
+        if device.active is not None:  # the members that had stopped stay frozen
+            active = jax.device_put(spec.early_stop.active(), spec.replicated)
+            device = dataclasses.replace(device, active=active)
     return Built(spec, ts, progress, device)

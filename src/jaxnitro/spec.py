@@ -107,8 +107,11 @@ class DeviceValues:
 
     values: Mapping[str, Any]
     hyper_base: Any  # {slot: value}; for a population, a tuple of one such dict per member
+    active: Any = None  # a population with early stopping: which members still train
 
     @property
     def extras(self) -> dict:
         """The programs' `extras` argument."""
+        if self.active is not None:
+            return {"device": dict(self.values), "active": self.active}
         return {"device": dict(self.values)}

@@ -101,6 +101,15 @@ class MemoryPlan:
     capacity: int
     capacity_source: str
     fits: bool
+    members: int | None = None  # a population's member count (its trees carry a member axis)
+
+    @property
+    def largest_population(self) -> int | None:
+        """For a population: about how many members would fit, everything scaling with the
+        member count (conservative: a batch all members share does not)."""
+        if not self.members:
+            return None
+        return max(int(self.capacity // (self.total / self.members)), 0)
 
     @property
     def largest(self) -> ProgramMemory:
@@ -140,6 +149,12 @@ class MemoryPlan:
             f"  {'capacity (' + self.capacity_source + ')':<{width}}"
             f"{format_bytes(self.capacity):>10}   {verdict}",
         ]
+        if self.members:
+            each = format_bytes(self.total // self.members)
+            lines.append(
+                f"population: {self.members} members, about {each} each; about "
+                f"{self.largest_population} would fit"
+            )
         others = [q for q in self.programs if q is not p]
         if others:
             lines.append(
@@ -184,6 +199,7 @@ def plan(
     checkpoint_staging_bytes: int,
     capacity: int,
     capacity_source: str,
+    members: int | None = None,
 ) -> MemoryPlan:
     """Add up the memory of a run's compiled programs and buffers.
 
@@ -225,6 +241,7 @@ def plan(
         capacity=capacity,
         capacity_source=capacity_source,
         fits=total <= capacity,
+        members=members,
     )
 
 
@@ -257,7 +274,17 @@ def suggestions(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> list[st
     if plan.fits:
         return []
     temp = plan.largest.temporaries
-    out = _batch_suggestions(plan, batch_size=batch_size)
+    out = []
+    if plan.members and plan.members > 1:
+        fit = plan.largest_population or 0
+        out.append(
+            f"population={fit} (from {plan.members}) should fit: each member takes about "
+            f"{format_bytes(plan.total // plan.members)}"
+            if fit >= 1
+            else f"even one member of the population does not fit (about "
+            f"{format_bytes(plan.total // plan.members)} each)"
+        )
+    out += _batch_suggestions(plan, batch_size=batch_size)
     out.append(
         f'precision="bf16" stores activations in bfloat16, roughly halving temporaries: '
         f"about {format_bytes(plan.total - temp // 2)} in total{_verdict(plan, temp // 2)}."

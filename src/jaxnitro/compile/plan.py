@@ -110,6 +110,7 @@ def memory_plan(
         checkpoint_staging_bytes=memory.tree_bytes((ts.params, ts.opt_state, ts.state)),
         capacity=capacity,
         capacity_source=source,
+        members=spec.population.size if spec.population is not None else None,
     )
 
 

@@ -406,6 +406,7 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
         "log_grad_norm": spec.log_grad_norm,
         "remat": spec.remat.key() if spec.remat is not None else None,
         "population": spec.population.key() if spec.population is not None else None,
+        "early stopping per member": spec.population is not None and spec.early_stop is not None,
     }
     key = program_key(
         spec,
@@ -459,9 +460,26 @@ def _train_step(spec, steps: int):
             grad_norm=spec.log_grad_norm,
         )
     pop = spec.population
+    if pop is not None and spec.early_stop is not None:
+        one = _frozen_when_stopped(one)
     if pop is not None:  # state, Device values and hyperparameters per member; batch shared
         one = jax.vmap(one, in_axes=(0, 0 if pop.own_data else None, 0, 0))
     return fuse(one, steps)
+
+
+def _frozen_when_stopped(one):
+    """A member's step whose update is dropped once the member stopped early (`active`)."""
+
+    def step(ts, batch, extras, hyper):
+        new, out = one(ts, batch, extras, hyper)
+        keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(extras["active"], x, y), a, b)  # noqa: E731
+        # the step counter runs on with the run's (a resume restores it so)
+        frozen = {
+            k: keep(getattr(new, k), getattr(ts, k)) for k in ("params", "state", "opt_state")
+        }
+        return new.replace(**frozen), out
+
+    return step
 
 
 def eval_metric_shapes(spec, ts, split: str, extras) -> dict:
