@@ -25,6 +25,7 @@ from .errors import (
 from .evaluation import evaluate, validate
 from .events import Preempted, StepRecord, every, on_phase
 from .experiment import Device, GraphConst, Host, experiment, fields
+from .grain_source import shard_options
 from .export import Bundle, TensorSpec, export_model, load_bundle
 from .history import History
 from .introspect import compile, compile_report, explain, inspect, memory_plan
@@ -117,6 +118,7 @@ __all__ = [
     "request_stop",
     "set_device",
     "setup_devices",
+    "shard_options",
     "split_model",
     "train",
     "train_step",

@@ -302,9 +302,9 @@ def check_sample(out: Mapping, specs: Mapping, index: int) -> None:
 def _arrays(data) -> dict[str, np.ndarray]:
     if not isinstance(data, Mapping) or not data:
         raise DataError(
-            f"DataLoader takes a non-empty dict of arrays {{field: array}} or a Hugging Face "
-            f"datasets.Dataset, got {type(data).__name__}. Example: "
-            f"jn.DataLoader({{'img': x, 'label': y}}, 32)."
+            f"DataLoader takes a non-empty dict of arrays {{field: array}}, got "
+            f"{type(data).__name__}. Example: jn.DataLoader({{'img': x, 'label': y}}, 32) "
+            f"(a Hugging Face datasets.Dataset works too, read by columns=)."
         )
     arrays = {k: _as_array(k, v) for k, v in data.items()}
     scalars = [k for k, v in arrays.items() if v.ndim == 0]
