@@ -4,8 +4,9 @@ same pipeline in a plain Python loop.
     python benchmarks/data.py [--epochs 3] [--workers 2] [--record]
 
 The work: 32×32×3 uint8 images, per sample a random crop (4-pixel reflect padding) and a random
-horizontal flip, then scaling to float32 (about 2–3 ms of numpy per batch of 32 on an idle core), feeding a
-two-convolution CNN. Three ways, the same samples, order and batch size:
+horizontal flip, then scaling to float32 (the script measures the ms of numpy per batch of
+32 and prints it with the table), feeding a two-convolution CNN. Three ways, the same
+samples, order and batch size:
 
   * plain loop: a re-iterable class that augments each batch in the training process (what a
     user writes without a data layer);
@@ -14,7 +15,8 @@ two-convolution CNN. Three ways, the same samples, order and batch size:
 
 Each run reports `data_wait_frac` (the share of training time spent waiting on the next
 batch) and steps/s from its metrics.jsonl, averaged over the epochs after the first (which
-compiles), medians over interleaved repeats. `--record` appends the table, as ratios to the plain loop, to benchmarks/RESULTS.md.
+compiles), medians over interleaved repeats. `--record` appends the table, as ratios to the
+plain loop, to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from .errors import (
 from .evaluation import evaluate, validate
 from .events import Preempted, StepRecord, every, on_phase
 from .experiment import Device, GraphConst, Host, experiment, fields
-from .grain_source import shard_options
 from .export import Bundle, TensorSpec, export_model, load_bundle
+from .grain_source import shard_options
 from .history import History
 from .introspect import compile, compile_report, explain, inspect, memory_plan
 from .live import device_value, history, request_stop, set_device

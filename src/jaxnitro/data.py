@@ -53,7 +53,9 @@ class DataLoader:
         >>> loader = jn.DataLoader({"img": x, "label": y}, batch_size=32, shuffle=True)
         >>> len(loader), next(iter(loader))["img"].shape
         (4, (32, 784))
-        >>> flip = lambda ex, rng: {**ex, "img": ex["img"][::-1] if rng.random() < 0.5 else ex["img"]}
+        >>> def flip(example, rng):  # one sample's fields, and its own generator
+        ...     img = example["img"]
+        ...     return {**example, "img": img[::-1] if rng.random() < 0.5 else img}
         >>> aug = jn.DataLoader({"img": x, "label": y}, 32, transform=flip, workers=2)
     """
 
@@ -99,7 +101,7 @@ class DataLoader:
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
         self.epoch = 0
         self.transform, self.workers = transform, workers
-        self._pool = None
+        self._pool: Any = None  # workers.TransformPool, started on the first iteration
         if transform is not None and not callable(transform):
             raise DataError(
                 f"DataLoader transform={transform!r} is not callable; pass a function "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from typing import Any
 
 from .errors import DataError
@@ -102,7 +102,9 @@ def _epoch_view(src, epoch: int, start: int):
     return src.repeat(None, reseed_each_epoch=True)[epoch * n + start : (epoch + 1) * n]
 
 
-def batches(src, epoch: int, start: int, state: Mapping | None) -> Iterator[tuple[Any, Any]]:
+def batches(
+    src, epoch: int, start: int, state: Mapping | None
+) -> Generator[tuple[Any, Any], None, None]:
     """(batch, state after it) from batch `start` of `epoch`, or from the saved iterator
     `state` (streams); the state is None for a map dataset (its position is the index)."""
     if kind(src) == "map":
@@ -119,7 +121,7 @@ def batches(src, epoch: int, start: int, state: Mapping | None) -> Iterator[tupl
             f"iterator state (the checkpoint predates it): replaying {start} batches.",
             stacklevel=2,
         )
-        it = itertools.islice(it, start, None)  # type: ignore[assignment]
+        it = itertools.islice(it, start, None)
     for batch in it:
         raw = it.get_state() if hasattr(it, "get_state") else None
         yield batch, (json.loads(raw) if isinstance(raw, (bytes, str)) else raw)

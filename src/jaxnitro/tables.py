@@ -111,8 +111,10 @@ class ArrowTable:
 
         col = column.combine_chunks()
         dims = []
-        while pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or (
-            pa.types.is_fixed_size_list(col.type)
+        while (
+            pa.types.is_list(col.type)
+            or pa.types.is_large_list(col.type)
+            or (pa.types.is_fixed_size_list(col.type))
         ):
             lengths = col.value_lengths().to_numpy(zero_copy_only=False)
             if len(lengths) and (lengths != lengths[0]).any():

@@ -31,6 +31,7 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -152,7 +153,7 @@ def _serve(pool: TransformPool, conn) -> None:
             views = pool.views(task["slot"], len(rows))
             for f in task["fields"]:
                 views[f][...] = out[f]
-            reply = {"rows": len(rows)}
+            reply: dict[str, Any] = {"rows": len(rows)}
         except BaseException:  # noqa: BLE001 - reported to the consumer with the traceback
             reply = {"error": traceback.format_exc()}
         conn.send_bytes(json.dumps(reply).encode())
