@@ -184,6 +184,21 @@ def test_transforms_are_the_same_for_0_1_and_2_workers():
     assert not np.array_equal(runs[0][0]["x"], runs[0][len(runs[0]) // 2]["x"])
 
 
+def test_an_abandoned_pass_does_not_leak_into_the_next():
+    x, y = make_data(64)
+    kw = dict(batch_size=8, shuffle=True, seed=2, transform=jitter)
+    inline = list(jn.DataLoader({"x": x, "y": y}, **kw))
+    loader = jn.DataLoader({"x": x, "y": y}, **kw, workers=2)
+    try:
+        held = loader.iter_from(0)
+        next(held)  # a pass stopped after one batch, its generator still alive (not closed)
+        again = list(loader)
+        assert all(np.array_equal(a["x"], b["x"]) for a, b in zip(inline, again, strict=True))
+        del held
+    finally:
+        loader.close()
+
+
 def test_a_transform_gets_an_rng_of_seed_epoch_and_index_only():
     from jaxnitro.data import sample_rng
 

@@ -15,8 +15,9 @@ The design, and why:
 - **JSON in the pipes.** A task (slot, epoch, seed, rows, fields) and a reply (rows written, or
   the worker's traceback) are JSON bytes: no pickle in either direction.
 - **order.** Batch i goes to worker i mod N, at most two per worker in flight; batches come
-  back in order. Each sample's rng comes from (seed, epoch, index), so the result is the same
-  for any N (and for workers=0).
+  back in order. Each pass (an epoch, an evaluation) tags its tasks, so the replies of a pass
+  abandoned midway are skipped by the next. Each sample's rng comes from (seed, epoch, index),
+  so the result is the same for any N (and for workers=0).
 
 Platforms without `fork` (Windows) cannot use workers; `workers=0` works everywhere.
 """
@@ -54,6 +55,7 @@ class TransformPool:
         self.layout, slot_bytes = _layout(loader.out_specs, loader.batch_size)
         self.slot_bytes = slot_bytes
         self.buffer = mmap.mmap(-1, max(1, slot_bytes * self.n_slots))
+        self._tag = 0  # one per pass: replies of an abandoned pass are told apart
         ctx = multiprocessing.get_context("fork")
         self.conns, self.procs = [], []
         with warnings.catch_warnings():
@@ -82,31 +84,36 @@ class TransformPool:
 
     def map(self, rows: Sequence, epoch: int, seed: int, fields) -> Iterator[dict]:
         """The transformed batches of `rows` (one entry per batch), in order."""
-        fields = list(fields)
+        self._tag += 1
+        tag, fields = self._tag, list(fields)
         pending: collections.deque = collections.deque()
         tasks = iter(enumerate(rows))
-        try:
-            for _ in range(self.n_slots):
-                if not self._send(tasks, pending, epoch, seed, fields):
-                    break
-            while pending:
-                i, worker, slot, n = pending.popleft()
-                reply = json.loads(self.conns[worker].recv_bytes())
-                if "error" in reply:
-                    raise DataError(
-                        f"the DataLoader transform failed in worker {worker} on batch {i} "
-                        f"(epoch {epoch + 1}):\n{reply['error']}"
-                    )
-                batch = {f: v.copy() for f, v in self.views(slot, n).items() if f in fields}
-                self._send(tasks, pending, epoch, seed, fields)
-                yield batch
-        finally:
-            # An abandoned epoch (a stop, a break) leaves replies in the pipes: take them, so
-            # the next epoch reads its own.
-            for _, worker, _, _ in pending:
-                self.conns[worker].recv_bytes()
+        for _ in range(self.n_slots):
+            if not self._send(tasks, pending, tag, epoch, seed, fields):
+                break
+        while pending:
+            i, worker, slot, n = pending.popleft()
+            reply = self._reply(worker, tag)
+            if "error" in reply:
+                raise DataError(
+                    f"the DataLoader transform failed in worker {worker} on batch {i} "
+                    f"(epoch {epoch + 1}):\n{reply['error']}"
+                )
+            batch = {f: v.copy() for f, v in self.views(slot, n).items() if f in fields}
+            self._send(tasks, pending, tag, epoch, seed, fields)
+            yield batch
 
-    def _send(self, tasks, pending, epoch: int, seed: int, fields) -> bool:
+    def _reply(self, worker: int, tag: int) -> dict:
+        """The worker's reply to a task of this pass. An abandoned pass (a stop, a break, an
+        error) leaves replies in the pipe; they come first (a worker answers in order) and
+        are skipped. A slot always belongs to one worker, so a late write never lands in a
+        slot another worker fills."""
+        while True:
+            reply = json.loads(self.conns[worker].recv_bytes())
+            if reply["tag"] == tag:
+                return reply
+
+    def _send(self, tasks, pending, tag: int, epoch: int, seed: int, fields) -> bool:
         item = next(tasks, None)
         if item is None:
             return False
@@ -116,8 +123,15 @@ class TransformPool:
             if isinstance(r, slice)
             else [int(x) for x in r]
         )
-        worker, slot = i % self.workers, i % self.n_slots
-        task = {"slot": slot, "epoch": epoch, "seed": seed, "rows": index, "fields": fields}
+        worker, slot = i % self.workers, i % self.n_slots  # n_slots is a multiple of workers
+        task = {
+            "tag": tag,
+            "slot": slot,
+            "epoch": epoch,
+            "seed": seed,
+            "rows": index,
+            "fields": fields,
+        }
         self.conns[worker].send_bytes(json.dumps(task).encode())
         pending.append((i, worker, slot, len(index)))
         return True
@@ -153,9 +167,9 @@ def _serve(pool: TransformPool, conn) -> None:
             views = pool.views(task["slot"], len(rows))
             for f in task["fields"]:
                 views[f][...] = out[f]
-            reply: dict[str, Any] = {"rows": len(rows)}
+            reply: dict[str, Any] = {"tag": task["tag"], "rows": len(rows)}
         except BaseException:  # noqa: BLE001 - reported to the consumer with the traceback
-            reply = {"error": traceback.format_exc()}
+            reply = {"tag": task["tag"], "error": traceback.format_exc()}
         conn.send_bytes(json.dumps(reply).encode())
 
 
