@@ -27,6 +27,7 @@ from .evaluation import evaluate, validate
 from .events import Preempted, StepRecord, every, on_phase
 from .experiment import Device, GraphConst, Host, experiment, fields
 from .export import Bundle, TensorSpec, export_model, load_bundle
+from .grain_source import shard_options
 from .history import History
 from .introspect import compile, compile_report, explain, inspect, memory_plan
 from .live import device_value, history, request_stop, set_device
@@ -122,6 +123,7 @@ __all__ = [
     "request_stop",
     "set_device",
     "setup_devices",
+    "shard_options",
     "split_model",
     "train",
     "train_step",

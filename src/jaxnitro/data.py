@@ -11,79 +11,112 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from . import tables
 from .errors import DataError, check_int
 
 
 class DataLoader:
-    """Batches from a dict of batch-first arrays; re-iterable, with an epoch-seeded shuffle.
+    """Batches from batch-first arrays or a Hugging Face dataset; re-iterable, with an
+    epoch-seeded shuffle and optional per-sample transforms in worker processes.
 
     Args:
-        data: {field: array}, every array with the same leading (sample) dimension.
+        data: {field: array}, every array with the same leading (sample) dimension. Arrays may
+            be memory-mapped (`np.load(path, mmap_mode="r")`, `np.memmap`): only the rows of
+            each batch are read. Or a Hugging Face `datasets.Dataset` (arrow-backed; from local
+            files it stays on disk), read by column (`columns=`).
         batch_size: samples per batch.
         shuffle: reshuffle each epoch with a permutation seeded by (seed, epoch).
         drop_last: drop a final short batch (required for a training split that does not
             divide by the batch size: the compiled step has one batch shape).
-        seed: shuffle seed; None lets the driver derive it from `Nitro(seed=...)`.
+        seed: shuffle (and transform) seed; None lets the driver derive it from
+            `Nitro(seed=...)`.
+        columns: for a `datasets.Dataset`: the columns to read (a list of names, or
+            {field: column} to rename); None reads every column.
+        transform: `fn(example, rng) -> example`, called once per sample on the host with the
+            sample's fields (one row of each, as numpy arrays) and a `np.random.Generator`
+            seeded by (seed, epoch, sample index): the result depends on nothing else, so it
+            is the same whatever `workers` is, and a resume reproduces it. Every output field
+            must have one shape per sample.
+        workers: processes running `transform` (0: in this process). Workers are forked
+            once, on the first iteration, and share the data with this process (nothing is
+            copied or pickled to them); they write their batches into shared memory.
 
     Example:
         >>> x, y = np.zeros((100, 784), np.float32), np.zeros(100, np.int32)
         >>> loader = jn.DataLoader({"img": x, "label": y}, batch_size=32, shuffle=True)
         >>> len(loader), next(iter(loader))["img"].shape
         (4, (32, 784))
+        >>> def flip(example, rng):  # one sample's fields, and its own generator
+        ...     img = example["img"]
+        ...     return {**example, "img": img[::-1] if rng.random() < 0.5 else img}
+        >>> aug = jn.DataLoader({"img": x, "label": y}, 32, transform=flip, workers=2)
     """
 
     def __init__(
         self,
-        data: Mapping[str, Any],
+        data,
         batch_size: int,
         *,
         shuffle: bool = False,
         drop_last: bool = False,
         seed: int | None = None,
+        columns=None,
+        transform=None,
+        workers: int = 0,
     ):
-        if not isinstance(data, Mapping) or not data:
-            raise DataError(
-                f"DataLoader takes a non-empty dict of arrays {{field: array}}, got "
-                f"{type(data).__name__}. Example: jn.DataLoader({{'img': x, 'label': y}}, 32)."
-            )
         batch_size = check_int(
             "DataLoader batch_size",
             batch_size,
             fix="pass the number of samples per batch, e.g. batch_size=32",
             error=DataError,
         )
-        self.data = {k: _as_array(k, v) for k, v in data.items()}
-        scalars = [k for k, v in self.data.items() if v.ndim == 0]
-        if scalars:
-            raise DataError(
-                f"DataLoader field {scalars[0]!r} is a scalar, without the leading (sample) "
-                f"dimension every field needs (batch dimension first). Give it one row per "
-                f"sample (np.full(n, value), or np.asarray(per_sample_values)), or make it an "
-                f"experiment field."
-            )
-        sizes = {k: v.shape[0] for k, v in self.data.items()}
-        if len(set(sizes.values())) != 1:
-            raise DataError(
-                f"DataLoader fields must share their leading (sample) dimension; got {sizes}. "
-                f"Batch dimension comes first: give every field one row per sample (transpose "
-                f"or slice the ones that differ)."
-            )
-        self.num_samples: int = next(iter(sizes.values()))
+        workers = check_int(
+            "DataLoader workers",
+            workers,
+            minimum=0,
+            fix="pass the number of transform processes, e.g. workers=2 (0: in this process)",
+            error=DataError,
+        )
+        table = tables.table_of(data, columns)
+        if table is None:
+            self.data = _arrays(data)
+            table = tables.ArrayTable(self.data)
+        else:
+            self.data = data
+        self.table = table
+        self.num_samples: int = table.num_rows
         if self.num_samples == 0:
             raise DataError(
-                f"DataLoader got 0 samples (fields {sorted(self.data)} are all empty): it would "
-                f"yield no batch. Check the loading or filtering that produced the arrays."
+                f"DataLoader got 0 samples (fields {sorted(table.fields)} are all empty): it "
+                f"would yield no batch. Check the loading or filtering that produced the data."
             )
         self.batch_size = batch_size
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
         self.epoch = 0
+        self.transform, self.workers = transform, workers
+        self._pool: Any = None  # workers.TransformPool, started on the first iteration
+        if transform is not None and not callable(transform):
+            raise DataError(
+                f"DataLoader transform={transform!r} is not callable; pass a function "
+                f"fn(example: dict, rng: np.random.Generator) -> dict."
+            )
+        if workers and transform is None:
+            raise DataError(
+                f"DataLoader workers={workers} runs transforms in processes, but no transform= "
+                f"is given: without one, batches are gathered in this process (workers=0)."
+            )
+        #: {field: (per-sample shape, dtype)} of the transform's output (None: no transform)
+        self.out_specs = self._probe() if transform is not None else None
+        self.fields: tuple[str, ...] = (
+            tuple(self.out_specs) if self.out_specs is not None else table.fields
+        )
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_samples, self.batch_size)
@@ -102,30 +135,48 @@ class DataLoader:
         """
         self.epoch = int(epoch)
 
-    def _order(self) -> np.ndarray | None:
+    def _order(self, epoch: int | None = None) -> np.ndarray | None:
         if not self.shuffle:
             return None
         seed = 0 if self.seed is None else self.seed
-        return np.random.default_rng([seed, self.epoch]).permutation(self.num_samples)
+        epoch = self.epoch if epoch is None else epoch
+        return np.random.default_rng([seed, epoch]).permutation(self.num_samples)
 
-    def iter_from(self, start: int = 0) -> Iterator[dict[str, np.ndarray]]:
-        """Iterate the current epoch from batch index `start` (used to resume mid-epoch).
+    def _rows(self, order, lo: int, hi: int):
+        return slice(lo, hi) if order is None else order[lo:hi]
+
+    def iter_from(self, start: int = 0, *, fields=None) -> Iterator[dict[str, np.ndarray]]:
+        """Iterate the current epoch from batch index `start` (used to resume mid-epoch),
+        reading only `fields` (None: every field). Nothing before `start` is read.
 
         Example:
             >>> sum(1 for _ in loader.iter_from(2)), len(loader)
             (2, 4)
         """
         order = self._order()
-        for i in range(start, len(self)):
-            lo, hi = i * self.batch_size, min((i + 1) * self.batch_size, self.num_samples)
-            if order is None:
-                yield {k: v[lo:hi] for k, v in self.data.items()}
-            else:
-                idx = order[lo:hi]
-                yield {k: v[idx] for k, v in self.data.items()}
+        fields = self.fields if fields is None else tuple(fields)
+        bounds = [
+            (i * self.batch_size, min((i + 1) * self.batch_size, self.num_samples))
+            for i in range(start, len(self))
+        ]
+        if self.transform is None:
+            for lo, hi in bounds:
+                yield self.table.read(self._rows(order, lo, hi), fields)
+            return
+        rows = [self._rows(order, lo, hi) for lo, hi in bounds]
+        yield from self._transformed(rows, fields)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self.iter_from(0)
+
+    def first_batch(self) -> dict[str, np.ndarray]:
+        """Batch 0 of the current epoch, read (and transformed) in this process."""
+        order = self._order()
+        rows = self._rows(order, 0, min(self.batch_size, self.num_samples))
+        if self.transform is None:
+            return self.table.read(rows, self.fields)
+        seed = 0 if self.seed is None else self.seed
+        return self.transform_rows(rows, self.epoch, seed, self.fields)
 
     def iter_stacked(self, start: int, count: int, fields) -> Iterator[tuple[dict, int]]:
         """From batch `start`, groups of up to `count` full batches as one array per field,
@@ -133,30 +184,147 @@ class DataLoader:
         A final short batch (drop_last=False) is left out: train splits never have one."""
         order = self._order()
         full = self.num_samples // self.batch_size
+        fields = tuple(fields)
+        if self.transform is not None:
+            rows = [
+                self._rows(order, i * self.batch_size, (i + 1) * self.batch_size)
+                for i in range(start, full)
+            ]
+            group: list = []
+            for batch in self._transformed(rows, fields):
+                group.append(batch)
+                if len(group) == count:
+                    yield {f: np.stack([b[f] for b in group]) for f in fields}, count
+                    group = []
+            if group:
+                yield {f: np.stack([b[f] for b in group]) for f in fields}, len(group)
+            return
         for i in range(start, full, count):
             k = min(count, full - i)
             lo, hi = i * self.batch_size, (i + k) * self.batch_size
             shape = (k, self.batch_size)
-            if order is None:
-                yield (
-                    {
-                        f: self.data[f][lo:hi].reshape(shape + self.data[f].shape[1:])
-                        for f in fields
-                    },
-                    k,
-                )
-            else:
-                idx = order[lo:hi]
-                yield (
-                    {f: self.data[f][idx].reshape(shape + self.data[f].shape[1:]) for f in fields},
-                    k,
-                )
+            read = self.table.read(self._rows(order, lo, hi), fields)
+            yield {f: v.reshape(shape + v.shape[1:]) for f, v in read.items()}, k
+
+    # -- transforms -----------------------------------------------------------------------
+    def _probe(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Run the transform on sample 0 (at construction: a wrong transform fails here)."""
+        example = {f: v[0] for f, v in self.table.read(slice(0, 1), self.table.fields).items()}
+        out = self._apply(example, 0, 0, 0)
+        return {f: (np.shape(v), np.asarray(v).dtype) for f, v in out.items()}
+
+    def _apply(self, example: dict, seed: int, epoch: int, index: int) -> dict:
+        out = self.transform(example, sample_rng(seed, epoch, index))
+        if not isinstance(out, Mapping) or not out:
+            raise DataError(
+                f"DataLoader transform returned {type(out).__name__} for sample {index}; it "
+                f"must return a non-empty dict of per-sample arrays, e.g. {{'img': img, "
+                f"'label': label}}."
+            )
+        return {k: _as_array(k, v) for k, v in out.items()}
+
+    def transform_rows(self, rows, epoch: int, seed: int, fields) -> dict[str, np.ndarray]:
+        """One batch: `rows` read, transformed sample by sample, `fields` stacked."""
+        index = np.arange(*rows.indices(self.num_samples)) if isinstance(rows, slice) else rows
+        raw = self.table.read(rows, self.table.fields)
+        specs = self.out_specs or {}
+        outs = []
+        for j, i in enumerate(index):
+            out = self._apply({f: v[j] for f, v in raw.items()}, seed, epoch, int(i))
+            check_sample(out, specs, int(i))
+            outs.append(out)
+        return {f: np.stack([o[f] for o in outs]) for f in fields}
+
+    def _transformed(self, rows: list, fields) -> Iterator[dict[str, np.ndarray]]:
+        seed = 0 if self.seed is None else self.seed
+        if not self.workers:
+            for r in rows:
+                yield self.transform_rows(r, self.epoch, seed, fields)
+            return
+        if self._pool is None:
+            from .workers import TransformPool
+
+            self._pool = TransformPool(self, self.workers)
+        yield from self._pool.map(rows, self.epoch, seed, fields)
+
+    def close(self) -> None:
+        """Stop the transform workers (they also stop with this process)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def describe(self) -> str:
+        """One line for the binding report: where the rows come from and who transforms."""
+        how = "" if self.transform is None else f", transform in {self.workers} worker(s)"
+        if self.transform is not None and not self.workers:
+            how = ", transform in-process"
+        return f"jn.DataLoader ({self.table.describe()}{how})"
 
     def __repr__(self) -> str:
         return (
             f"DataLoader({self.num_samples} samples, batch_size={self.batch_size}, "
-            f"shuffle={self.shuffle}, drop_last={self.drop_last}, fields={sorted(self.data)})"
+            f"shuffle={self.shuffle}, drop_last={self.drop_last}, fields={sorted(self.fields)}"
+            + (f", workers={self.workers}" if self.transform is not None else "")
+            + ")"
         )
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The generator a transform receives for one sample: Philox keyed by (seed, epoch),
+    with the sample index in the counter's second word, so every sample has its own stream
+    (the first word counts within it) and nothing depends on the order samples are seen.
+
+    Example:
+        >>> sample_rng(42, 0, 7).random() == sample_rng(42, 0, 7).random()
+        True
+    """
+    mask = (1 << 64) - 1
+    bits = np.random.Philox(key=[seed & mask, epoch & mask], counter=[0, index & mask, 0, 0])
+    return np.random.Generator(bits)
+
+
+def check_sample(out: Mapping, specs: Mapping, index: int) -> None:
+    """A transformed sample has the fields, shapes and dtypes of sample 0's."""
+    if set(out) != set(specs):
+        raise DataError(
+            f"DataLoader transform returned fields {sorted(out)} for sample {index}, but "
+            f"{sorted(specs)} for sample 0: return the same fields for every sample."
+        )
+    for f, (shape, dtype) in specs.items():
+        v = out[f]
+        if v.shape != shape or v.dtype != dtype:
+            raise DataError(
+                f"DataLoader transform returned field {f!r} with shape {v.shape} and dtype "
+                f"{v.dtype} for sample {index}, but {shape} and {dtype} for sample 0. Samples "
+                f"are stacked into batches: give every sample the same shape and dtype (crop "
+                f"or pad to a fixed size, cast with .astype)."
+            )
+
+
+def _arrays(data) -> dict[str, np.ndarray]:
+    if not isinstance(data, Mapping) or not data:
+        raise DataError(
+            f"DataLoader takes a non-empty dict of arrays {{field: array}}, got "
+            f"{type(data).__name__}. Example: jn.DataLoader({{'img': x, 'label': y}}, 32) "
+            f"(a Hugging Face datasets.Dataset works too, read by columns=)."
+        )
+    arrays = {k: _as_array(k, v) for k, v in data.items()}
+    scalars = [k for k, v in arrays.items() if v.ndim == 0]
+    if scalars:
+        raise DataError(
+            f"DataLoader field {scalars[0]!r} is a scalar, without the leading (sample) "
+            f"dimension every field needs (batch dimension first). Give it one row per "
+            f"sample (np.full(n, value), or np.asarray(per_sample_values)), or make it an "
+            f"experiment field."
+        )
+    sizes = {k: v.shape[0] for k, v in arrays.items()}
+    if len(set(sizes.values())) != 1:
+        raise DataError(
+            f"DataLoader fields must share their leading (sample) dimension; got {sizes}. "
+            f"Batch dimension comes first: give every field one row per sample (transpose "
+            f"or slice the ones that differ)."
+        )
+    return arrays
 
 
 def _as_array(name: str, value) -> np.ndarray:
@@ -400,7 +568,21 @@ class Prefetcher:
 
 
 def skip(source: Iterable, start: int) -> Iterator:
-    """Iterate `source` from batch index `start` (DataLoader skips without reading)."""
+    """Iterate `source` from batch index `start`. A DataLoader or a sequence (a list of
+    batches) starts there without reading what comes before; any other iterable replays its
+    first `start` batches (setup says so when a resume would do that: `replays`)."""
     if isinstance(source, DataLoader):
         return source.iter_from(start)
+    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
+        return (source[i] for i in range(start, len(source)))
     return itertools.islice(iter(source), start, None)
+
+
+def replays(source) -> bool:
+    """Whether resuming `source` mid-epoch replays (reads again) the batches before the
+    position: true for an iterable that cannot report or seek to one."""
+    from . import grain_source
+
+    if isinstance(source, DataLoader) or grain_source.kind(source) is not None:
+        return False
+    return not (isinstance(source, Sequence) and not isinstance(source, (str, bytes)))

@@ -37,7 +37,8 @@ def run_eval(n, split: str) -> dict[str, Any]:
     set_phase(n, "Evaluating", info={"split": split})
     bs = spec.split_specs[split].batch_size
     ts, extras = n.train_state, n.device.extras
-    stream = data_mod.Prefetcher(iter(spec.splits[split]), feed.eval_prepare(spec, split, bs))
+    batches, keys = feed.eval_batches(spec, split)
+    stream = data_mod.Prefetcher(batches, feed.eval_prepare(spec, split, bs, keys))
     totals = eval_totals(spec, ts, split, extras)
     progs: dict = {}
     try:

@@ -8,10 +8,13 @@ Everything here reads a `RunSpec`; nothing writes the handle.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import jax
 import numpy as np
 
 from . import data as data_mod
+from . import grain_source
 from .errors import DataError
 
 
@@ -21,13 +24,15 @@ def put(spec, array, sharding):
     return array if spec.direct_feed else jax.device_put(array, sharding)
 
 
-def eval_prepare(spec, split: str, pad_to: int | None):
-    """Host batch -> (device batch padded to `pad_to`, real rows), for eval and predict."""
+def eval_prepare(spec, split: str, pad_to: int | None, keys: frozenset | None = None):
+    """Host batch -> (device batch padded to `pad_to`, real rows), for eval and predict.
+    `keys`: the fields every batch carries (default: those of the split's first batch)."""
     info = spec.split_specs[split]
     index = [0]
+    expect = info.keys if keys is None else keys
 
     def prepare(host):
-        size = data_mod.check_batch(host, split, expect_fields=info.keys)
+        size = data_mod.check_batch(host, split, expect_fields=expect)
         data_mod.check_specs(host, split, index[0], info.specs)
         index[0] += 1
         if pad_to is not None and size < pad_to:
@@ -37,10 +42,21 @@ def eval_prepare(spec, split: str, pad_to: int | None):
     return prepare
 
 
-def train_units(spec, loader, start: int, epoch: int):
+def eval_batches(spec, split: str) -> tuple[Iterable, frozenset | None]:
+    """(the split's batches, the fields they carry): a DataLoader reads only the fields a
+    hook names (a field no hook names is never read from disk); others yield what they do."""
+    loader = spec.splits[split]
+    if isinstance(loader, data_mod.DataLoader):
+        fields = spec.split_specs[split].fields
+        return loader.iter_from(0, fields=fields), frozenset(fields)
+    return iter(loader), None
+
+
+def train_units(spec, loader, start: int, epoch: int, state=None):
     """Dispatch units of `steps_per_call` × `accum` train batches from batch `start`, as
-    ({field: (k, batch, ...)}, k). A DataLoader gathers each unit at once; any other source
-    is checked batch by batch (fields, sizes) and stacked."""
+    ({field: (k, batch, ...)}, k) or, for a source with an iterator state (grain streams),
+    ({field: ...}, k, [state after each batch]). A DataLoader gathers each unit at once (only
+    the fields the hooks name); any other source is checked batch by batch and stacked."""
     info = spec.split_specs["train"]
     size = spec.accum * spec.steps_per_call
     pop = spec.population
@@ -54,9 +70,15 @@ def train_units(spec, loader, start: int, epoch: int):
     if isinstance(loader, data_mod.DataLoader):
         yield from loader.iter_stacked(start, size, info.fields)
         return
+    stateful = grain_source.kind(loader) in ("iter", "loader")
+    if grain_source.kind(loader) is not None:
+        pairs = grain_source.batches(loader, epoch, start, state)
+    else:
+        pairs = ((host, None) for host in data_mod.skip(loader, start))
     bs = info.batch_size
     group: list = []
-    for index, host in enumerate(data_mod.skip(loader, start), start):
+    states: list = []
+    for index, (host, after) in enumerate(pairs, start):
         got = data_mod.check_batch(host, "train", expect_fields=info.keys)
         data_mod.check_specs(host, "train", index, info.specs)
         if got != bs:
@@ -66,11 +88,12 @@ def train_units(spec, loader, start: int, epoch: int):
                 f"the split divide by the batch size."
             )
         group.append(host)
+        states.append(after)
         if len(group) == size:
-            yield _stack(group, info.fields), size
-            group = []
+            yield (_stack(group, info.fields), size) + ((states,) if stateful else ())
+            group, states = [], []
     if group:
-        yield _stack(group, info.fields), len(group)
+        yield (_stack(group, info.fields), len(group)) + ((states,) if stateful else ())
 
 
 def first_unit(spec, loader) -> tuple[dict, int]:
@@ -109,7 +132,7 @@ def train_prepare(spec, first_step: int, base):
     members = spec.population is not None and spec.population.own_data
 
     def prepare(item):
-        stacked, k = item
+        stacked, k = item[0], item[1]
         if k % accum:
             raise DataError(
                 f"the train split ended with {k % accum} batch(es) that do not fill an "

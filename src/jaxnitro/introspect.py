@@ -118,8 +118,21 @@ def _binding(n) -> str:
         rows.append(
             f"split {split!r}: batch {info.batch_size}, to device {list(info.fields)}"
             + (f", host only {host_only}" if host_only else "")
+            + f"; from {data_source(n.spec.splits[split])}"
         )
     return "binding\n" + "\n".join(rows)
+
+
+def data_source(src) -> str:
+    """Where a split's batches come from, and how many worker processes read them."""
+    from . import grain_source
+
+    if grain_source.kind(src) is not None:
+        return grain_source.describe(src)
+    describe = getattr(src, "describe", None)
+    if callable(describe):
+        return str(describe())
+    return f"{type(src).__name__} (iterated in-process)"
 
 
 def _groups(n) -> str:

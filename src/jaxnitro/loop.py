@@ -224,6 +224,7 @@ class _Epoch:
         self.n, self.spec, self.epoch = n, n.spec, epoch
         self.leaves = n.state_leaves
         self.step, self.batch = n.step, n.progress.batch_in_epoch
+        self.data_state = n.progress.data_state  # a stream's iterator state (grain)
         self.skipped = n.progress.skipped_steps
         self.pending: collections.deque = collections.deque()
         self.losses: list[float | None] = []
@@ -264,7 +265,7 @@ class _Epoch:
         n.display.start_epoch(self.epoch, n.max_epochs, total, self.batch)
         feed_cls = data_mod.InlineFeed if spec.direct_feed else data_mod.Prefetcher
         stream = feed_cls(
-            feed.train_units(spec, loader, self.batch, self.epoch),
+            feed.train_units(spec, loader, self.batch, self.epoch, self.data_state),
             feed.train_prepare(spec, self.step, n.device.hyper_base),
         )
         try:
@@ -281,9 +282,12 @@ class _Epoch:
 
     def _steps(self, stream, total: int | None) -> None:
         control, cadence = self.n.services.control, self.cadence.active
-        for payloads, _, _ in stream:
+        for payloads, _, unit in stream:
+            states, base = (unit[2] if len(unit) > 2 else None), self.batch
             for dev_batch, hyper, steps in payloads:
                 self._dispatch(dev_batch, hyper, steps)
+                if states is not None:  # the iterator state after the last batch trained on
+                    self.data_state = states[self.batch - base - 1]
                 if not cadence:
                     continue
                 validate, save = self.cadence.due(self.step - steps, self.step)
@@ -323,7 +327,10 @@ class _Epoch:
 
     def _commit(self) -> None:
         progress = self.n.progress.replace(
-            step=self.step, batch_in_epoch=self.batch, skipped_steps=self.skipped
+            step=self.step,
+            batch_in_epoch=self.batch,
+            skipped_steps=self.skipped,
+            data_state=self.data_state,
         )
         self.n._commit(leaves=self.leaves, progress=progress)
 
@@ -624,6 +631,7 @@ def _checkpoint(n, row: dict, *, stop_reason: str | None = None, validated: bool
         "total_steps": spec.total_steps,
         "epoch": progress.epoch,
         "batch_in_epoch": progress.batch_in_epoch,
+        "data_state": jsonable(progress.data_state),
         "step": progress.step,
         "seed": spec.seed,
         "config": jsonable(dict(graph_key(n.experiment))),

@@ -15,7 +15,7 @@ from typing import Any
 class Progress:
     """Epoch (0-based, completed epochs), the batch position in it, optimizer steps taken,
     skipped steps, the history rows, the early-stopping state, and the first epoch's length
-    (for a source without `len()`).
+    (for a source without `len()`), and a stream's iterator state.
 
     Example:
         >>> p = Progress().advance(steps=4, batches=4)
@@ -32,6 +32,8 @@ class Progress:
     history: tuple[Mapping[str, Any], ...] = ()
     early_stop: Mapping[str, Any] | None = None
     first_epoch_batches: int | None = None
+    #: a stream's iterator state after the last batch trained on (grain; JSON), or None
+    data_state: Mapping[str, Any] | None = None
 
     def replace(self, **changes) -> Progress:
         return dataclasses.replace(self, **changes)
@@ -43,7 +45,7 @@ class Progress:
         )
 
     def next_epoch(self) -> Progress:
-        return dataclasses.replace(self, epoch=self.epoch + 1, batch_in_epoch=0)
+        return dataclasses.replace(self, epoch=self.epoch + 1, batch_in_epoch=0, data_state=None)
 
     def with_row(self, row: Mapping[str, Any]) -> Progress:
         """The history with `row` added (or replacing the row of an epoch a stop cut short)."""

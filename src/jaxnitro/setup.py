@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import data as data_mod
-from . import hooks, optim, remat
+from . import grain_source, hooks, optim, remat
 from . import population as population_mod
 from . import sharding as sharding_mod
 from .checkpoint import TopKCheckpointer, load_checkpoint, validate_int
@@ -196,6 +196,7 @@ def build_data(exp, data, dist: Dist, seed: int) -> dict[str, Any]:
             )
         if isinstance(src, data_mod.DataLoader) and src.seed is None:
             src.seed = seed  # the Nitro seed controls shuffling
+        grain_source.check(name, src, dist)
     return splits
 
 
@@ -229,9 +230,15 @@ def device_array(name: str, value, rep) -> jax.Array:
     return jax.device_put(arr, rep)
 
 
-def check_splits(splits: Mapping, routes, n_devices: int) -> dict[str, SplitSpec]:
-    """Route every split's first batch through the hooks; check sizes and devices."""
-    info = {split: _split_spec(split, src, routes, n_devices) for split, src in splits.items()}
+def check_splits(
+    splits: Mapping, routes, n_devices: int, position: tuple = (0, 0, None)
+) -> dict[str, SplitSpec]:
+    """Route every split's first batch through the hooks; check sizes and devices. The
+    train split's batch is the one at `position` (a resume's)."""
+    info = {
+        split: _split_spec(split, src, routes, n_devices, position if split == "train" else None)
+        for split, src in splits.items()
+    }
     if "train" in info:  # every split feeds the same model: the same per-sample fields
         for split, sinfo in info.items():
             if split != "train":
@@ -239,8 +246,17 @@ def check_splits(splits: Mapping, routes, n_devices: int) -> dict[str, SplitSpec
     return info
 
 
-def _peek(split: str, src) -> dict:
-    """The first batch, iterating the source once (every later use reads the SplitSpec)."""
+def _peek(split: str, src, position: tuple | None = None) -> dict:
+    """The first batch, iterating the source once (every later use reads the SplitSpec).
+    A DataLoader or a grain split reads the batch at `position` (epoch, batch, state) alone."""
+    epoch, start, state = position or (0, 0, None)
+    if grain_source.kind(src) is not None:
+        first = grain_source.peek(src, epoch, start, state)
+        if first is None:
+            raise DataError(f"split {split!r} is empty (the grain dataset yielded no batch).")
+        return first
+    if isinstance(src, data_mod.DataLoader):
+        return src.first_batch()  # in this process: no transform workers start at setup
     it = iter(src)
     if it is iter(src):
         raise DataError(
@@ -260,8 +276,8 @@ def _peek(split: str, src) -> dict:
     return first
 
 
-def _split_spec(split: str, src, routes, n_devices: int) -> SplitSpec:
-    first = _peek(split, src)
+def _split_spec(split: str, src, routes, n_devices: int, position=None) -> SplitSpec:
+    first = _peek(split, src, position)
     bs = data_mod.check_batch(first, split)
     train = split == "train"
     if train and "train_step" in routes:  # a custom step names the fields it trains on
@@ -573,8 +589,51 @@ def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Prog
         skipped_steps=validate_int(meta, "skipped_steps", path, default=0),
         history=tuple(history),
         early_stop=meta.get("early_stop"),
+        data_state=_data_state(meta, path),
     )
     return ts, progress, meta.get("total_steps")
+
+
+def _data_state(meta: Mapping, path: Path) -> Mapping | None:
+    state = meta.get("data_state")
+    if state is not None and not isinstance(state, dict):
+        raise CheckpointError(
+            f"checkpoint {path}: meta field 'data_state' (the data iterator's state) must be "
+            f"a JSON object, got {type(state).__name__}. Resume from another checkpoint."
+        )
+    return state
+
+
+def resume_position(path: Path | None) -> tuple[int, int, Mapping | None]:
+    """(epoch, batch in epoch, iterator state) a resume continues from; (0, 0, None) fresh.
+    Read before the data is checked, so the first batch looked at is the one training reads
+    first (a resumed stream never reads what precedes its position)."""
+    if path is None:
+        return 0, 0, None
+    meta = read_meta(path)
+    try:
+        epoch = validate_int(meta, "epoch", path)
+        batch = validate_int(meta, "batch_in_epoch", path, default=0)
+    except CheckpointError:
+        return 0, 0, None  # restore() reports the damage with its context
+    return epoch, batch, _data_state(meta, path)
+
+
+def warn_replay(splits: Mapping, position: tuple[int, int, Any]) -> None:
+    """A resume mid-epoch from a train source that cannot seek: say what happens, and what
+    to use instead, rather than replaying silently."""
+    epoch, batch, _ = position
+    src = splits.get("train")
+    if batch and src is not None and data_mod.replays(src):
+        warnings.warn(
+            f"resuming mid-epoch (epoch {epoch + 1}, batch {batch}) from a 'train' split of "
+            f"type {type(src).__name__}, which cannot report or seek to a position: the "
+            f"resume replays its first {batch} batches of the epoch (reading them again) and "
+            f"trusts that every pass yields the same batches in the same order. Use "
+            f"jn.DataLoader (arrays, memory maps, datasets.Dataset), a grain dataset or "
+            f"grain.DataLoader, or a list of batches, which resume at the position directly.",
+            stacklevel=5,
+        )
 
 
 def weights_path(path: Path) -> Path:
@@ -651,11 +710,13 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     mesh = sharding_mod.make_mesh(sharding, s.n_devices)
     dist = Dist(jax.process_index(), jax.process_count(), mesh.size, mesh)
     splits = build_data(exp, s.data, dist, seed)
+    position = resume_position(resume_path)
+    warn_replay(splits, position)
     exp = derive(exp, splits)
     rep = replicated(mesh)
     values = {k: device_array(k, v, rep) for k, v in field_values(exp, DEVICE).items()}
     model, params, mstate, rng = build_model(exp, seed, rep)
-    split_specs = check_splits(splits, routes, mesh.size)
+    split_specs = check_splits(splits, routes, mesh.size, position)
     custom = check_custom_step(s, routes)
     optimizer = optim.build(exp, params, scheduled=set(s.schedules), separate=custom)
     spe = steps_per_epoch(splits, s.accum)
