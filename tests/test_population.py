@@ -27,7 +27,8 @@ class Rated(Tiny):
 
 def test_members_by_seed_equal_their_standalone_runs_in_one_program(tmp_path):
     jn.cache_reset()
-    n = nitro(Tiny(dropout=0.2), run_dir=tmp_path / "pop", population=3)
+    top = jn.TopKCheckpointer(k=1, metric="acc", mode="max")
+    n = nitro(Tiny(dropout=0.2), run_dir=tmp_path / "pop", population=3, checkpointer=top)
     result = jn.train(n)
     assert result.programs_compiled == 2  # one train program, one eval program, all members
     for i in range(3):
@@ -41,9 +42,13 @@ def test_members_by_seed_equal_their_standalone_runs_in_one_program(tmp_path):
     val = [r for r in lines if r.get("context") == "validate"][-1]
     assert {"acc/0", "acc/1", "acc/2", "member"} <= set(val)
     ranked = result.members
-    assert [m["member"] for m in ranked] == sorted(range(3), key=lambda i: val[f"val_loss/{i}"])
+    assert [m["member"] for m in ranked] == sorted(range(3), key=lambda i: (-val[f"acc/{i}"], i))
     assert ranked[0]["seed"] == 42 + ranked[0]["member"]
-    assert val["val_loss"] == val[f"val_loss/{val['member']}"]  # the best member's, by name
+    assert val["acc"] == max(val[f"acc/{i}"] for i in range(3))  # the best member's, by name
+    assert val["val_loss"] == val[f"val_loss/{val['member']}"]
+    # Top-K keeps the epoch of the best member's best accuracy
+    rows = [r for r in lines if r.get("context") == "validate"]
+    assert result.best_metric == max(r[f"acc/{i}"] for r in rows for i in range(3))
 
 
 def test_members_by_value_differ_only_in_their_values(tmp_path):
