@@ -29,9 +29,14 @@ test: $(VENV)/.dev
 test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not slow and not multi_device"
 
-# Side-by-side benchmarks (benchmarks/README.md); e.g. make bench BENCH_ARGS="--quick --record"
+$(VENV)/.bench: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet -e ".[dev,examples,bench]"
+	touch $@
+
+# Side-by-side benchmarks (benchmarks/README.md), PyTorch and Lightning included (the `bench`
+# extra); e.g. make bench BENCH_ARGS="--quick --record"
 BENCH_ARGS ?=
-bench: $(VENV)/.dev
+bench: $(VENV)/.bench
 	$(PY) benchmarks/run.py --out runs/bench/bench.json $(BENCH_ARGS)
 
 # ruff (lint and format) everywhere; the type checker on the package only.

@@ -9,6 +9,7 @@ end to end (Trainer construction, setup, one epoch over a DataLoader), as in
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 import numpy as np
@@ -180,9 +181,20 @@ def _faster_threads(run) -> int:
 
 
 def lightning_fit(
-    kind: str, data, *, batch: int, steps: int, gpt_config=None, bf16: bool = False
+    kind: str,
+    data,
+    *,
+    batch: int,
+    steps: int,
+    gpt_config=None,
+    bf16: bool = False,
+    defaults: bool = False,
 ) -> dict:
-    """One epoch of `Trainer.fit`, timed end to end (Trainer, setup, DataLoader, steps)."""
+    """One epoch of `Trainer.fit`, timed end to end (Trainer, setup, DataLoader, steps).
+
+    Stripped (the default): no logger, checkpointing, progress bar or model summary, the
+    fairest reference. `defaults=True`: the Trainer as users run it, with its default logger,
+    checkpoint, progress bar and model summary (writing into a temporary directory)."""
     try:
         import lightning as L
     except ImportError:
@@ -210,25 +222,30 @@ def lightning_fit(
     ds = torch.utils.data.TensorDataset(*([x] if y is None else [x, y]))
     dl = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=False, drop_last=True)
     dev = device()
-    t0 = time.perf_counter()
-    trainer = L.Trainer(
-        max_epochs=1,
-        limit_train_batches=steps,
-        accelerator="gpu" if dev == "cuda" else "cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        precision="bf16-mixed" if bf16 else "32-true",
-    )
-    trainer.fit(Module(), dl)
-    sync()
-    dt = time.perf_counter() - t0
+    stripped = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    with tempfile.TemporaryDirectory() as root:
+        t0 = time.perf_counter()
+        trainer = L.Trainer(
+            max_epochs=1,
+            limit_train_batches=steps,
+            accelerator="gpu" if dev == "cuda" else "cpu",
+            devices=1,
+            precision="bf16-mixed" if bf16 else "32-true",
+            default_root_dir=root,
+            **({} if defaults else stripped),
+        )
+        trainer.fit(Module(), dl)
+        sync()
+        dt = time.perf_counter() - t0
     return {
         "steps_per_s": steps / dt,
         "seconds": dt,
         "e2e_s": dt,
         "device": dev,
-        "note": "one epoch incl. Trainer setup",
+        "note": "one epoch incl. Trainer setup" + (", Trainer defaults" if defaults else ""),
     }
