@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from .errors import HookError, did_you_mean
+from .step import kept_if, step_inputs
 
 __all__ = ["group_grad", "optimizer_step"]
 
@@ -221,22 +222,14 @@ def make_custom_step(
     """
 
     def one_step(ts, batch, extras, hyper):
-        rng = jax.random.fold_in(ts.rng, ts.step)
-        hyper = unpack_hyper(hyper) if unpack_hyper is not None else (hyper or {})
-        extras = {**extras, "device": {**extras.get("device", {}), **hyper.get("device", {})}}
-        opt_state = ts.opt_state
-        if write_hyper is not None and hyper.get("opt"):
-            opt_state = write_hyper(opt_state, hyper["opt"])
+        rng, extras, opt_state = step_inputs(ts, extras, hyper, unpack_hyper, write_hyper)
         with active(tools):
             result = user_step(ts.params, opt_state, ts.state, rng, batch, extras)
         params, opt_state, state, out = checked(result, ts.params, opt_state, ts.state)
-        if skip_nonfinite:
-            ok = jnp.all(jnp.stack([jnp.isfinite(v) for v in out.values()] or [jnp.bool_(True)]))
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-            params, state = keep(params, ts.params), keep(state, ts.state)
-            opt_state = keep(opt_state, ts.opt_state)
-            out["skipped"] = (~ok).astype(jnp.float32)
         new = ts.replace(params=params, state=state, opt_state=opt_state, step=ts.step + 1)
+        if skip_nonfinite:  # any non-finite metric leaves the state untouched
+            ok = jnp.all(jnp.stack([jnp.isfinite(v) for v in out.values()] or [jnp.bool_(True)]))
+            new, out["skipped"] = kept_if(ok, new, ts), (~ok).astype(jnp.float32)
         return new, out
 
     return one_step

@@ -165,7 +165,7 @@ def with_run(pop: Population, loader, run_seed: int, schedules) -> Population:
         and len(set(pop.seeds)) > 1
     )
     loaders = None
-    if own and getattr(loader, "workers", 0):
+    if own and getattr(loader, "workers", None):
         raise ConfigError(
             f"population={pop.size}: each member draws its own shuffled order of the train "
             f"split (its seed), and with transform workers that would start a worker pool per "

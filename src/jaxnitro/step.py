@@ -112,28 +112,42 @@ def make_train_step(
     grads_of = _gradients(loss_fn, accum)
 
     def one_step(ts, batch, extras, hyper):
-        rng = jax.random.fold_in(ts.rng, ts.step)
-        hyper = unpack_hyper(hyper) if unpack_hyper is not None else (hyper or {})
-        extras = {**extras, "device": {**extras.get("device", {}), **hyper.get("device", {})}}
+        rng, extras, opt_state = step_inputs(ts, extras, hyper, unpack_hyper, write_hyper)
         grads, loss, model_state, aux = grads_of(ts.params, ts.state, batch, extras, rng)
-        opt_state = ts.opt_state
-        if write_hyper is not None and hyper.get("opt"):
-            opt_state = write_hyper(opt_state, hyper["opt"])
         updates, opt_state = tx.update(grads, opt_state, ts.params)
         params = optax.apply_updates(ts.params, updates)
         out = {"loss": loss, **aux}
         if grad_norm:  # the driver logs it per step; the low-level train_step does not pay
             out["grad_norm"] = optax.tree.norm(grads)
+        new = ts.replace(params=params, state=model_state, opt_state=opt_state, step=ts.step + 1)
         if skip_nonfinite:  # a non-finite loss leaves params, state and optimizer untouched
             ok = jnp.isfinite(loss)
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-            params, model_state = keep(params, ts.params), keep(model_state, ts.state)
-            opt_state = keep(opt_state, ts.opt_state)
-            out["skipped"] = (~ok).astype(jnp.float32)
-        new = ts.replace(params=params, state=model_state, opt_state=opt_state, step=ts.step + 1)
+            new, out["skipped"] = kept_if(ok, new, ts), (~ok).astype(jnp.float32)
         return new, out
 
     return fuse(one_step, steps_per_call)
+
+
+def step_inputs(ts, extras, hyper, unpack_hyper=None, write_hyper=None):
+    """(this step's key, extras with the step's Device values, the optimizer state with the
+    step's hyperparameters written in) of a train step."""
+    rng = jax.random.fold_in(ts.rng, ts.step)
+    hyper = unpack_hyper(hyper) if unpack_hyper is not None else (hyper or {})
+    extras = {**extras, "device": {**extras.get("device", {}), **hyper.get("device", {})}}
+    opt_state = ts.opt_state
+    if write_hyper is not None and hyper.get("opt"):
+        opt_state = write_hyper(opt_state, hyper["opt"])
+    return rng, extras, opt_state
+
+
+def kept_if(ok, new, old):
+    """`new` where `ok`, else `old`'s params, model state and optimizer state (the step
+    counter runs on): a skipped step, or a population member that stopped early."""
+    keep = {
+        k: jax.tree.map(lambda a, b: jnp.where(ok, a, b), getattr(new, k), getattr(old, k))
+        for k in ("params", "state", "opt_state")
+    }
+    return new.replace(**keep)
 
 
 def fuse(one_step, steps_per_call: int):

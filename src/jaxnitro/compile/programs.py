@@ -24,7 +24,15 @@ from .. import metrics as metrics_mod
 from ..devices import mesh_id
 from ..errors import HookError, JaxnitroError
 from ..experiment import GRAPH, CompileView, field_values
-from ..step import fuse, loss_parts, make_eval_step, make_train_step, scalar_loss, slice_rows
+from ..step import (
+    fuse,
+    kept_if,
+    loss_parts,
+    make_eval_step,
+    make_train_step,
+    scalar_loss,
+    slice_rows,
+)
 from . import cache, explain
 from .fingerprint import fingerprint
 
@@ -472,12 +480,7 @@ def _frozen_when_stopped(one):
 
     def step(ts, batch, extras, hyper):
         new, out = one(ts, batch, extras, hyper)
-        keep = lambda a, b: jax.tree.map(lambda x, y: jnp.where(extras["active"], x, y), a, b)  # noqa: E731
-        # the step counter runs on with the run's (a resume restores it so)
-        frozen = {
-            k: keep(getattr(new, k), getattr(ts, k)) for k in ("params", "state", "opt_state")
-        }
-        return new.replace(**frozen), out
+        return kept_if(extras["active"], new, ts), out  # (its step counter runs on)
 
     return step
 
