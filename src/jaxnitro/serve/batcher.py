@@ -177,10 +177,11 @@ class Batcher:
                 continue
             await self._gather(loop)
             batch = self._take()
-            if batch:
-                await self._run(loop, batch)
-                await asyncio.sleep(0)  # let the answered requests respond (a quick call
-                # ran on the loop without yielding), and the next ones queue up
+            if batch and await self._run(loop, batch):
+                # the call ran here without yielding: let its requests respond and new
+                # ones queue up. (After a call in the worker, the next batch goes to the
+                # worker first, so it computes while those requests respond.)
+                await asyncio.sleep(0)
 
     async def _gather(self, loop: asyncio.AbstractEventLoop) -> None:
         """Wait until a full batch is queued or the oldest request's delay is up."""
@@ -221,7 +222,8 @@ class Batcher:
                 self._queue.popleft()
         return batch
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, batch) -> None:
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch) -> bool:
+        """Run one call for ``batch`` and answer its requests; True if it ran on the loop."""
         whole = [i for i, start, stop in batch if start == 0 and stop == i.rows]
         if len(batch) == 1 and whole:
             merged = batch[0][0].inputs
@@ -231,8 +233,9 @@ class Batcher:
                 for k in batch[0][0].inputs
             }
         rows = sum(stop - start for _, start, stop in batch)
+        inline = self.model.quick(rows)
         try:
-            if self.model.quick(rows):
+            if inline:
                 out, seconds = self._timed(merged)
             else:
                 out, seconds = await loop.run_in_executor(self.model.executor, self._timed, merged)
@@ -242,7 +245,7 @@ class Batcher:
                 if not item.future.done():
                     item.future.set_exception(error)
                 self._discard(item)
-            return
+            return inline
         self.on_batch(rows, seconds)
         offset = 0
         for item, start, stop in batch:
@@ -253,6 +256,7 @@ class Batcher:
                 if item.done == item.rows:
                     item.future.set_result(_join(item.pieces))
             offset += n
+        return inline
 
     def _discard(self, item: _Pending) -> None:
         try:
