@@ -33,7 +33,7 @@ import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
-from jaxnitro.serve import body, build_app, codec
+from jaxnitro.serve import body, build_app, codec, registry
 from jaxnitro.serve.codec import InferRequest
 from jaxnitro.serve.errors import InvalidRequest, PayloadTooLarge, Unavailable
 from jaxnitro.serve.metrics import parse as parse_metrics
@@ -284,12 +284,16 @@ class SizedDelayBundle(FakeBundle):
 
     def __call__(self, *, a, b):
         self.threads.append(threading.current_thread().name)
-        self.delay = 0.0 if len(a) == 1 else 0.05
+        self.delay = 0.0 if len(a) == 1 else 0.25
         return super().__call__(a=a, b=b)
 
 
 @pytest.mark.parametrize("max_batch_size", [None, 4])
-def test_quick_calls_run_on_the_event_loop_slow_ones_in_the_worker_in_order(max_batch_size):
+def test_quick_calls_run_on_the_event_loop_slow_ones_in_the_worker_in_order(
+    max_batch_size, monkeypatch
+):
+    # far from both call times, so a loaded machine cannot blur quick and slow
+    monkeypatch.setattr(registry, "INLINE_MAX_S", 0.1)
     fake = SizedDelayBundle()
     model = ServedModel(fake, bucket_cap=4, max_tensor_bytes=1 << 20)
     runtime = Runtime(
@@ -311,7 +315,7 @@ def test_quick_calls_run_on_the_event_loop_slow_ones_in_the_worker_in_order(max_
         del fake.calls[:], fake.threads[:]
         await batcher.submit(*inputs(1))  # quick: here, on the loop
         slow = asyncio.ensure_future(batcher.submit(*inputs(3)))  # slow: in the worker
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
         quick = asyncio.ensure_future(batcher.submit(*inputs(1)))  # queued behind it
         out = await quick
         assert slow.done()  # it did not overtake the slow call
