@@ -29,7 +29,7 @@ from .errors import InvalidRequest
 try:
     import orjson as _orjson
 except ImportError:  # pragma: no cover - only slower without it
-    _orjson = None
+    _orjson = None  # type: ignore[assignment]
 
 HEADER_LENGTH = "inference-header-content-length"
 _DIGITS = re.compile(r"[0-9]{1,19}")
@@ -287,7 +287,7 @@ def encode_response(
 ) -> tuple[bytes, dict[str, str]]:
     """(body, headers) of a REST inference response; ``binary`` says which outputs go binary."""
     entries = []
-    blobs: list[np.ndarray] = []
+    blobs: list[memoryview] = []
     for name, arr in outputs.items():
         entry: dict[str, Any] = {
             "name": name,
@@ -297,7 +297,8 @@ def encode_response(
         if binary[name]:
             # a view of the array's bytes (little-endian, contiguous): the join below is
             # the only copy of the output into the body
-            blob = np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).reshape(-1).view(np.uint8)
+            little = np.ascontiguousarray(arr, arr.dtype.newbyteorder("<"))
+            blob = little.reshape(-1).view(np.uint8).data
             entry["parameters"] = {"binary_data_size": blob.nbytes}
             blobs.append(blob)
         else:
