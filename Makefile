@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench bench-serve clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ $(VENV)/.bench: pyproject.toml | $(VENV)/bin/python
 BENCH_ARGS ?=
 bench: $(VENV)/.bench
 	$(PY) benchmarks/run.py --out runs/bench/bench.json $(BENCH_ARGS)
+
+# jaxnitro serve against a hand-written server, and the 10,000-request soak (about 5 minutes)
+bench-serve: $(VENV)/.dev
+	$(PY) benchmarks/serve.py --out runs/bench/serve.json $(BENCH_ARGS)
 
 # ruff (lint and format) everywhere; the type checker on the package only.
 LINT_PATHS := src tests examples benchmarks

@@ -130,6 +130,27 @@ def test_any_batch_size_runs_in_a_bounded_set_of_programs(trained):
     assert bundle.manifest["name"] == "tiny" and bundle.platforms == ("cpu", "cuda")
 
 
+def test_bundle_calls_from_many_threads_compile_each_size_once(trained):
+    from concurrent.futures import ThreadPoolExecutor
+
+    n, path = trained
+    bundle = jn.load_bundle(path, max_batch_size=8)
+    x, _ = make_data(8, seed=4)
+    expected = {k: jn.predict(n, {"x": x[:k]}) for k in range(1, 9)}
+    compiles = []
+    listener = lambda name, *a, **k: compiles.append(name)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda k: bundle(x[:k]), [*range(1, 9)] * 3))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    for k, out in zip([*range(1, 9)] * 3, outs, strict=True):
+        np.testing.assert_allclose(out, expected[k], atol=1e-5, rtol=1e-5)
+    assert bundle.compiled_batch_sizes == (1, 2, 4, 8)
+    assert compiles.count("/jax/core/compile/backend_compile_duration") == 4
+
+
 # -- inputs are validated --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def loaded(trained):

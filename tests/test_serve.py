@@ -14,6 +14,7 @@ import asyncio
 import gzip
 import http.client
 import json
+import math
 import os
 import re
 import signal
@@ -32,7 +33,8 @@ import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
-from jaxnitro.serve import body, build_app, codec
+from jaxnitro.serve import body, build_app, codec, registry
+from jaxnitro.serve.codec import InferRequest
 from jaxnitro.serve.errors import InvalidRequest, PayloadTooLarge, Unavailable
 from jaxnitro.serve.metrics import parse as parse_metrics
 from jaxnitro.serve.registry import Registry, ServedModel
@@ -235,6 +237,97 @@ def test_batcher_merges_splits_isolates_and_bounds_its_queue():
     asyncio.run(main())
     assert sum(fake.calls) == sum(sizes) and max(fake.calls) <= 8
     assert len(fake.calls) < len(sizes)  # requests were merged
+
+
+def test_json_is_read_fast_and_exactly_as_the_json_module_reads_it(monkeypatch):
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) / 7
+    doc = {"id": "r1", "inputs": [{"name": "a", "datatype": "FP32", "shape": [2, 3]}]}
+    doc["inputs"][0]["data"] = x.ravel().tolist()
+    data = json.dumps(doc).encode()
+    fast = codec.parse_request(data, None)
+    monkeypatch.setattr(codec, "_orjson", None)  # what a server without orjson does
+    assert codec.parse_request(data, None) == fast and fast.id == "r1"
+    monkeypatch.undo()
+    np.testing.assert_array_equal(np.asarray(fast.inputs[0].data, np.float32), x.ravel())
+    # what orjson refuses, the json module decides: NaN and Infinity are read...
+    nan = b'{"inputs": [{"name": "a", "datatype": "FP32", "shape": [2], "data": [NaN, Infinity]}]}'
+    assert codec._fast_loads(nan) is None
+    values = codec.parse_request(nan, None).inputs[0].data
+    assert math.isnan(values[0]) and values[1] == math.inf
+    # ...and a malformed body gets the json module's message
+    with pytest.raises(InvalidRequest, match="failed to parse the request JSON: Expecting"):
+        codec.parse_request(b'{"inputs": [1,]}', None)
+
+
+def test_binary_outputs_are_written_whole_from_any_layout():
+    strided = np.arange(24, dtype=np.float32).reshape(3, 8)[:, ::3]  # not contiguous
+    rows = np.arange(6, dtype=np.int32)[::-1]  # negative strides
+    request = InferRequest(inputs=(), binary_output=True)
+    content, headers = codec.encode_response(
+        model="m",
+        version="1",
+        request=request,
+        outputs={"y": strided, "z": rows},
+        binary={"y": True, "z": True},
+    )
+    out = _split_binary_response(content, int(headers["inference-header-content-length"]))
+    np.testing.assert_array_equal(out["y"], strided)
+    np.testing.assert_array_equal(out["z"], rows)
+
+
+class SizedDelayBundle(FakeBundle):
+    """Calls of one row are quick; of more rows, slow. Records each call's thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads: list[str] = []
+
+    def __call__(self, *, a, b):
+        self.threads.append(threading.current_thread().name)
+        self.delay = 0.0 if len(a) == 1 else 0.25
+        return super().__call__(a=a, b=b)
+
+
+@pytest.mark.parametrize("max_batch_size", [None, 4])
+def test_quick_calls_run_on_the_event_loop_slow_ones_in_the_worker_in_order(
+    max_batch_size, monkeypatch
+):
+    # far from both call times, so a loaded machine cannot blur quick and slow
+    monkeypatch.setattr(registry, "INLINE_MAX_S", 0.1)
+    fake = SizedDelayBundle()
+    model = ServedModel(fake, bucket_cap=4, max_tensor_bytes=1 << 20)
+    runtime = Runtime(
+        Registry([model]),
+        max_batch_size=max_batch_size,
+        max_batch_delay_ms=0,
+        max_body_bytes=1 << 20,
+        max_queue_size=8,
+    )
+
+    def inputs(rows):
+        return {"a": np.ones((rows, 3), np.float32), "b": np.arange(rows, dtype=np.int32)}, rows
+
+    async def main():
+        runtime.start()
+        await runtime.warm_up()  # times every bucket: 1 is quick, 2 and 4 are not
+        assert model.quick(1) and not model.quick(2) and not model.quick(5)
+        batcher = runtime.batchers["fake"]
+        del fake.calls[:], fake.threads[:]
+        await batcher.submit(*inputs(1))  # quick: here, on the loop
+        slow = asyncio.ensure_future(batcher.submit(*inputs(3)))  # slow: in the worker
+        await asyncio.sleep(0.05)
+        quick = asyncio.ensure_future(batcher.submit(*inputs(1)))  # queued behind it
+        out = await quick
+        assert slow.done()  # it did not overtake the slow call
+        np.testing.assert_array_equal(out["total"], [3.0])
+        np.testing.assert_array_equal((await slow)["total"], [3.0, 4.0, 5.0])
+        await runtime.close()
+
+    asyncio.run(main())
+    loop_thread = threading.current_thread().name
+    assert fake.calls == [1, 3, 1]
+    assert fake.threads[0] == loop_thread
+    assert fake.threads[1].startswith("jaxnitro-serve-fake")
 
 
 # -- the real thing, in a subprocess ------------------------------------------------------------

@@ -21,6 +21,7 @@ from jax import export
 
 from ..errors import BundleError, BundleInputError, did_you_mean
 from . import compat
+from .executable import Executable
 from .format import PROGRAM, WEIGHTS, TensorSpec
 from .inputs import as_input, batch_size, bucket, signature
 from .manifest import read_files, read_manifest
@@ -168,9 +169,8 @@ class Bundle:
             )
         self._exported = exported
         self._cap = max_batch_size
-        self._weights = jax.device_put(weights)
-        self._call = jax.jit(exported.call)
-        self._sizes: set[int] = set()
+        specs = {k: (v.dtype, v.shape) for k, v in self._inputs.items()}
+        self._program = Executable(exported, weights, specs)
 
     # -- what it is ---------------------------------------------------------------------------
     @property
@@ -196,7 +196,7 @@ class Bundle:
     @property
     def compiled_batch_sizes(self) -> tuple[int, ...]:
         """The padded batch sizes run so far: one compiled program each."""
-        return tuple(sorted(self._sizes))
+        return self._program.sizes
 
     def __repr__(self) -> str:
         sig = ", ".join(f"{k}: {signature(v)}" for k, v in self._inputs.items())
@@ -208,17 +208,19 @@ class Bundle:
         """Outputs for a batch: a numpy array when the model has one output, else a dict."""
         inputs = self._bind(args, named)
         size = batch_size(inputs)
-        pieces = [
-            self._run({k: v[i : i + self._cap] for k, v in inputs.items()})
-            for i in range(0, size, self._cap)
-        ]
-        out = {
-            k: pieces[0][k] if len(pieces) == 1 else np.concatenate([p[k] for p in pieces])
-            for k in self._outputs
-        }
+        if size <= self._cap:
+            out = self._run(inputs, size)
+        else:
+            pieces = [
+                self._run({k: v[i : i + self._cap] for k, v in inputs.items()}, None)
+                for i in range(0, size, self._cap)
+            ]
+            out = {k: np.concatenate([p[k] for p in pieces]) for k in self._outputs}
         return next(iter(out.values())) if len(out) == 1 else out
 
     def _bind(self, args: tuple, named: dict) -> dict[str, np.ndarray]:
+        if not args and named.keys() == self._inputs.keys():  # by name, all there: the fast path
+            return {k: as_input(k, named[k], spec) for k, spec in self._inputs.items()}
         names = list(self._inputs)
         if args and named:
             raise BundleInputError(
@@ -245,15 +247,19 @@ class Bundle:
             )
         return {k: as_input(k, named[k], self._inputs[k]) for k in names}
 
-    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        size = batch_size(inputs)
+    def _run(self, inputs: dict[str, np.ndarray], size: int | None) -> dict[str, np.ndarray]:
+        if size is None:
+            size = batch_size(inputs)
         target = bucket(size, self._cap)
+        arrays = [inputs[k] for k in self._program.input_names]
         if target > size:  # repeat the last row: real values, no NaN from zeros
             pad = target - size
-            inputs = {k: np.concatenate([v, np.repeat(v[-1:], pad, 0)]) for k, v in inputs.items()}
+            arrays = [np.concatenate([v, np.repeat(v[-1:], pad, 0)]) for v in arrays]
         try:
-            out = self._call(self._weights, inputs)
+            results = self._program.run(target, arrays)
         except ValueError as e:
             raise BundleError(f"running bundle {self._root} on batch {target}: {e}") from e
-        self._sizes.add(target)
-        return {k: np.asarray(jax.device_get(out[k]))[:size] for k in self._outputs}
+        fetched = dict(zip(self._program.output_names, results, strict=True))
+        if target > size:
+            return {k: np.asarray(fetched[k])[:size] for k in self._outputs}
+        return {k: np.asarray(fetched[k]) for k in self._outputs}

@@ -13,7 +13,9 @@ from .format import TensorSpec
 
 def as_input(name: str, value: Any, spec: TensorSpec) -> np.ndarray:
     """``value`` as a host array of the spec's dtype and shape, or an error naming both."""
-    expected = signature(spec)
+    if type(value) is np.ndarray and value.dtype == spec.dtype and value.shape[1:] == spec.shape:
+        if value.ndim == 1 + len(spec.shape) and value.shape[0] >= 1:  # the common case, fast
+            return value
     if hasattr(value, "dtype") and hasattr(value, "shape"):
         arr = np.asarray(value)
         if arr.dtype != spec.dtype:
@@ -25,14 +27,14 @@ def as_input(name: str, value: Any, spec: TensorSpec) -> np.ndarray:
         arr = np.asarray(value)
         if arr.dtype.kind not in _KINDS.get(spec.dtype.kind, spec.dtype.kind):
             raise BundleInputError(
-                f"input {name!r}: expected {expected}, got {arr.dtype} values; pass "
+                f"input {name!r}: expected {signature(spec)}, got {arr.dtype} values; pass "
                 f"np.asarray(..., dtype={_dtype_code(spec.dtype)})."
             )
         arr = arr.astype(spec.dtype)
     if arr.ndim != 1 + len(spec.shape) or arr.shape[1:] != spec.shape:
         hint = " Add the batch dimension: x[None]." if arr.shape == spec.shape else ""
         raise BundleInputError(
-            f"input {name!r}: expected shape {expected} (any batch >= 1), got "
+            f"input {name!r}: expected shape {signature(spec)} (any batch >= 1), got "
             f"{list(arr.shape)}.{hint}"
         )
     if arr.shape[0] < 1:

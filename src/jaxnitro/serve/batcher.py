@@ -5,10 +5,13 @@ oldest request, waits at most ``max_delay_s`` for more to arrive (none by defaul
 whatever is queued now), then merges requests, counting rows, up to ``max_batch_size``
 rows; a request that does not fit waits for the next call, one larger than
 ``max_batch_size`` is split across calls. The merged batch runs in the model's worker
-thread (the event loop stays free); the bundle pads it to a bucket size compiled at
-start-up, and each request gets its own rows back. With ``max_batch_size=None`` nothing is
-merged: each request goes straight to the worker thread's own FIFO (no dispatcher hop
-between calls), and runs alone, in arrival order; the queue bound still holds.
+thread (the event loop stays free), or on the event loop itself when calls of its size are
+known to be quick (`ServedModel.quick`: the hop to the thread and back would cost the loop
+more than the call); the bundle pads it to a bucket size compiled at start-up, and each
+request gets its own rows back. With ``max_batch_size=None`` nothing is merged: each
+request goes straight to the worker thread's own FIFO (no dispatcher hop between calls),
+or, when nothing is ahead of it and its call is quick, runs at once on the loop; either
+way requests run alone, in arrival order, and the queue bound holds.
 
 Requests arrive here already validated (`ServedModel.prepare`), so one bad request never
 fails the others it would have shared a call with.
@@ -124,6 +127,8 @@ class Batcher:
     # -- no batching: straight to the worker ---------------------------------------------------
     async def _alone_call(self, inputs: dict[str, np.ndarray], rows: int) -> dict:
         assert self._idle is not None
+        if not self._alone and self.model.quick(rows):
+            return self._inline(inputs, rows)  # nothing ahead of it: its turn is now
         loop = asyncio.get_running_loop()
         self._alone += 1
         self._alone_rows += rows
@@ -139,6 +144,17 @@ class Batcher:
             self._alone_rows -= rows
             if not self._alone:
                 self._idle.set()
+        self.on_batch(rows, seconds)
+        return out
+
+    def _inline(self, inputs: dict[str, np.ndarray], rows: int) -> dict:
+        """A quick call run here, on the event loop (see `INLINE_MAX_S`)."""
+        try:
+            out, seconds = self._timed(inputs)
+        except ServeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to this request alone
+            raise _internal(self.model.name, e) from e
         self.on_batch(rows, seconds)
         return out
 
@@ -161,8 +177,11 @@ class Batcher:
                 continue
             await self._gather(loop)
             batch = self._take()
-            if batch:
-                await self._run(loop, batch)
+            if batch and await self._run(loop, batch):
+                # the call ran here without yielding: let its requests respond and new
+                # ones queue up. (After a call in the worker, the next batch goes to the
+                # worker first, so it computes while those requests respond.)
+                await asyncio.sleep(0)
 
     async def _gather(self, loop: asyncio.AbstractEventLoop) -> None:
         """Wait until a full batch is queued or the oldest request's delay is up."""
@@ -203,7 +222,8 @@ class Batcher:
                 self._queue.popleft()
         return batch
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, batch) -> None:
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch) -> bool:
+        """Run one call for ``batch`` and answer its requests; True if it ran on the loop."""
         whole = [i for i, start, stop in batch if start == 0 and stop == i.rows]
         if len(batch) == 1 and whole:
             merged = batch[0][0].inputs
@@ -213,15 +233,19 @@ class Batcher:
                 for k in batch[0][0].inputs
             }
         rows = sum(stop - start for _, start, stop in batch)
+        inline = self.model.quick(rows)
         try:
-            out, seconds = await loop.run_in_executor(self.model.executor, self._timed, merged)
+            if inline:
+                out, seconds = self._timed(merged)
+            else:
+                out, seconds = await loop.run_in_executor(self.model.executor, self._timed, merged)
         except Exception as e:  # noqa: BLE001 - every request of the call gets the error
             error = e if isinstance(e, ServeError) else _internal(self.model.name, e)
             for item, _, _ in batch:
                 if not item.future.done():
                     item.future.set_exception(error)
                 self._discard(item)
-            return
+            return inline
         self.on_batch(rows, seconds)
         offset = 0
         for item, start, stop in batch:
@@ -232,6 +256,7 @@ class Batcher:
                 if item.done == item.rows:
                     item.future.set_result(_join(item.pieces))
             offset += n
+        return inline
 
     def _discard(self, item: _Pending) -> None:
         try:

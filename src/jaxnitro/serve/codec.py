@@ -26,6 +26,11 @@ import numpy as np
 from . import tensors
 from .errors import InvalidRequest
 
+try:
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - only slower without it
+    _orjson = None  # type: ignore[assignment]
+
 HEADER_LENGTH = "inference-header-content-length"
 _DIGITS = re.compile(r"[0-9]{1,19}")
 
@@ -106,17 +111,38 @@ def _header_length(value: str, body_size: int) -> int:
 
 
 def _json_object(data: bytes | memoryview) -> dict:
-    try:
-        doc = json.loads(bytes(data))
-    except RecursionError:
-        raise InvalidRequest("the request JSON is nested too deeply.") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise InvalidRequest(f"failed to parse the request JSON: {e}.") from None
+    doc = _fast_loads(data)
+    if doc is None:
+        doc = _loads(data)
     if not isinstance(doc, dict):
         raise InvalidRequest(
             f"the request JSON must be an object {{'inputs': [...]}}, got {type(doc).__name__}."
         )
     return doc
+
+
+def _fast_loads(data: bytes | memoryview) -> Any:
+    """The document, parsed by orjson when it is installed (the `serve` extra has it): it
+    reads numbers about ten times faster than the json module, which makes JSON tensors
+    cheap. None when orjson is missing or refuses the document (NaN, Infinity, a byte-order
+    mark, UTF-16, a lone surrogate, deep nesting): the json module then decides, so what is
+    accepted, and every error message, stays the json module's. One difference: orjson
+    reads an integer beyond 64 bits as a float."""
+    if _orjson is None:
+        return None
+    try:
+        return _orjson.loads(data)
+    except _orjson.JSONDecodeError:
+        return None
+
+
+def _loads(data: bytes | memoryview) -> Any:
+    try:
+        return json.loads(bytes(data))
+    except RecursionError:
+        raise InvalidRequest("the request JSON is nested too deeply.") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise InvalidRequest(f"failed to parse the request JSON: {e}.") from None
 
 
 def _after_json(body: bytes) -> int:
@@ -261,7 +287,7 @@ def encode_response(
 ) -> tuple[bytes, dict[str, str]]:
     """(body, headers) of a REST inference response; ``binary`` says which outputs go binary."""
     entries = []
-    blobs = []
+    blobs: list[memoryview] = []
     for name, arr in outputs.items():
         entry: dict[str, Any] = {
             "name": name,
@@ -269,8 +295,11 @@ def encode_response(
             "shape": list(arr.shape),
         }
         if binary[name]:
-            blob = np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()
-            entry["parameters"] = {"binary_data_size": len(blob)}
+            # a view of the array's bytes (little-endian, contiguous): the join below is
+            # the only copy of the output into the body
+            little = np.ascontiguousarray(arr, arr.dtype.newbyteorder("<"))
+            blob = little.reshape(-1).view(np.uint8).data
+            entry["parameters"] = {"binary_data_size": blob.nbytes}
             blobs.append(blob)
         else:
             entry["data"] = arr.reshape(-1).tolist()

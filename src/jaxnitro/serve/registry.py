@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +26,11 @@ from .errors import InvalidRequest, NotFound, Unavailable
 #: own default); a larger request runs in pieces of this size.
 DEFAULT_BUCKET_CAP = 256
 PLATFORM = "jax"
+#: A model call known to take at most this long runs on the event loop, not in the model's
+#: worker thread: handing a call to the thread and back costs the loop about 0.1-0.2 ms
+#: (two wake-ups and a GIL hand-off), as much as a small model's whole call, while blocking
+#: the loop this long delays nothing noticeably (the hand-written server runs every call so).
+INLINE_MAX_S = 1e-3
 
 
 class Servable(Protocol):
@@ -66,6 +73,8 @@ class ServedModel:
         self.max_tensor_bytes = max_tensor_bytes
         self.ready = False
         self._compiled: tuple[int, ...] = ()
+        self._buckets = self.bucket_sizes()
+        self._seconds: dict[int, float] = {}  # bucket -> the latest call's time
         for kind, specs in (("input", self.inputs), ("output", self.outputs)):
             for key, spec in specs.items():
                 if tensors.datatype_of(spec.dtype) is None:
@@ -121,17 +130,34 @@ class ServedModel:
             b *= 2
         return [*sizes, self.bucket_cap]
 
-    # -- running it (in the model's worker thread) -------------------------------------------
+    # -- running it (in the model's worker thread, or on the event loop when quick) -----------
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = next(iter(inputs.values())).shape[0]
+        started = time.perf_counter()
         out = self.bundle(**inputs)
         self._compiled = tuple(getattr(self.bundle, "compiled_batch_sizes", ()))
         if not isinstance(out, Mapping):
             out = {next(iter(self.outputs)): out}
         # the manifest's dtype, which the metadata announced (a bundle returns it already)
-        return {k: np.asarray(out[k]).astype(v.dtype, copy=False) for k, v in self.outputs.items()}
+        out = {k: np.asarray(out[k]).astype(v.dtype, copy=False) for k, v in self.outputs.items()}
+        if rows <= self.bucket_cap:  # the latest time of a call padded to this bucket
+            self._seconds[self._bucket(rows)] = time.perf_counter() - started
+        return out
+
+    def quick(self, rows: int) -> bool:
+        """Whether a call on ``rows`` rows is known to take at most `INLINE_MAX_S` (its
+        bucket's latest call did), so it may run on the event loop."""
+        if rows > self.bucket_cap:
+            return False
+        return self._seconds.get(self._bucket(rows), math.inf) <= INLINE_MAX_S
+
+    def _bucket(self, rows: int) -> int:
+        return next(b for b in self._buckets if b >= rows)
 
     def warm_up(self) -> None:
-        """Run every bucket size once, so no request waits for a compile."""
+        """Run every bucket size once, so no request waits for a compile. (That call's time
+        includes the compile, so the first request of each size runs in the worker thread,
+        and its time says whether the next ones are `quick`.)"""
         for size in self.bucket_sizes():
             self.run(
                 {k: np.zeros((size, *spec.shape), spec.dtype) for k, spec in self.inputs.items()}

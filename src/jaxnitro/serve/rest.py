@@ -49,16 +49,18 @@ def error_response(e: ServeError) -> Response:
 def create_app(runtime: Runtime, *, lifespan=None) -> Starlette:
     """The app serving ``runtime``'s models (its batchers must run in the app's loop)."""
     api = _Api(runtime)
-    routes = [
+    # the router tries routes in order: inference first, it is nearly every request
+    prefixes = ("/v2/models/{name}", "/v2/models/{name}/versions/{version}")
+    routes = [Route(prefix + "/infer", api.infer, methods=["POST"]) for prefix in prefixes]
+    routes += [
         Route("/v2", api.server_metadata, methods=["GET"]),
         Route("/v2/health/live", api.live, methods=["GET"]),
         Route("/v2/health/ready", api.ready, methods=["GET"]),
     ]
-    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+    for prefix in prefixes:
         routes += [
             Route(prefix, api.model_metadata, methods=["GET"]),
             Route(prefix + "/ready", api.model_ready, methods=["GET"]),
-            Route(prefix + "/infer", api.infer, methods=["POST"]),
         ]
     routes.append(Route("/metrics", api.metrics, methods=["GET"]))
     return Starlette(
