@@ -1,0 +1,195 @@
+"""Many processes: `jn.distributed.initialize`, `jaxnitro launch`, and runs of 2 localhost
+processes (gloo) that must match one process with as many devices."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import jaxnitro as jn
+from jaxnitro import launcher
+from jaxnitro.distributed import resolve_args
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---------------------------------------------------------------- arguments, no processes
+def test_initialize_reads_the_launchers_variables_and_the_arguments_win(monkeypatch):
+    monkeypatch.setenv("JAXNITRO_COORDINATOR", "10.0.0.1:1234")
+    monkeypatch.setenv("JAXNITRO_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAXNITRO_PROCESS_ID", "3")
+    monkeypatch.setenv("JAXNITRO_LOCAL_DEVICE_IDS", "0,1")
+    assert resolve_args(None, None, None, None) == {
+        "coordinator_address": "10.0.0.1:1234",
+        "num_processes": 4,
+        "process_id": 3,
+        "local_device_ids": [0, 1],
+    }
+    got = resolve_args("host:99", 2, 0, None)
+    assert (got["coordinator_address"], got["num_processes"], got["process_id"]) == (
+        "host:99",
+        2,
+        0,
+    )
+
+
+def test_initialize_leaves_unset_arguments_to_jaxs_cluster_detection(monkeypatch):
+    for name in ("COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "LOCAL_DEVICE_IDS"):
+        monkeypatch.delenv(f"JAXNITRO_{name}", raising=False)
+    assert set(resolve_args(None, None, None, None).values()) == {None}
+
+
+def test_bad_distributed_arguments_name_the_fix(monkeypatch):
+    with pytest.raises(jn.ConfigError, match=r"process_id=2 with num_processes=2: ids run from 0"):
+        resolve_args("h:1", 2, 2, None)
+    with pytest.raises(jn.ConfigError, match=r"has no port; give host:port"):
+        resolve_args("localhost", 2, 0, None)
+    monkeypatch.setenv("JAXNITRO_NUM_PROCESSES", "two")
+    with pytest.raises(jn.ConfigError, match=r"\$JAXNITRO_NUM_PROCESSES='two' is not an integer"):
+        resolve_args(None, None, None, None)
+
+
+def test_initialize_after_jax_started_says_to_call_it_first():
+    import jax
+
+    jax.devices()  # this test process has started its backend
+    with pytest.raises(jn.ConfigError, match=r"must run before JAX starts its backends"):
+        jn.distributed.initialize("localhost:1", 2, 0)
+    assert not jn.distributed.is_initialized()
+
+
+def test_one_process_exchanges_are_local():
+    assert jn.distributed.broadcast("x", {"a": 1}) == {"a": 1}
+    jn.distributed.barrier("nothing to wait for")
+    jn.distributed.check_same("shape", [1, 2], what="the shape", fix="")
+
+
+# ---------------------------------------------------------------- the launcher's pieces
+def test_each_rank_gets_its_environment_and_one_device_count():
+    env = launcher.rank_env(
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --other"},
+        rank=1,
+        nproc=2,
+        coordinator="127.0.0.1:5",
+        devices_per_process=2,
+    )
+    assert env["JAXNITRO_COORDINATOR"] == "127.0.0.1:5"
+    assert (env["JAXNITRO_NUM_PROCESSES"], env["JAXNITRO_PROCESS_ID"]) == ("2", "1")
+    assert env["XLA_FLAGS"] == "--other --xla_force_host_platform_device_count=2"
+    assert env["JAX_PLATFORMS"] == "cpu"
+    plain = launcher.rank_env({}, rank=0, nproc=1, coordinator="h:1", devices_per_process=None)
+    assert "XLA_FLAGS" not in plain and "JAX_PLATFORMS" not in plain
+
+
+def test_statuses_are_said_in_words():
+    assert launcher.describe_status(-9) == "was killed by SIGKILL"
+    assert "preempted" in launcher.describe_status(143)
+    assert launcher.describe_status(1) == "exited with status 1"
+    assert launcher.exit_status(-9) == 137 and launcher.exit_status(3) == 3
+
+
+def test_free_ports_are_free():
+    import socket
+
+    port = launcher.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_launch_refuses_what_it_cannot_run(tmp_path):
+    from click.testing import CliRunner
+
+    from jaxnitro.cli import cli
+
+    runner = CliRunner()
+    got = runner.invoke(cli, ["launch", "--nproc", "2", str(tmp_path / "nope.py")])
+    assert got.exit_code == 2 and "no such script" in got.output
+    got = runner.invoke(cli, ["launch", "--nproc", "0", "x.py"])
+    assert got.exit_code == 2 and "--nproc" in got.output
+    got = runner.invoke(cli, ["launch", "x.py"])
+    assert got.exit_code == 2 and "--nproc" in got.output
+    with pytest.raises(jn.ConfigError, match="not a module name"):
+        launcher.command("a b", [], module=True)
+    with pytest.raises(jn.ConfigError, match="at least 1"):
+        launcher.Launch(["true"], 0)
+
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / "rank.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_launch_prefixes_output_passes_args_and_exits_with_the_first_failure(tmp_path):
+    script = _script(
+        tmp_path,
+        """
+        import os, sys, time
+        rank = int(os.environ["JAXNITRO_PROCESS_ID"])
+        print("args", sys.argv[1:], "of", os.environ["JAXNITRO_NUM_PROCESSES"])
+        print("warn", file=sys.stderr)
+        if rank == 1:
+            time.sleep(1.5); sys.exit(3)
+        time.sleep(30)   # the launcher must stop this rank, not wait for it
+        """,
+    )
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.monotonic()
+    run = launcher.Launch([sys.executable, script, "--x", "1"], 3, kill_timeout=2, out=out, err=err)
+    outcome = run.run()
+    assert time.monotonic() - t0 < 20
+    assert outcome.status == 3 and outcome.rank == 1
+    assert "rank 1 failed first: it exited with status 3" in outcome.message
+    lines = out.getvalue().splitlines()
+    assert sorted(lines) == [f"[rank {r}] args ['--x', '1'] of 3" for r in range(3)]
+    assert "[rank 2] warn" in err.getvalue()
+    assert "rank 1 exited with status 3; stopping the others" in err.getvalue()
+
+
+def test_launch_names_a_rank_killed_by_a_signal(tmp_path):
+    script = _script(
+        tmp_path,
+        """
+        import os, signal, time
+        if os.environ["JAXNITRO_PROCESS_ID"] == "0":
+            time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+        """,
+    )
+    outcome = launcher.Launch([sys.executable, script], 2, kill_timeout=2, err=io.StringIO()).run()
+    assert outcome.status == 137 and outcome.rank == 0
+    assert "rank 0 failed first: it was killed by SIGKILL" in outcome.message
+
+
+def test_launch_forwards_sigterm_to_every_rank(tmp_path):
+    script = _script(
+        tmp_path,
+        """
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, lambda s, f: (print("got TERM"), sys.exit(143)))
+        print("ready")
+        time.sleep(30)
+        """,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxnitro", "launch", "--nproc", "2", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+    seen = 0
+    while seen < 2:  # both ranks installed their handler
+        seen += "ready" in proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143
+    assert "[rank 0] got TERM" in out and "[rank 1] got TERM" in out
