@@ -14,7 +14,12 @@ modules) without Orbax knowing the custom nodes, and ``load_checkpoint`` rebuild
 with the caller's template treedef. No pickle anywhere: arrays go through Orbax, the rest JSON.
 Nothing read from disk is trusted: meta.json is validated and hashed, manifest rows must name
 plain entries of the directory, and arrays are read only in the shapes meta.json records.
-Scope: single-process saving on POSIX; leaves are copied to host memory (numpy) first.
+Scope: POSIX; leaves are copied to host memory (numpy) first. With several processes
+(`jax.distributed`) every process calls `save` together: arrays split over processes are
+gathered (`multihost_utils.process_allgather`), so the checksums cover whole arrays exactly
+as in one process, and process 0 alone writes the checkpoint and the manifest (the directory
+must be on a filesystem every process sees); the others read it. Restoring places each
+process's part of every array straight from the file (no cross-process transfer).
 """
 
 from __future__ import annotations
@@ -369,7 +374,29 @@ def _like(template_leaf: Any, arr: np.ndarray, spec: dict) -> Any:
     if spec["prng_impl"] and _is_prng_key(template_leaf):  # (wrap_key_data takes numpy too)
         value = jax.random.wrap_key_data(value, impl=spec["prng_impl"])
     sharding = getattr(template_leaf, "sharding", None)  # honour the caller's placement
-    return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
+    if sharding is None:
+        return jnp.asarray(value)
+    if not sharding.is_fully_addressable:  # several processes: each places its own part
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.device_put(value, sharding)
+
+
+def _gathered(trees: dict[str, Any]) -> dict[str, Any]:
+    """Every array that is split over processes, whole on every process (a collective: all
+    processes call this with the same trees, in the same order)."""
+    from jax.experimental import multihost_utils
+
+    def whole(leaf: Any) -> Any:
+        if (
+            isinstance(leaf, jax.Array)
+            and not leaf.is_fully_addressable
+            and not leaf.is_fully_replicated
+        ):
+            return multihost_utils.process_allgather(leaf, tiled=True)
+        return leaf
+
+    return {name: jax.tree.map(whole, tree) for name, tree in trees.items()}
 
 
 def _check_template(ckpt: Path, name: str, template: Any, leaves: list[dict]) -> None:
@@ -412,8 +439,23 @@ def _assemble(template: Any, stored: dict[str, tuple]) -> Any:
 def _orbax():
     import orbax.checkpoint as ocp  # deferred: importing Orbax is slow
 
-    handler = ocp.StandardCheckpointHandler()
-    return ocp, handler, ocp.Checkpointer(handler)  # synchronous on purpose
+    only = _this_process(ocp)
+    handler = ocp.StandardCheckpointHandler(**only)
+    return ocp, handler, ocp.Checkpointer(handler, **only)  # synchronous on purpose
+
+
+def _this_process(ocp: Any) -> dict:
+    """Orbax options for a write or read by this process alone. With several processes
+    Orbax would otherwise wait for the others at its barriers: here the arrays are whole
+    numpy copies, written by process 0 and read by each process on its own."""
+    if jax.process_count() == 1:
+        return {}
+    me = jax.process_index()
+    return {
+        "multiprocessing_options": ocp.options.MultiprocessingOptions(
+            primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"jaxnitro-p{me}"
+        )
+    }
 
 
 def _orbax_layout(handler: Any, where: Path) -> dict:
@@ -446,7 +488,8 @@ def _verify_written(ocp: Any, handler: Any, where: Path, item: dict) -> None:
     if got != want:
         raise _Unverified(f"the arrays did not read back as written ({_layout_diff(want, got)})")
     t, k = min(((t, k) for t in item for k in item[t]), key=lambda tk: item[tk[0]][tk[1]].nbytes)
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+    only = _this_process(ocp)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**only), **only) as reader:
         back = reader.restore(
             where,
             args=ocp.args.PyTreeRestore(
@@ -1044,7 +1087,7 @@ class TopKCheckpointer:
             raise CheckpointError(
                 f"checkpoint directory {d} exists as a file; remove it or pass dir="
             )
-        if not writer:
+        if not writer or jax.process_index() != 0:  # with several processes 0 writes
             self._bound, self._writer = True, False
             return
         _prepare_dir(d)
@@ -1095,12 +1138,31 @@ class TopKCheckpointer:
     ) -> Path:
         """Write one checkpoint durably, then list it in the manifest, then apply retention.
 
+        With several processes every process calls it (the arrays are gathered together);
+        process 0 writes, and every process returns the path once the write is complete.
+
         Example:
             >>> path = ck.save(epoch=1, step=100, metrics={"acc": 0.91},
             ...                trees={"params": {"w": np.ones(3)}}, meta={"note": "warmup"})
             >>> path.name
             'epoch-0001-step-000100-acc=0.91'
         """
+        if jax.process_count() > 1:
+            from . import distributed
+
+            whole = _gathered(trees)
+            name = distributed.decided_by_process_zero(
+                "checkpoint",
+                lambda: self._save(
+                    epoch=epoch, step=step, metrics=metrics, trees=whole, meta=meta
+                ).name,
+            )
+            return self._root() / name
+        return self._save(epoch=epoch, step=step, metrics=metrics, trees=trees, meta=meta)
+
+    def _save(
+        self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any], meta: dict
+    ) -> Path:
         root = self._root()
         if not self._writer:
             raise CheckpointError(

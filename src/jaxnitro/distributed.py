@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -256,6 +256,26 @@ def broadcast(name: str, value: Any = None) -> Any:
         return json.loads(client.blocking_key_value_get(key, timeout_ms()))
     except Exception as e:  # noqa: BLE001
         raise _waited(f"process {jax.process_index()} waited for process 0's {name!r}", e) from e
+
+
+def decided_by_process_zero(name: str, decide: Callable[[], Any]) -> Any:
+    """`decide()` run on process 0 only, its JSON-able result sent to every process. An error
+    there is raised on every process (the others' as a `DistributedError` quoting it), so no
+    process waits for an answer that never comes."""
+    if jax.process_count() == 1:
+        return decide()
+    if jax.process_index() == 0:
+        try:
+            value = decide()
+        except BaseException as e:
+            broadcast(name, {"error": f"{type(e).__name__}: {e}"})
+            raise
+        broadcast(name, {"value": value})
+        return value
+    got = broadcast(name)
+    if "error" in got:
+        raise DistributedError(f"process 0 failed ({name}): {got['error']}")
+    return got["value"]
 
 
 def gather(name: str, value: Any) -> list[Any]:

@@ -19,6 +19,7 @@ from . import metrics as metrics_mod
 from .compile.programs import check_stale, eval_metric_shapes, eval_program
 from .errors import ConfigError, DataError, did_you_mean
 from .events.phases import set_phase
+from .sharding import to_sharding
 
 
 def check_split(n, split: str) -> None:
@@ -38,9 +39,9 @@ def run_eval(n, split: str) -> dict[str, Any]:
     bs = spec.split_specs[split].batch_size
     ts, extras = n.train_state, n.device.extras
     stream = data_mod.Prefetcher(iter(spec.splits[split]), feed.eval_prepare(spec, split, bs))
-    totals = jax.device_put(
+    totals = jax.tree.map(
+        lambda x: to_sharding(x, spec.replicated),
         metrics_mod.zeros_like_totals(eval_metric_shapes(spec, ts, split, extras)),
-        spec.replicated,
     )
     progs: dict = {}
     try:
@@ -49,6 +50,12 @@ def run_eval(n, split: str) -> dict[str, Any]:
                 raise DataError(
                     f"a {split!r} batch has {size} rows, more than the first batch's {bs}; "
                     f"batches of a split share one size (the last may be shorter)."
+                )
+            if size != bs and spec.dist.process_count > 1:
+                raise DataError(
+                    f"a {split!r} batch has {size} rows, not {bs}: with several processes "
+                    f"every batch must be full (a short one would be padded and masked per "
+                    f"process). Give each process a share that its batch size divides."
                 )
             n_valid = None if size == bs else size
             prog = progs.get(n_valid)

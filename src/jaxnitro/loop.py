@@ -31,7 +31,7 @@ from .errors import DataError, NonFiniteLossError
 from .evaluation import is_scalar, run_eval
 from .events import steps as step_events
 from .events.phases import set_phase
-from .events.signals import Preempted, graceful_stop
+from .events.signals import Preempted, PreemptionSync, graceful_stop
 from .experiment import graph_key
 from .history import History
 from .introspect import peak_memory
@@ -245,9 +245,11 @@ class _Epoch:
 
     def _steps(self, stream, total: int | None) -> None:
         control, cadence = self.n.services.control, self.cadence.active
+        sync = PreemptionSync(control)  # several processes: one stop step for all
         for payloads, _, _ in stream:
             for dev_batch, hyper, steps in payloads:
                 self._dispatch(dev_batch, hyper, steps)
+                sync.poll()
                 if not cadence:
                     continue
                 validate, save = self.cadence.due(self.step - steps, self.step)

@@ -11,6 +11,7 @@ import jax
 
 from .. import feed
 from .. import metrics as metrics_mod
+from ..sharding import to_sharding
 from . import memory
 from .programs import ProgramSet, eval_metric_shapes, eval_program, train_program
 
@@ -47,7 +48,9 @@ def _planned_eval(spec, ps: ProgramSet, ts, extras) -> dict:
     info = spec.split_specs["val"]
     dev, _ = feed.eval_prepare(spec, "val", info.batch_size)(info.first)
     shapes = eval_metric_shapes(spec, ts, "val", extras)
-    totals = jax.device_put(metrics_mod.zeros_like_totals(shapes), spec.replicated)
+    totals = jax.tree.map(
+        lambda x: to_sharding(x, spec.replicated), metrics_mod.zeros_like_totals(shapes)
+    )
     out = {"eval": eval_program(spec, ps, ts, "val", dev, extras, totals, None)}
     loader = spec.splits["val"]
     if getattr(loader, "ragged", False):
