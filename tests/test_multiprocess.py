@@ -193,3 +193,124 @@ def test_launch_forwards_sigterm_to_every_rank(tmp_path):
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 143
     assert "[rank 0] got TERM" in out and "[rank 1] got TERM" in out
+
+
+# ---------------------------------------------------------------- 2 processes × 2 devices
+RANK = os.path.join(TESTS, "multiprocess_rank.py")
+
+
+def _launch(out, mode: str, *, nproc: int = 2, timeout: float = 120):
+    """`jaxnitro launch` of tests/multiprocess_rank.py; (return code, stderr, seconds, ranks)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "jaxnitro", "launch", "--nproc", str(nproc)]
+    cmd += ["--devices-per-process", "2", RANK, str(out), str(out / "run"), mode]
+    t0 = time.monotonic()
+    got = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": SRC, "JAXNITRO_NO_PLOT": "1"},
+    )
+    return got.returncode, got.stderr, time.monotonic() - t0, _ranks(out, nproc)
+
+
+def _ranks(out, nproc: int) -> list[dict]:
+    import json
+
+    return [
+        json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else {}
+        for r in range(nproc)
+    ]
+
+
+@pytest.fixture(scope="module")
+def straight_pair(tmp_path_factory):
+    """An uninterrupted 2 × 2 run (3 epochs of 8 steps)."""
+    out = tmp_path_factory.mktemp("pair")
+    rc, err, _, ranks = _launch(out, "train")
+    assert rc == 0, err[-3000:]
+    return out, ranks
+
+
+def _max_diff(a: list, b: list) -> float:
+    import numpy as np
+
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.multi_device
+def test_two_processes_train_like_one_process_with_as_many_devices(straight_pair, tmp_path):
+    import json
+
+    out, ranks = straight_pair
+    assert [r["devices"] for r in ranks] == [4, 4] and [r["step"] for r in ranks] == [24, 24]
+    assert ranks[0]["params"] == ranks[1]["params"]  # one model, on every process
+    one = tmp_path / "one"
+    one.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXNITRO_")}
+    env.update(
+        PYTHONPATH=SRC,
+        JAXNITRO_NO_PLOT="1",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    )
+    got = subprocess.run(
+        [sys.executable, RANK, str(one), str(one / "run"), "train"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert got.returncode == 0, got.stderr[-3000:]
+    single = _ranks(one, 1)[0]
+    assert single["devices"] == 4 and single["step"] == 24
+    assert _max_diff(ranks[0]["params"], single["params"]) < 1e-5
+    # Only process 0 writes the log, and each train step is in it once.
+    lines = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x["step"] for x in lines if x.get("context") == "train"]
+    assert steps == list(range(1, 25))
+    val = [x for x in lines if x.get("context") == "validate"]
+    ref = [json.loads(x) for x in (one / "run" / "metrics.jsonl").read_text().splitlines()]
+    ref_val = [x for x in ref if x.get("context") == "validate"]
+    assert [v["acc"] for v in val] == [v["acc"] for v in ref_val]  # exact: same counts
+    assert len(list((out / "run" / "checkpoints").glob("epoch-*"))) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.multi_device
+def test_sigterm_to_one_rank_checkpoints_both_at_one_step_and_resume_is_bitwise(
+    straight_pair, tmp_path
+):
+    rc, err, _, ranks = _launch(tmp_path, "sigterm")  # rank 1 gets SIGTERM after step 3
+    assert rc == 143, err[-3000:]
+    assert "rank 1 was preempted first" in err
+    assert [r["ended"] for r in ranks] == ["preempted", "preempted"]
+    assert ranks[0]["step"] == ranks[1]["step"] and 3 < ranks[0]["step"] < 24
+    assert ranks[0]["checkpoint"] == ranks[1]["checkpoint"]
+    assert f"step-{ranks[0]['step']:06d}" in ranks[0]["checkpoint"]
+    rc, err, _, resumed = _launch(tmp_path, "resume")
+    assert rc == 0, err[-3000:]
+    assert [r["step"] for r in resumed] == [24, 24]
+    straight = straight_pair[1]
+    assert resumed[0]["params"] == straight[0]["params"]  # bit for bit
+    assert resumed[1]["params"] == straight[1]["params"]
+
+
+@pytest.mark.slow
+@pytest.mark.multi_device
+def test_a_killed_rank_ends_the_launch_in_bounded_time_naming_it(tmp_path):
+    rc, err, seconds, _ = _launch(tmp_path, "die")  # rank 1 SIGKILLs itself after step 3
+    assert rc == 137 and seconds < 60
+    assert "rank 1 failed first: it was killed by SIGKILL" in err
+
+
+@pytest.mark.slow
+@pytest.mark.multi_device
+def test_processes_with_other_data_shapes_fail_naming_both(tmp_path):
+    rc, err, seconds, ranks = _launch(tmp_path, "ragged")  # rank 1 has one batch fewer
+    assert rc == 1 and seconds < 60
+    for r in ranks:
+        assert r["error"].startswith("DataError: the data")
+        assert '"batches": 8' in r["error"] and '"batches": 7' in r["error"]

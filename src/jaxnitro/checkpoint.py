@@ -377,8 +377,9 @@ def _like(template_leaf: Any, arr: np.ndarray, spec: dict) -> Any:
     if sharding is None:
         return jnp.asarray(value)
     if not sharding.is_fully_addressable:  # several processes: each places its own part
-        host = np.asarray(value)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        from jaxnitro.sharding import to_sharding
+
+        return to_sharding(value, sharding)
     return jax.device_put(value, sharding)
 
 

@@ -234,8 +234,9 @@ class Launch:
             if r != rank and p.returncode != 0
         ]
         tail = f" (then: {'; '.join(others)})" if others else ""
+        first_word = "was preempted first" if code == PREEMPTED else "failed first"
         return Outcome(
-            exit_status(code), rank, f"rank {rank} failed first: it {describe_status(code)}{tail}"
+            exit_status(code), rank, f"rank {rank} {first_word}: it {describe_status(code)}{tail}"
         )
 
     def run(self) -> Outcome:
