@@ -84,7 +84,7 @@ try:
         run_dir=run_dir,
         progress=False,
         n_devices=jax.device_count(),
-        resume="auto" if mode == "resume" else False
+        resume="auto" if mode == "resume" else False,
     )
 except jn.JaxnitroError as e:
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -236,7 +236,9 @@ def straight_pair(tmp_path_factory):
 def _max_diff(a: list, b: list) -> float:
     import numpy as np
 
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b))
+    return max(
+        float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b, strict=True)
+    )
 
 
 @pytest.mark.slow

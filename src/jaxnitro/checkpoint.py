@@ -1154,9 +1154,9 @@ class TopKCheckpointer:
             whole = _gathered(trees)
             name = distributed.decided_by_process_zero(
                 "checkpoint",
-                lambda: self._save(
-                    epoch=epoch, step=step, metrics=metrics, trees=whole, meta=meta
-                ).name,
+                lambda: (
+                    self._save(epoch=epoch, step=step, metrics=metrics, trees=whole, meta=meta).name
+                ),
             )
             return self._root() / name
         return self._save(epoch=epoch, step=step, metrics=metrics, trees=trees, meta=meta)

@@ -89,7 +89,7 @@ def resolve_args(
 ) -> dict[str, Any]:
     """The arguments for `jax.distributed.initialize`: each given one, else the launcher's
     environment variable, else None (JAX's variables and cluster detection fill it)."""
-    args = {
+    args: dict[str, Any] = {
         "coordinator_address": coordinator_address or os.environ.get(ENV_COORDINATOR) or None,
         "num_processes": num_processes
         if num_processes is not None

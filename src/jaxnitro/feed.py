@@ -50,9 +50,7 @@ def _process_split(sharding) -> tuple[int, int]:
     mesh = sharding.mesh
     data = mesh.axis_names.index("data")
     me = jax.process_index()
-    mine = {
-        index[data] for index, d in np.ndenumerate(mesh.devices) if d.process_index == me
-    }
+    mine = {index[data] for index, d in np.ndenumerate(mesh.devices) if d.process_index == me}
     return axis, mesh.shape["data"] // max(1, len(mine))
 
 
@@ -69,7 +67,8 @@ class ShapeCheck:
 
     def __init__(self, spec, split: str):
         self.active = spec.dist.process_count > 1
-        self.split, self.last = split, None
+        self.split = split
+        self.last: dict | None = None
 
     def __call__(self, index: int, batch: dict) -> None:
         if not self.active:

@@ -213,10 +213,14 @@ class Launch:
                         self.stop_all()
             if all(c is not None for c in codes):
                 break
-            if preempted_at is not None and time.monotonic() - preempted_at > self.grace:
+            if (
+                first is not None
+                and preempted_at is not None
+                and time.monotonic() - preempted_at > self.grace
+            ):
                 self.note(
                     f"ranks still running {self.grace:.0f}s after rank {first[0]} was "
-                    f"preempted; stopping them"  # type: ignore[index]
+                    f"preempted; stopping them"
                 )
                 self.stop_all()
             time.sleep(poll)

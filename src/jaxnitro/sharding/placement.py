@@ -86,9 +86,9 @@ def to_sharding(x, sharding):
         spec = tuple(sharding.spec) + (None,) * (data.ndim - len(tuple(sharding.spec)))
         wide = NamedSharding(sharding.mesh, PartitionSpec(*spec))
         placed = jax.make_array_from_callback(data.shape, wide, lambda index: data[index])
-        return jax.jit(
-            lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding
-        )(placed)
+        return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)(
+            placed
+        )
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
