@@ -4,7 +4,8 @@ with its final step, parameters and how it ended.
 
 MODE: "train"; "resume" (resume="auto"); "sigterm" (rank 1 sends itself SIGTERM after step
 3); "die" (rank 1 SIGKILLs itself after step 3); "ragged" (rank 1's train batches are
-shorter than rank 0's).
+shorter than rank 0's); "fsdp", "fsdp-sigterm", "fsdp-resume": the same with FSDP (both
+kernels split over the 4 devices).
 """
 
 import json
@@ -24,10 +25,11 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import TinyMLP, host_copy, make_data  # noqa: E402
+from conftest import TinyMLP, make_data  # noqa: E402
 
 warnings.simplefilter("ignore")
 out, run_dir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+fsdp = mode.startswith("fsdp")
 rank = jax.process_index()
 
 
@@ -67,15 +69,23 @@ class Strided:
 
 
 def report(**info):
-    params = [np.asarray(a).tolist() for a in jax.tree.leaves(host_copy(n.params))]
-    info.update(rank=rank, step=n.step, params=params, devices=jax.device_count())
+    from jax.experimental import multihost_utils
+
+    params = [  # an FSDP shard lives on one process: gathered whole
+        np.asarray(
+            a if a.is_fully_replicated else multihost_utils.process_allgather(a, tiled=True)
+        ).tolist()
+        for a in jax.tree.leaves(n.params)
+    ]
+    specs = [str(a.sharding.spec) for a in jax.tree.leaves(n.params)]
+    info.update(rank=rank, step=n.step, params=params, devices=jax.device_count(), specs=specs)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(info, f)
 
 
 def at_step(record):
-    if rank == 1 and record.step == 3 and mode in ("sigterm", "die"):
-        os.kill(os.getpid(), signal.SIGTERM if mode == "sigterm" else signal.SIGKILL)
+    if rank == 1 and record.step == 3 and mode in ("sigterm", "die", "fsdp-sigterm"):
+        os.kill(os.getpid(), signal.SIGKILL if mode == "die" else signal.SIGTERM)
 
 
 try:
@@ -84,7 +94,8 @@ try:
         run_dir=run_dir,
         progress=False,
         n_devices=jax.device_count(),
-        resume="auto" if mode == "resume" else False,
+        resume="auto" if mode.endswith("resume") else False,
+        sharding=jn.Sharding(fsdp=True, min_shard_bytes=64) if fsdp else "dp",
     )
 except jn.JaxnitroError as e:
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -14,12 +14,11 @@ modules) without Orbax knowing the custom nodes, and ``load_checkpoint`` rebuild
 with the caller's template treedef. No pickle anywhere: arrays go through Orbax, the rest JSON.
 Nothing read from disk is trusted: meta.json is validated and hashed, manifest rows must name
 plain entries of the directory, and arrays are read only in the shapes meta.json records.
-Scope: POSIX; leaves are copied to host memory (numpy) first. With several processes
-(`jax.distributed`) every process calls `save` together: arrays split over processes are
-gathered (`multihost_utils.process_allgather`), so the checksums cover whole arrays exactly
-as in one process, and process 0 alone writes the checkpoint and the manifest (the directory
-must be on a filesystem every process sees); the others read it. Restoring places each
-process's part of every array straight from the file (no cross-process transfer).
+Scope: POSIX; in one process leaves are copied to host memory (numpy) first. With several
+processes (`jax.distributed`) every process calls `save` together and writes its own shards
+(`checkpoint_shards.py`: per-shard checksums; process 0 names the checkpoint and writes
+meta.json and the manifest; the directory must be on a filesystem every process sees). A load
+reads whole arrays on each process and places each process's part of them.
 """
 
 from __future__ import annotations
@@ -383,23 +382,6 @@ def _like(template_leaf: Any, arr: np.ndarray, spec: dict) -> Any:
     return jax.device_put(value, sharding)
 
 
-def _gathered(trees: dict[str, Any]) -> dict[str, Any]:
-    """Every array that is split over processes, whole on every process (a collective: all
-    processes call this with the same trees, in the same order)."""
-    from jax.experimental import multihost_utils
-
-    def whole(leaf: Any) -> Any:
-        if (
-            isinstance(leaf, jax.Array)
-            and not leaf.is_fully_addressable
-            and not leaf.is_fully_replicated
-        ):
-            return multihost_utils.process_allgather(leaf, tiled=True)
-        return leaf
-
-    return {name: jax.tree.map(whole, tree) for name, tree in trees.items()}
-
-
 def _check_template(ckpt: Path, name: str, template: Any, leaves: list[dict]) -> None:
     """Compare a template with meta.json's leaf specs, before any array is read."""
     wanted = {
@@ -688,6 +670,8 @@ def _read_arrays(ckpt: Path, info: dict) -> dict:
                 t: {k: jax.ShapeDtypeStruct(s, jnp.dtype(d)) for k, (s, d) in leaves.items()}
                 for t, leaves in want.items()
             }  # ShapeDtypeStruct targets restore as numpy
+            if any(t.get("sharded") for t in info["trees"].values()):
+                return _read_as_numpy(ocp, where / ARRAYS, target)
             return ckptr.restore(where / ARRAYS, args=ocp.args.StandardRestore(target))
     except CheckpointError:
         raise
@@ -696,6 +680,17 @@ def _read_arrays(ckpt: Path, info: dict) -> dict:
             f"checkpoint {ckpt} is corrupted (unreadable arrays: {_short(exc, within=ckpt)}); "
             "use another checkpoint"
         ) from exc
+
+
+def _read_as_numpy(ocp: Any, where: Path, target: dict) -> dict:
+    """Whole arrays as numpy from a store written by several processes (Orbax refuses to
+    restore its sharded arrays onto targets without shardings)."""
+    only = _this_process(ocp)
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**only), **only) as reader:
+        return reader.restore(
+            where, args=ocp.args.PyTreeRestore(item=target, restore_args=as_numpy)
+        )
 
 
 # ----------------------------------------------------------------------------- public API
@@ -761,7 +756,11 @@ def _rebuild_tree(ckpt: Path, name: str, spec: dict, arrays: dict, template: Any
     leaves = spec["leaves"]
     stored = arrays.get(f"t{spec['index']}", {})
     values = [np.asarray(stored[f"l{j}"]) for j in range(len(leaves))]
-    if _checksum([leaf["path"] for leaf in leaves], values) != spec["sha256"]:
+    if spec.get("sharded"):  # written by several processes: checksums per shard
+        from jaxnitro import checkpoint_shards
+
+        checkpoint_shards.verify(ckpt, name, spec, values)
+    elif _checksum([leaf["path"] for leaf in leaves], values) != spec["sha256"]:
         raise CheckpointError(
             f"checkpoint {ckpt} is corrupted (checksum mismatch in tree {name!r}); use "
             "another checkpoint"
@@ -1139,8 +1138,9 @@ class TopKCheckpointer:
     ) -> Path:
         """Write one checkpoint durably, then list it in the manifest, then apply retention.
 
-        With several processes every process calls it (the arrays are gathered together);
-        process 0 writes, and every process returns the path once the write is complete.
+        With several processes every process calls it and writes its own shards; process 0
+        names the checkpoint and writes its meta.json and the manifest. Every process returns
+        the path once the checkpoint is complete.
 
         Example:
             >>> path = ck.save(epoch=1, step=100, metrics={"acc": 0.91},
@@ -1149,17 +1149,59 @@ class TopKCheckpointer:
             'epoch-0001-step-000100-acc=0.91'
         """
         if jax.process_count() > 1:
-            from . import distributed
-
-            whole = _gathered(trees)
-            name = distributed.decided_by_process_zero(
-                "checkpoint",
-                lambda: (
-                    self._save(epoch=epoch, step=step, metrics=metrics, trees=whole, meta=meta).name
-                ),
+            return self._save_together(
+                epoch=epoch, step=step, metrics=metrics, trees=trees, meta=meta
             )
-            return self._root() / name
         return self._save(epoch=epoch, step=step, metrics=metrics, trees=trees, meta=meta)
+
+    def _save_together(
+        self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any], meta: dict
+    ) -> Path:
+        """`save` by every process of a multi-process run (see `checkpoint_shards`)."""
+        from jaxnitro import checkpoint_shards, distributed
+
+        if meta is not None and not isinstance(meta, dict):
+            raise CheckpointError(
+                f"checkpoint meta must be a dict, got {type(meta).__name__}; pass meta={{...}}"
+            )
+        epoch, step = _counters(epoch, step)
+        raw = dict(metrics or {})
+        record = _new_record(epoch, step, raw, meta)  # (process 0's is written)
+
+        def plan() -> list[str]:
+            root = self._root()
+            if not self._writer:
+                raise CheckpointError(
+                    f"this TopKCheckpointer is bound read-only to {root} "
+                    "(bind(..., writer=False)); call bind(run_dir) to save"
+                )
+            name = _free_name(root, epoch, step, self.metric, raw)
+            tmp = root / f"{name}{_TMP}{os.getpid()}"
+            _WRITING.add(str(tmp))
+            tmp.mkdir(parents=True)
+            return [name, str(tmp)]
+
+        name, tmp = distributed.decided_by_process_zero("checkpoint-plan", plan)
+        target = self._root() / name
+        try:
+            checkpoint_shards.write(Path(tmp), trees, record)
+        except BaseException as exc:
+            if jax.process_index() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                _WRITING.discard(tmp)
+            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+                raise
+            raise _write_failed(target, exc) from exc
+
+        def commit() -> None:
+            os.replace(tmp, target)  # the checkpoint appears complete or not at all
+            _WRITING.discard(tmp)
+            _fsync_dir(target.parent)
+            self._write_manifest(self.records() + [self._row(name, record)])
+            self._apply_retention()
+
+        distributed.decided_by_process_zero("checkpoint-commit", commit)
+        return target
 
     def _save(
         self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any], meta: dict
