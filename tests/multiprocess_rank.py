@@ -4,8 +4,9 @@ with its final step, parameters and how it ended.
 
 MODE: "train"; "resume" (resume="auto"); "sigterm" (rank 1 sends itself SIGTERM after step
 3); "die" (rank 1 SIGKILLs itself after step 3); "ragged" (rank 1's train batches are
-shorter than rank 0's); "fsdp", "fsdp-sigterm", "fsdp-resume": the same with FSDP (both
-kernels split over the 4 devices).
+shorter than rank 0's); "stop" (rank 0 calls jn.request_stop after step 3); "fsdp",
+"fsdp-sigterm", "fsdp-resume": as "train", "sigterm", "resume" with FSDP (both kernels split
+over the 4 devices).
 """
 
 import json
@@ -18,6 +19,12 @@ import jaxnitro as jn
 
 if "JAXNITRO_NUM_PROCESSES" in os.environ:
     jn.distributed.initialize()
+    jn.distributed.initialize()  # again, the same: nothing to do
+    try:
+        jn.distributed.initialize(num_processes=3)
+        raise AssertionError("a second initialize with other arguments must fail")
+    except jn.ConfigError as e:
+        assert "already called with other arguments" in str(e), e
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -84,6 +91,8 @@ def report(**info):
 
 
 def at_step(record):
+    if rank == 0 and record.step == 3 and mode == "stop":
+        jn.request_stop(n)
     if rank == 1 and record.step == 3 and mode in ("sigterm", "die", "fsdp-sigterm"):
         os.kill(os.getpid(), signal.SIGKILL if mode == "die" else signal.SIGTERM)
 

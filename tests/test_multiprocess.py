@@ -368,3 +368,12 @@ def test_shard_checksums_catch_a_changed_or_missing_shard(tmp_path):
     spec["sha256"] = checkpoint_shards._tree_hash([leaf])
     with pytest.raises(jn.CheckpointError, match="checksum mismatch"):
         checkpoint_shards.verify(tmp_path, "params", spec, [value])
+
+
+@pytest.mark.slow
+@pytest.mark.multi_device
+def test_request_stop_on_one_rank_stops_every_rank_at_one_step(tmp_path):
+    rc, err, _, ranks = _launch(tmp_path, "stop")  # rank 0 calls jn.request_stop after step 3
+    assert rc == 143, err[-3000:]
+    assert [r["ended"] for r in ranks] == ["preempted", "preempted"]
+    assert ranks[0]["step"] == ranks[1]["step"] and ranks[0]["checkpoint"] == ranks[1]["checkpoint"]

@@ -32,6 +32,11 @@ class StopControl:
         self.preempted = False
 
     def request(self, *, preempted: bool = False) -> None:
+        if not preempted and _jax_preemption():
+            # Several processes: a stop only this one knows of would leave the others
+            # waiting for it; JAX's notifier makes it a stop all of them agree on.
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         self.requested = True
         self.preempted = self.preempted or preempted
 
@@ -57,24 +62,18 @@ class PreemptionSync:
 
     `poll()` runs once per dispatch on every process (so the n-th call is the same step
     everywhere); when JAX's sync protocol says this is the step, the stop is requested as a
-    preemption. A stop asked for locally is first turned into a notice for all.
+    preemption. (A stop asked for locally, `StopControl.request`, is a notice for all.)
     """
 
     _calls = 0  # per process, over the process's life: JAX's sync ids only increase
 
     def __init__(self, control: StopControl):
         self.control, self.active = control, _jax_preemption()
-        self._noticed = False
 
     def poll(self) -> None:
         if not self.active:
             return
         control = self.control
-        if control.requested and not control.preempted:
-            control.requested = False  # until every process stops at the same step
-            if not self._noticed:
-                self._noticed = True
-                os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier tells the others
         from jax.experimental import multihost_utils
 
         PreemptionSync._calls += 1
@@ -100,7 +99,7 @@ def graceful_stop(control: StopControl):
             signal.signal(signal.SIGINT, previous_int)
             raise KeyboardInterrupt
         if shared:
-            os.kill(os.getpid(), signal.SIGTERM)
+            control.request()  # (a notice to every process)
             print(
                 "\nstopping all processes at a step they agree on (checkpoint, exit 143); "
                 "Ctrl-C again to abort",
