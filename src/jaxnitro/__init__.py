@@ -1,6 +1,6 @@
 """jaxnitro: declare the experiment, compile once, train without boilerplate."""
 
-from . import datasets, schedules
+from . import datasets, distributed, schedules
 from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
 from .compile.cache import cache_reset, cache_stats
 from .custom import group_grad, optimizer_step
@@ -102,6 +102,7 @@ __all__ = [
     "cache_reset",
     "cache_stats",
     "datasets",
+    "distributed",
     "device_value",
     "evaluate",
     "every",

@@ -14,7 +14,11 @@ modules) without Orbax knowing the custom nodes, and ``load_checkpoint`` rebuild
 with the caller's template treedef. No pickle anywhere: arrays go through Orbax, the rest JSON.
 Nothing read from disk is trusted: meta.json is validated and hashed, manifest rows must name
 plain entries of the directory, and arrays are read only in the shapes meta.json records.
-Scope: single-process saving on POSIX; leaves are copied to host memory (numpy) first.
+Scope: POSIX; in one process leaves are copied to host memory (numpy) first. With several
+processes (`jax.distributed`) every process calls `save` together and writes its own shards
+(`checkpoint_shards.py`: per-shard checksums; process 0 names the checkpoint and writes
+meta.json and the manifest; the directory must be on a filesystem every process sees). A load
+reads whole arrays on each process and places each process's part of them.
 """
 
 from __future__ import annotations
@@ -369,7 +373,13 @@ def _like(template_leaf: Any, arr: np.ndarray, spec: dict) -> Any:
     if spec["prng_impl"] and _is_prng_key(template_leaf):  # (wrap_key_data takes numpy too)
         value = jax.random.wrap_key_data(value, impl=spec["prng_impl"])
     sharding = getattr(template_leaf, "sharding", None)  # honour the caller's placement
-    return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
+    if sharding is None:
+        return jnp.asarray(value)
+    if not sharding.is_fully_addressable:  # several processes: each places its own part
+        from jaxnitro.sharding import to_sharding
+
+        return to_sharding(value, sharding)
+    return jax.device_put(value, sharding)
 
 
 def _check_template(ckpt: Path, name: str, template: Any, leaves: list[dict]) -> None:
@@ -412,8 +422,23 @@ def _assemble(template: Any, stored: dict[str, tuple]) -> Any:
 def _orbax():
     import orbax.checkpoint as ocp  # deferred: importing Orbax is slow
 
-    handler = ocp.StandardCheckpointHandler()
-    return ocp, handler, ocp.Checkpointer(handler)  # synchronous on purpose
+    only = _this_process(ocp)
+    handler = ocp.StandardCheckpointHandler(**only)
+    return ocp, handler, ocp.Checkpointer(handler, **only)  # synchronous on purpose
+
+
+def _this_process(ocp: Any) -> dict:
+    """Orbax options for a write or read by this process alone. With several processes
+    Orbax would otherwise wait for the others at its barriers: here the arrays are whole
+    numpy copies, written by process 0 and read by each process on its own."""
+    if jax.process_count() == 1:
+        return {}
+    me = jax.process_index()
+    return {
+        "multiprocessing_options": ocp.options.MultiprocessingOptions(
+            primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"jaxnitro-p{me}"
+        )
+    }
 
 
 def _orbax_layout(handler: Any, where: Path) -> dict:
@@ -446,7 +471,8 @@ def _verify_written(ocp: Any, handler: Any, where: Path, item: dict) -> None:
     if got != want:
         raise _Unverified(f"the arrays did not read back as written ({_layout_diff(want, got)})")
     t, k = min(((t, k) for t in item for k in item[t]), key=lambda tk: item[tk[0]][tk[1]].nbytes)
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+    only = _this_process(ocp)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**only), **only) as reader:
         back = reader.restore(
             where,
             args=ocp.args.PyTreeRestore(
@@ -644,6 +670,8 @@ def _read_arrays(ckpt: Path, info: dict) -> dict:
                 t: {k: jax.ShapeDtypeStruct(s, jnp.dtype(d)) for k, (s, d) in leaves.items()}
                 for t, leaves in want.items()
             }  # ShapeDtypeStruct targets restore as numpy
+            if any(t.get("sharded") for t in info["trees"].values()):
+                return _read_as_numpy(ocp, where / ARRAYS, target)
             return ckptr.restore(where / ARRAYS, args=ocp.args.StandardRestore(target))
     except CheckpointError:
         raise
@@ -652,6 +680,17 @@ def _read_arrays(ckpt: Path, info: dict) -> dict:
             f"checkpoint {ckpt} is corrupted (unreadable arrays: {_short(exc, within=ckpt)}); "
             "use another checkpoint"
         ) from exc
+
+
+def _read_as_numpy(ocp: Any, where: Path, target: dict) -> dict:
+    """Whole arrays as numpy from a store written by several processes (Orbax refuses to
+    restore its sharded arrays onto targets without shardings)."""
+    only = _this_process(ocp)
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**only), **only) as reader:
+        return reader.restore(
+            where, args=ocp.args.PyTreeRestore(item=target, restore_args=as_numpy)
+        )
 
 
 # ----------------------------------------------------------------------------- public API
@@ -717,7 +756,11 @@ def _rebuild_tree(ckpt: Path, name: str, spec: dict, arrays: dict, template: Any
     leaves = spec["leaves"]
     stored = arrays.get(f"t{spec['index']}", {})
     values = [np.asarray(stored[f"l{j}"]) for j in range(len(leaves))]
-    if _checksum([leaf["path"] for leaf in leaves], values) != spec["sha256"]:
+    if spec.get("sharded"):  # written by several processes: checksums per shard
+        from jaxnitro import checkpoint_shards
+
+        checkpoint_shards.verify(ckpt, name, spec, values)
+    elif _checksum([leaf["path"] for leaf in leaves], values) != spec["sha256"]:
         raise CheckpointError(
             f"checkpoint {ckpt} is corrupted (checksum mismatch in tree {name!r}); use "
             "another checkpoint"
@@ -1044,7 +1087,7 @@ class TopKCheckpointer:
             raise CheckpointError(
                 f"checkpoint directory {d} exists as a file; remove it or pass dir="
             )
-        if not writer:
+        if not writer or jax.process_index() != 0:  # with several processes 0 writes
             self._bound, self._writer = True, False
             return
         _prepare_dir(d)
@@ -1095,12 +1138,74 @@ class TopKCheckpointer:
     ) -> Path:
         """Write one checkpoint durably, then list it in the manifest, then apply retention.
 
+        With several processes every process calls it and writes its own shards; process 0
+        names the checkpoint and writes its meta.json and the manifest. Every process returns
+        the path once the checkpoint is complete.
+
         Example:
             >>> path = ck.save(epoch=1, step=100, metrics={"acc": 0.91},
             ...                trees={"params": {"w": np.ones(3)}}, meta={"note": "warmup"})
             >>> path.name
             'epoch-0001-step-000100-acc=0.91'
         """
+        if jax.process_count() > 1:
+            return self._save_together(
+                epoch=epoch, step=step, metrics=metrics, trees=trees, meta=meta
+            )
+        return self._save(epoch=epoch, step=step, metrics=metrics, trees=trees, meta=meta)
+
+    def _save_together(
+        self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any], meta: dict
+    ) -> Path:
+        """`save` by every process of a multi-process run (see `checkpoint_shards`)."""
+        from jaxnitro import checkpoint_shards, distributed
+
+        if meta is not None and not isinstance(meta, dict):
+            raise CheckpointError(
+                f"checkpoint meta must be a dict, got {type(meta).__name__}; pass meta={{...}}"
+            )
+        epoch, step = _counters(epoch, step)
+        raw = dict(metrics or {})
+        record = _new_record(epoch, step, raw, meta)  # (process 0's is written)
+
+        def plan() -> list[str]:
+            root = self._root()
+            if not self._writer:
+                raise CheckpointError(
+                    f"this TopKCheckpointer is bound read-only to {root} "
+                    "(bind(..., writer=False)); call bind(run_dir) to save"
+                )
+            name = _free_name(root, epoch, step, self.metric, raw)
+            tmp = root / f"{name}{_TMP}{os.getpid()}"
+            _WRITING.add(str(tmp))
+            tmp.mkdir(parents=True)
+            return [name, str(tmp)]
+
+        name, tmp = distributed.decided_by_process_zero("checkpoint-plan", plan)
+        target = self._root() / name
+        try:
+            checkpoint_shards.write(Path(tmp), trees, record)
+        except BaseException as exc:
+            if jax.process_index() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                _WRITING.discard(tmp)
+            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+                raise
+            raise _write_failed(target, exc) from exc
+
+        def commit() -> None:
+            os.replace(tmp, target)  # the checkpoint appears complete or not at all
+            _WRITING.discard(tmp)
+            _fsync_dir(target.parent)
+            self._write_manifest(self.records() + [self._row(name, record)])
+            self._apply_retention()
+
+        distributed.decided_by_process_zero("checkpoint-commit", commit)
+        return target
+
+    def _save(
+        self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any], meta: dict
+    ) -> Path:
         root = self._root()
         if not self._writer:
             raise CheckpointError(

@@ -129,9 +129,28 @@ def _check_count(n: int, visible: int) -> int:
 def make_mesh(n_devices: int | None = None) -> Mesh:
     """A 1-D mesh named `data` over the first n devices (default: the pinned count, else 1)."""
     devices = jax.devices()
-    n = n_devices if n_devices is not None else _pinned.get("n_devices", 1)
+    # Several processes: every device of every process, unless told otherwise.
+    default = 1 if jax.process_count() == 1 else len(devices)
+    n = n_devices if n_devices is not None else _pinned.get("n_devices", default)
     n = _check_count(n, len(devices))
+    check_spans_processes(devices[:n])
     return Mesh(np.asarray(devices[:n]), ("data",))
+
+
+def check_spans_processes(devices) -> None:
+    """Every process must own a device of the mesh (one without would have no part in the
+    run's programs and wait forever for the others)."""
+    count = jax.process_count()
+    if count == 1:
+        return
+    have = {d.process_index for d in devices}
+    missing = sorted(set(range(count)) - have)
+    if missing:
+        raise ConfigError(
+            f"the mesh of {len(devices)} device(s) has none of process(es) {missing} (of "
+            f"{count} processes, {len(jax.devices())} devices in all). Leave n_devices out "
+            f"(every device of every process) or give a multiple of {jax.local_device_count()}."
+        )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -48,6 +48,12 @@ def run_eval(n, split: str) -> dict[str, Any]:
                     f"a {split!r} batch has {size} rows, more than the first batch's {bs}; "
                     f"batches of a split share one size (the last may be shorter)."
                 )
+            if size != bs and jax.process_count() > 1:
+                raise DataError(
+                    f"a {split!r} batch has {size} rows, not {bs}: with several processes "
+                    f"every batch must be full (a short one would be padded and masked per "
+                    f"process). Give each process a share that its batch size divides."
+                )
             n_valid = None if size == bs else size
             prog = progs.get(n_valid)
             if prog is None:

@@ -20,8 +20,87 @@ from .errors import DataError
 
 def put(spec, array, sharding):
     """To the device; on a single CPU device the compiled call takes numpy directly, which
-    costs far less than an explicit transfer (the device memory *is* host memory)."""
-    return array if spec.direct_feed else jax.device_put(array, sharding)
+    costs far less than an explicit transfer (the device memory *is* host memory). With
+    several processes, `array` is this process's part and the result a global array."""
+    if spec.direct_feed:
+        return array
+    if jax.process_count() > 1:
+        return global_array(array, sharding)
+    return jax.device_put(array, sharding)
+
+
+def global_array(local: np.ndarray, sharding) -> jax.Array:
+    """This process's rows -> the global array (the processes' rows in process order).
+
+    A replicated input (hyperparameters) is the same on every process: each process places
+    its copy, with no cross-process check. A batch passes `global_shape` explicitly: inferred,
+    a process with other rows would silently build another global batch than its peers.
+    """
+    if sharding.is_fully_replicated:
+        return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
+    shape = list(local.shape)
+    axis, factor = _process_split(sharding)
+    shape[axis] *= factor
+    return jax.make_array_from_process_local_data(sharding, local, tuple(shape))
+
+
+def _process_split(sharding) -> tuple[int, int]:
+    """(the axis split over `data`, by how many process-local parts it is split): the data
+    positions of the mesh over those this process addresses (with a `model` axis across
+    processes, several processes hold the same rows)."""
+    spec = tuple(sharding.spec)
+    axis = next(i for i, entry in enumerate(spec) if entry == "data")
+    mesh = sharding.mesh
+    data = mesh.axis_names.index("data")
+    me = jax.process_index()
+    mine = {index[data] for index, d in np.ndenumerate(mesh.devices) if d.process_index == me}
+    return axis, mesh.shape["data"] // max(1, len(mine))
+
+
+class ShapeCheck:
+    """With several processes, a batch whose shape differs from the other processes' fails
+    naming both shapes, before it is turned into a global array (which would otherwise hang
+    in the program's first collective, or compute on a batch the peers never saw).
+
+    The shapes are compared through the coordination service (with a timeout) at the first
+    batch of each feed and at every batch whose shape differs from the last compared one: a
+    cost per distinct shape, not per batch. A process whose shape changes alone waits for
+    its peers' report of the same batch; it never comes, and the timeout names both shapes.
+    """
+
+    def __init__(self, spec, split: str):
+        self.active = jax.process_count() > 1
+        self.split = split
+        self.last: dict | None = None
+
+    def __call__(self, index: int, batch: dict) -> None:
+        if not self.active:
+            return
+        shapes = {f: [list(np.shape(a)), str(np.asarray(a).dtype)] for f, a in batch.items()}
+        if shapes == self.last:
+            return
+        from . import distributed
+
+        try:
+            distributed.check_same(
+                f"batch-shape/{self.split}/{index}",
+                shapes,
+                what=f"the shape of {self.split!r} batch {index} ({{field: [shape, dtype]}})",
+                fix="Every process must yield batches of the same shape (the global batch is "
+                "their concatenation): give each process an equal share of the rows, with "
+                "drop_last=True for training.",
+            )
+        except distributed.DistributedError as e:
+            if self.last is None or "waited for" not in str(e):
+                raise DataError(str(e)) from e
+            raise DataError(
+                f"the {self.split!r} batch {index} of process {jax.process_index()} has "
+                f"shape {shapes}, but its earlier batches had {self.last}, and the other "
+                f"processes did not change shape at this batch (they still have "
+                f"{self.last}). Every process must yield batches of the same shape: give "
+                f"each an equal share of the rows (drop_last=True for training)."
+            ) from e
+        self.last = shapes
 
 
 def eval_prepare(spec, split: str, pad_to: int | None, keys: frozenset | None = None):
@@ -31,9 +110,12 @@ def eval_prepare(spec, split: str, pad_to: int | None, keys: frozenset | None = 
     index = [0]
     expect = info.keys if keys is None else keys
 
+    same = ShapeCheck(spec, split)
+
     def prepare(host):
         size = data_mod.check_batch(host, split, expect_fields=expect)
         data_mod.check_specs(host, split, index[0], info.specs)
+        same(index[0], {f: host[f] for f in info.fields})
         index[0] += 1
         if pad_to is not None and size < pad_to:
             host = data_mod.pad_batch({k: host[k] for k in info.fields}, pad_to)
@@ -130,9 +212,11 @@ def train_prepare(spec, first_step: int, base):
     hyper = _HyperFeed(spec, base)
     shardings: dict[int, object] = {}
     members = spec.population is not None and spec.population.own_data
+    same = ShapeCheck(spec, "train")
 
     def prepare(item):
         stacked, k = item[0], item[1]
+        same(next_step[0], stacked)
         if k % accum:
             raise DataError(
                 f"the train split ended with {k % accum} batch(es) that do not fill an "

@@ -9,6 +9,7 @@ from .errors import ConfigError, did_you_mean
 from .experiment import DEVICE, GRAPH, fields, replace
 from .history import History
 from .setup import device_array
+from .sharding import to_sharding
 
 
 def set_device(n, **values) -> None:
@@ -51,7 +52,7 @@ def set_device(n, **values) -> None:
                     f"set_device({name}=...) on a population of {pop.size}: pass one value of "
                     f"shape {old.shape[1:]} (every member) or {old.shape} (one per member)."
                 )
-            arr = jax.device_put(np.broadcast_to(host, old.shape), spec.replicated)
+            arr = to_sharding(np.broadcast_to(host, old.shape), spec.replicated)
         if arr.shape != old.shape or arr.dtype != old.dtype:
             raise ConfigError(
                 f"set_device({name}=...) would change its shape/dtype from {old.shape}/"

@@ -31,7 +31,7 @@ from .errors import DataError, NonFiniteLossError
 from .evaluation import is_scalar, run_eval
 from .events import steps as step_events
 from .events.phases import set_phase
-from .events.signals import Preempted, graceful_stop
+from .events.signals import Preempted, PreemptionSync, graceful_stop
 from .experiment import graph_key
 from .history import History
 from .introspect import peak_memory
@@ -282,10 +282,12 @@ class _Epoch:
 
     def _steps(self, stream, total: int | None) -> None:
         control, cadence = self.n.services.control, self.cadence.active
+        sync = PreemptionSync(control)  # several processes: one stop step for all
         for payloads, _, unit in stream:
             states, base = (unit[2] if len(unit) > 2 else None), self.batch
             for dev_batch, hyper, steps in payloads:
                 self._dispatch(dev_batch, hyper, steps)
+                sync.poll()
                 if states is not None:  # the iterator state after the last batch trained on
                     self.data_state = states[self.batch - base - 1]
                 if not cadence:

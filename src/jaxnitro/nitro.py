@@ -35,6 +35,7 @@ from .experiment import is_experiment
 from .progress import Progress
 from .runlock import RunLock
 from .setup import Dist
+from .sharding import to_sharding
 from .spec import DeviceValues, RunSpec
 from .state import TrainState
 
@@ -257,7 +258,7 @@ class Nitro:
     def _set_active(self, active) -> None:
         """A population's members that still train (per-member early stopping)."""
         rep = self._spec.replicated
-        self._device = dataclasses.replace(self._device, active=jax.device_put(active, rep))
+        self._device = dataclasses.replace(self._device, active=to_sharding(active, rep))
 
     @contextlib.contextmanager
     def _compiling(self, kind: str, label: str):

@@ -128,6 +128,8 @@ def matrices(n, row: dict[str, Any]) -> list[Path]:
     found = {k: v for k, v in row.items() if np.ndim(v) == 2 and np.size(v) > 0}
     if not found or importlib.util.find_spec("matplotlib") is None:
         return []
+    if jax.process_index() != 0:  # several processes: process 0 writes the run's files
+        return []
     try:
         out = Path(n.run_dir) / "viz"
         paths = {k: heatmap(v, f"{k} (step {n.step})", out / f"{k}-step{n.step:06d}.png")

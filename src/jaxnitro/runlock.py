@@ -140,3 +140,18 @@ def _describe(info: dict) -> str:
     host = f" on {info['host']}" if info.get("host") and not here else ""
     what = f" ({info['purpose']}, since {info.get('started', '?')})" if info.get("purpose") else ""
     return f"{who}{host}{what}"
+
+
+class FollowerLock(RunLock):
+    """The lock of a process other than 0 in a multi-process run: process 0 holds the real
+    one and writes the run's files; this one never touches the directory (`held` stays
+    False, so nothing that requires the lock writes)."""
+
+    def try_acquire(self, purpose: str) -> bool:
+        return True
+
+    def acquire(self, purpose: str, *, what: str) -> None:
+        return None
+
+    def release(self) -> None:
+        return None

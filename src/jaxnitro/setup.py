@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import data as data_mod
-from . import grain_source, hooks, optim, remat
+from . import distributed, grain_source, hooks, optim, remat
 from . import population as population_mod
 from . import sharding as sharding_mod
 from .checkpoint import TopKCheckpointer, load_checkpoint, validate_int
@@ -38,7 +37,7 @@ from .hyper import HyperLayout
 from .jsonable import jsonable
 from .loggers import JSONLogger, make_logger
 from .progress import Progress
-from .runlock import RunLock
+from .runlock import FollowerLock, RunLock
 from .services import Services, check_resumable, make_checkpointer
 from .settings import Settings
 from .spec import DeviceValues, RunSpec, SplitSpec
@@ -49,6 +48,10 @@ from .state import TrainState
 class Dist:
     """What `build_data(self, dist)` learns about the run, so each process loads its shard.
 
+    With several processes each process's loader yields its own rows of every global batch
+    (the global batch is the processes' batches in process order), so the batch size a
+    loader gives is the global one divided by `process_count`.
+
     Example:
         >>> def build_data(self, dist):
         ...     rows = slice(dist.process_index, None, dist.process_count)  # this process's share
@@ -57,8 +60,9 @@ class Dist:
 
     process_index: int
     process_count: int
-    n_devices: int
+    n_devices: int  # of the mesh, over every process
     mesh: Any
+    local_devices: tuple = ()  # this process's devices of the mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +87,17 @@ def make_run_dir(path: Path) -> None:
 
 
 def services(s: Settings) -> tuple[Services, bool]:
-    """(the run's services, whether the user named the checkpointer)."""
+    """(the run's services, whether the user named the checkpointer). With several processes
+    only process 0 logs and shows progress (the others' logger and display are off); every
+    process checkpoints (together), and only process 0 writes the run's files."""
     checkpointer, named = make_checkpointer(s.checkpointer, default=TopKCheckpointer)
     check_resumable(checkpointer, s.resume)
+    writer = jax.process_index() == 0
     svc = Services(
-        logger=logger_of(s.logger),
+        logger=logger_of(s.logger) if writer else logger_of(False),
         checkpointer=checkpointer,
-        display=Display(s.progress),
-        lock=RunLock(s.run_dir),
+        display=Display(s.progress if writer else False),
+        lock=RunLock(s.run_dir) if writer else FollowerLock(s.run_dir),
         run_dir=s.run_dir,
         params_line={},
     )
@@ -134,6 +141,57 @@ def resume_record(svc: Services, run_dir: Path, resume) -> Path | None:
             f"newest one in run_dir."
         )
     return path
+
+
+def shared_resume_record(svc: Services, run_dir: Path, resume) -> Path | None:
+    """`resume_record`, decided by process 0 alone (it may move a corrupted checkpoint
+    aside) and the same on every process; one process: `resume_record` itself."""
+    if jax.process_count() == 1:
+        return resume_record(svc, run_dir, resume)
+    found = distributed.decided_by_process_zero(
+        "resume", lambda: _path_str(resume_record(svc, run_dir, resume))
+    )
+    return None if found is None else Path(found)
+
+
+def _path_str(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def check_processes_agree(splits: Mapping, split_specs: Mapping[str, SplitSpec]) -> None:
+    """With several processes: every process has the same splits, each with as many batches
+    of the same shapes (else one would wait in a collective for a batch its peers never
+    send); a last short evaluation batch is refused (its padding would be masked per process,
+    which the eval program does not do)."""
+    if jax.process_count() == 1:
+        return
+    mine = {
+        name: {
+            "batches": len(splits[name]) if hasattr(splits[name], "__len__") else None,
+            "batch_size": info.batch_size,
+            "fields": {f: [list(shape), str(dtype)] for f, (shape, dtype) in info.specs.items()},
+        }
+        for name, info in split_specs.items()
+    }
+    try:
+        distributed.check_same(
+            "splits",
+            mine,
+            what="the data (split: batches, batch size, per-sample fields)",
+            fix="Give every process an equal share of every split (e.g. rows[dist."
+            "process_index::dist.process_count] of a length that divides), with drop_last="
+            "True for training.",
+        )
+    except distributed.DistributedError as e:
+        raise DataError(str(e)) from e
+    for name, src in splits.items():
+        if name != "train" and getattr(src, "ragged", False):
+            raise DataError(
+                f"split {name!r} ends with a short batch ({src.num_samples} samples, "
+                f"batch_size {src.batch_size}); with {jax.process_count()} processes every "
+                f"batch must be full. Pick a batch size that divides each process's share, "
+                f"or drop_last=True."
+            )
 
 
 def identity(resume_path: Path | None, seed: int) -> tuple[str, int]:
@@ -227,7 +285,7 @@ def device_array(name: str, value, rep) -> jax.Array:
             f"Device field {name!r} holds {value!r}, which is not numeric; give it a number or "
             f"an array, or mark it GraphConst/Host."
         )
-    return jax.device_put(arr, rep)
+    return sharding_mod.to_sharding(arr, rep)
 
 
 def check_splits(
@@ -344,7 +402,7 @@ def build_model(exp, seed: int, rep) -> tuple[Any, Any, Any, jax.Array]:
         )
     state = built[2] if built[2] is not None else {}
     state = sharding_mod.place(state, jax.tree.map(lambda _: rep, state))
-    return built[0], built[1], state, jax.device_put(rng, rep)
+    return built[0], built[1], state, sharding_mod.to_sharding(rng, rep)
 
 
 def check_custom_step(s: Settings, routes) -> bool:
@@ -403,14 +461,14 @@ def initial_state(
     carry a leading member axis (replicated) and each member gets its optimizer state."""
     if members is not None:
         opt_state = jax.jit(jax.vmap(tx.init), out_shardings=rep)(params)
-        step = jax.device_put(jnp.zeros((members,), jnp.int32), rep)
+        step = sharding_mod.to_sharding(np.zeros((members,), np.int32), rep)
         return TrainState(params, state, opt_state, step, rng, model=model, tx=tx)
     if shardings is None:
         shardings = jax.tree.map(lambda _: rep, params)
     params = sharding_mod.place(params, shardings)
     opt_sh = sharding_mod.opt_state_shardings(tx, params, shardings, rep)
     opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), rep)
+    step = sharding_mod.to_sharding(np.zeros((), np.int32), rep)
     return TrainState(params, state, opt_state, step, rng, model=model, tx=tx)
 
 
@@ -440,7 +498,7 @@ def member_trees(exp, pop, rep, first: tuple) -> tuple:
     else:
         built = [first] + [build_model(exp, sd, rep)[1:] for sd in pop.seeds[1:]]
         stacked = population_mod.stack(built)
-    return jax.device_put(stacked, rep)
+    return jax.tree.map(lambda x: sharding_mod.to_sharding(x, rep), stacked)
 
 
 def member_device_values(pop, layout, optimizer, values: Mapping, rep) -> DeviceValues:
@@ -462,14 +520,17 @@ def member_device_values(pop, layout, optimizer, values: Mapping, rep) -> Device
                     f"the field's type and shape."
                 )
         per_member.append(mine)
-    stacked = {k: jax.device_put(jnp.stack([m[k] for m in per_member]), rep) for k in values}
+    stacked = {
+        k: sharding_mod.to_sharding(np.stack([np.asarray(m[k]) for m in per_member]), rep)
+        for k in values
+    }
     return DeviceValues(stacked, population_mod.member_bases(pop, layout, optimizer, stacked))
 
 
 def on_targets(tree, like):
     """A restored host tree placed like `like` (this run's shardings: a checkpoint from
     another device count or sharding lands on this run's)."""
-    return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding, may_alias=False), tree, like)
+    return jax.tree.map(lambda x, t: sharding_mod.to_sharding(x, t.sharding), tree, like)
 
 
 # -- checks on the metrics the run produces -------------------------------------------------
@@ -570,7 +631,7 @@ def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Prog
         state=on_targets(trees["model_state"], ts.state),
         opt_state=on_targets(trees["opt_state"], ts.opt_state),
         # (a population keeps one step counter per member)
-        step=jax.device_put(jnp.full(ts.step.shape, step, jnp.int32), spec.replicated),
+        step=sharding_mod.to_sharding(np.full(ts.step.shape, step, np.int32), spec.replicated),
     )
     history = meta.get("history", [])
     if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
@@ -701,14 +762,17 @@ def params_line(spec: RunSpec) -> dict:
 # -- the sequence ---------------------------------------------------------------------------
 def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     """Everything after the services, in the documented order."""
-    resume_path = resume_record(svc, s.run_dir, s.resume)
+    resume_path = shared_resume_record(svc, s.run_dir, s.resume)
     run_id, seed = identity(resume_path, s.seed)
+    run_id = distributed.broadcast("run-id", run_id)  # process 0's: one run, one id
     svc.checkpointer.for_run(run_id)
     restore_loggers(svc, resume_path)
     apply_env()
     sharding = sharding_mod.resolve(s.sharding)
     mesh = sharding_mod.make_mesh(sharding, s.n_devices)
-    dist = Dist(jax.process_index(), jax.process_count(), mesh.size, mesh)
+    me = jax.process_index()
+    local = tuple(d for d in mesh.devices.flat if d.process_index == me)
+    dist = Dist(me, jax.process_count(), mesh.size, mesh, local)
     splits = build_data(exp, s.data, dist, seed)
     position = resume_position(resume_path)
     warn_replay(splits, position)
@@ -716,7 +780,8 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     rep = replicated(mesh)
     values = {k: device_array(k, v, rep) for k, v in field_values(exp, DEVICE).items()}
     model, params, mstate, rng = build_model(exp, seed, rep)
-    split_specs = check_splits(splits, routes, mesh.size, position)
+    split_specs = check_splits(splits, routes, len(local), position)
+    check_processes_agree(splits, split_specs)
     custom = check_custom_step(s, routes)
     optimizer = optim.build(exp, params, scheduled=set(s.schedules), separate=custom)
     spe = steps_per_epoch(splits, s.accum)
@@ -734,7 +799,9 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         mesh=mesh,
         replicated=rep,
         batch_sharding=data_mod.batch_sharding(mesh),
-        direct_feed=mesh.size == 1 and mesh.devices.flat[0].platform == "cpu",
+        direct_feed=(
+            mesh.size == 1 and mesh.devices.flat[0].platform == "cpu" and dist.process_count == 1
+        ),
         optimizer=optimizer,
         hyper=layout,
         schedules=schedules,
@@ -761,7 +828,8 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         if isinstance(spec.early_stop, EarlyStopping):  # each member stops on its own metric
             stopping = population_mod.MemberStopping(spec.early_stop, pop.size)
             spec = spec.replace(early_stop=stopping)
-            device = dataclasses.replace(device, active=jax.device_put(stopping.active(), rep))
+            active = sharding_mod.to_sharding(stopping.active(), rep)
+            device = dataclasses.replace(device, active=active)
     sharding_mod.check_fsdp(ts.params, sharding, mesh.size)
     check_metrics(spec, ts, device, svc, named)
     return _restored(spec, ts, device, s)
@@ -800,6 +868,6 @@ def _restored(spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings) 
     if spec.early_stop is not None and progress.early_stop is not None:
         spec.early_stop.load_state_dict(progress.early_stop)
         if device.active is not None:  # the members that had stopped stay frozen
-            active = jax.device_put(spec.early_stop.active(), spec.replicated)
+            active = sharding_mod.to_sharding(spec.early_stop.active(), spec.replicated)
             device = dataclasses.replace(device, active=active)
     return Built(spec, ts, progress, device)

@@ -32,6 +32,7 @@ from . import browse, run, sweep
 from .common import echo_err
 from .export import export
 from .fields import ExperimentCommand
+from .launch import launch
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -44,7 +45,7 @@ def cli() -> None:
     """
 
 
-for _command in [*run.COMMANDS, sweep.sweep, *browse.COMMANDS, export, serve_command]:
+for _command in [*run.COMMANDS, sweep.sweep, *browse.COMMANDS, export, serve_command, launch]:
     cli.add_command(_command)
 
 

@@ -24,6 +24,7 @@ from .. import metrics as metrics_mod
 from ..devices import mesh_id
 from ..errors import HookError, JaxnitroError
 from ..experiment import GRAPH, CompileView, field_values
+from ..sharding import to_sharding
 from ..step import (
     fuse,
     kept_if,
@@ -506,7 +507,7 @@ def eval_totals(spec, ts, split: str, extras):
     zeros = metrics_mod.zeros_like_totals(eval_metric_shapes(spec, ts, split, extras))
     if spec.population is not None:
         zeros = jax.tree.map(lambda z: jnp.broadcast_to(z, (spec.population.size, *z.shape)), zeros)
-    return jax.device_put(zeros, spec.replicated)
+    return jax.tree.map(lambda x: to_sharding(x, spec.replicated), zeros)
 
 
 def eval_program(

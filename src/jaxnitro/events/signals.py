@@ -3,11 +3,20 @@
 The first Ctrl-C asks for a stop (the step finishes, validation and a checkpoint follow); a
 second one aborts at once. SIGTERM (preemption) checkpoints the current step without
 validating and ends the process, so that `resume="auto"` continues exactly where it stopped.
+
+With several processes (`jax.distributed`), SIGTERM is left to JAX: its preemption notifier
+tells every process, and `PreemptionSync` finds the step all of them stop at
+(`multihost_utils.reached_preemption_sync_point`), so all checkpoint that same step and exit
+143. A Python SIGTERM handler would hide the notice from the other processes, which would then
+wait for the stopped one in their next collective. A Ctrl-C or `jn.request_stop` on any one
+process becomes such a notice too (the run then ends as preempted, exit 143): a stop that only
+one process knows of would leave the others waiting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -23,6 +32,11 @@ class StopControl:
         self.preempted = False
 
     def request(self, *, preempted: bool = False) -> None:
+        if not preempted and _jax_preemption():
+            # Several processes: a stop only this one knows of would leave the others
+            # waiting for it; JAX's notifier makes it a stop all of them agree on.
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         self.requested = True
         self.preempted = self.preempted or preempted
 
@@ -34,12 +48,46 @@ class StopControl:
         self.preempted = False
 
 
+def _jax_preemption() -> bool:
+    """Whether JAX's preemption service runs here (several processes under jax.distributed),
+    with its own SIGTERM handler installed."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    return state.client is not None and state.preemption_sync_manager is not None
+
+
+class PreemptionSync:
+    """The stop that every process of a multi-process run agrees on (inactive otherwise).
+
+    `poll()` runs once per dispatch on every process (so the n-th call is the same step
+    everywhere); when JAX's sync protocol says this is the step, the stop is requested as a
+    preemption. (A stop asked for locally, `StopControl.request`, is a notice for all.)
+    """
+
+    _calls = 0  # per process, over the process's life: JAX's sync ids only increase
+
+    def __init__(self, control: StopControl):
+        self.control, self.active = control, _jax_preemption()
+
+    def poll(self) -> None:
+        if not self.active:
+            return
+        control = self.control
+        from jax.experimental import multihost_utils
+
+        PreemptionSync._calls += 1
+        if multihost_utils.reached_preemption_sync_point(PreemptionSync._calls):
+            control.request(preempted=True)
+
+
 @contextlib.contextmanager
 def graceful_stop(control: StopControl):
     """Install the handlers for the duration of a `train` call (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    shared = _jax_preemption()  # SIGTERM stays JAX's; Ctrl-C becomes a notice for all
     presses = [0]
     counter = _SignalCounter()
 
@@ -50,6 +98,15 @@ def graceful_stop(control: StopControl):
         if presses[0] > 1:
             signal.signal(signal.SIGINT, previous_int)
             raise KeyboardInterrupt
+        if shared:
+            control.request()  # (a notice to every process)
+            print(
+                "\nstopping all processes at a step they agree on (checkpoint, exit 143); "
+                "Ctrl-C again to abort",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         control.request()
         print(
             "\nstopping after this step (validate, checkpoint); Ctrl-C again to abort",
@@ -61,13 +118,15 @@ def graceful_stop(control: StopControl):
         control.request(preempted=True)
 
     previous_int = signal.signal(signal.SIGINT, on_interrupt)
-    previous_term = signal.signal(signal.SIGTERM, on_terminate)
+    # (Python sees JAX's C handler as SIG_DFL: "restoring" it would remove it.)
+    previous_term = None if shared else signal.signal(signal.SIGTERM, on_terminate)
     try:
         yield
     finally:
         counter.close()
         signal.signal(signal.SIGINT, previous_int)
-        signal.signal(signal.SIGTERM, previous_term)
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
 
 
 class _SignalCounter:
@@ -157,6 +216,7 @@ def terminate_during_setup():
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        or _jax_preemption()  # JAX's own handler, which Python reports as SIG_DFL
     ):
         yield
         return

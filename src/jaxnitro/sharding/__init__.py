@@ -14,6 +14,7 @@ from .placement import (
     opt_state_shardings,
     param_shardings,
     place,
+    to_sharding,
 )
 from .rules import Sharding, param_specs, resolve, spec_for
 
@@ -29,4 +30,5 @@ __all__ = [
     "place",
     "resolve",
     "spec_for",
+    "to_sharding",
 ]

@@ -62,12 +62,35 @@ def param_shardings(params, sharding: Sharding, mesh: Mesh):
 def place(tree, shardings):
     """`tree` on the devices, each leaf with its sharding (a fresh copy, never an alias)."""
     return jax.tree.map(
-        lambda x, s: (
-            jax.device_put(x, s, may_alias=False) if isinstance(x, (jax.Array, np.ndarray)) else x
-        ),
+        lambda x, s: to_sharding(x, s) if isinstance(x, (jax.Array, np.ndarray)) else x,
         tree,
         shardings,
     )
+
+
+def to_sharding(x, sharding):
+    """One array (host or device) placed with `sharding`, a fresh copy.
+
+    With several processes a sharding spans devices this process cannot address, and
+    `jax.device_put` refuses a device array for it: each process then places its own part of
+    its copy of `x` (the same on every process: built from the same seed and data), without
+    any cross-process transfer. Typed PRNG keys travel as their key data.
+    """
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding, may_alias=False)
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(x)
+        data = np.asarray(jax.random.key_data(x))
+        spec = tuple(sharding.spec) + (None,) * (data.ndim - len(tuple(sharding.spec)))
+        wide = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+        placed = jax.make_array_from_callback(data.shape, wide, lambda index: data[index])
+        return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)(
+            placed
+        )
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def opt_state_shardings(tx, params, shardings, replicated):
