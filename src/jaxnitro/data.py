@@ -206,6 +206,27 @@ class DataLoader:
             read = self.table.read(self._rows(order, lo, hi), fields)
             yield {f: v.reshape(shape + v.shape[1:]) for f, v in read.items()}, k
 
+    def iter_rows(self, start: int, count: int) -> Iterator[tuple[dict, int]]:
+        """`iter_stacked`'s groups as the indices of their rows, {"rows": (k, batch_size)
+        int32}: what a program gathers from arrays kept on the device (the same rows)."""
+        order = self._order()
+        full = self.num_samples // self.batch_size
+        for i in range(start, full, count):
+            k = min(count, full - i)
+            lo, hi = i * self.batch_size, (i + k) * self.batch_size
+            rows = np.arange(lo, hi) if order is None else order[lo:hi]
+            yield {"rows": rows.astype(np.int32).reshape(k, self.batch_size)}, k
+
+    def resident_arrays(self, fields) -> dict[str, np.ndarray] | None:
+        """The arrays of `fields` when they can live on the device whole: in-memory numpy
+        arrays read as they are (None for memory maps, tables and transformed rows)."""
+        if self.transform is not None or not isinstance(self.table, tables.ArrayTable):
+            return None
+        arrays = {f: self.table.arrays[f] for f in fields}
+        if any(type(a) is not np.ndarray for a in arrays.values()):  # np.memmap: stays on disk
+            return None
+        return arrays
+
     # -- transforms -----------------------------------------------------------------------
     def _probe(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """Run the transform on sample 0 (at construction: a wrong transform fails here)."""

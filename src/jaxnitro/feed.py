@@ -149,6 +149,9 @@ def train_units(spec, loader, start: int, epoch: int, state=None):
         for parts in zip(*units, strict=True):
             yield {f: np.stack([p[0][f] for p in parts], axis=1) for f in info.fields}, parts[0][1]
         return
+    if spec.resident is not None:  # the rows only: the program gathers them on the device
+        yield from loader.iter_rows(start, size)
+        return
     if isinstance(loader, data_mod.DataLoader):
         yield from loader.iter_stacked(start, size, info.fields)
         return
@@ -188,6 +191,8 @@ def first_unit(spec, loader) -> tuple[dict, int]:
     if pop is not None and pop.own_data:
         unit, k = next(loader.iter_stacked(0, size, info.fields))
         return {f: np.stack([a] * pop.size, axis=1) for f, a in unit.items()}, k
+    if spec.resident is not None:
+        return next(loader.iter_rows(0, size))
     if isinstance(loader, data_mod.DataLoader):
         return next(loader.iter_stacked(0, size, info.fields))
     k = min(size, len(loader)) if hasattr(loader, "__len__") else size
@@ -246,6 +251,8 @@ def train_prepare(spec, first_step: int, base):
                     batch[f] = put(spec, shaped.reshape(lead_m + tail), sharding)
                     continue
                 batch[f] = put(spec, part.reshape(lead + part.shape[1:]), sharding)
+            if spec.resident is not None:  # the rows, and the arrays to gather them from
+                batch = {"rows": batch["rows"], "data": spec.resident}
             payloads.append((batch, hyper.at(next_step[0], s), s))
             next_step[0] += s
         return payloads, k

@@ -119,8 +119,16 @@ def _binding(n) -> str:
             f"split {split!r}: batch {info.batch_size}, to device {list(info.fields)}"
             + (f", host only {host_only}" if host_only else "")
             + f"; from {data_source(n.spec.splits[split])}"
+            + _resident(n.spec, split)
         )
     return "binding\n" + "\n".join(rows)
+
+
+def _resident(spec, split: str) -> str:
+    if split != "train" or spec.resident is None:
+        return ""
+    size = sum(a.nbytes for a in spec.resident.values())
+    return f"; on the device ({format_bytes(size)}), each batch gathered in the train program"
 
 
 def data_source(src) -> str:

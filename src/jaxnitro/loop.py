@@ -263,7 +263,9 @@ class _Epoch:
             loader.set_epoch(self.epoch)
         total = len(loader) if hasattr(loader, "__len__") else None
         n.display.start_epoch(self.epoch, n.max_epochs, total, self.batch)
-        feed_cls = data_mod.InlineFeed if spec.direct_feed else data_mod.Prefetcher
+        # Row indices of arrays on the device are cheap to prepare: no thread for them.
+        inline = spec.direct_feed or spec.resident is not None
+        feed_cls = data_mod.InlineFeed if inline else data_mod.Prefetcher
         stream = feed_cls(
             feed.train_units(spec, loader, self.batch, self.epoch, self.data_state),
             feed.train_prepare(spec, self.step, n.device.hyper_base),

@@ -90,6 +90,7 @@ class Nitro:
         remat: list[str] | None = None,
         remat_policy: str = "full",
         population=None,
+        data_on_device: bool | None = None,
         **unknown,
     ):
         _check_arguments(exp, unknown)

@@ -61,6 +61,7 @@ class Settings:
     checkpoint: Any
     data: Any
     population: Any = None  # None, a member count, or {field: [per-member values]}
+    data_on_device: bool | None = None  # None: when the train arrays fit (see setup)
 
 
 def settings(exp, given: Mapping[str, Any]) -> Settings:
@@ -109,7 +110,17 @@ def settings(exp, given: Mapping[str, Any]) -> Settings:
         checkpoint=given.get("checkpoint"),
         data=given.get("data"),
         population=_population_setting(given.get("population")),
+        data_on_device=_data_on_device_setting(given.get("data_on_device")),
     )
+
+
+def _data_on_device_setting(value):
+    if value not in (None, True, False):
+        raise ConfigError(
+            f"data_on_device={value!r}; use None (the default: keep the train arrays on the "
+            f"device when they fit), True (require it) or False (send each batch)."
+        )
+    return value
 
 
 def _population_setting(value):

@@ -472,6 +472,50 @@ def initial_state(
     return TrainState(params, state, opt_state, step, rng, model=model, tx=tx)
 
 
+# -- the train split on the device ----------------------------------------------------------
+#: The share of the device's capacity the train arrays may take to stay on it by default.
+RESIDENT_FRACTION = 0.25
+
+
+def resident_data(s: Settings, splits, split_specs, mesh, dist, pop):
+    """The train arrays placed on the device when they can stay there ({field: array}), or
+    None (each batch is sent). By default when the train split is a `jn.DataLoader` over
+    in-memory arrays, the run has one device and one process, and the arrays take at most
+    `RESIDENT_FRACTION` of the device's capacity; `data_on_device=True` requires it, False
+    turns it off. The train program gathers each batch from them: the same rows, bitwise."""
+    if s.data_on_device is False or "train" not in splits:
+        return None
+    loader, info = splits["train"], split_specs["train"]
+    arrays = (
+        loader.resident_arrays(info.fields) if isinstance(loader, data_mod.DataLoader) else None
+    )
+    why = None
+    if arrays is None:
+        why = "the train split is not a jn.DataLoader over in-memory numpy arrays"
+    elif mesh.size != 1 or dist.process_count != 1:
+        why = f"the run has {mesh.size} devices over {dist.process_count} process(es)"
+    elif pop is not None:
+        why = "a population trains on the arrays as they are sent"
+    if why is None and arrays is not None:
+        from .compile.memory import device_capacity, format_bytes
+
+        size = sum(a.nbytes for a in arrays.values())
+        capacity, source = device_capacity(mesh.devices.flat[0], s.memory_budget)
+        if size > RESIDENT_FRACTION * capacity and s.data_on_device is not True:
+            return None  # does not fit comfortably: send the batches
+        if size > capacity:
+            why = f"its arrays take {format_bytes(size)}, more than the {source}"
+    if why is not None or arrays is None:
+        if s.data_on_device:
+            raise ConfigError(
+                f"data_on_device=True, but {why}. Drop the option (batches are then sent "
+                f"per step), or train from a jn.DataLoader over numpy arrays on one device."
+            )
+        return None
+    rep = replicated(mesh)
+    return {f: jax.device_put(a, rep) for f, a in arrays.items()}
+
+
 # -- a population of members ----------------------------------------------------------------
 def population_of(s: Settings, exp, seed: int, optimizer, train, schedules):
     """`population=`: the members (seeds, per-member values and rates), or None."""
@@ -815,6 +859,7 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         remat=remat.plan(s.remat, s.remat_policy, model, params, mstate),
         resume_path=resume_path,
         population=pop,
+        resident=resident_data(s, splits, split_specs, mesh, dist, pop),
         **_options(s),
     )
     if pop is None:

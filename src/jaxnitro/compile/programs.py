@@ -416,6 +416,7 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
         "remat": spec.remat.key() if spec.remat is not None else None,
         "population": spec.population.key() if spec.population is not None else None,
         "early stopping per member": spec.population is not None and spec.early_stop is not None,
+        "data on device": spec.resident is not None,
     }
     key = program_key(
         spec,
@@ -428,6 +429,8 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
         optimizer=(optim.describe(spec.optimizer), cache.optimizer_key(spec.tx)),
     )
     step = _train_step(spec, steps)
+    if spec.resident is not None:
+        step = _gathering(step)
     leaves, treedef = jax.tree.flatten(ts)
 
     def flat_step(leaves, batch, extras, hyper):  # the state travels as a flat list
@@ -474,6 +477,18 @@ def _train_step(spec, steps: int):
     if pop is not None:  # state, Device values and hyperparameters per member; batch shared
         one = jax.vmap(one, in_axes=(0, 0 if pop.own_data else None, 0, 0))
     return fuse(one, steps)
+
+
+def _gathering(step):
+    """`step` on batches gathered in the program from the arrays kept on the device: the
+    payload is {"rows": indices (steps, micro-batches, batch), "data": {field: array}}."""
+
+    def gathered(ts, batch, extras, hyper):
+        rows = batch["rows"]
+        got = {f: jnp.take(a, rows, axis=0, mode="clip") for f, a in batch["data"].items()}
+        return step(ts, got, extras, hyper)
+
+    return gathered
 
 
 def _frozen_when_stopped(one):
