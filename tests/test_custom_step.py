@@ -283,3 +283,51 @@ def test_the_gan_example_covers_all_eight_modes(tmp_path):
         "discriminator",
         "generator",
     ]
+
+
+def test_an_equinox_model_with_two_optimizers(run_dir):
+    eqx = pytest.importorskip("equinox")
+
+    class Pair(eqx.Module):
+        a: eqx.nn.Linear
+        b: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.a, self.b = eqx.nn.Linear(8, 4, key=k1), eqx.nn.Linear(4, 4, key=k2)
+
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))
+
+    def eqx_loss_a(p, model, state, x, y):
+        h, _ = jn.apply(model, p, state, x, method="a")
+        return jnp.mean((h - y) ** 2)
+
+    @jn.experiment
+    class EqxAlternating(Alternating):
+        def build_model(self, rng):
+            return jn.split_model(Pair(rng))
+
+        def train_step(self, model, params, opt_state, state, rng, *, x, y):
+            la, grads = jn.group_grad(eqx_loss_a, params, "a", model, state, x, y)
+            params, opt_state = jn.optimizer_step("a", params, opt_state, grads)
+            lb, grads = jn.group_grad(loss_b, params, "b", model, state, x, y)
+            params, opt_state = jn.optimizer_step("b", params, opt_state, grads)
+            return params, opt_state, state, {"loss": lb, "loss_a": la}
+
+    n = nitro(EqxAlternating(max_epochs=1), run_dir=run_dir)
+    before = host_copy(n.params)
+    jn.train(n)
+    assert sorted(n.opt_state) == ["a", "b"]
+    assert not leaves_equal(n.params.a, before.a) and not leaves_equal(n.params.b, before.b)
+
+
+def test_an_empty_metrics_dict_or_swapped_trees_are_named(run_dir):
+    empty = _variant(train_step=lambda self, model, params, opt_state, state, rng, *, x, y: (
+        params, opt_state, state, {}))  # fmt: skip
+    with pytest.raises(jn.HookError, match=r"returned no metrics"):
+        jn.train(nitro(empty(), run_dir=run_dir / "1"))
+    swapped = _variant(train_step=lambda self, model, params, opt_state, state, rng, *, x, y: (
+        opt_state, params, state, {"loss": jnp.float32(0)}))  # fmt: skip
+    with pytest.raises(jn.HookError, match=r"It has the structure of opt_state: return \(params"):
+        jn.train(nitro(swapped(), run_dir=run_dir / "2"))

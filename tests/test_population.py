@@ -131,6 +131,12 @@ def test_each_member_stops_early_on_its_own(tmp_path):
     assert [m.stopped_epoch for m in stopping.members] == [None, 3]
     assert result.stop_reason == "completed" and n.epoch == 5  # member 0 trained on
     assert result.members[0]["member"] == 0
+    assert [m["stopped_epoch"] for m in sorted(result.members, key=lambda m: m["member"])] == [
+        None,
+        3,
+    ]
+    lines = [json.loads(s) for s in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["member_stopped"] for r in lines if "member_stopped" in r] == [1]
     # resumed from epoch 4, the stopped member stays frozen and the run ends bitwise the same
     jn.train(nitro(Rated(max_epochs=4), run_dir=tmp_path / "b", **kw))
     kw["early_stop"] = jn.EarlyStopping(metric="val_loss", patience=2, min_delta=0.0)
@@ -159,3 +165,11 @@ def test_the_memory_plan_counts_the_members_and_says_how_many_fit(tmp_path):
     n = nitro(Tiny(), run_dir=tmp_path / "c", population=8, memory_budget=budget)
     with pytest.raises(jn.MemoryPlanError, match=r"population=[1-4] \(from 8\) should fit"):
         jn.train(n)
+
+
+def test_a_checkpoint_of_another_member_count_says_so(tmp_path):
+    jn.train(nitro(Tiny(max_epochs=1), run_dir=tmp_path / "a", population=2))
+    with pytest.raises(jn.CheckpointError, match=r"a population of 2 members.*population=2"):
+        nitro(Tiny(max_epochs=2), run_dir=tmp_path / "a", population=3, resume="auto")
+    with pytest.raises(jn.CheckpointError, match=r"load the weights of .* this run trains one"):
+        nitro(Tiny(), run_dir=tmp_path / "b", checkpoint=tmp_path / "a")

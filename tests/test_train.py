@@ -369,3 +369,10 @@ def test_a_custom_logger_receives_the_protocol_calls(run_dir):
     assert kinds[:2] == ["open", "params"] and rec.calls[1] == ("params", "Tiny")
     assert kinds.count("train") == 8 and ("validate", 1, 8) in rec.calls
     assert rec.calls[-2:] == [("finish", "completed"), ("close",)]  # closed when train ends
+
+
+def test_a_stop_requested_by_a_step_callback_ends_after_that_step(run_dir):
+    n = nitro(Tiny(max_epochs=3), run_dir=run_dir)  # 8 steps per epoch
+    jn.every(11, lambda r: jn.request_stop(n), nitro=n)
+    result = jn.train(n)
+    assert result.stop_reason == "requested" and n.step == 11

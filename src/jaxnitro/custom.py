@@ -66,9 +66,15 @@ def _tools(helper: str, group: str) -> Tools:
             f"params, opt_state, state, rng, ...)."
         )
     if group not in tools.parts:
+        hint = did_you_mean(group, tools.parts)
+        if list(tools.parts) == ["default"]:  # no optimizers() and no param_group
+            hint += (
+                " Name the groups: define optimizers(self) returning {group: optax "
+                "transformation}, one per top-level module of the model (or param_group)."
+            )
         raise HookError(
             f"jn.{helper}: no parameter group {group!r}; the groups are {sorted(tools.parts)}."
-            + did_you_mean(group, tools.parts)
+            + hint
         )
     return tools
 
@@ -149,15 +155,27 @@ def optimizer_step(group: str, params, opt_state: Mapping[str, Any], grads):
 
 
 # -- the step built around the hook ---------------------------------------------------------
-def _same(what: str, got, like) -> None:
-    """`got` has the structure, shapes and dtypes of `like` (a step changes values only)."""
+def _short(treedef, limit: int = 300) -> str:
+    text = str(treedef)
+    return text if len(text) <= limit else text[:limit] + " …"
+
+
+def _same(what: str, got, like, others: Mapping[str, Any]) -> None:
+    """`got` has the structure, shapes and dtypes of `like` (a step changes values only);
+    `others` are the other trees received, to name a result returned in the wrong place."""
     treedef: Any = jax.tree.structure(got)  # (PyTreeDef's == is untyped in jaxlib's stubs)
     if treedef != jax.tree.structure(like):
+        swapped = [name for name, t in others.items() if treedef == jax.tree.structure(t)]
+        hint = (
+            f"It has the structure of {swapped[0]}: return (params, opt_state, state, "
+            f"metrics) in this order."
+            if swapped
+            else f"Return {what} updated in place of the one given (from jn.optimizer_step, "
+            f"or unchanged)."
+        )
         raise HookError(
             f"train_step returned {what} with another structure than it received:\n"
-            f"  received {jax.tree.structure(like)}\n  returned {jax.tree.structure(got)}\n"
-            f"Return {what} updated in place of the one given (from jn.optimizer_step, or "
-            f"unchanged)."
+            f"  received {_short(jax.tree.structure(like))}\n  returned {_short(treedef)}\n" + hint
         )
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(like), strict=True
@@ -175,6 +193,11 @@ def _metrics(got) -> dict[str, jax.Array]:
         raise HookError(
             f"train_step's fourth result must be a dict name -> scalar metric (e.g. "
             f"{{'d_loss': d, 'g_loss': g}}), got {type(got).__name__}."
+        )
+    if not got:
+        raise HookError(
+            "train_step returned no metrics; return at least one scalar, e.g. "
+            "{'loss': loss} (logged per step, and the run's training loss)."
         )
     out = {}
     for k, v in got.items():
@@ -200,9 +223,9 @@ def checked(result, params, opt_state, state):
             f"state, {{'loss': loss}}`."
         )
     new_params, new_opt, new_state, metrics = result
-    _same("params", new_params, params)
-    _same("opt_state", new_opt, opt_state)
-    _same("state", new_state, state)
+    given = {"params": params, "opt_state": opt_state, "state": state}
+    for name, tree in zip(given, (new_params, new_opt, new_state), strict=True):
+        _same(name, tree, given[name], {k: v for k, v in given.items() if k != name})
     return new_params, new_opt, new_state, _metrics(metrics)
 
 

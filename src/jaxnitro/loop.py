@@ -124,6 +124,10 @@ def _members(n) -> list[dict] | None:
         {k[: -len(f"/{i}")]: v for k, v in last.items() if k.endswith(f"/{i}")}
         for i in range(pop.size)
     ]
+    es = n.spec.early_stop
+    if isinstance(es, population.MemberStopping):
+        for i, row in enumerate(per):
+            row["stopped_epoch"] = es.members[i].stopped_epoch
     metric = getattr(n.checkpointer, "metric", None)
     return population.ranked(pop, per, metric=metric, mode=getattr(n.checkpointer, "mode", "min"))
 
@@ -284,6 +288,7 @@ class _Epoch:
 
     def _steps(self, stream, total: int | None) -> None:
         control, cadence = self.n.services.control, self.cadence.active
+        callbacks = self.n.services.step_callbacks
         sync = PreemptionSync(control)  # several processes: one stop step for all
         for payloads, _, unit in stream:
             states, base = (unit[2] if len(unit) > 2 else None), self.batch
@@ -292,6 +297,12 @@ class _Epoch:
                 sync.poll()
                 if states is not None:  # the iterator state after the last batch trained on
                     self.data_state = states[self.batch - base - 1]
+                if step_events.due(callbacks, self.step - steps, self.step):
+                    # read back now: the callback sees its step at once, and a stop it
+                    # requests (jn.request_stop) ends the run after that step
+                    self._drain(len(self.pending))
+                    if control.requested:
+                        break
                 if not cadence:
                     continue
                 validate, save = self.cadence.due(self.step - steps, self.step)
@@ -551,7 +562,7 @@ def _end_epoch(n, epoch: int, losses: list[float | None], seconds: float) -> str
     if es is not None and finished and not control.requested and es.update(epoch + 1, row):
         reason = "early_stop"
     if isinstance(es, population.MemberStopping):  # members that stopped train no more
-        n._set_active(es.active())
+        _members_stopped(n, es, epoch + 1)
     if control.requested:
         reason = "preempted" if control.preempted else "requested"
     set_phase(n, "Checkpointing")
@@ -575,6 +586,22 @@ def _member_row(values: dict) -> dict[str, float]:
         finite = kept[np.isfinite(kept)]
         row[k] = float(finite.mean()) if finite.size else float("nan")
     return row
+
+
+def _members_stopped(n, es, epoch: int) -> None:
+    """Freeze the members whose early stopping fired this epoch, and say so."""
+    was = np.asarray(jax.device_get(n.device.active))
+    now = es.active()
+    for i in np.flatnonzero(was & ~now):
+        best = es.members[i]
+        n.logger.log_other(
+            {"member_stopped": int(i), "epoch": epoch, f"best_{es.metric}": best.best}
+        )
+        n.display.line(
+            f"member {i} stopped early at epoch {epoch} (best {es.metric} {best.best} at "
+            f"epoch {best.best_epoch}); the others train on"
+        )
+    n._set_active(now)
 
 
 def _lr_reader(spec, device):
@@ -638,6 +665,7 @@ def _checkpoint(n, row: dict, *, stop_reason: str | None = None, validated: bool
         "data_state": jsonable(progress.data_state),
         "step": progress.step,
         "seed": spec.seed,
+        "population": spec.population.size if spec.population is not None else None,
         "config": jsonable(dict(graph_key(n.experiment))),
         "experiment": spec.cls.__qualname__,
         "history": jsonable([dict(r) for r in progress.history]),

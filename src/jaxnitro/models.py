@@ -351,10 +351,15 @@ def _apply_linen(model, params, state, training, key, inputs, kwargs, method=Non
     if method is not None:  # Linen binds the method itself; flags go where it takes them
         target = getattr(type(model.module), method, None) if isinstance(method, str) else method
         if target is None:
+            cls = type(model.module)
+            names = sorted(
+                n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n))
+            )
+            names = [n for n in names if n not in ("apply", "init", "bind", "clone", "copy")]
             raise ConfigError(
-                f"apply(..., method={method!r}): {type(model.module).__name__} has no method "
-                f"{method!r}. Name one of its methods, or pass a function "
-                f"(module, *inputs) -> outputs."
+                f"apply(..., method={method!r}): {cls.__name__} has no method {method!r} "
+                f"(Linen submodules from setup() are reached through a method, or a function "
+                f"(module, *inputs) -> outputs). Its methods: {names[:12]}."
             )
         accepted = _accepted(target, ("train", "deterministic"))
         call_kwargs = {k: v for k, v in call_kwargs.items() if k in accepted}

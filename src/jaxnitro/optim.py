@@ -167,6 +167,7 @@ class _Hooks:
     anchor_of: Callable
     decay_of: Callable
     clip: float
+    rule_hook: str = "optimizer({g!r})"  # how errors name the hook that gives a group's rule
 
     @classmethod
     def of(cls, exp, decay_anchor: str, *, separate: bool = False) -> _Hooks:
@@ -192,6 +193,7 @@ class _Hooks:
             group_of=group_of or (lambda path, leaf: DEFAULT_GROUP),
             no_decay=_hook(exp, "no_decay") or (lambda path, leaf: jnp.ndim(leaf) <= 1),
             rule_of=rule_of or (lambda group: optax.radam),
+            rule_hook="optimizers() for {g!r}" if table is not None else "optimizer({g!r})",
             rate_of=_hook(exp, "learning_rate") or (lambda group: 1e-3),
             anchor_of=_hook(exp, "decay_anchor") or (lambda group: decay_anchor),
             decay_of=_hook(exp, "weight_decay") or (lambda group: 0.0),
@@ -253,6 +255,12 @@ def _check_table_groups(hooks: _Hooks, names: list[str], table_keys) -> None:
         )
 
 
+def _labels_fn(labels):
+    """The labels for `multi_transform` as a function: optax calls a callable labels tree,
+    and an Equinox model's tree of labels is a callable module."""
+    return lambda params: labels
+
+
 def _separate(core: Mapping[str, optax.GradientTransformation], labels, clip: float):
     """One optimizer per group over the whole tree (the other groups' updates are zero and
     their state empty), and a transformation whose state is {group: that optimizer's state}."""
@@ -263,7 +271,8 @@ def _separate(core: Mapping[str, optax.GradientTransformation], labels, clip: fl
             (
                 "update",
                 optax.multi_transform(
-                    {o: (t if o == g else optax.set_to_zero()) for o, t in core.items()}, labels
+                    {o: (t if o == g else optax.set_to_zero()) for o, t in core.items()},
+                    _labels_fn(labels),
                 ),
             ),
         )
@@ -325,7 +334,11 @@ def build(
     if separate:
         tx, parts = _separate(transforms, labels, hooks.clip)
         return Optimizer(tx, groups, labels, hyper_paths, hooks.clip, parts)
-    core = transforms[names[0]] if len(names) == 1 else optax.multi_transform(transforms, labels)
+    core = (
+        transforms[names[0]]
+        if len(names) == 1
+        else optax.multi_transform(transforms, _labels_fn(labels))
+    )
     chain = [("clip", optax.clip_by_global_norm(hooks.clip))] if hooks.clip > 0 else []
     tx = optax.named_chain(*chain, ("update", core))
     return Optimizer(tx, groups, labels, hyper_paths, hooks.clip)
@@ -351,8 +364,8 @@ def _group(hooks: _Hooks, g: str, count: int, scheduled: Collection[str]):
         tuned = [k for k in scheduled if k.startswith(("opt.learning_rate", f"opt.{g}."))]
         if wd or tuned:
             raise ConfigError(
-                f"optimizer({g!r}) returned a ready optax transformation, whose learning "
-                f"rate and decay are fixed inside it, but the run also sets "
+                f"{hooks.rule_hook.format(g=g)} returned a ready optax transformation, whose "
+                f"learning rate and decay are fixed inside it, but the run also sets "
                 f"{'weight decay' if wd else tuned}. Return the factory instead, e.g. "
                 f"`return optax.adam` or `functools.partial(optax.sgd, momentum=0.9)`."
             )

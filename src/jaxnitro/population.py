@@ -116,13 +116,16 @@ def resolve(setting, *, seed: int, device_fields: Mapping[str, str], rate_keys) 
             continue
         marker = device_fields.get(key)
         if marker != DEVICE:
-            why = (
-                f"it is a {marker} field: members share one compiled program, so only Device "
-                f"fields (traced inputs) and learning rates can differ"
-                if marker is not None
-                else "the experiment has no such field" + did_you_mean(key, device_fields)
-            )
-            raise ConfigError(f"population key {key!r}: {why}.")
+            if key == "seed":
+                why = "members that differ by seed come from population=N (seeds seed..seed+N-1)."
+            elif marker is not None:
+                why = (
+                    f"it is a {marker} field: members share one compiled program, so only "
+                    f"Device fields (traced inputs) and learning rates can differ."
+                )
+            else:
+                why = "the experiment has no such field." + did_you_mean(key, device_fields)
+            raise ConfigError(f"population key {key!r}: {why}")
         values[key] = tuple(seq)
     if len(sizes) != 1:
         raise ConfigError(

@@ -639,6 +639,29 @@ def check_config(spec: RunSpec, path: Path) -> None:
         )
 
 
+def check_members(spec: RunSpec, path: Path, *, resume: bool) -> None:
+    """A checkpoint of a population holds every member: its member count must be the run's."""
+    have = read_meta(path).get("population")
+    want = spec.population.size if spec.population is not None else None
+    if have == want or not isinstance(have, (int, type(None))):
+        return
+    what = "resume from" if resume else "load the weights of"
+    held = f"a population of {have} members" if have else "one model"
+    runs = f"a population of {want}" if want else "one model"
+    if have and resume:
+        fix = f"Resume with population={have}."
+    elif have:
+        fix = (
+            f"Load it into a population of {have}, or resume that population and take one "
+            f"member with jn.member(n, i)."
+        )
+    else:
+        fix = "Start the population in a new run_dir (its members start from their seeds)."
+    raise CheckpointError(
+        f"cannot {what} {path}: it holds {held}, and this run trains {runs}. {fix}"
+    )
+
+
 def load_trees(ts: TrainState, path: Path, *, full: bool) -> tuple[dict, dict]:
     """(trees, meta) of a checkpoint, restored onto this run's templates."""
     templates = {"params": ts.params, "model_state": ts.state}
@@ -668,6 +691,7 @@ def load_trees(ts: TrainState, path: Path, *, full: bool) -> tuple[dict, dict]:
 def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Progress, Any]:
     """Resume: the state, the progress and the schedules' horizon saved in the checkpoint."""
     check_config(spec, path)
+    check_members(spec, path, resume=True)
     trees, meta = load_trees(ts, path, full=True)
     step = validate_int(meta, "step", path)
     ts = ts.replace(
@@ -770,6 +794,7 @@ def weights_path(path: Path) -> Path:
 
 def load_weights(spec: RunSpec, ts: TrainState, path: Path) -> TrainState:
     """`checkpoint=path`: the weights (params and model state) only; a fresh optimizer."""
+    check_members(spec, path, resume=False)
     trees, _ = load_trees(ts, path, full=False)
     return ts.replace(
         params=on_targets(trees["params"], ts.params),

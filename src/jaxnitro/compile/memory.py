@@ -295,7 +295,8 @@ def suggestions(plan: MemoryPlan, *, batch_size: int, n_devices: int) -> list[st
         f"instead of stored; saves up to the {format_bytes(temp)} of temporaries, for extra "
         f"compute."
     )
-    out.append(_fsdp_suggestion(plan, n_devices=n_devices))
+    if not plan.members:  # a population keeps its parameters replicated
+        out.append(_fsdp_suggestion(plan, n_devices=n_devices))
     return out
 
 

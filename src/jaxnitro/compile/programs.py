@@ -418,12 +418,16 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
         "early stopping per member": spec.population is not None and spec.early_stop is not None,
         "data on device": spec.resident is not None,
     }
+    inputs = {"batch": batch, "extras": extras["device"]}
+    if spec.resident is not None:  # the arrays are not stacked per step: not batch inputs
+        inputs = {"batch": {"rows": batch["rows"]}, "train arrays on the device": batch["data"]}
+        inputs["extras"] = extras["device"]
     key = program_key(
         spec,
         ps,
         "train",
         "train",
-        {"batch": batch, "extras": extras["device"]},
+        inputs,
         options,
         avals=cache.avals((_state_arrays(ts), batch, extras, hyper)),
         optimizer=(optim.describe(spec.optimizer), cache.optimizer_key(spec.tx)),

@@ -1,9 +1,10 @@
 """Step events: `jn.every(n_steps, fn)` calls `fn(record)` with a frozen `StepRecord`.
 
 Records are made when a step's outputs are read back from the device, which the driver does
-in chunks a few steps behind the newest dispatch (so dispatch never waits): a callback sees
-step 120 shortly after it ran, in step order, and every step of an epoch before the epoch's
-validation. A callback that raises stops the run, as any user code in the loop does.
+in chunks a few steps behind the newest dispatch (so dispatch never waits), and at once after a
+step some callback is due at: a callback sees its step as soon as it ran, in step order, and a
+stop it requests (`jn.request_stop`) ends the run after that step (after its call, with
+`steps_per_call`). A callback that raises stops the run, as any user code in the loop does.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def fire(local: list, record: StepRecord) -> None:
     for n_steps, fn in (*_global, *local):
         if record.step % n_steps == 0:
             fn(record)
+
+
+def due(local: list, after: int, upto: int) -> bool:
+    """Whether a callback is due at a step in (after, upto]."""
+    return any((upto // n_steps) > (after // n_steps) for n_steps, _ in (*_global, *local))
 
 
 def has_callbacks(local: list) -> bool:
