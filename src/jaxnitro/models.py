@@ -319,7 +319,8 @@ def _bound(module: Any, method: Any) -> Callable:
         return functools.partial(method, module)
     fn = getattr(module, method, None) if isinstance(method, str) else None
     if not callable(fn):
-        names = sorted(n for n in dir(module) if not n.startswith("_"))
+        own = {**vars(type(module)), **getattr(module, "__dict__", {})}
+        names = sorted(n for n in own if not n.startswith("_"))
         raise ConfigError(
             f"apply(..., method={method!r}): {type(module).__name__} has no callable "
             f"{method!r}. Name one of its methods or submodules (it has {names[:12]}), or "
@@ -352,10 +353,7 @@ def _apply_linen(model, params, state, training, key, inputs, kwargs, method=Non
         target = getattr(type(model.module), method, None) if isinstance(method, str) else method
         if target is None:
             cls = type(model.module)
-            names = sorted(
-                n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n))
-            )
-            names = [n for n in names if n not in ("apply", "init", "bind", "clone", "copy")]
+            names = sorted(n for n, v in vars(cls).items() if callable(v) and n[0] != "_")
             raise ConfigError(
                 f"apply(..., method={method!r}): {cls.__name__} has no method {method!r} "
                 f"(Linen submodules from setup() are reached through a method, or a function "
