@@ -23,6 +23,7 @@ reads whole arrays on each process and places each process's part of them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -287,8 +288,33 @@ def _is_prng_key(x: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+class _Staged:
+    """A leaf already copied to the host (`stage`): its array to store and its JSON spec."""
+
+    __slots__ = ("array", "spec")
+
+    def __init__(self, array: np.ndarray, spec: dict):
+        self.array, self.spec = array, spec
+
+
+def stage(trees: dict[str, Any]) -> dict[str, Any]:
+    """The trees with every leaf copied to host memory now (their device buffers may be
+    donated to the next train step while a background write still runs)."""
+
+    def copy(kp, leaf, name):
+        arr, spec = _to_host(f"{name}{jax.tree_util.keystr(kp)}", leaf)
+        return _Staged(np.array(arr, copy=True), spec)
+
+    return {
+        name: jax.tree_util.tree_map_with_path(lambda kp, x, n=name: copy(kp, x, n), tree)
+        for name, tree in trees.items()
+    }
+
+
 def _to_host(where: str, leaf: Any) -> tuple[np.ndarray, dict]:
     """Leaf -> (numpy array to store, JSON spec). Typed PRNG keys are stored as key_data."""
+    if isinstance(leaf, _Staged):
+        return leaf.array, leaf.spec
     if isinstance(leaf, jax.ShapeDtypeStruct):
         raise CheckpointError(
             f"leaf {where} is an abstract ShapeDtypeStruct; save the real arrays (a "
@@ -1051,6 +1077,9 @@ class TopKCheckpointer:
         # The run whose checkpoints retention, latest() and best() manage. Several runs may
         # share a directory (a fresh run into an old run_dir): none deletes another's.
         self.run_id: str | None = None
+        # A background save (save(..., background=True)): at most one in flight.
+        self._pending: concurrent.futures.Future | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def for_run(self, run_id: str | None) -> None:
         """Manage only the checkpoints of run `run_id` (None: every checkpoint, as before).
@@ -1134,7 +1163,14 @@ class TopKCheckpointer:
         return sorted(rows, key=lambda r: (r["step"], r["time"]))
 
     def save(
-        self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any], meta: dict
+        self,
+        *,
+        epoch: int,
+        step: int,
+        metrics: dict[str, float],
+        trees: dict[str, Any],
+        meta: dict,
+        background: bool = False,
     ) -> Path:
         """Write one checkpoint durably, then list it in the manifest, then apply retention.
 
@@ -1142,17 +1178,44 @@ class TopKCheckpointer:
         names the checkpoint and writes its meta.json and the manifest. Every process returns
         the path once the checkpoint is complete.
 
+        `background=True` (one process) copies the arrays to host memory, returns the path,
+        and writes in a background thread: training goes on meanwhile. One save is in flight
+        at a time (the next, `wait()`, `latest()` and `best()` wait for it), so the host
+        holds at most one staged copy; the write is as atomic as a foreground one.
+
         Example:
             >>> path = ck.save(epoch=1, step=100, metrics={"acc": 0.91},
             ...                trees={"params": {"w": np.ones(3)}}, meta={"note": "warmup"})
             >>> path.name
             'epoch-0001-step-000100-acc=0.91'
         """
+        self.wait()
         if jax.process_count() > 1:
             return self._save_together(
                 epoch=epoch, step=step, metrics=metrics, trees=trees, meta=meta
             )
-        return self._save(epoch=epoch, step=step, metrics=metrics, trees=trees, meta=meta)
+        name, record = self._prepare(epoch=epoch, step=step, metrics=metrics, meta=meta)
+        if not background:
+            self._commit(name, trees, record)
+            return self._root() / name
+        staged = stage(trees)
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="jaxnitro-checkpoint"
+            )
+        self._pending = self._executor.submit(self._commit, name, staged, record)
+        return self._root() / name
+
+    def wait(self) -> None:
+        """Finish the background save in flight, if any (re-raising its error).
+
+        Example:
+            >>> ck.save(epoch=1, step=10, metrics={}, trees=trees, meta={}, background=True)
+            >>> ck.wait()  # the checkpoint is now complete on disk
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def _save_together(
         self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any], meta: dict
@@ -1203,9 +1266,8 @@ class TopKCheckpointer:
         distributed.decided_by_process_zero("checkpoint-commit", commit)
         return target
 
-    def _save(
-        self, *, epoch: int, step: int, metrics: dict[str, float], trees: dict[str, Any], meta: dict
-    ) -> Path:
+    def _prepare(self, *, epoch: int, step: int, metrics: dict[str, float], meta: dict):
+        """(name, record) of a new checkpoint, checked before anything is written."""
         root = self._root()
         if not self._writer:
             raise CheckpointError(
@@ -1219,11 +1281,14 @@ class TopKCheckpointer:
         epoch, step = _counters(epoch, step)
         raw = dict(metrics or {})
         record = _new_record(epoch, step, raw, meta)
-        name = _free_name(root, epoch, step, self.metric, raw)
+        return _free_name(root, epoch, step, self.metric, raw), record
+
+    def _commit(self, name: str, trees: dict[str, Any], record: dict) -> None:
+        """Write the checkpoint atomically, list it, apply retention (maybe in the thread)."""
+        root = self._root()
         _write_atomically(root, name, trees, record)
         self._write_manifest(self.records() + [self._row(name, record)])
         self._apply_retention()
-        return root / name
 
     def _write_manifest(self, rows: list[dict]) -> None:
         path = self._root() / MANIFEST
@@ -1326,6 +1391,7 @@ class TopKCheckpointer:
         Example:
             >>> trees, meta = jn.load_checkpoint(ck.latest())
         """
+        self.wait()
         row = self._newest(self._mine(self.records()))
         return self.dir / row["path"] if row else None
 
@@ -1385,5 +1451,6 @@ class TopKCheckpointer:
         Example:
             >>> trees, meta = jn.load_checkpoint(ck.best(), {"params": params})
         """
+        self.wait()
         ranked = self._ranked(self._mine(self.records()))
         return self.dir / ranked[0]["path"] if ranked else None
