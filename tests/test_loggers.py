@@ -445,6 +445,19 @@ def wandb_history(run_dir: Path) -> list[dict]:
     return rows
 
 
+def settled_history(run_dir: Path, train_rows: int, timeout: float = 30.0) -> list[dict]:
+    """The offline run's history once its train rows are all there: W&B's service process
+    writes the .wandb file after `finish` returns, later on a loaded machine."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        history = wandb_history(run_dir)
+        if sum("train/loss" in r for r in history) >= train_rows or time.monotonic() > deadline:
+            return history
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_wandb_offline_run_history_config_and_resume(run_dir):
     pytest.importorskip("wandb")
@@ -452,7 +465,7 @@ def test_wandb_offline_run_history_config_and_resume(run_dir):
     n = nitro(Tiny(max_epochs=2), run_dir=run_dir, logger=[jn.JSONLogger(), wb])
     jn.train(n)
     assert wb.run_id == n.spec.run_id and wb.run_dir.parent == run_dir.absolute() / "wandb"
-    history = wandb_history(wb.run_dir)
+    history = settled_history(wb.run_dir, 2 * TRAIN_STEPS)
     loss = [(r["_step"], r["train/loss"]) for r in history if "train/loss" in r]
     assert [s for s, _ in loss] == list(range(1, 2 * TRAIN_STEPS + 1))
     assert [v for _, v in loss] == pytest.approx(
@@ -468,7 +481,7 @@ def test_wandb_offline_run_history_config_and_resume(run_dir):
     n2 = nitro(Tiny(max_epochs=3), run_dir=run_dir, resume="auto", logger=[jn.JSONLogger(), wb2])
     jn.train(n2)
     assert wb2.run_id == wb.run_id and wb2.run_dir != wb.run_dir  # W&B's offline run per session
-    steps = [r["_step"] for r in wandb_history(wb2.run_dir) if "train/loss" in r]
+    steps = [r["_step"] for r in settled_history(wb2.run_dir, TRAIN_STEPS) if "train/loss" in r]
     assert steps == list(range(2 * TRAIN_STEPS + 1, 3 * TRAIN_STEPS + 1))
 
 
