@@ -60,13 +60,18 @@ def pick(n) -> Choice:
     if k == 1 or "train" not in spec.splits or spec.population is not None:
         return Choice(1, k, None, None)
     single = _per_step(n, spec, 1, calls=2 * k)
-    fused = _per_step(n, dataclasses.replace(spec, steps_per_call=k), k, calls=2)
+    # A fused call clearly slower than single steps (a loop of convolutions on XLA:CPU) is
+    # timed once, not `_REPEATS` times: it costs k steps a call.
+    fused = _per_step(
+        n, dataclasses.replace(spec, steps_per_call=k), k, calls=1, give_up=2 * single
+    )
     steps = k if fused < MARGIN * single else 1
     return Choice(steps, k, single, fused)
 
 
-def _per_step(n, spec, steps: int, *, calls: int) -> float:
-    """Best of `_REPEATS` timings of `calls` calls of the `steps`-per-call program, per step."""
+def _per_step(n, spec, steps: int, *, calls: int, give_up: float | None = None) -> float:
+    """Best of `_REPEATS` timings of `calls` calls of the `steps`-per-call program, per step
+    (the first call's time alone when it is already over `give_up` per step)."""
     loader = spec.splits["train"]
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(n.epoch)
@@ -74,8 +79,12 @@ def _per_step(n, spec, steps: int, *, calls: int) -> float:
     (batch, hyper, got), *_ = feed.train_prepare(spec, n.step, n.device.hyper_base)(unit)[0]
     prog = train_program(spec, n.programs, n.train_state, batch, n.device.extras, hyper, got)
     leaves = [jnp.copy(x) for x in n.state_leaves]  # the handle's buffers are never donated
+    t0 = time.perf_counter()
     leaves, out = prog.compiled(leaves, batch, n.device.extras, hyper)  # warm up
     jax.block_until_ready(out)
+    first = (time.perf_counter() - t0) / got
+    if give_up is not None and first > give_up:
+        return first
     best = float("inf")
     for _ in range(_REPEATS):
         t0 = time.perf_counter()
