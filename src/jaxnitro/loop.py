@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import autotune, feed, population, render
 from . import data as data_mod
-from . import feed, population, render
 from .checkpoint import TopKCheckpointer
 from .compile import cache, plan, report
 from .compile.programs import check_stale, train_program
@@ -135,6 +135,8 @@ def _members(n) -> list[dict] | None:
 
 def _train(n) -> TrainResult:
     t_start = time.perf_counter()
+    if n.spec.autotune:  # steps_per_call="auto": measured once, before anything is counted
+        _autotune(n)
     misses0 = cache.cache_stats()["misses"]
     n.programs.reset_train()  # re-keyed at each entry point: never served stale
     n.services.control.begin()
@@ -690,6 +692,21 @@ def _checkpoint(n, row: dict, *, stop_reason: str | None = None, validated: bool
         epoch=row["epoch"], step=n.step, metrics=metrics, trees=trees, meta=meta, background=True
     )
     n.logger.log_other({"checkpoint": path.name, "checkpoint_stall_s": time.perf_counter() - t0})
+
+
+def _autotune(n) -> None:
+    check_stale(n.spec, n.programs)
+    choice = autotune.pick(n)
+    n._set_steps_per_call(choice.steps)
+    n.display.line(choice.line())
+    n.logger.log_other(
+        {
+            "steps_per_call_auto": choice.steps,
+            "tried": choice.candidate,
+            "single_step_s": choice.single_s,
+            "fused_step_s": choice.fused_s,
+        }
+    )
 
 
 def _wait_for_checkpoint(n) -> None:

@@ -68,7 +68,7 @@ class Nitro:
         run_dir=None,
         n_devices: int | None = None,
         accum: int = 1,
-        steps_per_call: int = 1,
+        steps_per_call: int | str = 1,
         max_epochs: int | None = None,
         schedules=None,
         precision: str | None = None,
@@ -255,6 +255,10 @@ class Nitro:
             base = population.member_bases(spec.population, spec.hyper, spec.optimizer, merged)
         self._device = dataclasses.replace(self._device, values=merged, hyper_base=base)
         self._experiment = experiment
+
+    def _set_steps_per_call(self, steps: int) -> None:
+        """steps_per_call="auto", measured: the steps per dispatch from now on."""
+        self._spec = self._spec.replace(steps_per_call=steps, autotune=False)
 
     def _set_active(self, active) -> None:
         """A population's members that still train (per-member early stopping)."""

@@ -40,7 +40,7 @@ class Settings:
     n_devices: int | None
     max_epochs: int
     accum: int
-    steps_per_call: int
+    steps_per_call: int | str  # or "auto": measured at the first train (autotune.py)
     precision: str
     schedules: Mapping[str, Any]
     memory_budget: int | None
@@ -82,7 +82,7 @@ def settings(exp, given: Mapping[str, Any]) -> Settings:
         if s["max_epochs"] is None
         else _int_setting("max_epochs", s["max_epochs"], minimum=1),
         accum=_int_setting("accum", given.get("accum", 1), minimum=1),
-        steps_per_call=_int_setting("steps_per_call", given.get("steps_per_call", 1), minimum=1),
+        steps_per_call=_steps_per_call_setting(given.get("steps_per_call", 1)),
         precision=_choice(
             "precision",
             given.get("precision") or "f32",
@@ -112,6 +112,17 @@ def settings(exp, given: Mapping[str, Any]) -> Settings:
         population=_population_setting(given.get("population")),
         data_on_device=_data_on_device_setting(given.get("data_on_device")),
     )
+
+
+def _steps_per_call_setting(value) -> int | str:
+    if value == "auto":
+        return value
+    if isinstance(value, str):
+        raise ConfigError(
+            f"steps_per_call={value!r}; pass a number of optimizer steps per dispatch (e.g. "
+            f"steps_per_call=8) or 'auto' (measured at the first train)."
+        )
+    return _int_setting("steps_per_call", value, minimum=1)
 
 
 def _data_on_device_setting(value):

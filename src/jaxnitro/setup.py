@@ -921,8 +921,12 @@ _OPTIONS = (
 
 
 def _options(s: Settings) -> dict[str, Any]:
-    """The settings a RunSpec keeps as they are."""
-    return {k: getattr(s, k) for k in _OPTIONS}
+    """The settings a RunSpec keeps as they are (steps_per_call='auto' starts at 1; the first
+    train measures and picks, `autotune.py`)."""
+    out = {k: getattr(s, k) for k in _OPTIONS}
+    if s.steps_per_call == "auto":
+        out.update(steps_per_call=1, autotune=True)
+    return out
 
 
 def _restored(spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings) -> Built:

@@ -71,6 +71,7 @@ class RunSpec:
     max_epochs: int
     accum: int = 1
     steps_per_call: int = 1
+    autotune: bool = False  # steps_per_call="auto", not yet measured (autotune.py)
     precision: str = "f32"
     on_nonfinite: str = "error"
     log_grad_norm: bool = False

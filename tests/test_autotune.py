@@ -1,0 +1,35 @@
+"""steps_per_call="auto": measured on copies of the state, bitwise the same training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import Tiny, leaves_equal, nitro
+
+import jaxnitro as jn
+from jaxnitro import autotune
+
+
+@pytest.mark.parametrize("margin, want", [(1e9, 8), (0.0, 1)], ids=["fused", "single"])
+def test_auto_picks_by_measurement_and_trains_bitwise_the_same(tmp_path, monkeypatch, margin, want):
+    monkeypatch.setattr(autotune, "MARGIN", margin)  # 1e9: fusing always wins; 0: never
+    auto = nitro(Tiny(), run_dir=tmp_path / "auto", steps_per_call="auto")
+    assert auto.spec.steps_per_call == 1 and auto.spec.autotune
+    jn.train(auto)
+    assert auto.spec.steps_per_call == want and not auto.spec.autotune
+    plain = nitro(Tiny(), run_dir=tmp_path / "plain")
+    jn.train(plain)
+    assert leaves_equal(auto.state_leaves, plain.state_leaves)
+    lines = [json.loads(s) for s in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
+    (tuned,) = [r for r in lines if "steps_per_call_auto" in r]
+    assert tuned["steps_per_call_auto"] == want and tuned["tried"] == 8
+    assert tuned["single_step_s"] > 0 and tuned["fused_step_s"] > 0
+    assert len([r for r in lines if r.get("context") == "train"]) == auto.step  # per step
+
+
+def test_auto_settings(tmp_path):
+    with pytest.raises(jn.ConfigError, match=r"steps_per_call='fast'.*'auto'"):
+        nitro(Tiny(), run_dir=tmp_path, steps_per_call="fast")
+    n = nitro(Tiny(), run_dir=tmp_path / "a", steps_per_call="auto")
+    assert autotune.candidate(n.spec) == 8  # the largest divisor of 8 steps per epoch
