@@ -6,7 +6,8 @@ MODE: "train"; "resume" (resume="auto"); "sigterm" (rank 1 sends itself SIGTERM 
 3); "die" (rank 1 SIGKILLs itself after step 3); "ragged" (rank 1's train batches are
 shorter than rank 0's); "stop" (rank 0 calls jn.request_stop after step 3); "fsdp",
 "fsdp-sigterm", "fsdp-resume": as "train", "sigterm", "resume" with FSDP (both kernels split
-over the 4 devices).
+over the 4 devices); "model": a {"data": 1, "model": 4} mesh over both processes, which feed
+the same rows (dist.data_count is 1).
 """
 
 import json
@@ -30,6 +31,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import TinyMLP, make_data  # noqa: E402
@@ -52,11 +54,11 @@ class Strided:
         # Process p takes rows p, p + P, ...: global batch b holds the rows of one process's
         # batch b [32b, 32b + 32), so the mean loss is that of one process.
         x, y = make_data(256 + 64)
-        rows = slice(dist.process_index, None, dist.process_count)
+        rows = slice(dist.data_index, None, dist.data_count)  # (process_index, _count on dp)
         tx, ty, vx, vy = x[:256][rows], y[:256][rows], x[256:][rows], y[256:][rows]
         if mode == "ragged" and dist.process_index == 1:
             tx, ty = tx[:-8], ty[:-8]
-        per = 32 // dist.process_count
+        per = 32 // dist.data_count
         return {
             "train": jn.DataLoader({"x": tx, "y": ty}, per, drop_last=True),
             "val": jn.DataLoader({"x": vx, "y": vy}, per),
@@ -73,6 +75,13 @@ class Strided:
 
     def metrics(self, logits, *, y):
         return {"acc": ((logits.argmax(-1) == y).sum(), y.shape[0])}
+
+
+# "model": a model axis over all 4 devices, so across both processes: they feed the same rows.
+MODEL_PARALLEL = jn.Sharding(
+    mesh={"data": 1, "model": 4},
+    rules=[(r"hidden/kernel", P(None, "model")), (r"out/kernel", P("model", None))],
+)
 
 
 def report(**info):
@@ -104,7 +113,11 @@ try:
         progress=False,
         n_devices=jax.device_count(),
         resume="auto" if mode.endswith("resume") else False,
-        sharding=jn.Sharding(fsdp=True, min_shard_bytes=64) if fsdp else "dp",
+        sharding=jn.Sharding(fsdp=True, min_shard_bytes=64)
+        if fsdp
+        else MODEL_PARALLEL
+        if mode == "model"
+        else "dp",
     )
 except jn.JaxnitroError as e:
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -377,3 +377,31 @@ def test_request_stop_on_one_rank_stops_every_rank_at_one_step(tmp_path):
     assert rc == 143, err[-3000:]
     assert [r["ended"] for r in ranks] == ["preempted", "preempted"]
     assert ranks[0]["step"] == ranks[1]["step"] and ranks[0]["checkpoint"] == ranks[1]["checkpoint"]
+
+
+@pytest.mark.slow
+@pytest.mark.multi_device
+def test_a_model_axis_across_processes_feeds_them_the_same_rows(tmp_path):
+    rc, err, _, ranks = _launch(tmp_path / "pair", "model")  # {"data": 1, "model": 4}
+    assert rc == 0, err[-3000:]
+    assert ranks[0]["params"] == ranks[1]["params"] and ranks[0]["step"] == 24
+    assert any("model" in s for s in ranks[0]["specs"])  # the kernels are split over 4
+    one = tmp_path / "one"
+    one.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXNITRO_")}
+    env.update(
+        PYTHONPATH=SRC,
+        JAXNITRO_NO_PLOT="1",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    )
+    got = subprocess.run(
+        [sys.executable, RANK, str(one), str(one / "run"), "model"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert got.returncode == 0, got.stderr[-3000:]
+    single = _ranks(one, 1)[0]
+    assert single["step"] == 24 and _max_diff(ranks[0]["params"], single["params"]) < 1e-5

@@ -50,11 +50,12 @@ class Dist:
 
     With several processes each process's loader yields its own rows of every global batch
     (the global batch is the processes' batches in process order), so the batch size a
-    loader gives is the global one divided by `process_count`.
+    loader gives is the global one divided by `data_count` (`process_count`, unless a `model`
+    mesh axis spans processes: those feed identical rows).
 
     Example:
         >>> def build_data(self, dist):
-        ...     rows = slice(dist.process_index, None, dist.process_count)  # this process's share
+        ...     rows = slice(dist.data_index, None, dist.data_count)  # this process's share
         ...     return {"train": jn.DataLoader({"x": x[rows], "y": y[rows]}, batch_size=64)}
     """
 
@@ -63,6 +64,24 @@ class Dist:
     n_devices: int  # of the mesh, over every process
     mesh: Any
     local_devices: tuple = ()  # this process's devices of the mesh
+    # Which share of each global batch this process feeds: its position along the mesh's
+    # `data` axis among `data_count` shares. The process index and count on a data mesh; with
+    # a `model` axis spanning processes, the processes along it feed the same rows.
+    data_index: int = 0
+    data_count: int = 1
+
+
+def data_share(mesh, process: int) -> tuple[int, int]:
+    """(index, count) of the share of each batch `process` feeds: its devices' positions
+    along the `data` axis, as one block of the axis (the feed builds global arrays so)."""
+    if "data" not in mesh.axis_names:
+        return 0, 1
+    axis = mesh.axis_names.index("data")
+    mine = sorted({i[axis] for i, d in np.ndenumerate(mesh.devices) if d.process_index == process})
+    if not mine:
+        return 0, 1
+    per = len(mine)
+    return mine[0] // per, mesh.shape["data"] // per
 
 
 @dataclasses.dataclass(frozen=True)
@@ -841,7 +860,7 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     mesh = sharding_mod.make_mesh(sharding, s.n_devices)
     me = jax.process_index()
     local = tuple(d for d in mesh.devices.flat if d.process_index == me)
-    dist = Dist(me, jax.process_count(), mesh.size, mesh, local)
+    dist = Dist(me, jax.process_count(), mesh.size, mesh, local, *data_share(mesh, me))
     splits = build_data(exp, s.data, dist, seed)
     position = resume_position(resume_path)
     warn_replay(splits, position)
