@@ -215,6 +215,27 @@ def _launch(out, mode: str, *, nproc: int = 2, timeout: float = 120):
     return got.returncode, got.stderr, time.monotonic() - t0, _ranks(out, nproc)
 
 
+def _one_process(out, mode: str) -> dict:
+    """The rank script as one process with 4 devices (the reference of a 2 × 2 run)."""
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXNITRO_")}
+    env.update(
+        PYTHONPATH=SRC,
+        JAXNITRO_NO_PLOT="1",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    )
+    got = subprocess.run(
+        [sys.executable, RANK, str(out), str(out / "run"), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert got.returncode == 0, got.stderr[-3000:]
+    return _ranks(out, 1)[0]
+
+
 def _ranks(out, nproc: int) -> list[dict]:
     import json
 
@@ -250,23 +271,7 @@ def test_two_processes_train_like_one_process_with_as_many_devices(straight_pair
     assert [r["devices"] for r in ranks] == [4, 4] and [r["step"] for r in ranks] == [24, 24]
     assert ranks[0]["params"] == ranks[1]["params"]  # one model, on every process
     one = tmp_path / "one"
-    one.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXNITRO_")}
-    env.update(
-        PYTHONPATH=SRC,
-        JAXNITRO_NO_PLOT="1",
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-    )
-    got = subprocess.run(
-        [sys.executable, RANK, str(one), str(one / "run"), "train"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert got.returncode == 0, got.stderr[-3000:]
-    single = _ranks(one, 1)[0]
+    single = _one_process(one, "train")
     assert single["devices"] == 4 and single["step"] == 24
     assert _max_diff(ranks[0]["params"], single["params"]) < 1e-5
     # Only process 0 writes the log, and each train step is in it once.
@@ -386,22 +391,5 @@ def test_a_model_axis_across_processes_feeds_them_the_same_rows(tmp_path):
     assert rc == 0, err[-3000:]
     assert ranks[0]["params"] == ranks[1]["params"] and ranks[0]["step"] == 24
     assert any("model" in s for s in ranks[0]["specs"])  # the kernels are split over 4
-    one = tmp_path / "one"
-    one.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXNITRO_")}
-    env.update(
-        PYTHONPATH=SRC,
-        JAXNITRO_NO_PLOT="1",
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-    )
-    got = subprocess.run(
-        [sys.executable, RANK, str(one), str(one / "run"), "model"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert got.returncode == 0, got.stderr[-3000:]
-    single = _ranks(one, 1)[0]
+    single = _one_process(tmp_path / "one", "model")
     assert single["step"] == 24 and _max_diff(ranks[0]["params"], single["params"]) < 1e-5
