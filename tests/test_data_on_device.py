@@ -75,3 +75,22 @@ def test_sources_that_cannot_stay_on_the_device_send_batches(tmp_path):
         nitro(Tiny(), run_dir=tmp_path / "c", data_on_device="yes")
     small = nitro(Tiny(), run_dir=tmp_path / "d", memory_budget=1000)  # 25% is 250 bytes
     assert small.spec.resident is None
+
+
+def test_another_dataset_size_is_explained_as_the_arrays_on_the_device(tmp_path):
+    jn.cache_reset()
+    jn.compile(nitro(Tiny(), run_dir=tmp_path / "a"))
+    bigger = nitro(Tiny(n_train=512), run_dir=tmp_path / "b")
+    jn.compile(bigger)
+    why = " | ".join(r for row in jn.explain(bigger) for r in row["reasons"])
+    assert "the train arrays on the device changed: `x` (256, 8) → (512, 8)" in why, why
+    assert "data_on_device=False" in why
+    off = [
+        nitro(Tiny(n_train=n), run_dir=tmp_path / f"off{n}", data_on_device=False)
+        for n in (256, 512)
+    ]
+    before = jn.cache_stats()["misses"]
+    for n in off:
+        jn.compile(n)
+    # one train program for both sizes (batches sent); the eval program is already cached
+    assert jn.cache_stats()["misses"] - before == 1

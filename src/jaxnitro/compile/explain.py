@@ -236,7 +236,13 @@ def _input_reasons(old: KeyParts, new: KeyParts, lead0: int = 0, lead1: int = 0)
             if shrank and _is_batch(path):
                 partial.append((path, shape0, shape1))
             else:
-                out.append(f"shape of `{field}` changed {tuple(shape0)} → {tuple(shape1)}")
+                out.append(
+                    f"the train arrays on the device changed: `{field}` {tuple(shape0)} → "
+                    f"{tuple(shape1)} (another dataset size; data_on_device=False keeps one "
+                    f"program across sizes)"
+                    if "train arrays on the device" in path
+                    else f"shape of `{field}` changed {tuple(shape0)} → {tuple(shape1)}"
+                )
         if dtype0 != dtype1:
             out.append(f"dtype of `{field}` changed {dtype0} → {dtype1}")
         elif weak0 != weak1 and tuple(shape0) == tuple(shape1):
