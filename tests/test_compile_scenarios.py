@@ -385,3 +385,31 @@ def test_a_steps_per_call_tail_is_announced_at_setup(run_dir, capsys):
     assert "avoids it" in out
     notes = jax.tree.leaves(jn.inspect(n, show=False).compile_report)
     assert any("tail of 1" in s for s in notes)
+
+
+def test_programs_that_call_back_into_python_are_not_shared_by_their_text(run_dir):
+    """Two runs whose only difference is the function a `jax.pure_callback` (or a
+    `jax.debug.print`) calls lower to the same text: the text names the callback by an index
+    only. Each run must call its own function, not the first run's."""
+    seen: list[float] = []
+
+    @jn.experiment
+    class Tapped(Tiny):
+        tap: jn.GraphConst[float] = 1.0
+
+        def loss(self, logits, *, y):
+            def note(v, tap=self.tap):
+                seen.append(tap)
+                return v
+
+            held = jax.pure_callback(
+                note, jax.ShapeDtypeStruct((), jnp.float32), jax.lax.stop_gradient(logits).sum()
+            )
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            return ce + 0.0 * held
+
+    for tap in (1.0, 2.0):
+        n = nitro(Tapped(tap=tap, n_val=0, max_epochs=1), run_dir=run_dir / str(tap))
+        jn.train(n)
+        assert set(seen) == {tap}, seen
+        seen.clear()

@@ -12,6 +12,8 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import itertools
+import re
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -45,6 +47,7 @@ class Program:
 _lock = threading.RLock()
 _entries: dict[Hashable, Program] = {}
 _by_text: dict[str, Program] = {}
+_callback_programs = itertools.count()  # text keys of programs never shared by text
 _stats = {"hits": 0, "misses": 0}
 
 
@@ -182,7 +185,8 @@ def get_or_compile(
     `key` is an `explain.ProgramKey` (a run's programs: a miss says why it happened) or any
     hashable (the low-level `jn.train_step`). `lower()` returns a `jax.stages.Traced` or
     `Lowered`. Two keys that lower to identical StableHLO (and the same `devices`) share one
-    executable: the program text is the authoritative identity. `on_compile(kind, label)` is
+    executable: the program text is the authoritative identity (except for a program that
+    calls back into Python, whose text does not name the function). `on_compile(kind, label)` is
     a context-manager factory the caller uses to show progress.
     """
     with _lock:
@@ -236,8 +240,22 @@ def _lower(lower: Callable[[], Any]) -> tuple[Any, float | None, float]:
     return staged, None, t1 - t0
 
 
+_CALLBACK_TARGET = re.compile(r"custom_call @\w*python\w*callback")
+
+
+def _host_callbacks(lowered) -> bool:
+    """Whether the program calls back into Python (`jax.pure_callback`, `jax.debug.print`,
+    `io_callback`). The text names such a callback by an index into the lowering's own list of
+    Python functions, so two programs with the same text may call different functions."""
+    found = getattr(getattr(lowered, "_lowering", None), "compile_args", {}).get("host_callbacks")
+    return bool(found) or bool(_CALLBACK_TARGET.search(lowered.as_text()))
+
+
 def _text_key(lowered, devices: tuple, compile_options: dict | None) -> str:
-    """Same text, devices and pytree signature => the same executable is correct to share."""
+    """Same text, devices and pytree signature => the same executable is correct to share,
+    unless it calls back into Python: then it is shared by its own key only."""
+    if _host_callbacks(lowered):
+        return f"callbacks:{next(_callback_programs)}"
     ident = (
         lowered.as_text(),
         repr(devices),
