@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import tables
+from . import tables, waits
 from .errors import DataError, check_int
 
 
@@ -489,23 +488,28 @@ class InlineFeed:
     """The same interface as `Prefetcher`, preparing each batch when it is asked for.
 
     For a single CPU device, where batches need no transfer: a second Python thread would only
-    contend for the GIL with the dispatching one. `wait_seconds` is the preparation time.
+    contend for the GIL with the dispatching one. `wait_seconds` is the time the device sat
+    idle while a batch was prepared (`waits`); `in_flight` gives an output of the step last
+    dispatched (None: none in flight).
     """
 
-    def __init__(self, source: Iterable, prepare):
+    def __init__(self, source: Iterable, prepare, *, in_flight=None):
         self._source, self._prepare = iter(source), prepare
-        self.wait_seconds = 0.0
+        self._clock = waits.WaitClock(in_flight)
+
+    @property
+    def wait_seconds(self) -> float:
+        return self._clock.seconds
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        t0 = time.perf_counter()
-        try:
-            host = next(self._source)
-            return (*self._prepare(host), host)
-        finally:
-            self.wait_seconds += time.perf_counter() - t0
+        return self._clock.run(self._next)
+
+    def _next(self):
+        host = next(self._source)
+        return (*self._prepare(host), host)
 
     def close(self) -> None:
         close = getattr(self._source, "close", None)
@@ -517,20 +521,25 @@ class Prefetcher:
     """Produces device batches in order from a background thread, a bounded number ahead.
 
     Iterating yields `(device_batch, n_valid, host_batch)`. `wait_seconds` accumulates the
-    time the consumer waited on data, for `data_wait_frac`.
+    time the device sat idle for want of the next batch, for `data_wait_frac` (`waits`):
+    `in_flight` gives an output of the step last dispatched (None: none in flight).
     """
 
     _DONE = object()
 
-    def __init__(self, source: Iterable, prepare, *, depth: int = 2):
+    def __init__(self, source: Iterable, prepare, *, depth: int = 2, in_flight=None):
         self._source = source
         self._prepare = prepare  # host batch -> (device batch, n_valid)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
-        self.wait_seconds = 0.0
+        self._clock = waits.WaitClock(in_flight)
         self._finished = False  # set once DONE/an error was consumed, or on close()
         self._thread = threading.Thread(target=self._run, name="jaxnitro-prefetch", daemon=True)
         self._thread.start()
+
+    @property
+    def wait_seconds(self) -> float:
+        return self._clock.seconds
 
     def _run(self) -> None:
         try:
@@ -564,9 +573,10 @@ class Prefetcher:
         # would wait forever, so an exhausted or closed prefetcher keeps raising StopIteration.
         if self._finished:
             raise StopIteration
-        t0 = time.perf_counter()
-        item = self._queue.get()
-        self.wait_seconds += time.perf_counter() - t0
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:  # the device's step first: the rest is the wait for data
+            item = self._clock.run(self._queue.get, blocking=True)
         if item is self._DONE:
             self._finished = True
             self._thread.join()

@@ -279,6 +279,7 @@ class _Epoch:
         stream = feed_cls(
             feed.train_units(spec, loader, self.batch, self.epoch, self.data_state),
             feed.train_prepare(spec, self.step, n.device.hyper_base),
+            in_flight=self._in_flight,
         )
         try:
             self._steps(stream, total)
@@ -323,6 +324,13 @@ class _Epoch:
                 self.n.display.update(self.batch, self.losses[-1], rate)
             if control.requested:
                 break
+
+    def _in_flight(self):
+        """An output of the last dispatched step not yet read back (None: the device is idle);
+        the feed counts a wait for data only once it is ready."""
+        if not self.pending:
+            return None
+        return next(iter(self.pending[-1][3].values()), None)
 
     def _dispatch(self, dev_batch, hyper, steps: int) -> None:
         call = self.calls.get(steps)

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from . import waits
 from .errors import DataError
 
 _IN_FLIGHT = 2  # tasks per worker: one computing, one queued
@@ -108,8 +109,11 @@ class TransformPool:
         error) leaves replies in the pipe; they come first (a worker answers in order) and
         are skipped. A slot always belongs to one worker, so a late write never lands in a
         slot another worker fills."""
+        conn = self.conns[worker]
         while True:
-            reply = json.loads(self.conns[worker].recv_bytes())
+            if not conn.poll():  # a wait, once the step in flight has ended
+                waits.blocking()
+            reply = json.loads(conn.recv_bytes())
             if reply["tag"] == tag:
                 return reply
 
