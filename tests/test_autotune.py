@@ -33,3 +33,20 @@ def test_auto_settings(tmp_path):
         nitro(Tiny(), run_dir=tmp_path, steps_per_call="fast")
     n = nitro(Tiny(), run_dir=tmp_path / "a", steps_per_call="auto")
     assert autotune.candidate(n.spec) == 8  # the largest divisor of 8 steps per epoch
+
+
+def test_a_step_too_long_to_gain_is_not_fused_nor_compiled_fused(tmp_path, monkeypatch):
+    """Fusing saves at most the call overhead per step: a longer step keeps one step per call
+    without compiling the fused program to time it."""
+    monkeypatch.setattr(autotune, "CALL_OVERHEAD_S", 0.0)  # every step is "too long"
+    n = nitro(Tiny(n_val=0, width=11), run_dir=tmp_path, steps_per_call="auto")  # not cached
+    before = jn.cache_stats()["misses"]
+    jn.train(n)
+    assert n.spec.steps_per_call == 1
+    assert jn.cache_stats()["misses"] - before == 1  # the single-step train program only
+    lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (tuned,) = [r for r in lines if "steps_per_call_auto" in r]
+    assert tuned["steps_per_call_auto"] == 1 and tuned["fused_step_s"] is None
+    assert tuned["single_step_s"] > 0
+    choice = autotune.Choice(1, 8, 0.02, None)
+    assert "not dispatch-bound" in choice.line() and "8 per call was not tried" in choice.line()

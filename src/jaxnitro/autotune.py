@@ -5,7 +5,9 @@ launch overhead than the step computes, and `steps_per_call=K` (K steps in a `la
 call) removes most of it. Where the step itself dominates, or where XLA compiles the scanned
 step worse (convolutions on XLA:CPU), fusing does not pay. `pick` times both on a copy of the
 state (the handle is untouched; the results are bitwise the same either way) and keeps the
-faster, by a margin: K must be at least `MARGIN` faster per step to be chosen.
+faster, by a margin: K must be at least `MARGIN` faster per step to be chosen. A step long
+enough that no call overhead could make up the margin is not fused, and its fused program is
+never compiled (a large model pays nothing for "auto").
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from .compile.programs import train_program
 MAX_STEPS = 32
 #: K must be this much faster per step than one step per call to be picked.
 MARGIN = 0.9
+#: A generous bound on what one call costs beyond its step (the driver's Python and the
+#: launch): all that fusing can save per step. A step longer than this over (1 - MARGIN)
+#: cannot gain the margin, so the fused program is not compiled to find out.
+CALL_OVERHEAD_S = 0.5e-3
 _REPEATS = 3
 
 
@@ -37,6 +43,11 @@ class Choice:
     fused_s: float | None
 
     def line(self) -> str:
+        if self.single_s is not None and self.fused_s is None:
+            return (
+                f"steps_per_call='auto': 1 (one step per call {self.single_s * 1e3:.3f} ms per "
+                f"step: not dispatch-bound, so {self.candidate} per call was not tried)"
+            )
         if self.single_s is None or self.fused_s is None:
             return f"steps_per_call='auto': {self.steps} (nothing to compare)"
         return (
@@ -59,7 +70,10 @@ def pick(n) -> Choice:
     k = candidate(spec)
     if k == 1 or "train" not in spec.splits or spec.population is not None:
         return Choice(1, k, None, None)
-    single = _per_step(n, spec, 1, calls=2 * k)
+    longest = CALL_OVERHEAD_S / (1 - MARGIN) if MARGIN < 1 else float("inf")
+    single = _per_step(n, spec, 1, calls=2 * k, give_up=longest)
+    if single > longest:  # the step dominates: the fused program is not even compiled
+        return Choice(1, k, single, None)
     # A fused call clearly slower than single steps (a loop of convolutions on XLA:CPU) is
     # timed once, not `_REPEATS` times: it costs k steps a call.
     fused = _per_step(
@@ -71,7 +85,8 @@ def pick(n) -> Choice:
 
 def _per_step(n, spec, steps: int, *, calls: int, give_up: float | None = None) -> float:
     """Best of `_REPEATS` timings of `calls` calls of the `steps`-per-call program, per step
-    (the first call's time alone when it is already over `give_up` per step)."""
+    (one timed call alone when it is already over `give_up` per step: a long step is not
+    timed for longer than it takes to see that)."""
     loader = spec.splits["train"]
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(n.epoch)
@@ -84,7 +99,12 @@ def _per_step(n, spec, steps: int, *, calls: int, give_up: float | None = None) 
     jax.block_until_ready(out)
     first = (time.perf_counter() - t0) / got
     if give_up is not None and first > give_up:
-        return first
+        t0 = time.perf_counter()  # the first call may carry one-off costs: time a second
+        leaves, out = prog.compiled(leaves, batch, n.device.extras, hyper)
+        jax.block_until_ready(out)
+        first = (time.perf_counter() - t0) / got
+        if first > give_up:
+            return first
     best = float("inf")
     for _ in range(_REPEATS):
         t0 = time.perf_counter()
