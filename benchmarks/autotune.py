@@ -90,7 +90,10 @@ def main() -> None:
                 if out.returncode:
                     sys.exit(out.stderr)
                 runs[setting].append(json.loads(out.stdout.strip().splitlines()[-1]))
-        ratios = [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(*runs.values())]
+        ratios = [
+            a["steps_per_s"] / b["steps_per_s"]
+            for a, b in zip(runs["auto"], runs["1"], strict=True)
+        ]
         e2e = {k: statistics.median(r["e2e_s"] for r in v) for k, v in runs.items()}
         print(
             f"| {name} | {runs['auto'][0]['choice']} | "
