@@ -166,6 +166,15 @@ def test_bad_value_and_unknown_option_exit_2(work):
     assert "Did you mean --width (GraphConst field 'width' of Tiny)?" in p.stderr
 
 
+def test_a_run_setting_the_settings_refuse_exits_2_with_the_message(work):
+    """--max-epochs is the experiment's field here (no option range): the Nitro setting's
+    check refuses 0, and the shell says so as a usage error, not a failed run."""
+    p = jaxnitro("train", "exp.py:Tiny", "--max-epochs", "0", "--run-dir", "runs/zero", cwd=work)
+    assert p.returncode == 2, p.stderr
+    assert "max_epochs must be an int >= 1, got 0" in p.stderr and "Traceback" not in p.stderr
+    assert not (work / "runs" / "zero").exists()  # refused before anything is written
+
+
 def _log(run: Path, *lines: dict) -> None:
     run.mkdir(parents=True, exist_ok=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))

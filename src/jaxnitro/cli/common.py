@@ -16,6 +16,7 @@ import click
 from ..errors import ConfigError
 from ..experiment import GRAPH, fields
 from ..jsonable import jsonable
+from ..settings import settings
 from .fields import CLASS, given, given_fields, nitro_options
 from .values import from_json
 
@@ -64,6 +65,10 @@ def nitro_kwargs(ctx: click.Context, exp, **fixed) -> dict[str, Any]:
         kw["checkpointer"] = TopKCheckpointer(metric=metric, mode=mode or metric_mode(metric))
     kw["progress"] = progress_value(ctx)
     kw.update(fixed)
+    try:  # a value given on the command line that the settings refuse is a usage error
+        settings(exp, kw)
+    except ConfigError as e:
+        raise click.UsageError(str(e), ctx=ctx) from None
     return kw
 
 
