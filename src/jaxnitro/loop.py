@@ -243,6 +243,7 @@ class _Epoch:
         self.cadence = _Cadence(self.spec)
         self.compile_s = 0.0
         self.calls: dict = {}  # steps per call -> the compiled train program
+        self.on_host = n.spec.mesh.devices.flat[0].platform == "cpu"  # outputs in host memory
         self.fire = False
         self.t0 = self.clock = time.perf_counter()
 
@@ -376,7 +377,8 @@ class _Epoch:
         self.clock = now
         self.fire = step_events.has_callbacks(self.n.services.step_callbacks)
         pop = self.spec.population
-        for (last_step, last_batch, steps, _), host in zip(items, _read_back(items), strict=True):
+        hosts = _read_back(items, on_host=self.on_host)
+        for (last_step, last_batch, steps, _), host in zip(items, hosts, strict=True):
             for j in range(steps):  # a fused call returns one row per optimizer step
                 if pop is not None:
                     row = _member_row(
@@ -456,15 +458,21 @@ class _Epoch:
         n._commit(progress=progress)
 
 
-def _read_back(items) -> list[dict]:
-    """One device-side stack and one transfer per run of equal shapes (a fused call and the
-    single steps of an epoch's tail differ), instead of a read per scalar."""
+def _read_back(items, *, on_host: bool) -> list[dict]:
+    """The outputs as host arrays, per run of equal shapes (a fused call and the single steps
+    of an epoch's tail differ). On an accelerator: one device-side stack and one transfer,
+    instead of a read per scalar. On a CPU (`on_host`) the outputs already lie in host memory
+    and are read as they are: there the eager stack cost ~25 µs of the training thread per
+    step, a read ~3 µs."""
     hosts: list = []
     for _, run in itertools.groupby(items, key=lambda item: item[2]):
         outs = [o for *_, o in run]
         keys = list(outs[0])  # every output of one program has the same keys and shapes
-        flat = jnp.stack([o[k] for o in outs for k in keys])  # one device op, one transfer
-        host = np.asarray(jax.device_get(flat))
+        if on_host:
+            host = np.stack([np.asarray(o[k]) for o in outs for k in keys])
+        else:
+            flat = jnp.stack([o[k] for o in outs for k in keys])  # one device op, one transfer
+            host = np.asarray(jax.device_get(flat))
         host = host.reshape((len(outs), len(keys)) + host.shape[1:])
         hosts += [{k: host[i, j] for j, k in enumerate(keys)} for i in range(len(outs))]
     return hosts
