@@ -250,14 +250,20 @@ def test_train_with_overrides_logs_them_and_draws_curves(work, trained):
 @pytest.mark.slow
 def test_validate_a_checkpoint_reads_its_config(work, trained):
     # --checkpoint may name the run directory: its best checkpoint. GraphConst values (width=24)
-    # come from the checkpoint's config; Device values are the command line's.
-    args = ["--checkpoint", "runs/good", "--smoothing", "0.05", "--json"]
-    p = jaxnitro("validate", "exp.py:Tiny", *args, cwd=work)
+    # and Device values (smoothing=0.05, which the loss reads) come from the checkpoint unless
+    # given: the loss reported is the run's.
+    p = jaxnitro("validate", "exp.py:Tiny", "--checkpoint", "runs/good", "--json", cwd=work)
     assert p.returncode == 0, p.stderr
     metrics = last_json(p.stdout)
     assert set(metrics) == {"acc", "val_loss"}
     assert metrics["val_loss"] == pytest.approx(trained["best_metric"], rel=1e-5)
-    assert "width=24" in p.stderr
+    assert "width=24" in p.stderr and "smoothing=0.05" in p.stderr
+    # a Device value given on the command line wins over the checkpoint's
+    args = ["--checkpoint", "runs/good", "--smoothing", "0.3", "--json"]
+    p = jaxnitro("validate", "exp.py:Tiny", *args, cwd=work)
+    assert p.returncode == 0, p.stderr
+    assert last_json(p.stdout)["val_loss"] != pytest.approx(trained["best_metric"], rel=1e-5)
+    assert "smoothing" not in p.stderr.split("from the checkpoint's config:")[-1]
 
 
 @pytest.mark.slow

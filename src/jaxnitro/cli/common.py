@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
-from ..experiment import GRAPH, fields
+from ..experiment import DEVICE, GRAPH, fields
 from ..jsonable import jsonable
 from ..settings import settings
 from .fields import CLASS, given, given_fields, nitro_options
@@ -144,23 +144,28 @@ def checkpoint_path(path: Path) -> Path:
 
 
 def checkpoint_config(ctx: click.Context, path: Path) -> dict[str, Any]:
-    """The GraphConst values a checkpoint was trained with (the model's shapes follow them),
-    for the fields not given on the command line; said on stderr."""
+    """The GraphConst values a checkpoint was trained with (the model's shapes follow them)
+    and its Device values (the loss may read them), for the fields not given on the command
+    line; said on stderr."""
     from ..setup import read_meta
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            config = read_meta(path).get("config") or {}
+            meta = read_meta(path)
         except Exception:  # noqa: BLE001 - loading reports a bad checkpoint properly
             return {}
-    graph = {f.name: f for f in fields(experiment_class(ctx)) if f.marker == GRAPH}
+    config, device = meta.get("config") or {}, meta.get("device") or {}
+    known = {f.name: f for f in fields(experiment_class(ctx))}
     out = {}
     for name, saved in config.items() if isinstance(config, dict) else ():
-        if name in graph and name not in given_fields(ctx):
+        if name in known and known[name].marker == GRAPH and name not in given_fields(ctx):
             # graph_key stores (type name, value) pairs
             is_pair = isinstance(saved, list) and len(saved) == 2 and isinstance(saved[0], str)
-            out[name] = from_json(graph[name].type, saved[1] if is_pair else saved)
+            out[name] = from_json(known[name].type, saved[1] if is_pair else saved)
+    for name, saved in device.items() if isinstance(device, dict) else ():
+        if name in known and known[name].marker == DEVICE and name not in given_fields(ctx):
+            out[name] = from_json(known[name].type, saved)
     if out:
         listed = ", ".join(f"{k}={v!r}" for k, v in out.items())
         click.echo(f"from the checkpoint's config: {listed}", err=True)
