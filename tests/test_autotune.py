@@ -41,9 +41,10 @@ def test_a_step_too_long_to_gain_is_not_fused_nor_compiled_fused(tmp_path, monke
     monkeypatch.setattr(autotune, "CALL_OVERHEAD_S", 0.0)  # every step is "too long"
     n = nitro(Tiny(n_val=0, width=11), run_dir=tmp_path, steps_per_call="auto")  # not cached
     before = jn.cache_stats()["misses"]
-    jn.train(n)
+    r = jn.train(n)
     assert n.spec.steps_per_call == 1
     assert jn.cache_stats()["misses"] - before == 1  # the single-step train program only
+    assert r.programs_compiled == 1  # auto's compiles are counted
     lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (tuned,) = [r for r in lines if "steps_per_call_auto" in r]
     assert tuned["steps_per_call_auto"] == 1 and tuned["fused_step_s"] is None

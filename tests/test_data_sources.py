@@ -3,8 +3,13 @@ processes, and what a resume reads from each (bitwise against a straight run).""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 import tracemalloc
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +18,7 @@ from conftest import Tiny, leaves_equal, make_data, nitro
 import jaxnitro as jn
 from jaxnitro import tables
 
+SRC = Path(__file__).resolve().parents[1] / "src"
 N_TRAIN, BS, AT = 64, 8, 3  # 8 steps an epoch; the mid-epoch checkpoint is at step 3
 
 
@@ -434,3 +440,96 @@ def test_a_list_of_batches_resumes_at_the_position_without_a_warning(tmp_path):
         warnings.simplefilter("always")
         straight_and_resumed(tmp_path, lambda: Batches().items, max_epochs=1)
     assert not [w for w in caught if "cannot report or seek" in str(w.message)]
+
+
+# -- worker processes end with the training process ------------------------------------------
+_UNCLOSED = """
+import os, sys, time
+import numpy as np, optax
+from flax import nnx
+import jaxnitro as jn
+
+class Lin(nnx.Module):
+    def __init__(self, rngs): self.l = nnx.Linear(3, 2, rngs=rngs)
+    def __call__(self, x): return self.l(x)
+
+def aug(ex, rng):
+    if MODE == "raise" and ex["y"] == 1:
+        raise ValueError("boom in worker")
+    return {"x": ex["x"] * 2, "y": ex["y"]}
+
+MODE = sys.argv[2]
+
+@jn.experiment
+class E:
+    max_epochs: int = 2
+    def build_model(self, rng): return jn.split_model(Lin(nnx.Rngs(rng)))
+    def build_data(self, dist):
+        y = np.zeros(64, np.int32); y[40] = 1
+        x = np.ones((64, 3), np.float32)
+        return {"train": jn.DataLoader({"x": x, "y": y}, 8, transform=aug, workers=2)}
+    def forward(self, model, params, state, *, x): return jn.apply(model, params, state, x)
+    def loss(self, out, *, y): return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
+
+n = jn.Nitro(E(), run_dir=sys.argv[1], progress=False)
+loader = n.spec.splits["train"]
+try:
+    jn.train(n)
+finally:  # the loader is never closed: the user's script just ends
+    print("PIDS", *[p.pid for p in loader._pool.procs], flush=True)
+    if MODE == "hang":
+        time.sleep(600)  # killed with SIGKILL by the test
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _gone(pids, seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("mode", ["ok", "raise"])
+def test_a_script_that_never_closes_its_workers_exits_and_leaves_none(tmp_path, mode):
+    """The workers inherit the run's SIGTERM handling and the parent's pipe ends: once they
+    outlived the script (holding its stdout and run lock) or held its exit up."""
+    script = tmp_path / "unclosed.py"
+    script.write_text(_UNCLOSED)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "JAXNITRO_NO_PLOT": "1", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run"), mode],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert p.returncode == (0 if mode == "ok" else 1), p.stderr
+    if mode == "raise":
+        assert "boom in worker" in p.stderr
+    pids = [int(x) for x in p.stdout.split("PIDS")[1].split()]
+    assert len(pids) == 2 and _gone(pids), "transform workers outlived the script"
+
+
+def test_workers_of_a_killed_training_process_end(tmp_path):
+    script = tmp_path / "unclosed.py"
+    script.write_text(_UNCLOSED)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "JAXNITRO_NO_PLOT": "1", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "run"), "hang"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        pids = [int(x) for x in line.split("PIDS")[1].split()]
+        assert all(_alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert _gone(pids), "transform workers outlived a SIGKILLed training process"

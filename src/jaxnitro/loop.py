@@ -135,7 +135,8 @@ def _members(n) -> list[dict] | None:
 
 def _train(n) -> TrainResult:
     t_start = time.perf_counter()
-    if n.spec.autotune:  # steps_per_call="auto": measured once, before anything is counted
+    misses_start = cache.cache_stats()["misses"]  # programs_compiled counts auto's too
+    if n.spec.autotune:  # steps_per_call="auto": measured once, before the plan is checked
         _autotune(n)
     misses0 = cache.cache_stats()["misses"]
     n.programs.reset_train()  # re-keyed at each entry point: never served stale
@@ -154,15 +155,16 @@ def _train(n) -> TrainResult:
         n.display.close()
         raise
     n.services.control.clear()
-    compiled = cache.cache_stats()["misses"] - misses0
+    compiled = cache.cache_stats()["misses"] - misses0  # against the plan (auto's aside)
+    total = cache.cache_stats()["misses"] - misses_start
     rate = steps_run / seconds_run if seconds_run else 0.0
-    result = _result(n, stop_reason, rate, compiled, time.perf_counter() - t_start)
+    result = _result(n, stop_reason, rate, total, time.perf_counter() - t_start)
     n.logger.finish(
         stop_reason,
         stop_reason=stop_reason,
         step=n.step,
         epoch=n.epoch,
-        programs_compiled=compiled,
+        programs_compiled=total,
         steps_per_s=rate,
         skipped_steps=n.progress.skipped_steps,
     )

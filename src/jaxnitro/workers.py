@@ -24,10 +24,12 @@ Platforms without `fork` (Windows) cannot use workers; `workers=0` works everywh
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import mmap
 import multiprocessing
+import signal
 import traceback
 import warnings
 import weakref
@@ -58,20 +60,27 @@ class TransformPool:
         self.buffer = mmap.mmap(-1, max(1, slot_bytes * self.n_slots))
         self._tag = 0  # one per pass: replies of an abandoned pass are told apart
         ctx = multiprocessing.get_context("fork")
-        self.conns, self.procs = [], []
+        self.conns: list = []
+        self.procs: list = []
         with warnings.catch_warnings():
             # JAX warns on any fork; these children run numpy and the transform only.
             warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
             for w in range(workers):
                 here, there = ctx.Pipe()
+                # The child closes the parent's ends it inherits (its own and the earlier
+                # workers'): else no worker would see its pipe end when this process dies.
                 proc = ctx.Process(
-                    target=_serve, args=(self, there), name=f"jaxnitro-transform-{w}", daemon=True
+                    target=_serve,
+                    args=(self, there, [here, *self.conns]),
+                    name=f"jaxnitro-transform-{w}",
+                    daemon=True,
                 )
                 proc.start()
                 there.close()
                 self.conns.append(here)
                 self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
+        _stop_at_exit(self._finalizer)
 
     def views(self, slot: int, rows: int) -> dict[str, np.ndarray]:
         """{field: the first `rows` rows of `slot`} over the shared buffer."""
@@ -155,8 +164,32 @@ def _layout(specs, batch_size: int) -> tuple[dict, int]:
     return layout, -(-offset // 64) * 64
 
 
-def _serve(pool: TransformPool, conn) -> None:
+_AT_EXIT: list = []  # the finalizers of the pools still running, stopped at exit
+
+
+def _stop_at_exit(finalizer) -> None:
+    """Stop the pool's workers when the interpreter exits, before `multiprocessing` joins its
+    daemonic children (exit hooks run last-registered first, and this one is registered after
+    `multiprocessing`'s): a pool a user never closed does not hold the exit up."""
+    if not _AT_EXIT:
+        atexit.register(_stop_all)
+    _AT_EXIT[:] = [f for f in _AT_EXIT if f.alive] + [finalizer]
+
+
+def _stop_all() -> None:
+    for finalizer in _AT_EXIT:
+        finalizer()
+    _AT_EXIT.clear()
+
+
+def _serve(pool: TransformPool, conn, inherited) -> None:
     """A worker: read a task, write its batch into the slot, reply; until the pipe closes."""
+    # The training process's handlers are not this one's: SIGTERM ends a worker (how
+    # multiprocessing stops it), and Ctrl-C is the training process's to handle.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for other in inherited:
+        other.close()
     loader = pool.loader
     while True:
         try:
