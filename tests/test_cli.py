@@ -175,6 +175,16 @@ def test_a_run_setting_the_settings_refuse_exits_2_with_the_message(work):
     assert not (work / "runs" / "zero").exists()  # refused before anything is written
 
 
+def test_steps_per_call_takes_a_number_or_auto(work):
+    p = jaxnitro("train", "exp.py:Tiny", "--steps-per-call", "fast", cwd=work)
+    assert p.returncode == 2 and "'fast' is not a number of steps >= 1 or 'auto'" in p.stderr
+    args = ["--steps-per-call", "auto", "--max-epochs", "1", "--run-dir", "runs/auto", "--json"]
+    p = jaxnitro("train", "exp.py:Tiny", *args, cwd=work)
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(s) for s in (work / "runs/auto/metrics.jsonl").read_text().splitlines()]
+    assert any("steps_per_call_auto" in r for r in lines)
+
+
 def _log(run: Path, *lines: dict) -> None:
     run.mkdir(parents=True, exist_ok=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -87,6 +87,31 @@ def resume_value(text: str) -> Any:
     return {"auto": "auto", "true": True, "yes": True, "false": False, "no": False}.get(low, text)
 
 
+class _StepsPerCall(click.ParamType):
+    """`--steps-per-call`: a whole number >= 1, or 'auto'."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or str(value).strip().lower() == "auto":
+            return value if isinstance(value, int) else "auto"
+        try:
+            number = int(str(value).strip())
+        except ValueError:
+            number = 0
+        if number < 1:
+            self.fail(
+                f"{value!r} is not a number of steps >= 1 or 'auto' (e.g. --steps-per-call 8, "
+                f"or --steps-per-call auto to measure it).",
+                param,
+                ctx,
+            )
+        return number
+
+
+STEPS_PER_CALL = _StepsPerCall()
+
+
 def run_options(fn: Callable) -> Callable:
     """The options of a training command (train, sweep), besides the experiment's fields."""
     options = [
@@ -99,8 +124,9 @@ def run_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--steps-per-call",
-            type=click.IntRange(min=1),
-            help="Optimizer steps per compiled call.",
+            type=STEPS_PER_CALL,
+            metavar="N|auto",
+            help="Optimizer steps per compiled call, or 'auto' (measured at the first train).",
         ),
         click.option(
             "--precision", type=click.Choice(["f32", "bf16"]), help="bf16: f32 master weights."
