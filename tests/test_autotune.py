@@ -14,6 +14,7 @@ from jaxnitro import autotune
 @pytest.mark.parametrize("margin, want", [(1e9, 8), (0.0, 1)], ids=["fused", "single"])
 def test_auto_picks_by_measurement_and_trains_bitwise_the_same(tmp_path, monkeypatch, margin, want):
     monkeypatch.setattr(autotune, "MARGIN", margin)  # 1e9: fusing always wins; 0: never
+    monkeypatch.setattr(autotune, "CALL_OVERHEAD_S", 1e9)  # both are timed, however slow
     auto = nitro(Tiny(), run_dir=tmp_path / "auto", steps_per_call="auto")
     assert auto.spec.steps_per_call == 1 and auto.spec.autotune
     jn.train(auto)
