@@ -575,7 +575,7 @@ class Prefetcher:
             raise StopIteration
         try:
             item = self._queue.get_nowait()
-        except queue.Empty:  # the device's step first: the rest is the wait for data
+        except queue.Empty:  # not ready: a wait, once the step in flight has ended
             item = self._clock.run(self._queue.get, blocking=True)
         if item is self._DONE:
             self._finished = True

@@ -33,7 +33,7 @@ from .evaluation import is_scalar, run_eval
 from .events import steps as step_events
 from .events.phases import set_phase
 from .events.signals import Preempted, PreemptionSync, graceful_stop
-from .experiment import DEVICE, fields, graph_key
+from .experiment import DEVICE, field_values, graph_key
 from .history import History
 from .introspect import peak_memory
 from .jsonable import jsonable
@@ -693,13 +693,7 @@ def _checkpoint(n, row: dict, *, stop_reason: str | None = None, validated: bool
         "config": jsonable(dict(graph_key(n.experiment))),
         # the Device values trained with (their base values, for a scheduled one): what the
         # shell's validate/test/predict use unless given (the loss may read them)
-        "device": jsonable(
-            {
-                f.name: getattr(n.experiment, f.name)
-                for f in fields(n.experiment)
-                if f.marker == DEVICE
-            }
-        ),
+        "device": jsonable(field_values(n.experiment, DEVICE)),
         "experiment": spec.cls.__qualname__,
         "history": jsonable([dict(r) for r in progress.history]),
         "skipped_steps": progress.skipped_steps,

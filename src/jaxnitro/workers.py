@@ -80,7 +80,9 @@ class TransformPool:
                 self.conns.append(here)
                 self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
-        _stop_at_exit(self._finalizer)
+        # Exit hooks run last-registered first: this one runs before multiprocessing's, which
+        # joins daemonic children, so a pool a user never closed does not hold the exit up.
+        atexit.register(self._finalizer)
 
     def views(self, slot: int, rows: int) -> dict[str, np.ndarray]:
         """{field: the first `rows` rows of `slot`} over the shared buffer."""
@@ -162,24 +164,6 @@ def _layout(specs, batch_size: int) -> tuple[dict, int]:
         layout[f] = (offset, tuple(shape), dtype)
         offset += batch_size * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     return layout, -(-offset // 64) * 64
-
-
-_AT_EXIT: list = []  # the finalizers of the pools still running, stopped at exit
-
-
-def _stop_at_exit(finalizer) -> None:
-    """Stop the pool's workers when the interpreter exits, before `multiprocessing` joins its
-    daemonic children (exit hooks run last-registered first, and this one is registered after
-    `multiprocessing`'s): a pool a user never closed does not hold the exit up."""
-    if not _AT_EXIT:
-        atexit.register(_stop_all)
-    _AT_EXIT[:] = [f for f in _AT_EXIT if f.alive] + [finalizer]
-
-
-def _stop_all() -> None:
-    for finalizer in _AT_EXIT:
-        finalizer()
-    _AT_EXIT.clear()
 
 
 def _serve(pool: TransformPool, conn, inherited) -> None:

@@ -93,11 +93,11 @@ class _StepsPerCall(click.ParamType):
     name = "N|auto"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) or str(value).strip().lower() == "auto":
-            return value if isinstance(value, int) else "auto"
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
         try:
-            number = int(str(value).strip())
-        except ValueError:
+            number = int(value)
+        except (TypeError, ValueError):
             number = 0
         if number < 1:
             self.fail(

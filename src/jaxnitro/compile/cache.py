@@ -243,21 +243,25 @@ def _lower(lower: Callable[[], Any]) -> tuple[Any, float | None, float]:
 _CALLBACK_TARGET = re.compile(r"custom_call @\w*python\w*callback")
 
 
-def _host_callbacks(lowered) -> bool:
+def _host_callbacks(lowered, text: str) -> bool:
     """Whether the program calls back into Python (`jax.pure_callback`, `jax.debug.print`,
     `io_callback`). The text names such a callback by an index into the lowering's own list of
-    Python functions, so two programs with the same text may call different functions."""
+    Python functions, so two programs with the same text may call different functions. The
+    lowering's list says so; where a JAX version lacks it, the callback's target in the text."""
     found = getattr(getattr(lowered, "_lowering", None), "compile_args", {}).get("host_callbacks")
-    return bool(found) or bool(_CALLBACK_TARGET.search(lowered.as_text()))
+    if found is not None:
+        return bool(found)
+    return bool(_CALLBACK_TARGET.search(text))
 
 
 def _text_key(lowered, devices: tuple, compile_options: dict | None) -> str:
     """Same text, devices and pytree signature => the same executable is correct to share,
     unless it calls back into Python: then it is shared by its own key only."""
-    if _host_callbacks(lowered):
+    text = lowered.as_text()
+    if _host_callbacks(lowered, text):
         return f"callbacks:{next(_callback_programs)}"
     ident = (
-        lowered.as_text(),
+        text,
         repr(devices),
         repr(lowered.in_tree),
         repr(lowered.out_tree),
