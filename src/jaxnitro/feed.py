@@ -149,8 +149,8 @@ def train_units(spec, loader, start: int, epoch: int, state=None):
         for parts in zip(*units, strict=True):
             yield {f: np.stack([p[0][f] for p in parts], axis=1) for f in info.fields}, parts[0][1]
         return
-    if spec.resident is not None:  # the rows only: the program gathers them on the device
-        yield from loader.iter_rows(start, size)
+    if spec.resident is not None or spec.device_batches is not None:  # the rows only: the
+        yield from loader.iter_rows(start, size)  # batches are on the device already
         return
     if isinstance(loader, data_mod.DataLoader):
         yield from loader.iter_stacked(start, size, info.fields)
@@ -191,7 +191,7 @@ def first_unit(spec, loader) -> tuple[dict, int]:
     if pop is not None and pop.own_data:
         unit, k = next(loader.iter_stacked(0, size, info.fields))
         return {f: np.stack([a] * pop.size, axis=1) for f, a in unit.items()}, k
-    if spec.resident is not None:
+    if spec.resident is not None or spec.device_batches is not None:
         return next(loader.iter_rows(0, size))
     if isinstance(loader, data_mod.DataLoader):
         return next(loader.iter_stacked(0, size, info.fields))
@@ -203,6 +203,34 @@ def _stack(group, fields) -> dict:
     if len(group) == 1:  # a view, no copy
         return {f: np.asarray(group[0][f])[None] for f in fields}
     return {f: np.stack([np.asarray(h[f]) for h in group]) for f in fields}
+
+
+def call_splits(steps: int, accum: int, spc: int) -> list[tuple[int, int]]:
+    """A unit of `steps` optimizer steps as calls: [(first batch, steps in the call)]. A tail
+    that does not fill a call runs step by step (the single-step program)."""
+    if steps == spc:
+        return [(0, spc)]
+    return [(i * accum, 1) for i in range(steps)]
+
+
+def stage_train(spec, loader, start: int) -> int:
+    """Put an in-order epoch's batches from batch `start` on the device before its first
+    step (`device_batches.py`); returns how many pieces were transferred (0 when they are
+    there from an earlier epoch, or the split's batches are not kept on the device)."""
+    kept = spec.device_batches
+    if kept is None:
+        return 0
+    accum, wanted = spec.accum, []
+    for rows, k in loader.iter_rows(start, spec.accum * spec.steps_per_call):
+        if k % accum:  # the feed refuses the unit, naming it
+            break
+        for offset, s in call_splits(k // accum, accum, spec.steps_per_call):
+            lead = (s,) * (s > 1) + (accum,) * (accum > 1)
+            wanted.append((int(rows["rows"][offset, 0]), lead))
+    put = kept.put(wanted)
+    if put:
+        jax.block_until_ready(kept.get(*wanted[-1]))  # transferred before the epoch's clock
+    return put
 
 
 def train_prepare(spec, first_step: int, base):
@@ -218,6 +246,7 @@ def train_prepare(spec, first_step: int, base):
     shardings: dict[int, object] = {}
     members = spec.population is not None and spec.population.own_data
     same = ShapeCheck(spec, "train")
+    kept = spec.device_batches
 
     def prepare(item):
         stacked, k = item[0], item[1]
@@ -228,12 +257,14 @@ def train_prepare(spec, first_step: int, base):
                 f"accumulation group of accum={accum}. Make the number of batches per epoch a "
                 f"multiple of accum."
             )
-        steps = k // accum
-        # A tail that does not fill a call runs step by step (the single-step program).
-        splits = [(0, spc)] if steps == spc else [(i * accum, 1) for i in range(steps)]
         payloads = []
-        for offset, s in splits:
+        for offset, s in call_splits(k // accum, accum, spc):
             lead = (s,) * (s > 1) + (accum,) * (accum > 1)
+            if kept is not None:  # cut once, in the program's shape: taken as it is
+                batch = kept.get(int(stacked["rows"][offset, 0]), lead)
+                payloads.append((batch, hyper.at(next_step[0], s), s))
+                next_step[0] += s
+                continue
             axis = len(lead) + members  # the batch axis (after a member axis)
             sharding = shardings.get(axis)
             if sharding is None:

@@ -125,7 +125,12 @@ def _binding(n) -> str:
 
 
 def _resident(spec, split: str) -> str:
-    if split != "train" or spec.resident is None:
+    if split != "train":
+        return ""
+    if spec.device_batches is not None:
+        size = format_bytes(spec.device_batches.nbytes)
+        return f"; on the device ({size}), in order: each batch put there once, taken as it is"
+    if spec.resident is None:
         return ""
     size = sum(a.nbytes for a in spec.resident.values())
     return f"; on the device ({format_bytes(size)}), each batch gathered in the train program"

@@ -276,8 +276,11 @@ class _Epoch:
             loader.set_epoch(self.epoch)
         total = len(loader) if hasattr(loader, "__len__") else None
         n.display.start_epoch(self.epoch, n.max_epochs, total, self.batch)
+        # Batches cut on the device ahead: their transfers are not the epoch's steps.
+        if feed.stage_train(spec, loader, self.batch):
+            self.t0 = self.clock = time.perf_counter()
         # Row indices of arrays on the device are cheap to prepare: no thread for them.
-        inline = spec.direct_feed or spec.resident is not None
+        inline = spec.direct_feed or spec.resident is not None or spec.device_batches is not None
         feed_cls = data_mod.InlineFeed if inline else data_mod.Prefetcher
         stream = feed_cls(
             feed.train_units(spec, loader, self.batch, self.epoch, self.data_state),

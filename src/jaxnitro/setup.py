@@ -28,6 +28,7 @@ from . import population as population_mod
 from . import sharding as sharding_mod
 from .checkpoint import TopKCheckpointer, load_checkpoint, validate_int
 from .checkpoint import _read_meta as checkpoint_meta
+from .device_batches import DeviceBatches
 from .devices import apply_env, replicated
 from .display import Display
 from .early_stop import EarlyStopping
@@ -494,14 +495,36 @@ def initial_state(
 # -- the train split on the device ----------------------------------------------------------
 #: The share of the device's capacity the train arrays may take to stay on it by default.
 RESIDENT_FRACTION = 0.25
+#: The smallest batch (all fields) an in-order split is cut into on the device; below it the
+#: batches are gathered in the program like a shuffled split's. Measured on a 2-core CPU:
+#: each piece put costs about 85 µs, gathering costs about 0.35 ms per MB in the step, so a
+#: batch from about 256 KiB repays its piece within the first epoch.
+CUT_MIN_BATCH_BYTES = 256 * 1024
 
 
-def resident_data(s: Settings, splits, split_specs, mesh, dist, pop):
-    """The train arrays placed on the device when they can stay there ({field: array}), or
-    None (each batch is sent). By default when the train split is a `jn.DataLoader` over
-    in-memory arrays, the run has one device and one process, and the arrays take at most
-    `RESIDENT_FRACTION` of the device's capacity; `data_on_device=True` requires it, False
-    turns it off. The train program gathers each batch from them: the same rows, bitwise."""
+def resident_data(s: Settings, splits, split_specs, mesh, dist, pop) -> tuple[Any, Any]:
+    """(the train arrays placed on the device whole, the train batches cut on the device),
+    at most one of them set; (None, None): each batch is sent. By default when the train
+    split is a `jn.DataLoader` over in-memory arrays, the run has one device and one process,
+    and the arrays take at most `RESIDENT_FRACTION` of the device's capacity;
+    `data_on_device=True` requires it, False turns it off. A shuffled split keeps its arrays
+    whole and the train program gathers each batch's rows; an in-order one is cut into its
+    batches once (`device_batches.py`) when a batch takes at least `CUT_MIN_BATCH_BYTES`.
+    Either way the same rows, bitwise."""
+    arrays = _resident_arrays(s, splits, split_specs, mesh, dist, pop)
+    if arrays is None:
+        return None, None
+    loader = splits["train"]
+    batch_bytes = loader.batch_size * sum(a[:1].nbytes for a in arrays.values())
+    if loader.shuffle or batch_bytes < CUT_MIN_BATCH_BYTES:
+        rep = replicated(mesh)
+        return {f: jax.device_put(a, rep) for f, a in arrays.items()}, None
+    kept = DeviceBatches(arrays, loader.batch_size, data_mod.batch_sharding(mesh))
+    return None, kept
+
+
+def _resident_arrays(s: Settings, splits, split_specs, mesh, dist, pop):
+    """The train split's host arrays when they can stay on the device, else None."""
     if s.data_on_device is False or "train" not in splits:
         return None
     loader, info = splits["train"], split_specs["train"]
@@ -531,8 +554,7 @@ def resident_data(s: Settings, splits, split_specs, mesh, dist, pop):
                 f"per step), or train from a jn.DataLoader over numpy arrays on one device."
             )
         return None
-    rep = replicated(mesh)
-    return {f: jax.device_put(a, rep) for f, a in arrays.items()}
+    return arrays
 
 
 # -- a population of members ----------------------------------------------------------------
@@ -876,6 +898,7 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     schedules, total = schedules_of(s, exp, optimizer, spe)
     layout = HyperLayout.build(optimizer, values, schedules)
     pop = population_of(s, exp, seed, optimizer, splits["train"], schedules)
+    resident, device_batches = resident_data(s, splits, split_specs, mesh, dist, pop)
     spec = RunSpec(
         experiment=exp,
         cls=type(exp),
@@ -903,7 +926,8 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         remat=remat.plan(s.remat, s.remat_policy, model, params, mstate),
         resume_path=resume_path,
         population=pop,
-        resident=resident_data(s, splits, split_specs, mesh, dist, pop),
+        resident=resident,
+        device_batches=device_batches,
         **_options(s),
     )
     if pop is None:

@@ -90,6 +90,9 @@ class RunSpec:
     # The train split's arrays on the device ({field: array}); the train program gathers each
     # batch's rows from them (only the row indices are sent per step). None: batches are sent.
     resident: Mapping[str, Any] | None = None
+    # An in-order train split's batches, cut once and kept on the device (device_batches.py):
+    # the program takes each as it is. None: gathered (`resident`) or sent.
+    device_batches: Any = None
 
     @property
     def n_devices(self) -> int:

@@ -85,7 +85,10 @@ class MemoryPlan:
       batch_bytes: one batch on the device.
       batches_in_flight: batches held besides the one a program is consuming (prefetch).
       checkpoint_staging_bytes: host copy made while writing a checkpoint.
-      total: the largest program + batches in flight + (on host memory) checkpoint staging.
+      kept_batches_bytes: an in-order train split's batches kept on the device, besides the
+        one a program is consuming (`device_batches.py`).
+      total: the largest program + batches in flight + kept batches + (on host memory)
+        checkpoint staging.
       capacity, capacity_source: what the device holds and where that number came from.
       fits: ``total <= capacity``.
     """
@@ -102,6 +105,7 @@ class MemoryPlan:
     capacity_source: str
     fits: bool
     members: int | None = None  # a population's member count (its trees carry a member axis)
+    kept_batches_bytes: int = 0
 
     @property
     def largest_population(self) -> int | None:
@@ -140,6 +144,8 @@ class MemoryPlan:
             ),
             (staging, self.checkpoint_staging_bytes),
         ]
+        if self.kept_batches_bytes:
+            rows.insert(-1, ("train batches kept on the device", self.kept_batches_bytes))
         verdict = "fits" if self.fits else f"over by {format_bytes(self.total - self.capacity)}"
         width = max(len(name) for name, _ in rows) + 2
         lines = [f"where the bytes go (largest program: '{p.name}')"]
@@ -200,6 +206,7 @@ def plan(
     capacity: int,
     capacity_source: str,
     members: int | None = None,
+    kept_batches_bytes: int = 0,
 ) -> MemoryPlan:
     """Add up the memory of a run's compiled programs and buffers.
 
@@ -210,6 +217,7 @@ def plan(
       batches_in_flight: batches held besides the one being consumed (prefetch depth).
       checkpoint_staging_bytes: host bytes a checkpoint write stages.
       capacity, capacity_source: from `device_capacity`.
+      kept_batches_bytes: train batches kept on the device besides the one in use.
 
     Example:
       >>> step = jax.jit(train_step, donate_argnums=0).lower(state, batch).compile()
@@ -227,6 +235,7 @@ def plan(
             "'train' or 'val' split (and plan() a dict {name: lowered.compile()})"
         )
     total = max(p.estimate for p in programs) + batches_in_flight * batch_bytes
+    total += kept_batches_bytes
     if _HOST in capacity_source:
         total += checkpoint_staging_bytes
     return MemoryPlan(
@@ -242,6 +251,7 @@ def plan(
         capacity_source=capacity_source,
         fits=total <= capacity,
         members=members,
+        kept_batches_bytes=kept_batches_bytes,
     )
 
 

@@ -99,6 +99,9 @@ def memory_plan(
         info = spec.split_specs["train"]
         unit = spec.accum * spec.steps_per_call
         batch_bytes = sum(info.first[f].nbytes for f in info.fields) * unit
+    in_flight, kept = prefetch_depth + 1, 0
+    if train and spec.device_batches is not None:  # the batches in flight are kept ones
+        in_flight, kept = 0, max(spec.device_batches.nbytes - batch_bytes, 0)
     capacity, source = memory.device_capacity(spec.mesh.devices.flat[0], spec.memory_budget)
     return memory.plan(
         {name: p.compiled for name, p in progs.items()},
@@ -106,11 +109,12 @@ def memory_plan(
         opt_state=ts.opt_state,
         model_state=ts.state,
         batch_bytes=batch_bytes,
-        batches_in_flight=prefetch_depth + 1,
+        batches_in_flight=in_flight,
         checkpoint_staging_bytes=memory.tree_bytes((ts.params, ts.opt_state, ts.state)),
         capacity=capacity,
         capacity_source=source,
         members=spec.population.size if spec.population is not None else None,
+        kept_batches_bytes=kept,
     )
 
 
