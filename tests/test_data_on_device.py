@@ -201,6 +201,14 @@ def test_cut_batches_are_described_and_planned(tmp_path, cut_any_batch):
     plan = jn.memory_plan(n)
     assert plan.kept_batches_bytes == n.spec.device_batches.nbytes - 32 * 9 * 4
     assert "train batches kept on the device" in plan.table()
+    assert plan.batches_in_flight == 0  # the batches a call takes are the kept ones
+
+
+def test_gathered_batches_plan_only_their_row_indices_in_flight(tmp_path):
+    n = nitro(Tiny(), run_dir=tmp_path, steps_per_call=4)
+    plan = jn.memory_plan(n)
+    assert plan.batch_bytes == 4 * 32 * 4  # 4 steps of 32 int32 row indices
+    assert plan.kept_batches_bytes == 0 and "kept on the device" not in plan.table()
 
 
 def test_another_dataset_size_in_order_compiles_no_new_train_program(tmp_path, cut_any_batch):

@@ -432,9 +432,7 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
         avals=cache.avals((_state_arrays(ts), batch, extras, hyper)),
         optimizer=(optim.describe(spec.optimizer), cache.optimizer_key(spec.tx)),
     )
-    step = _train_step(spec, steps)
-    if spec.resident is not None:
-        step = _gathering(step)
+    step = _train_step(spec, steps, gathered=spec.resident is not None)
     leaves, treedef = jax.tree.flatten(ts)
 
     def flat_step(leaves, batch, extras, hyper):  # the state travels as a flat list
@@ -454,9 +452,10 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
     return _acquire(spec, ps, key, lower, label=label)
 
 
-def _train_step(spec, steps: int):
+def _train_step(spec, steps: int, *, gathered: bool = False):
     """The built-in step (forward, loss, one gradient and update) or the experiment's own;
-    for a population, that step under `vmap` over the members; `steps` of it per call."""
+    for a population, that step under `vmap` over the members; `steps` of it per call,
+    each on its batch gathered from the arrays on the device when `gathered`."""
     if "train_step" in spec.routes:
         one = custom.make_custom_step(
             custom_step_fn(spec),
@@ -480,17 +479,23 @@ def _train_step(spec, steps: int):
         one = _frozen_when_stopped(one)
     if pop is not None:  # state, Device values and hyperparameters per member; batch shared
         one = jax.vmap(one, in_axes=(0, 0 if pop.own_data else None, 0, 0))
-    return fuse(one, steps)
+    return _gathering(one, steps) if gathered else fuse(one, steps)
 
 
-def _gathering(step):
-    """`step` on batches gathered in the program from the arrays kept on the device: the
-    payload is {"rows": indices (steps, micro-batches, batch), "data": {field: array}}."""
+def _gathering(one, steps: int):
+    """`steps` of `one` per call, each on its batch gathered from the arrays kept on the
+    device: the payload is {"rows": indices (steps, micro-batches, batch), "data": {field:
+    array}}. Each step gathers its own rows (inside the loop of a fused call), so a call
+    holds one step's batch at a time, not all of them."""
 
     def gathered(ts, batch, extras, hyper):
-        rows = batch["rows"]
-        got = {f: jnp.take(a, rows, axis=0, mode="clip") for f, a in batch["data"].items()}
-        return step(ts, got, extras, hyper)
+        data = batch["data"]
+
+        def on_rows(ts, b, extras, h):
+            got = {f: jnp.take(a, b["rows"], axis=0, mode="clip") for f, a in data.items()}
+            return one(ts, got, extras, h)
+
+        return fuse(on_rows, steps)(ts, {"rows": batch["rows"]}, extras, hyper)
 
     return gathered
 
