@@ -102,7 +102,7 @@ def cut_any_batch(monkeypatch):
     """Tiny's batches (1 KiB) are far below the size from which an in-order split is cut."""
     from jaxnitro import setup
 
-    monkeypatch.setattr(setup, "CUT_MIN_BATCH_BYTES", 0)
+    monkeypatch.setattr(setup, "CUT_MIN_CALL_BYTES", 0)
 
 
 def _train_losses(run_dir) -> list:
