@@ -5,7 +5,10 @@ values (dashed, with markers) share a colour, and several runs overlay. `loss` p
 loss with `val_loss`; `acc` pairs a train metric `acc` (if `train_metrics` logs one) with the
 validation `acc`. Drawn with matplotlib's object API on the Agg canvas (a PNG): no pyplot, so a
 notebook's backend is left alone. `jn.train` writes `run_dir/curves.png` at its end
-(`JAXNITRO_NO_PLOT=1` skips it).
+(`JAXNITRO_NO_PLOT=1` skips it): the log is read before it returns, the figure drawn in a
+background thread (importing matplotlib and drawing cost 0.4-2 s on a small CPU, more than a
+short run's training). The interpreter waits for the drawing at exit; `wait_curves()` waits
+for it before.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import threading
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -66,29 +70,69 @@ def plot(
     return target
 
 
-def write_curves(n) -> Path | None:
-    """`run_dir/curves.png` at the end of `jn.train`, while the run holds its lock.
+_drawing: list[threading.Thread] = []  # the end-of-train drawings still running
+
+
+def write_curves(n, *, background: bool = True) -> Path | None:
+    """`run_dir/curves.png` at the end of `jn.train`, while the run holds its lock: the log
+    is read now, the figure drawn in a background thread (`background=False`: here).
 
     Skipped when `JAXNITRO_NO_PLOT=1`, without matplotlib, or with no JSONL log; a failure
     only warns (`PlotWarning`), never fails the run."""
     if os.environ.get("JAXNITRO_NO_PLOT", "").strip() not in ("", "0"):
         return None
+    out = Path(n.run_dir) / "curves.png"
     try:
         if not n.services.lock.held or importlib.util.find_spec("matplotlib") is None:
             return None
         log = _handle_log(n)
         if log is None or not log.is_file():
             return None
-        return plot(log, out=Path(n.run_dir) / "curves.png")
+        wait_curves()  # one drawing at a time (the next may overwrite the same file)
+        data = [run_rows(log)]  # read while the run holds its lock: no other writer
+        names = _metric_names(data, None)
     except Exception as e:  # noqa: BLE001 - a drawing must never cost a finished run
-        with contextlib.suppress(Exception):
-            warnings.warn(
-                f"could not write {Path(n.run_dir) / 'curves.png'}: {e!r}. The run is "
-                f"unaffected; JAXNITRO_NO_PLOT=1 skips the drawing.",
-                PlotWarning,
-                stacklevel=3,
-            )
+        _warn_not_drawn(out, e)
         return None
+    labels = _labels([log])
+    if not background:
+        return out if _draw_quietly(labels, data, names, out) else None
+    thread = threading.Thread(
+        target=_draw_quietly, args=(labels, data, names, out), name="jaxnitro-curves"
+    )  # not a daemon: a script's last train still leaves its figure whole
+    _drawing.append(thread)
+    thread.start()
+    return out
+
+
+def wait_curves(timeout: float | None = None) -> None:
+    """Wait for the curves `jn.train` is drawing in the background (if any)."""
+    while _drawing:
+        thread = _drawing[0]
+        thread.join(timeout)
+        if thread.is_alive():
+            return
+        with contextlib.suppress(ValueError):
+            _drawing.remove(thread)
+
+
+def _draw_quietly(labels, data, names, out: Path) -> bool:
+    try:
+        _draw(labels, data, names, "step", out)
+        return True
+    except Exception as e:  # noqa: BLE001
+        _warn_not_drawn(out, e)
+        return False
+
+
+def _warn_not_drawn(out: Path, e: Exception) -> None:
+    with contextlib.suppress(Exception):
+        warnings.warn(
+            f"could not write {out}: {e!r}. The run is unaffected; JAXNITRO_NO_PLOT=1 skips "
+            f"the drawing.",
+            PlotWarning,
+            stacklevel=4,
+        )
 
 
 # -- inputs ------------------------------------------------------------------------------
@@ -259,4 +303,4 @@ def _draw(labels: list[str], data: list[list[dict]], names: list[str], x: str, o
             tmp.unlink()
 
 
-__all__ = ["PlotWarning", "plot", "write_curves"]
+__all__ = ["PlotWarning", "plot", "wait_curves", "write_curves"]
