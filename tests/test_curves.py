@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -33,10 +35,10 @@ def test_train_returns_before_its_curves_are_drawn(tmp_path, drawing, monkeypatc
     release, started = threading.Event(), threading.Event()
     draw = plot._draw
 
-    def held(*args):
+    def held(*args, **kw):
         started.set()
         assert release.wait(30)
-        draw(*args)
+        draw(*args, **kw)
 
     monkeypatch.setattr(plot, "_draw", held)
     n = nitro(Tiny(max_epochs=1), run_dir=tmp_path)
@@ -47,8 +49,32 @@ def test_train_returns_before_its_curves_are_drawn(tmp_path, drawing, monkeypatc
     assert (tmp_path / "curves.png").read_bytes()[:8] == PNG
 
 
+def test_a_run_dir_removed_before_its_curves_are_drawn_stays_removed(
+    tmp_path, drawing, monkeypatch
+):
+    """`with TemporaryDirectory() as d: jn.train(...)` removes the run dir right away: the
+    drawing must neither recreate it nor fail."""
+    release = threading.Event()
+    draw = plot._draw
+
+    def held(*args, **kw):
+        assert release.wait(30)
+        draw(*args, **kw)
+
+    monkeypatch.setattr(plot, "_draw", held)
+    run = tmp_path / "run"
+    jn.train(nitro(Tiny(max_epochs=1), run_dir=run))
+    shutil.rmtree(run)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        release.set()
+        plot.wait_curves()
+    assert not run.exists()
+    assert not [w for w in caught if issubclass(w.category, plot.PlotWarning)]
+
+
 def test_a_failing_drawing_only_warns(tmp_path, drawing, monkeypatch):
-    def broken(*args):
+    def broken(*args, **kw):
         raise RuntimeError("no fonts")
 
     monkeypatch.setattr(plot, "_draw", broken)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import math
 import os
 import threading
@@ -118,7 +119,7 @@ def wait_curves(timeout: float | None = None) -> None:
 
 def _draw_quietly(labels, data, names, out: Path) -> bool:
     try:
-        _draw(labels, data, names, "step", out)
+        _draw(labels, data, names, "step", out, make_dir=False)
         return True
     except Exception as e:  # noqa: BLE001
         _warn_not_drawn(out, e)
@@ -258,7 +259,17 @@ def _arrays(pts: Iterable[tuple]) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- drawing -----------------------------------------------------------------------------
-def _draw(labels: list[str], data: list[list[dict]], names: list[str], x: str, out: Path) -> None:
+def _draw(
+    labels: list[str],
+    data: list[list[dict]],
+    names: list[str],
+    x: str,
+    out: Path,
+    *,
+    make_dir: bool = True,
+) -> None:
+    """Draw the panels into the PNG `out`, rendered in memory and then written whole
+    (`make_dir=False`: not at all when its directory is gone, e.g. a temporary run dir)."""
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
@@ -293,10 +304,15 @@ def _draw(labels: list[str], data: list[list[dict]], names: list[str], x: str, o
             ax.legend(fontsize="small")
     for ax in axes[len(names) :]:
         ax.set_visible(False)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    if make_dir:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    elif not out.parent.is_dir():  # the run directory was removed meanwhile: nothing to do
+        return
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:  # written whole, then moved into place: never a half-written PNG
-        fig.savefig(tmp, format="png", dpi=100)
+        tmp.write_bytes(png.getvalue())
         os.replace(tmp, out)
     finally:
         with contextlib.suppress(OSError):
