@@ -45,10 +45,10 @@ def train(case, data, steps_per_call, root: Path) -> tuple[float, str, float]:
             single, fused = row["single_step_s"], row["fused_step_s"]
             lines.append(
                 f"{row['steps_per_call_auto']} (1: {single * 1e3:.2f} ms/step, "
-                f"{row['tried']}: {fused * 1e3:.2f} ms/step)"
+                f"{row['candidate']}: {fused * 1e3:.2f} ms/step)"
                 if single and fused
                 else f"{row['steps_per_call_auto']} (1: {single * 1e3:.2f} ms/step; "
-                f"{row['tried']} not tried)"
+                f"{row['candidate']} not tried)"
                 if single
                 else str(row["steps_per_call_auto"])
             )

@@ -24,7 +24,7 @@ def test_auto_picks_by_measurement_and_trains_bitwise_the_same(tmp_path, monkeyp
     assert leaves_equal(auto.state_leaves, plain.state_leaves)
     lines = [json.loads(s) for s in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
     (tuned,) = [r for r in lines if "steps_per_call_auto" in r]
-    assert tuned["steps_per_call_auto"] == want and tuned["tried"] == 8
+    assert tuned["steps_per_call_auto"] == want and tuned["candidate"] == 8
     assert tuned["single_step_s"] > 0 and tuned["fused_step_s"] > 0
     assert len([r for r in lines if r.get("context") == "train"]) == auto.step  # per step
 
@@ -49,6 +49,7 @@ def test_a_step_too_long_to_gain_is_not_fused_nor_compiled_fused(tmp_path, monke
     lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (tuned,) = [r for r in lines if "steps_per_call_auto" in r]
     assert tuned["steps_per_call_auto"] == 1 and tuned["fused_step_s"] is None
+    assert tuned["candidate"] == 8 and tuned["candidate_timed"] is False
     assert tuned["single_step_s"] > 0
     choice = autotune.Choice(1, 8, 0.02, None)
     assert "not dispatch-bound" in choice.line() and "8 per call was not tried" in choice.line()

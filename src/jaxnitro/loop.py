@@ -726,7 +726,8 @@ def _autotune(n) -> None:
     n.logger.log_other(
         {
             "steps_per_call_auto": choice.steps,
-            "tried": choice.candidate,
+            "candidate": choice.candidate,  # steps per call weighed against one
+            "candidate_timed": choice.fused_s is not None,  # False: one step is too long to gain
             "single_step_s": choice.single_s,
             "fused_step_s": choice.fused_s,
         }
