@@ -445,6 +445,8 @@ def _x(rows: int, seed: int = 0) -> np.ndarray:
 
 @pytest.mark.slow
 def test_start_up_banner_access_log_and_no_nagle_delay(server):
+    # "ready:" is printed just after the models answer ready: wait for the line itself
+    server._wait_for(r"(ready:)")
     out = server.output
     assert "tiny (version 1): x FP32[-1, 8] -> output FP32[-1, 4]" in out
     assert "tiny-bf16 (version 1): x BF16[-1, 8]" in out
