@@ -51,7 +51,6 @@ sys.path.insert(1, str(ROOT / "src"))  # jaxnitro from this checkout, installed 
 import gpt  # noqa: E402
 
 import jaxnitro as jn  # noqa: E402
-from jaxnitro.plot import wait_curves  # noqa: E402
 from jaxnitro.units import format_bytes  # noqa: E402
 
 H100_CLASS_PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200 SXM, the MFU denominator there
@@ -357,7 +356,6 @@ class NitroRuns:
         jn.on_phase(lambda phase, *_: phases.append((phase, time.perf_counter())), nitro=n)
         r = jn.train(n)
         self.e2e_cold = time.perf_counter() - t0
-        wait_curves()  # drawn in the background: not while the next contender is timed
         started = next((t for p, t in phases if p == "Training"), None)
         self.ttfs = started - t0 if started is not None else None
         self.programs_compiled = r.programs_compiled
@@ -390,7 +388,6 @@ class NitroRuns:
         n = self._nitro()
         r = jn.train(n)
         e2e = time.perf_counter() - t0
-        wait_curves()
         self.warm_programs = max(self.warm_programs, r.programs_compiled)
         self.rates.append(r.steps_per_second)
         self.e2es.append(e2e)

@@ -32,6 +32,7 @@ from .errors import ConfigArgumentError, ConfigError, did_you_mean
 from .events.phases import set_phase
 from .events.signals import SetupTerminated, terminate_during_setup
 from .experiment import is_experiment
+from .plot import preload as preload_plotting
 from .progress import Progress
 from .runlock import RunLock
 from .setup import Dist
@@ -270,6 +271,7 @@ class Nitro:
         """The Compiling phase (and the display) while XLA compiles; the phase before, after."""
         previous = self.phase
         set_phase(self, "Compiling", info={"program": kind, "label": label})
+        preload_plotting()  # matplotlib's import, for the end-of-train curves, meanwhile
         try:
             with self.display.compiling(kind, label):
                 yield

@@ -5,10 +5,10 @@ values (dashed, with markers) share a colour, and several runs overlay. `loss` p
 loss with `val_loss`; `acc` pairs a train metric `acc` (if `train_metrics` logs one) with the
 validation `acc`. Drawn with matplotlib's object API on the Agg canvas (a PNG): no pyplot, so a
 notebook's backend is left alone. `jn.train` writes `run_dir/curves.png` at its end
-(`JAXNITRO_NO_PLOT=1` skips it): the log is read before it returns, the figure drawn in a
-background thread (importing matplotlib and drawing cost 0.4-2 s on a small CPU, more than a
-short run's training). The interpreter waits for the drawing at exit; `wait_curves()` waits
-for it before.
+(`JAXNITRO_NO_PLOT=1` skips it), while it holds the run's lock. Importing matplotlib costs
+0.7-1.4 s on a small CPU, more than a short run's training: `preload` imports it in a
+background thread while the run's first program compiles (XLA compiles without the GIL), so
+the end of the run pays only the drawing (0.2-0.4 s).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import importlib.util
 import io
 import math
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
@@ -71,16 +72,44 @@ def plot(
     return target
 
 
-_drawing: list[threading.Thread] = []  # the end-of-train drawings still running
+_preloading: list[threading.Thread] = []  # the background import of matplotlib, if started
 
 
-def write_curves(n, *, background: bool = True) -> Path | None:
-    """`run_dir/curves.png` at the end of `jn.train`, while the run holds its lock: the log
-    is read now, the figure drawn in a background thread (`background=False`: here).
+def _enabled() -> bool:
+    return os.environ.get("JAXNITRO_NO_PLOT", "").strip() in ("", "0")
+
+
+def preload() -> None:
+    """Import matplotlib in a background thread, ahead of the end-of-train drawing (once per
+    process; nothing when drawing is off, matplotlib is missing or already imported)."""
+    if _preloading or not _enabled() or "matplotlib.figure" in sys.modules:
+        return
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+    thread = threading.Thread(target=_import_matplotlib, name="jaxnitro-plot-import", daemon=True)
+    _preloading.append(thread)
+    thread.start()
+
+
+def wait_preload() -> None:
+    """Wait for `preload`'s import (a fork amid it could inherit its import locks)."""
+    for thread in _preloading:
+        thread.join()
+
+
+def _import_matplotlib() -> None:
+    with contextlib.suppress(Exception):  # the drawing itself reports what is wrong
+        import matplotlib.backends.backend_agg  # noqa: F401
+        import matplotlib.figure  # noqa: F401
+        import matplotlib.ticker  # noqa: F401
+
+
+def write_curves(n) -> Path | None:
+    """`run_dir/curves.png` at the end of `jn.train`, while the run holds its lock.
 
     Skipped when `JAXNITRO_NO_PLOT=1`, without matplotlib, or with no JSONL log; a failure
     only warns (`PlotWarning`), never fails the run."""
-    if os.environ.get("JAXNITRO_NO_PLOT", "").strip() not in ("", "0"):
+    if not _enabled():
         return None
     out = Path(n.run_dir) / "curves.png"
     try:
@@ -89,51 +118,17 @@ def write_curves(n, *, background: bool = True) -> Path | None:
         log = _handle_log(n)
         if log is None or not log.is_file():
             return None
-        wait_curves()  # one drawing at a time (the next may overwrite the same file)
-        data = [run_rows(log)]  # read while the run holds its lock: no other writer
-        names = _metric_names(data, None)
+        wait_preload()
+        return plot(log, out=out)
     except Exception as e:  # noqa: BLE001 - a drawing must never cost a finished run
-        _warn_not_drawn(out, e)
+        with contextlib.suppress(Exception):
+            warnings.warn(
+                f"could not write {out}: {e!r}. The run is unaffected; JAXNITRO_NO_PLOT=1 "
+                f"skips the drawing.",
+                PlotWarning,
+                stacklevel=3,
+            )
         return None
-    labels = _labels([log])
-    if not background:
-        return out if _draw_quietly(labels, data, names, out) else None
-    thread = threading.Thread(
-        target=_draw_quietly, args=(labels, data, names, out), name="jaxnitro-curves"
-    )  # not a daemon: a script's last train still leaves its figure whole
-    _drawing.append(thread)
-    thread.start()
-    return out
-
-
-def wait_curves(timeout: float | None = None) -> None:
-    """Wait for the curves `jn.train` is drawing in the background (if any)."""
-    while _drawing:
-        thread = _drawing[0]
-        thread.join(timeout)
-        if thread.is_alive():
-            return
-        with contextlib.suppress(ValueError):
-            _drawing.remove(thread)
-
-
-def _draw_quietly(labels, data, names, out: Path) -> bool:
-    try:
-        _draw(labels, data, names, "step", out, make_dir=False)
-        return True
-    except Exception as e:  # noqa: BLE001
-        _warn_not_drawn(out, e)
-        return False
-
-
-def _warn_not_drawn(out: Path, e: Exception) -> None:
-    with contextlib.suppress(Exception):
-        warnings.warn(
-            f"could not write {out}: {e!r}. The run is unaffected; JAXNITRO_NO_PLOT=1 skips "
-            f"the drawing.",
-            PlotWarning,
-            stacklevel=4,
-        )
 
 
 # -- inputs ------------------------------------------------------------------------------
@@ -259,17 +254,8 @@ def _arrays(pts: Iterable[tuple]) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- drawing -----------------------------------------------------------------------------
-def _draw(
-    labels: list[str],
-    data: list[list[dict]],
-    names: list[str],
-    x: str,
-    out: Path,
-    *,
-    make_dir: bool = True,
-) -> None:
-    """Draw the panels into the PNG `out`, rendered in memory and then written whole
-    (`make_dir=False`: not at all when its directory is gone, e.g. a temporary run dir)."""
+def _draw(labels: list[str], data: list[list[dict]], names: list[str], x: str, out: Path) -> None:
+    """Draw the panels into the PNG `out`, rendered in memory and then written whole."""
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
@@ -306,10 +292,7 @@ def _draw(
         ax.set_visible(False)
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
-    if make_dir:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    elif not out.parent.is_dir():  # the run directory was removed meanwhile: nothing to do
-        return
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:  # written whole, then moved into place: never a half-written PNG
         tmp.write_bytes(png.getvalue())
@@ -319,4 +302,4 @@ def _draw(
             tmp.unlink()
 
 
-__all__ = ["PlotWarning", "plot", "wait_curves", "write_curves"]
+__all__ = ["PlotWarning", "plot", "preload", "write_curves"]

@@ -40,7 +40,7 @@ import numpy as np
 
 from . import waits
 from .errors import DataError
-from .plot import wait_curves
+from .plot import wait_preload
 
 _IN_FLIGHT = 2  # tasks per worker: one computing, one queued
 
@@ -61,7 +61,7 @@ class TransformPool:
         self.buffer = mmap.mmap(-1, max(1, slot_bytes * self.n_slots))
         self._tag = 0  # one per pass: replies of an abandoned pass are told apart
         ctx = multiprocessing.get_context("fork")
-        wait_curves()  # a fork amid that thread's imports could inherit their locks
+        wait_preload()  # a fork amid that thread's imports could inherit their locks
         self.conns: list = []
         self.procs: list = []
         with warnings.catch_warnings():

@@ -14,7 +14,6 @@ from typing import Any
 import click
 import numpy as np
 
-from ..plot import wait_curves
 from .common import (
     CONTEXT,
     PROGRESS,
@@ -54,7 +53,6 @@ def train(ctx: click.Context, target: str, **_: Any) -> None:
 def train_summary(n, result) -> dict[str, Any]:
     """What a finished `jn.train` reports, as plain data (the JSON of `train --json`)."""
     curves = Path(n.run_dir) / "curves.png"
-    wait_curves()  # drawn in the background: the shell names it once it is there
     return {
         "experiment": n.spec.cls.__name__,
         "run_dir": str(n.run_dir),
