@@ -289,3 +289,31 @@ def test_unplanned_compiles_are_reported_at_the_end(run_dir, capsys):
     result = jn.train(n)
     assert n.step == 10 and result.programs_compiled == 2  # 2 fused calls, then 2 single steps
     assert "this run compiled 2 programs; its plan expected 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["resume", "same handle"])
+def test_the_epoch_train_loss_after_a_stop_mid_epoch_covers_the_whole_epoch(tmp_path, how):
+    """Stopped after 5 of 8 batches, then continued: the epoch's train_loss is the mean over
+    all 8 steps (as the straight run's), not over the 3 after the stop."""
+    straight = nitro(Tiny(n_val=0), run_dir=tmp_path / "a", data_on_device=False)
+    jn.train(straight)
+    first = nitro(Tiny(n_val=0), run_dir=tmp_path / "b", checkpoint_every=5)
+    stops = [5]  # once: the same handle trains on past step 10
+
+    def stop_once(result):
+        if stops:
+            stops.pop()
+            jn.request_stop(first)
+
+    jn.every(5, stop_once, nitro=first)
+    jn.train(first)
+    assert first.step == 5
+    if how == "resume":
+        later = nitro(Tiny(n_val=0), run_dir=tmp_path / "b", resume="auto")
+    else:
+        later = first
+    jn.train(later)
+    want = [row["train_loss"] for row in jn.history(straight).rows]
+    assert [row["train_loss"] for row in jn.history(later).rows] == want
+    losses = [r["loss"] for r in jn.read_jsonl(tmp_path / "a" / "metrics.jsonl") if "loss" in r]
+    assert want[0] == pytest.approx(np.mean(losses[:8]), rel=1e-12)

@@ -189,9 +189,10 @@ def _epochs(n) -> tuple[str, int, float, int]:
         )
         while n.epoch < n.max_epochs:
             epoch = n.epoch  # 0-based; logs and history say epoch + 1
-            losses, seconds = _Epoch(n, epoch).run()
+            run = _Epoch(n, epoch)
+            losses, seconds = run.run()
             steps_run, seconds_run = steps_run + len(losses), seconds_run + seconds
-            stop_reason = _end_epoch(n, epoch, losses, seconds)
+            stop_reason = _end_epoch(n, epoch, losses, seconds, run.train_loss())
             if stop_reason != "completed":
                 break
     return stop_reason, steps_run, seconds_run, len(memory.programs)
@@ -240,6 +241,7 @@ class _Epoch:
         self.skipped = n.progress.skipped_steps
         self.pending: collections.deque = collections.deque()
         self.losses: list[float | None] = []
+        self.loss_sum, self.loss_count = n.progress.epoch_loss  # of the steps before a resume
         self.extras = n.device.extras
         self.lr_of = _lr_reader(self.spec, n.device)
         self.cadence = _Cadence(self.spec)
@@ -366,8 +368,13 @@ class _Epoch:
             batch_in_epoch=self.batch,
             skipped_steps=self.skipped,
             data_state=self.data_state,
+            epoch_loss=(self.loss_sum, self.loss_count),
         )
         self.n._commit(leaves=self.leaves, progress=progress)
+
+    def train_loss(self) -> float | None:
+        """The epoch's mean train loss, over every step of it read (before a resume too)."""
+        return self.loss_sum / self.loss_count if self.loss_count else None
 
     def _drain(self, count: int) -> None:
         """Read back and log the oldest `count` dispatches' outputs in one transfer; then the
@@ -418,6 +425,9 @@ class _Epoch:
                     + _last_good(n)
                 )
             self.losses.append(row.get("loss"))  # None: a custom step without a "loss"
+            if row.get("loss") is not None:
+                self.loss_sum += row["loss"]
+                self.loss_count += 1
         rates = self.lr_of(step - 1)
         row.update(rates)
         n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
@@ -560,16 +570,12 @@ def _check_epoch_length(n, epoch: int, total: int | None):
     return progress
 
 
-def _end_epoch(n, epoch: int, losses: list[float | None], seconds: float) -> str:
+def _end_epoch(
+    n, epoch: int, losses: list[float | None], seconds: float, train_loss: float | None
+) -> str:
     """Validate, record, log, checkpoint, and decide whether to stop; returns the stop reason."""
     control = n.services.control
-    row = {
-        "epoch": epoch + 1,
-        "step": n.step,
-        "train_loss": float(np.mean(known))
-        if (known := [x for x in losses if x is not None])
-        else None,
-    }
+    row = {"epoch": epoch + 1, "step": n.step, "train_loss": train_loss}
     if "val" in n.spec.splits and not control.preempted:  # preemption leaves no time
         n.display.phase("validating")
         try:
@@ -689,6 +695,7 @@ def _checkpoint(n, row: dict, *, stop_reason: str | None = None, validated: bool
         "total_steps": spec.total_steps,
         "epoch": progress.epoch,
         "batch_in_epoch": progress.batch_in_epoch,
+        "epoch_loss": list(progress.epoch_loss),  # the epoch's losses so far: [sum, count]
         "data_state": jsonable(progress.data_state),
         "step": progress.step,
         "seed": spec.seed,

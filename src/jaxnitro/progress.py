@@ -34,6 +34,9 @@ class Progress:
     first_epoch_batches: int | None = None
     #: a stream's iterator state after the last batch trained on (grain; JSON), or None
     data_state: Mapping[str, Any] | None = None
+    #: the current epoch's train losses read so far, (sum in step order, count): a resume
+    #: mid-epoch reports the whole epoch's mean, not only the steps after it
+    epoch_loss: tuple[float, int] = (0.0, 0)
 
     def replace(self, **changes) -> Progress:
         return dataclasses.replace(self, **changes)
@@ -45,7 +48,9 @@ class Progress:
         )
 
     def next_epoch(self) -> Progress:
-        return dataclasses.replace(self, epoch=self.epoch + 1, batch_in_epoch=0, data_state=None)
+        return dataclasses.replace(
+            self, epoch=self.epoch + 1, batch_in_epoch=0, data_state=None, epoch_loss=(0.0, 0)
+        )
 
     def with_row(self, row: Mapping[str, Any]) -> Progress:
         """The history with `row` added (or replacing the row of an epoch a stop cut short)."""

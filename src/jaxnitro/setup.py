@@ -763,8 +763,28 @@ def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Prog
         history=tuple(history),
         early_stop=meta.get("early_stop"),
         data_state=_data_state(meta, path),
+        epoch_loss=_epoch_loss(meta, path),
     )
     return ts, progress, meta.get("total_steps")
+
+
+def _epoch_loss(meta: Mapping, path: Path) -> tuple[float, int]:
+    """The saved epoch's losses so far, [sum, count] (absent in older checkpoints: (0, 0),
+    so such a resume's epoch mean covers the steps after it only)."""
+    value = meta.get("epoch_loss", [0.0, 0])
+    ok = (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[0], (int, float))
+        and type(value[1]) is int
+        and value[1] >= 0
+    )
+    if not ok:
+        raise CheckpointError(
+            f"checkpoint {path}: meta field 'epoch_loss' must be [sum, count] of the epoch's "
+            f"train losses so far, got {value!r}. Resume from another checkpoint."
+        )
+    return float(value[0]), int(value[1])
 
 
 def _data_state(meta: Mapping, path: Path) -> Mapping | None:
