@@ -1248,3 +1248,17 @@ def test_damaged_checkpoint_meta_field(run_dir):
     with pytest.raises(jn.CheckpointError) as e:
         nitro(Tiny(max_epochs=2), run_dir=run_dir, resume=str(latest))
     check(e, r"batch_in_epoch")
+
+
+@pytest.mark.parametrize("value", ["x", [1.0], [1.0, -1], [1.0, 2.5]])
+def test_damaged_checkpoint_epoch_loss(run_dir, value):
+    jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir))
+    latest = jn.TopKCheckpointer(dir=run_dir / "checkpoints").latest()
+    meta_path = latest / "meta.json"
+    info = json.loads(meta_path.read_text())
+    info["meta"]["epoch_loss"] = value
+    info.pop("record_sha256", None)
+    meta_path.write_text(json.dumps(info))
+    with pytest.raises(jn.CheckpointError) as e:
+        nitro(Tiny(max_epochs=2), run_dir=run_dir, resume=str(latest))
+    check(e, r"'epoch_loss' must be \[sum, count\]", r"Resume from another checkpoint")

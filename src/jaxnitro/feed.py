@@ -205,12 +205,12 @@ def _stack(group, fields) -> dict:
     return {f: np.stack([np.asarray(h[f]) for h in group]) for f in fields}
 
 
-def call_splits(steps: int, accum: int, spc: int) -> list[tuple[int, int]]:
-    """A unit of `steps` optimizer steps as calls: [(first batch, steps in the call)]. A tail
-    that does not fill a call runs step by step (the single-step program)."""
-    if steps == spc:
-        return [(0, spc)]
-    return [(i * accum, 1) for i in range(steps)]
+def call_splits(steps: int, accum: int, spc: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """A unit of `steps` optimizer steps as calls: [(first batch, steps in the call, the
+    call's leading batch axes (steps, micro-batches), those of size 1 dropped)]. A tail that
+    does not fill a call runs step by step (the single-step program)."""
+    calls = [(0, spc)] if steps == spc else [(i * accum, 1) for i in range(steps)]
+    return [(offset, s, (s,) * (s > 1) + (accum,) * (accum > 1)) for offset, s in calls]
 
 
 def stage_train(spec, loader, start: int) -> int:
@@ -224,8 +224,7 @@ def stage_train(spec, loader, start: int) -> int:
     for rows, k in loader.iter_rows(start, spec.accum * spec.steps_per_call):
         if k % accum:  # the feed refuses the unit, naming it
             break
-        for offset, s in call_splits(k // accum, accum, spec.steps_per_call):
-            lead = (s,) * (s > 1) + (accum,) * (accum > 1)
+        for offset, _, lead in call_splits(k // accum, accum, spec.steps_per_call):
             wanted.append((int(rows["rows"][offset, 0]), lead))
     put = kept.put(wanted)
     if put:
@@ -258,8 +257,7 @@ def train_prepare(spec, first_step: int, base):
                 f"multiple of accum."
             )
         payloads = []
-        for offset, s in call_splits(k // accum, accum, spc):
-            lead = (s,) * (s > 1) + (accum,) * (accum > 1)
+        for offset, s, lead in call_splits(k // accum, accum, spc):
             if kept is not None:  # cut once, in the program's shape: taken as it is
                 batch = kept.get(int(stacked["rows"][offset, 0]), lead)
                 payloads.append((batch, hyper.at(next_step[0], s), s))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import io
 import math
 import os
 import sys
@@ -255,7 +254,6 @@ def _arrays(pts: Iterable[tuple]) -> tuple[np.ndarray, np.ndarray]:
 
 # -- drawing -----------------------------------------------------------------------------
 def _draw(labels: list[str], data: list[list[dict]], names: list[str], x: str, out: Path) -> None:
-    """Draw the panels into the PNG `out`, rendered in memory and then written whole."""
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
@@ -290,12 +288,10 @@ def _draw(labels: list[str], data: list[list[dict]], names: list[str], x: str, o
             ax.legend(fontsize="small")
     for ax in axes[len(names) :]:
         ax.set_visible(False)
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=100)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:  # written whole, then moved into place: never a half-written PNG
-        tmp.write_bytes(png.getvalue())
+        fig.savefig(tmp, format="png", dpi=100)
         os.replace(tmp, out)
     finally:
         with contextlib.suppress(OSError):
