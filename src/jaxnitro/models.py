@@ -442,6 +442,89 @@ def structure_key(model: Any) -> Hashable:
     )
 
 
+def model_classes(model: Any) -> tuple[type, ...]:
+    """Return the classes of a split model's modules (library ones included), root first.
+
+    For NNX these are the node types of the graphdef; for Linen and Equinox the module
+    classes found in the module tree (dataclass fields, lists, tuples and dicts of them),
+    plus, for Linen, module classes that a module's own code names (submodules made in
+    `setup` or `@compact` are not fields). An `apply_fn` callable has none (its code is
+    fingerprinted as the model itself).
+
+    Example:
+        >>> model, _, _ = jn.split_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+        >>> nnx.Linear in model_classes(model)
+        True
+    """
+    found: dict[type, None] = {}
+    if isinstance(model, NNXModel):
+        for node in getattr(model.graphdef, "nodes", ()):
+            t = getattr(node, "type", None)
+            if isinstance(t, type):
+                found.setdefault(t)
+    elif isinstance(model, LinenModel):
+        linen = _module("flax.linen")
+        _module_tree(model.module, linen.Module, found)
+        _named_by_code(found, linen.Module)
+    elif isinstance(model, EqxModel):
+        _module_tree(model.static, _module("equinox").Module, found)
+    return tuple(found)
+
+
+def _module_tree(root: Any, base: type, found: dict[type, None]) -> None:
+    """Add the class of every `base` instance reachable from `root` through dataclass fields
+    and containers (iteratively: a deep model must not hit the recursion limit)."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, base):
+            found.setdefault(type(obj))
+            if dataclasses.is_dataclass(obj):
+                stack += [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+        elif isinstance(obj, (list, tuple)):
+            stack += list(obj)
+        elif isinstance(obj, dict):
+            stack += list(obj.values())
+
+
+def _named_by_code(found: dict[type, None], base: type) -> None:
+    """Add the `base` subclasses that the methods of the classes in `found` load as globals
+    (`Block(...)` in a `@compact` `__call__`), until no new one appears."""
+    todo = list(found)
+    while todo:
+        cls = todo.pop()
+        for klass in cls.__mro__:
+            if klass.__module__.partition(".")[0] in ("flax", "builtins"):
+                continue  # library code: it cannot change, and its own classes are named
+            for attr in vars(klass).values():
+                fn = getattr(attr, "__func__", attr)
+                code = getattr(fn, "__code__", None)
+                if code is None:
+                    continue
+                for name in _global_names(code):
+                    value = fn.__globals__.get(name)
+                    if (
+                        isinstance(value, type)
+                        and issubclass(value, base)
+                        and value not in found
+                        and value.__module__.partition(".")[0] != "flax"
+                    ):
+                        found.setdefault(value)
+                        todo.append(value)
+
+
+def _global_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _global_names(const)
+    return names
+
+
 def _eqx_key(model: EqxModel) -> Hashable:
     """Return the static treedef plus a hashable form of every static leaf."""
     # Fields that are not inexact arrays (str/bool/int options, activation functions,

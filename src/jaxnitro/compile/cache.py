@@ -49,6 +49,11 @@ _entries: dict[Hashable, Program] = {}
 _by_text: dict[str, Program] = {}
 _callback_programs = itertools.count()  # text keys of programs never shared by text
 _stats = {"hits": 0, "misses": 0}
+# The keys programs were asked for, newest last, kept after their programs are dropped (a
+# stale program) or when they were served by a twin's text (a copied experiment): a later
+# miss is explained against them. Bounded: old keys only explain old programs.
+_seen: collections.OrderedDict[explain.ProgramKey, None] = collections.OrderedDict()
+_SEEN_MAX = 512
 
 
 def cache_stats() -> dict[str, int]:
@@ -73,6 +78,7 @@ def cache_reset() -> None:
     with _lock:
         _entries.clear()
         _by_text.clear()
+        _seen.clear()
         _stats["hits"] = _stats["misses"] = 0
         for hook in _reset_hooks:
             hook()
@@ -193,6 +199,7 @@ def get_or_compile(
         prog = _entries.get(key)
         if prog is not None:
             _stats["hits"] += 1
+            _remember(key)
             return prog
     lowered, trace_seconds, lower_seconds = _lower(lower)
     text_key = _text_key(lowered, devices, compile_options)
@@ -201,6 +208,7 @@ def get_or_compile(
         if twin is not None:
             _entries[key] = twin
             _stats["hits"] += 1
+            _remember(key)
             return twin
     t0 = time.perf_counter()
     ctx = on_compile(kind, label) if on_compile is not None else contextlib.nullcontext()
@@ -226,7 +234,18 @@ def get_or_compile(
         _stats["misses"] += 1
         _entries[key] = prog
         _by_text[text_key] = prog
+        _remember(key)
     return prog
+
+
+def _remember(key: Hashable) -> None:
+    """Note a key asked for (under the lock), for explaining later misses."""
+    if not isinstance(key, explain.ProgramKey):
+        return
+    _seen[key] = None
+    _seen.move_to_end(key)
+    if len(_seen) > _SEEN_MAX:
+        _seen.popitem(last=False)
 
 
 def _lower(lower: Callable[[], Any]) -> tuple[Any, float | None, float]:
@@ -274,12 +293,11 @@ def _why(parts) -> tuple[str, ...]:
     """Reasons this program differs from the closest one already compiled (same kind first)."""
     if parts is None:
         return ()
+    # Every key asked for before, also those whose program was dropped as stale or served by
+    # a twin compiled for another experiment, so an edit is explained against what this
+    # experiment itself ran; the key itself (asked again after a drop) explains nothing.
     known = [
-        p.parts
-        for p in _by_text.values()
-        if p.parts is not None
-        and p.parts.kind == parts.kind
-        and p.parts.experiment == parts.experiment
+        k for k in _seen if k != parts and k.kind == parts.kind and k.experiment == parts.experiment
     ]
     old = explain.closest(parts, known)
     return tuple(explain.reasons(old, parts)) if old is not None else ()

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import reprlib
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
-from .fingerprint import describe_reach, fingerprint
+from .fingerprint import describe_reach, fingerprint, fingerprint_value
 
 __all__ = ["KeyParts", "ProgramKey", "closest", "hook_parts", "reasons"]
 
@@ -76,15 +76,19 @@ KeyParts = ProgramKey
 
 
 def hook_parts(
-    hooks: Mapping[str, Callable],
+    hooks: Mapping[str, Any],
 ) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
-    """``(hooks, helpers)`` fields of a `KeyParts` for hook name -> function.
+    """``(hooks, helpers)`` fields of a `KeyParts` for hook name -> function (or a model
+    class, or a class value: see `programs.traced_code`).
 
     The hook's own entry in `describe_reach` goes to ``hooks``, everything it reached to
     ``helpers`` under ``"hook/name"``, so an edit to a helper is never blamed on the hook.
     """
     own, reached = [], []
     for name, fn in hooks.items():
+        if not callable(fn):  # a class value read as `self.NAME`: one digest, nothing reached
+            own.append((name, fingerprint_value(getattr(fn, "value", fn), strict=False)))
+            continue
         reach = describe_reach(fn)
         target = inspect.unwrap(getattr(fn, "__func__", fn))
         qualname = getattr(target, "__qualname__", "")
@@ -119,7 +123,9 @@ def reasons(old: KeyParts, new: KeyParts) -> list[str]:
     out += _optimizer_reasons(old.optimizer, new.optimizer)
     if old.routes and new.routes and old.routes != new.routes:
         out.append("the batch fields a hook takes changed (its signature)")
-    if old.model != new.model:
+    if old.model != new.model and not (_model_code_changed(old, new) and _same_shape(old, new)):
+        # (a class re-defined with edited code is a new class object in the structure: the
+        # code sentences above say what changed, the layers did not)
         out.append("the model structure changed (layers, widths or static fields)")
     if old.experiment != new.experiment:
         out.append(f"a different experiment: {old.experiment} → {new.experiment}")
@@ -174,29 +180,74 @@ def _optimizer_reasons(old, new) -> list[str]:
     return ["the optimizer changed (its type, param groups or static hyperparameters)"]
 
 
-def _code_reasons(old: KeyParts, new: KeyParts) -> list[str]:
-    out = []
-    for hook, a, b in _changed(old.hooks, new.hooks):
+def _root_sentence(root: str, a, b) -> str:
+    """What changed in one traced root: a hook, a class value read as `self.NAME`, or a
+    model class (``model:Qualname``, whose own digest covers its name, bases and the names
+    of its attributes)."""
+    if root.startswith("model:"):
+        cls = root.removeprefix("model:")
         if a is _MISSING:
-            out.append(f"hook `{hook}` is now defined")
-        elif b is _MISSING:
-            out.append(f"hook `{hook}` is no longer defined")
-        else:
-            out.append(f"hook `{hook}` was edited")
+            return f"the model now uses class `{cls}`"
+        if b is _MISSING:
+            return f"the model no longer uses class `{cls}`"
+        return f"the model's code changed: class `{cls}` gained or lost a method or attribute"
+    if root.startswith("self."):
+        name = root.removeprefix("self.")
+        if a is _MISSING:
+            return f"class attribute `{name}` of the experiment (read as `{root}`) is now read"
+        if b is _MISSING:
+            return (
+                f"class attribute `{name}` of the experiment (read as `{root}`) is no longer read"
+            )
+        return f"class attribute `{name}` of the experiment (read as `{root}`) changed"
+    if a is _MISSING:
+        return f"hook `{root}` is now defined"
+    if b is _MISSING:
+        return f"hook `{root}` is no longer defined"
+    return f"hook `{root}` was edited"
+
+
+def _helper_sentence(root: str, item: str, verb: str) -> str:
+    """What changed among what a root reached: `item` as `describe_reach` names it."""
+    kind, _, name = item.rpartition(":")
+    if kind == "method":  # a function put on a class from elsewhere (`Net.__call__ = f`)
+        how = {"is now used": "was replaced", "is no longer used": "was put back"}.get(
+            verb, "was replaced again"
+        )
+        if root.startswith("model:"):
+            return f"the model's code changed: `{name}` {how}"
+        where = f" (reached from hook `{root}`)" if root else ""
+        return f"method `{name}`{where} {how}"
+    if root.startswith("model:"):
+        cls = root.removeprefix("model:")
+        if not kind and name.startswith(f"{cls}."):
+            return f"the model's code changed: `{name}` {verb}"
+        what = {
+            "global": "class attribute" if name.startswith(f"{cls}.") else "module-level value",
+            "closure": "closure variable",
+            "wrapper": "wrapper",
+        }.get(kind, "helper")
+        return f"the model's code changed: {what} `{name}` (reached from class `{cls}`) {verb}"
+    kinds = {"global": "module-level value", "closure": "closure variable", "wrapper": "wrapper"}
+    where = f" (reached from hook `{root}`)" if root else ""
+    return f"{kinds.get(kind, 'helper')} `{name}`{where} {verb}"
+
+
+def _code_reasons(old: KeyParts, new: KeyParts) -> list[str]:
+    out = [_root_sentence(hook, a, b) for hook, a, b in _changed(old.hooks, new.hooks)]
     helpers = _changed(old.helpers, new.helpers)
     # An edit to code changes what it reaches: the names it now uses or no longer uses are
     # consequences of that edit, not causes. Report the edited code (and changed values).
     code_edited = bool(out) or any(
-        a is not _MISSING and b is not _MISSING and ":" not in key.rpartition("/")[2]
+        (a is not _MISSING and b is not _MISSING and ":" not in key.partition("/")[2])
+        or key.partition("/")[2].startswith("method:")
         for key, a, b in helpers
     )
     for key, a, b in helpers:
-        hook, _, item = key.rpartition("/")
-        kind, _, name = item.rpartition(":")
-        if code_edited and (a is _MISSING or b is _MISSING):
+        hook, _, item = key.partition("/")
+        if code_edited and (a is _MISSING or b is _MISSING) and not item.startswith("method:"):
             continue
-        what = {"global": "module-level value", "closure": "closure variable"}.get(kind, "helper")
-        where = f" (reached from hook `{hook}`)" if hook else ""
+        kind = item.rpartition(":")[0]
         verb = (
             "is now used"
             if a is _MISSING
@@ -206,8 +257,24 @@ def _code_reasons(old: KeyParts, new: KeyParts) -> list[str]:
             if kind
             else "was edited"
         )
-        out.append(f"{what} `{name}`{where} {verb}")
+        out.append(_helper_sentence(hook, item, verb))
     return out
+
+
+def _model_code_changed(old: KeyParts, new: KeyParts) -> bool:
+    return any(
+        key.startswith("model:")
+        for key, *_ in (*_changed(old.hooks, new.hooks), *_changed(old.helpers, new.helpers))
+    )
+
+
+def _same_shape(old: KeyParts, new: KeyParts) -> bool:
+    """Whether two model structures print alike: the same layers and widths, only other
+    class objects of the same names."""
+    try:
+        return repr(old.model) == repr(new.model)
+    except Exception:  # a structure without a usable repr
+        return False
 
 
 def _leading(parts: KeyParts) -> int:

@@ -45,13 +45,20 @@ import sysconfig
 import types
 import typing
 import weakref
+from collections.abc import Hashable
 
 import jax
 import numpy as np
 
 from ..errors import ConfigArgumentError
 
-__all__ = ["MAX_ARRAY_BYTES", "describe_reach", "fingerprint", "fingerprint_value"]
+__all__ = [
+    "MAX_ARRAY_BYTES",
+    "describe_reach",
+    "fingerprint",
+    "fingerprint_value",
+    "is_library_class",
+]
 
 #: Arrays up to this many bytes are hashed by content; bigger ones by dtype, shape and identity.
 MAX_ARRAY_BYTES = 16 * 2**20
@@ -130,6 +137,11 @@ _CLASS_SKIP = frozenset(vars(_Plain)) | frozenset(
 )
 
 
+# What `functools.update_wrapper` copies onto a wrapper, and the wrapped callable itself
+# (hashed on its own): naming, not behaviour.
+_WRAPPER_SKIP = frozenset(functools.WRAPPER_ASSIGNMENTS) | {"__wrapped__", "__dict__"}
+
+
 def fingerprint(obj, *, depth: int = 2) -> str:
     """Hex digest (sha256) of what a callable's behaviour depends on.
 
@@ -177,14 +189,21 @@ def describe_reach(obj, *, depth: int = 2) -> dict[str, str]:
     return dict(hasher.reach)
 
 
-def fingerprint_value(value) -> str | None:
+@typing.overload
+def fingerprint_value(value, *, strict: typing.Literal[True] = ...) -> str | None: ...
+@typing.overload
+def fingerprint_value(value, *, strict: typing.Literal[False]) -> str: ...
+
+
+def fingerprint_value(value, *, strict: bool = True) -> str | None:
     """Digest of a plain value, or None when it cannot be fingerprinted by content.
 
     Covers scalars, str/bytes, tuples/lists/dicts/sets (recursively), numpy and jax arrays
     (dtype, shape and bytes; above `MAX_ARRAY_BYTES` dtype, shape and identity), numpy
     dtypes, enums, dataclass instances (type and fields), modules (by name), classes (user
     classes by content, library classes by name) and functions (as `fingerprint`).
-    Arbitrary objects give None.
+    Arbitrary objects give None, or with `strict=False` a digest of their identity (a new
+    object, a new digest).
 
     Example:
         >>> fingerprint_value((1, "a")) == fingerprint_value((1, "a"))
@@ -192,7 +211,7 @@ def fingerprint_value(value) -> str | None:
         >>> fingerprint_value(object()) is None
         True
     """
-    return _Hasher().value(value, 2, strict=True)
+    return _Hasher().value(value, 2, strict=strict)
 
 
 def _h(*parts: str | bytes) -> str:
@@ -211,7 +230,7 @@ class _Hasher:
         self._owners: dict[str, object] = {}
         self._memo: dict[tuple[int, int], tuple[object, str]] = {}
         self._containers: dict[tuple[int, int, bool], tuple[object, str | None]] = {}
-        self._active: set[int] = set()
+        self._active: set[Hashable] = set()
 
     # -- callables ------------------------------------------------------------------------
 
@@ -243,7 +262,7 @@ class _Hasher:
             outer = (
                 self._function(obj, depth)
                 if isinstance(obj, types.FunctionType)
-                else _h("object", _type_name(obj))
+                else self._wrapper(obj, depth)
             )
             return _h("wrapped", outer, self.callable_(inner, depth))
         if isinstance(obj, types.FunctionType):
@@ -260,9 +279,41 @@ class _Hasher:
                 self.callable_(call, depth),
                 self.class_(type(obj), depth),
             )
-        if isinstance(obj, type) and not _is_library_class(obj):
+        if isinstance(obj, type) and not is_library_class(obj):
             return self.class_(obj, depth + 1)  # a class as the hook: its methods at `depth`
         return self._by_name(obj)  # builtins, C-extension callables, library classes
+
+    def _wrapper(self, obj, depth: int) -> str:
+        """Digest of a wrapper object (not a function) around a callable: what it holds and
+        what it calls, besides the callable it wraps.
+
+        A user wrapper class (a decorator written as a class, `functools.update_wrapper`) is
+        hashed by its `__call__`, its class and every attribute of the instance (a decorator's
+        parameter lives there). A library wrapper (`jax.custom_jvp`, `jax.custom_vjp`,
+        `jax.jit`) by its type, the callables it holds (the rules `jvp`, `fwd`, `bwd`) and its
+        plain settings (`nondiff_argnums`); its other machinery is rebuilt per object, so it
+        is left out to let an identical re-definition match.
+        """
+        t = type(obj)
+        parts = [_type_name(obj)]
+        library = is_library_class(t)
+        if not library:
+            call = getattr(t, "__call__", None)  # noqa: B004 (the function itself)
+            if call is not None:
+                parts.append(self.callable_(call, depth))
+            parts.append(self.class_(t, depth))
+        for name, v in sorted(vars(obj).items()):
+            if name in _WRAPPER_SKIP:
+                continue
+            if _is_function_like(v):
+                parts += [name, self.callable_(v, depth)]
+            elif not library:
+                parts += [name, self.value(v, depth - 1, strict=False)]
+            elif (plain := self.value(v, -1, strict=True)) is not None and not name.startswith("_"):
+                parts += [name, plain]
+        digest = _h("wrapper", *parts)
+        self._record(digest, obj, f"wrapper:{_names(obj)[1]}")
+        return digest
 
     def _function(self, fn: types.FunctionType, depth: int) -> str:
         module, qualname = _names(fn)
@@ -335,7 +386,7 @@ class _Hasher:
                 except (KeyError, ValueError):  # a cell of an inner function, or still empty
                     continue
             if kind == "super":  # zero-argument super(): the class after `__class__`
-                if isinstance(base, type) and not _is_library_class(base):
+                if isinstance(base, type) and not is_library_class(base):
                     parts += self._class_lookup(base, attrs[0], depth, skip_first=True)
             elif isinstance(base, (types.ModuleType, type)):
                 parts += self._attributes(base, attrs, depth)
@@ -343,7 +394,7 @@ class _Hasher:
 
     def _read(self, value, bare: bool, depth: int, owner, *keys: str) -> str:
         """Digest of a global or closure value a function at `depth` reads."""
-        if not bare and isinstance(value, type) and not _is_library_class(value):
+        if not bare and isinstance(value, type) and not is_library_class(value):
             # Only read as `Cls.attr` (or through `super()`): those attributes are hashed as
             # paths, not the whole class (a parent hook `Base.loss(self, ...)` needs
             # Base.loss, not Base.build_data).
@@ -375,7 +426,7 @@ class _Hasher:
                 # The module's dict is the owner, as for the globals of its own functions, so
                 # a value read both as `mod.X` and as `X` inside `mod` shares one reach entry.
                 out += [path, self._binding(obj, depth - 1, ns, f"global:{path}")]
-            elif isinstance(obj, type) and not _is_library_class(obj):
+            elif isinstance(obj, type) and not is_library_class(obj):
                 out += self._class_lookup(obj, attr, depth)
                 break  # what follows reads from a value, not from a module or class
             else:
@@ -396,7 +447,7 @@ class _Hasher:
         owner = next((k for k in mro if attr in vars(k)), None)
         if owner is None:  # from the metaclass (`__name__`), or not defined (yet)
             return [path, "missing"]
-        if _is_library_class(owner):
+        if is_library_class(owner):
             return [path, _h("name", _qualified(owner), attr)]
         return [path, self._class_attribute(owner, attr, vars(owner)[attr], depth)]
 
@@ -405,7 +456,7 @@ class _Hasher:
         under their own names."""
         if _is_function_like(value):
             return self.callable_(value, depth)
-        if isinstance(value, type) and depth >= 0 and not _is_library_class(value):
+        if isinstance(value, type) and depth >= 0 and not is_library_class(value):
             return self.class_(value, depth)
         digest = self.value(value, depth, strict=False)
         self._record(digest, owner, *keys)
@@ -418,14 +469,17 @@ class _Hasher:
         by name), metaclass (by name), and every entry of its own namespace (`vars`): functions,
         static/class methods and property accessors hashed at `depth - 1`, plain values by
         content. Library classes, and any class below depth 0, count by name."""
-        if depth < 0 or _is_library_class(cls):
+        if depth < 0 or is_library_class(cls):
             return _h("class", _qualified(cls))
         key = (id(cls), depth)
         if (hit := self._memo.get(key)) is not None:
             return hit[1]
-        if id(cls) in self._active:  # a method that names its own class, a class attribute
+        # A guard of its own: the class may be the callable being hashed (`callable_` marks
+        # its id active first), which is no cycle.
+        guard = ("class", id(cls))
+        if guard in self._active:  # a method that names its own class, a class attribute
             return _h("cycle", "class", _qualified(cls))
-        self._active.add(id(cls))
+        self._active.add(guard)
         try:
             module, qualname = _names(cls)
             bases = [self.class_(base, depth) for base in cls.__bases__]
@@ -445,7 +499,7 @@ class _Hasher:
             self._record(own, cls, qualname, f"{module}.{qualname}")
             digest = _h("class", own, *bases, *parts)
         finally:
-            self._active.discard(id(cls))
+            self._active.discard(guard)
         self._memo[key] = (cls, digest)
         return digest
 
@@ -461,14 +515,20 @@ class _Hasher:
         if isinstance(attr, functools.cached_property):
             return _h("cached_property", self.callable_(attr.func, depth - 1))
         if _is_function_like(attr):
-            return self.callable_(attr, depth - 1)
+            method = self.callable_(attr, depth - 1)
+            qualname = _names(cls)[1]
+            if _names(attr)[1] != f"{qualname}.{name}":
+                # a function put on the class from elsewhere (`Net.__call__ = call`): also
+                # recorded under the name the class gives it, which is how it is called
+                self._record(method, cls, f"method:{qualname}.{name}")
+            return method
         if isinstance(attr, type):
             return self.class_(attr, depth - 1)  # a nested class
         if isinstance(attr, (types.MemberDescriptorType, types.GetSetDescriptorType)):
             return _h("slot", name)  # __slots__ entries: new objects per class, same meaning
         digest = self.value(attr, depth - 1, strict=True)
         if digest is None:
-            if not isinstance(attr, (tuple, list, dict, set, frozenset)) and _is_library_class(
+            if not isinstance(attr, (tuple, list, dict, set, frozenset)) and is_library_class(
                 type(attr)
             ):
                 # Machinery a library puts on its classes (flax's descriptors and internal
@@ -540,7 +600,7 @@ class _Hasher:
                 digest is not None
                 and depth >= 0
                 and t not in (tuple, list, dict, set, frozenset)
-                and not _is_library_class(t)
+                and not is_library_class(t)
             ):
                 # a user dataclass or NamedTuple: its methods are part of what it does
                 digest = _h("items", digest, self.class_(t, depth))
@@ -548,7 +608,7 @@ class _Hasher:
             digest = None
         if digest is None and not strict:
             digest = _h("identity", _identity(v))
-            if depth >= 0 and not _is_library_class(t):
+            if depth >= 0 and not is_library_class(t):
                 # An object of a user class: a method patched on its class changes what
                 # the same object does.
                 digest = _h("identity", digest, self.class_(t, depth))
@@ -813,7 +873,7 @@ _library_classes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: set for classes made by a class statement
 
 
-def _is_library_class(cls: type) -> bool:
+def is_library_class(cls: type) -> bool:
     """By its package, else by the module it names: a class of a module in site-packages or
     the standard library is library code; one of "__main__" (a script or notebook, even where
     "__main__" names a launcher inside site-packages), of a user file, or of source exec'd

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect as pyinspect
+import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +37,7 @@ from ..step import (
     slice_rows,
 )
 from . import cache, explain
-from .fingerprint import fingerprint
+from .fingerprint import fingerprint, fingerprint_value, is_library_class
 
 _TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics", "train_step")
 # The hooks each kind of program traces: a program's key holds their fingerprints only, so
@@ -210,6 +212,7 @@ class ProgramSet:
         compiled: the programs this run compiled (not cache hits), in order.
         train: (kind, steps per call) -> the train program of the current entry point.
         slots: the planned program slots already filled (a second compile of one warns).
+        rebound: the classes of this run already named as re-defined (said once each).
     """
 
     log: Callable[[dict], Any] = lambda values: None
@@ -219,6 +222,7 @@ class ProgramSet:
     compiled: list = dataclasses.field(default_factory=list)
     train: dict = dataclasses.field(default_factory=dict)
     slots: set = dataclasses.field(default_factory=set)
+    rebound: set = dataclasses.field(default_factory=set)
 
     def reset_train(self) -> None:
         """Drop the run's train-program map (re-fetched from the cache, keyed anew)."""
@@ -257,12 +261,78 @@ def traced_functions(spec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, 
     return out
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ClassValue:
+    """A class-level value of the experiment that traced code reads as `self.NAME` (not a
+    field, not a method): `SCALE = 1.3`, `act = staticmethod(jnp.tanh)`."""
+
+    value: Any
+
+
+def class_values(spec, functions: dict[str, Any]) -> dict[str, ClassValue]:
+    """``self.NAME`` -> the class-level value, for every name the traced `functions` load
+    that the experiment's class (or a base) holds as a plain value or a callable that is not
+    a Python function (a `jnp` function, a `functools.partial`, a wrapper object).
+
+    A name loaded as an attribute of something else (`x.shape`) that the class also holds
+    is keyed too: a harmless extra (it recompiles only when that class value changes).
+    """
+    fields = spec.cls.__jn_fields__
+    names: set[str] = set()
+    for fn in functions.values():
+        names |= _code_names(fn.__code__)
+    out = {}
+    for name in sorted(names):
+        if name in fields or name in functions or name.startswith("__"):
+            continue
+        attr = pyinspect.getattr_static(spec.cls, name, _ABSENT)
+        if attr is _ABSENT or isinstance(attr, (property, types.FunctionType)):
+            continue
+        inner = (
+            getattr(attr, "__func__", attr)
+            if isinstance(attr, (staticmethod, classmethod))
+            else attr
+        )
+        if pyinspect.isfunction(inner):
+            continue  # a static/class method: traced_functions follows it
+        out[f"self.{name}"] = ClassValue(inner)
+    return out
+
+
+_ABSENT = object()
+
+
+def model_classes(spec) -> dict[str, type]:
+    """``model:Qualname`` -> every user class of the model (its modules), whose code the
+    programs run: the model's key is its structure, which names the classes but not what
+    their methods (and the helpers and module values those read) do."""
+    return {
+        f"model:{cls.__qualname__}": cls
+        for cls in models.model_classes(spec.model)
+        if not is_library_class(cls)
+    }
+
+
+def traced_code(spec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
+    """Everything whose content a program built from `hooks` depends on beyond its key's
+    other parts: the hooks and the methods they reach (`traced_functions`), the class-level
+    values they read through `self` (`class_values`), and the model's classes
+    (`model_classes`)."""
+    functions = traced_functions(spec, hooks)
+    return {**functions, **class_values(spec, functions), **model_classes(spec)}
+
+
+def code_print(obj) -> str:
+    """The fingerprint of one entry of `traced_code`."""
+    if isinstance(obj, ClassValue):
+        return fingerprint_value(obj.value, strict=False)
+    return fingerprint(obj)
+
+
 def hook_prints(spec, kind: str | None = None) -> tuple:
-    """(name, fingerprint) of every function a `kind` of program traces (all kinds: None)."""
+    """(name, fingerprint) of everything a `kind` of program traces (all kinds: None)."""
     hooks = _TRACED_HOOKS if kind is None else _kind_hooks(spec, kind)
-    return tuple(
-        sorted((name, fingerprint(fn)) for name, fn in traced_functions(spec, hooks).items())
-    )
+    return tuple(sorted((name, code_print(obj)) for name, obj in traced_code(spec, hooks).items()))
 
 
 def _state_arrays(ts) -> tuple:
@@ -284,7 +354,7 @@ def program_key(
     """The key of one program: every part that changes its graph, named for explanations."""
     if ps.prints is None:
         ps.prints = hook_prints(spec)
-    hooks, helpers = explain.hook_parts(traced_functions(spec, _kind_hooks(spec, kind)))
+    hooks, helpers = explain.hook_parts(traced_code(spec, _kind_hooks(spec, kind)))
     rows = tuple(
         (jax.tree_util.keystr(path), *cache.input_spec(leaf))
         for path, leaf in jax.tree_util.tree_flatten_with_path(inputs)[0]
@@ -319,9 +389,56 @@ def program_key(
     )
 
 
+def _shown(name: str) -> str:
+    """A `traced_code` name as the user wrote it."""
+    if name.startswith("model:"):
+        return f"the model class `{name.removeprefix('model:')}`"
+    return f"`{name}`"
+
+
+def _bound_now(cls: type) -> object | None:
+    """What the class's module binds under its qualified name now (None: not found, or a
+    class made inside a function, which no module binds)."""
+    if "<locals>" in cls.__qualname__:
+        return None
+    obj: object = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        try:
+            obj = vars(obj)[part]
+        except (TypeError, KeyError):
+            return None
+    return obj
+
+
+def check_rebound(spec, ps: ProgramSet) -> None:
+    """Say once per class when the experiment's class (or a model class) is no longer the
+    one its module binds under its name: a notebook cell re-run made a new class, and this
+    handle still runs the old one's code (Python's semantics, but silent)."""
+    classes = [spec.cls, *model_classes(spec).values()]
+    for cls in classes:
+        if cls in ps.rebound:
+            continue
+        now = _bound_now(cls)
+        if not isinstance(now, type) or now is cls:
+            continue
+        ps.rebound.add(cls)
+        exp = spec.cls.__name__
+        what = "experiment" if cls is spec.cls else "model"
+        warnings.warn(
+            f"The {what} class `{cls.__qualname__}` was re-defined in `{cls.__module__}` after "
+            f"this handle was made: this handle still runs the old class's code. To use the "
+            f"new code, make a new handle: jn.Nitro({exp}(...), ...), or "
+            f'jn.Nitro({exp}(...), run_dir=<this run\'s dir>, resume="auto") to continue '
+            f"this run with it.",
+            stacklevel=4,
+        )
+
+
 def check_stale(spec, ps: ProgramSet) -> None:
     """At an entry point: if a traced hook or helper was edited since this run compiled,
-    drop the programs built from the old code and say so once, naming what changed."""
+    drop the programs built from the old code and say so once, naming what changed. Also
+    names a class re-defined since the handle was made (`check_rebound`)."""
+    check_rebound(spec, ps)
     old = ps.prints
     if old is None:
         return
@@ -347,7 +464,7 @@ def check_stale(spec, ps: ProgramSet) -> None:
     ps.slots = set()  # the recompiles that follow are explained here, not again
     which = f" (the {' and '.join(kinds)} program{'s' * (len(kinds) > 1)})" if kinds else ""
     warnings.warn(
-        f"{spec.cls.__name__}: {', '.join(f'`{e}`' for e in edited)} changed since this Nitro "
+        f"{spec.cls.__name__}: {', '.join(map(_shown, edited))} changed since this Nitro "
         f"compiled its programs; {dropped} stale program(s) dropped{which}, they will be "
         f"recompiled; programs that do not call it are kept.",
         stacklevel=3,
