@@ -110,6 +110,24 @@ def test_a_hung_transform_fails_after_worker_timeout_naming_the_sample(tmp_path)
     assert _gone(pids), "a transform worker outlived the script"
 
 
+def test_worker_timeout_bounds_one_sample_not_a_whole_batch():
+    """A batch of 16 quick samples takes longer than the timeout; no sample does."""
+
+    def quick(example, rng):
+        time.sleep(0.1)
+        return example
+
+    i = np.arange(32, dtype=np.int32)
+    loader = jn.DataLoader({"i": i}, 16, transform=quick, workers=1, worker_timeout=1)
+    try:
+        t0 = time.monotonic()
+        batches = list(loader)
+        assert time.monotonic() - t0 > 2  # each batch ran past the timeout, and passed
+        assert np.array_equal(np.concatenate([b["i"] for b in batches]), i)
+    finally:
+        loader.close()
+
+
 def test_worker_timeout_is_validated():
     x, y = make_data(8)
     for bad in (0, -1.5, "30", True, float("nan")):
