@@ -7,6 +7,8 @@ A batch is a dict of batch-first arrays. Batches are placed on the 1-D `data` me
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 import queue
 import threading
 import warnings
@@ -46,6 +48,11 @@ class DataLoader:
         workers: processes running `transform` (0: in this process). Workers are forked
             once, on the first iteration, and share the data with this process (nothing is
             copied or pickled to them); they write their batches into shared memory.
+        worker_timeout: seconds a worker may spend on one sample (or on reading a batch's
+            rows) before the pass fails with a DataError naming the sample; the workers are
+            then stopped and the next pass starts new ones. None waits forever. A worker
+            that dies (a signal, the out-of-memory killer) fails the pass at once, named.
+            Only for workers >= 1: an in-process transform cannot be interrupted.
 
     Example:
         >>> x, y = np.zeros((100, 784), np.float32), np.zeros(100, np.int32)
@@ -69,6 +76,7 @@ class DataLoader:
         columns=None,
         transform=None,
         workers: int = 0,
+        worker_timeout: float | None = 300,
     ):
         batch_size = check_int(
             "DataLoader batch_size",
@@ -83,6 +91,7 @@ class DataLoader:
             fix="pass the number of transform processes, e.g. workers=2 (0: in this process)",
             error=DataError,
         )
+        self.worker_timeout = _check_timeout(worker_timeout)
         table = tables.table_of(data, columns)
         if table is None:
             self.data = _arrays(data)
@@ -90,6 +99,7 @@ class DataLoader:
         else:
             self.data = data
         self.table = table
+        self._check_files()  # before the probe reads sample 0
         self.num_samples: int = table.num_rows
         if self.num_samples == 0:
             raise DataError(
@@ -144,6 +154,12 @@ class DataLoader:
     def _rows(self, order, lo: int, hi: int):
         return slice(lo, hi) if order is None else order[lo:hi]
 
+    def _check_files(self) -> None:
+        """A memory-mapped file shorter than its header says is refused before a pass reads
+        from it (a read past its end is a SIGBUS, which no message survives)."""
+        if isinstance(self.table, tables.ArrayTable):
+            self.table.check_files()
+
     def iter_from(self, start: int = 0, *, fields=None) -> Iterator[dict[str, np.ndarray]]:
         """Iterate the current epoch from batch index `start` (used to resume mid-epoch),
         reading only `fields` (None: every field). Nothing before `start` is read.
@@ -152,6 +168,7 @@ class DataLoader:
             >>> sum(1 for _ in loader.iter_from(2)), len(loader)
             (2, 4)
         """
+        self._check_files()
         order = self._order()
         fields = self.fields if fields is None else tuple(fields)
         bounds = [
@@ -170,6 +187,7 @@ class DataLoader:
 
     def first_batch(self) -> dict[str, np.ndarray]:
         """Batch 0 of the current epoch, read (and transformed) in this process."""
+        self._check_files()
         order = self._order()
         rows = self._rows(order, 0, min(self.batch_size, self.num_samples))
         if self.transform is None:
@@ -181,6 +199,7 @@ class DataLoader:
         """From batch `start`, groups of up to `count` full batches as one array per field,
         shaped (k, batch_size, ...): one gather per group (a view when not shuffled).
         A final short batch (drop_last=False) is left out: train splits never have one."""
+        self._check_files()
         order = self._order()
         full = self.num_samples // self.batch_size
         fields = tuple(fields)
@@ -243,13 +262,18 @@ class DataLoader:
             )
         return {k: _as_array(k, v) for k, v in out.items()}
 
-    def transform_rows(self, rows, epoch: int, seed: int, fields) -> dict[str, np.ndarray]:
-        """One batch: `rows` read, transformed sample by sample, `fields` stacked."""
+    def transform_rows(
+        self, rows, epoch: int, seed: int, fields, *, on_sample=None
+    ) -> dict[str, np.ndarray]:
+        """One batch: `rows` read, transformed sample by sample, `fields` stacked.
+        `on_sample(index)`, if given, is called as each sample's transform begins."""
         index = np.arange(*rows.indices(self.num_samples)) if isinstance(rows, slice) else rows
         raw = self.table.read(rows, self.table.fields)
         specs = self.out_specs or {}
         outs = []
         for j, i in enumerate(index):
+            if on_sample is not None:
+                on_sample(int(i))
             out = self._apply({f: v[j] for f, v in raw.items()}, seed, epoch, int(i))
             check_sample(out, specs, int(i))
             outs.append(out)
@@ -261,10 +285,10 @@ class DataLoader:
             for r in rows:
                 yield self.transform_rows(r, self.epoch, seed, fields)
             return
-        if self._pool is None:
+        if self._pool is None or not self._pool.alive:  # a dead or stuck worker stops a pool
             from .workers import TransformPool
 
-            self._pool = TransformPool(self, self.workers)
+            self._pool = TransformPool(self, self.workers, timeout=self.worker_timeout)
         yield from self._pool.map(rows, self.epoch, seed, fields)
 
     def close(self) -> None:
@@ -287,6 +311,20 @@ class DataLoader:
             + (f", workers={self.workers}" if self.transform is not None else "")
             + ")"
         )
+
+
+def _check_timeout(value) -> float | None:
+    """`worker_timeout` as seconds (a number > 0), or None (no limit)."""
+    if value is None:
+        return None
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise DataError(
+            f"DataLoader worker_timeout={value!r} is invalid: give the seconds a transform "
+            f"worker may spend on one sample, a number > 0 (default 300), or None to wait "
+            f"forever."
+        )
+    return float(value)
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:

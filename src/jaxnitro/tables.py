@@ -13,6 +13,8 @@ A table is what a DataLoader samples from: `num_rows`, `fields` and `read(rows, 
 
 from __future__ import annotations
 
+import dataclasses
+import mmap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +45,65 @@ class ArrayTable:
     def describe(self) -> str:
         mapped = [f for f, v in self.arrays.items() if isinstance(v, np.memmap)]
         return f"memory-mapped {mapped}" if mapped else "in memory"
+
+    def check_files(self) -> None:
+        """Refuse a memory-mapped field whose file is shorter than its mapping: reading a
+        page past the file's end kills the process with SIGBUS, with no message. Called
+        before each pass reads a row (a file can shrink under a running job)."""
+        for field, array in self.arrays.items():
+            extent = file_extent(array)
+            if extent is None or extent.actual >= extent.expected:
+                continue
+            raise DataError(
+                f"DataLoader field {field!r} is memory-mapped from {extent.path}, which is "
+                f"{extent.actual} bytes long, but its header and shape need "
+                f"{extent.expected} bytes: the file was truncated (or rewritten) after it "
+                f"was loaded. Reading its missing rows would kill this process with SIGBUS. "
+                f"Write the file again in full (np.save), load it again with "
+                f"np.load(path, mmap_mode='r'), and do not rewrite a data file while a run "
+                f"reads it."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class FileExtent:
+    """How long a memory-mapped array's file must be (bytes), and how long it is."""
+
+    path: str
+    expected: int
+    actual: int
+
+
+def file_extent(array: np.ndarray) -> FileExtent | None:
+    """The file behind a memory-mapped array (a view of one too), the bytes its mapping
+    covers and the bytes the file has now; None for an array in memory.
+
+    The mapped file is asked through the map itself (Python's mmap keeps its own descriptor),
+    so a file replaced under the same name is judged by the inode that is mapped.
+
+    Example:
+        >>> np.save("x.npy", np.zeros((1000, 8), np.float32))
+        >>> e = file_extent(np.load("x.npy", mmap_mode="r"))
+        >>> e.expected == e.actual == 128 + 1000 * 8 * 4
+        True
+    """
+    base: object = array
+    offset, path = None, "a memory-mapped file"
+    while base is not None and not isinstance(base, mmap.mmap):
+        if isinstance(base, np.memmap) and offset is None:
+            offset = int(base.offset)  # views keep the offset of the map they come from
+            path = str(base.filename)
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if not isinstance(base, mmap.mmap):
+        return None
+    try:
+        actual = base.size()
+    except (OSError, ValueError):  # an anonymous (shared-memory) map, or a closed one
+        return None
+    # numpy maps from the offset rounded down to the allocation granularity; without an
+    # np.memmap in the chain the start is unknown and taken as 0 (never a false refusal).
+    start = 0 if offset is None else offset - offset % mmap.ALLOCATIONGRANULARITY
+    return FileExtent(path, start + len(base), actual)
 
 
 def _take(array: np.ndarray, rows) -> np.ndarray:
