@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -333,8 +334,7 @@ def test_a_refused_63_mib_json_body_costs_under_3x_its_size(tiny):
             _peak_and_reset(s.proc.pid)
             _, before = _peak_and_reset(s.proc.pid)
             got, _, data = s.request("POST", INFER, body)
-            assert got == status and json.loads(data)["error"], data[:300]
-            assert match.split(" .* ")[0] in json.loads(data)["error"]
+            assert got == status and re.search(match, json.loads(data)["error"]), data[:300]
             peak, _ = _peak_and_reset(s.proc.pid)
             assert peak - before < 3 * len(body), (peak - before) / len(body)
         assert s.status("GET", "/v2/health/live") == 200

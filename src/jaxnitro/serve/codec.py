@@ -185,9 +185,8 @@ def _deferred_json_object(text: bytes) -> dict:
     try:
         doc = _json_object(b"".join(pieces))
     except InvalidRequest as e:
-        raise InvalidRequest(
-            f"{str(e).split(': line ')[0]} (in the JSON around its 'data' arrays)."
-        ) from None
+        message = str(e).split(": line ")[0].rstrip(".")
+        raise InvalidRequest(f"{message} (in the JSON around its 'data' arrays).") from None
     inputs = doc.get("inputs")
     for entry in inputs if isinstance(inputs, list) else ():
         data = entry.get("data") if isinstance(entry, dict) else None
