@@ -109,6 +109,9 @@ def test_a_large_json_body_is_checked_before_its_values_are_parsed():
     strings = _big_json(b'"a"', 300_000, [300_000])
     with pytest.raises(InvalidRequest, match="holds something other than numbers"):
         codec.parse_request(strings, None)
+    escaped = _big_json(b"1.5", 300_000, [300_000]).replace(b'"data"', b'"d\\u0061ta"')
+    with pytest.raises(InvalidRequest, match=r"outside its inputs' 'data' arrays is \d+ bytes"):
+        codec.parse_request(escaped, None)
     broken = _big_json(b"1.5", 300_000, [300_000])[:-3]
     with pytest.raises(InvalidRequest, match="failed to parse the request JSON"):
         codec.parse_request(broken, None)

@@ -182,8 +182,15 @@ def _deferred_json_object(text: bytes) -> dict:
         arrays[key] = tensors.JsonArray(text, start, end, _loads_any)
         pos = end
     pieces.append(text[pos:])
+    rest = b"".join(pieces)
+    if len(rest) >= DEFER_JSON_BYTES:  # e.g. a "d\u0061ta" key: its values would be parsed
+        raise InvalidRequest(
+            f"the request JSON outside its inputs' 'data' arrays is {len(rest)} bytes, over "
+            f'{DEFER_JSON_BYTES}; give each input\'s values as "data": [...], or send them '
+            f"as binary data."
+        )
     try:
-        doc = _json_object(b"".join(pieces))
+        doc = _json_object(rest)
     except InvalidRequest as e:
         message = str(e).split(": line ")[0].rstrip(".")
         raise InvalidRequest(f"{message} (in the JSON around its 'data' arrays).") from None
