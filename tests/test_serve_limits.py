@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -157,7 +158,9 @@ def tiny(tmp_path_factory):
     """A Tiny bundle (input x FP32[-1, 8], output FP32[-1, 4])."""
     root = tmp_path_factory.mktemp("serve-limits")
     n = nitro(Tiny(max_epochs=1), run_dir=root / "run")
-    return jn.export_model(n, root / "tiny", platforms=("cpu",))
+    with warnings.catch_warnings():  # untrained weights serve as well as trained ones
+        warnings.filterwarnings("ignore", "export_model: Tiny has taken no optimizer step")
+        return jn.export_model(n, root / "tiny", platforms=("cpu",))
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -424,3 +427,48 @@ def test_sigterm_with_nothing_left_still_exits_0(tiny):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.slow
+def test_sigterm_cuts_rest_and_grpc_requests_still_running_at_the_drain_timeout(tiny):
+    import tritonclient.grpc as grpcclient
+
+    # requests wait 20 s in the batcher for others to join: far past the 1 s drain timeout
+    s = Server(
+        [tiny], "--max-batch-size", "64", "--max-batch-delay-ms", "20000", "--drain-timeout", "1"
+    )
+    x = _x(3, seed=9)
+
+    def rest_call(_):
+        return s.status("POST", INFER, _json_infer(x))
+
+    def grpc_call(_):
+        g = grpcclient.InferenceServerClient(s.grpc)
+        try:
+            inp = grpcclient.InferInput("x", [3, 8], "FP32")
+            inp.set_data_from_numpy(x)
+            g.infer("tiny", [inp], client_timeout=60)
+            return "answered"
+        except Exception as e:
+            return type(e).__name__
+        finally:
+            g.close()
+
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            futures = [ex.submit(rest_call, i) for i in range(2)]
+            futures += [ex.submit(grpc_call, i) for i in range(2)]
+            deadline = time.monotonic() + 60
+            while s.metrics().get('jaxnitro_queue_depth{model="tiny"}', 0) < 4:
+                assert time.monotonic() < deadline, s.output
+                time.sleep(0.05)
+            started = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(30) == server.EXIT_CUT, s.output
+            assert time.monotonic() - started < 15
+            results = [f.result(timeout=30) for f in futures]
+        assert results[:2] == [-1, -1] and "answered" not in results[2:], results
+        s._reader.join(5)
+        assert "cut 4 request(s) still unanswered after the drain timeout of 1 s" in s.output
+    finally:
+        s.stop()
