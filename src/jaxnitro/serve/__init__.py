@@ -3,7 +3,9 @@ standard clients (tritonclient.http/grpc, KServe, plain JSON) work unchanged.
 
 The modules, in the order a request meets them:
 
-- `body`: the request body within size and time limits, gzip/deflate decoded;
+- `connections`: the REST port's guards (connection cap, header deadline and size);
+- `body`: the request body within size and time limits, gzip/deflate decoded, and the
+  bytes in flight across requests;
 - `codec`: REST JSON + binary tensor framing <-> `InferRequest` / response bytes;
   `tensors`: datatype names and element decoding;
 - `registry`: the models by name, metadata, and the checks that run before queueing;

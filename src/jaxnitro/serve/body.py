@@ -3,7 +3,11 @@ Content-Length is refused before reading), at most ``limit`` bytes after gzip/de
 decompression (inflated in one bounded step, so a zip bomb costs ``limit`` bytes, not its
 expansion), and within a deadline, so a client that trickles its body cannot hold a
 connection forever. tritonclient sends no Content-Type, so the body is never
-interpreted by its content type."""
+interpreted by its content type.
+
+Across requests, `InflightBytes` bounds the bytes of the bodies being answered at once
+(``--max-inflight-bytes``): a request that would go over it gets 503 before its body is
+read, so many large requests at once cannot take the server's memory."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import asyncio
 import zlib
 from collections.abc import AsyncIterator, Mapping
 
-from .errors import InvalidRequest, PayloadTooLarge, RequestTimeout
+from .errors import InvalidRequest, PayloadTooLarge, RequestTimeout, Unavailable
 
 #: The default limit on a request body (before and after decompression) and on a decoded
 #: tensor: 64 MiB, as Triton's --http-max-input-size.
@@ -20,29 +24,76 @@ MAX_BODY_BYTES = 64 << 20
 READ_TIMEOUT_S = 30.0
 
 
+class InflightBytes:
+    """The request bytes being answered, against ``limit``: each request takes its share
+    through a `Share` and gives it back when answered."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+
+    def share(self) -> Share:
+        return Share(self)
+
+
+class Share:
+    """One request's bytes of an `InflightBytes` budget (give them back with `release`)."""
+
+    def __init__(self, budget: InflightBytes):
+        self.budget = budget
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        """Hold ``size`` more bytes, or raise `Unavailable` (503) if that goes over."""
+        budget = self.budget
+        if budget.used + size > budget.limit:
+            raise Unavailable(
+                f"the server is answering {budget.used} bytes of requests already; "
+                f"{size} more would go over its limit of {budget.limit} "
+                f"(jaxnitro serve --max-inflight-bytes). Retry shortly."
+            )
+        budget.used += size
+        self.held += size
+
+    def release(self) -> None:
+        self.budget.used -= self.held
+        self.held = 0
+
+
 async def read_body(
     headers: Mapping[str, str],
     chunks: AsyncIterator[bytes],
     *,
     limit: int,
     timeout: float = READ_TIMEOUT_S,
+    share: Share | None = None,
 ) -> bytes:
-    """The decoded body: read from ``chunks``, decompressed per Content-Encoding."""
+    """The decoded body: read from ``chunks``, decompressed per Content-Encoding.
+
+    ``share`` takes the body's bytes as they are known: the declared Content-Length before
+    reading (else each chunk as it comes), then the decompressed size."""
     declared = headers.get("content-length")
+    per_chunk = share
     if declared is not None:
         if not declared.strip().isdigit():
             raise InvalidRequest(f"Content-Length {declared[:40]!r} is not a byte count.")
         if int(declared) > limit:
             raise PayloadTooLarge(_too_large(int(declared), limit, "the request body"))
+        if share is not None:
+            share.take(int(declared))
+            per_chunk = None  # the whole body is held already
     try:
         async with asyncio.timeout(timeout):
-            body = await _collect(chunks, limit)
+            body = await _collect(chunks, limit, per_chunk)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout:g} s.") from None
-    return decompress(body, headers.get("content-encoding"), limit=limit)
+    decoded = decompress(body, headers.get("content-encoding"), limit=limit)
+    if share is not None and decoded is not body:
+        share.take(len(decoded))
+    return decoded
 
 
-async def _collect(chunks: AsyncIterator[bytes], limit: int) -> bytes:
+async def _collect(chunks: AsyncIterator[bytes], limit: int, share: Share | None) -> bytes:
     parts = []
     size = 0
     async for chunk in chunks:
@@ -50,6 +101,8 @@ async def _collect(chunks: AsyncIterator[bytes], limit: int) -> bytes:
         if size > limit:
             raise PayloadTooLarge(_too_large(size, limit, "the request body"))
         if chunk:
+            if share is not None:
+                share.take(len(chunk))
             parts.append(chunk)
     return b"".join(parts)
 

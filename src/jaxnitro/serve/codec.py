@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from typing import Any
 
@@ -33,6 +34,12 @@ except ImportError:  # pragma: no cover - only slower without it
 
 HEADER_LENGTH = "inference-header-content-length"
 _DIGITS = re.compile(r"[0-9]{1,19}")
+#: JSON at least this large is parsed without its ``data`` arrays first: they stay text
+#: (`tensors.JsonArray`) until their declared shapes are checked against the limits.
+DEFER_JSON_BYTES = 1 << 20
+_DATA_KEY = re.compile(rb'"data"\s*:\s*\[')
+#: What ends the text an array of numbers may span: a string or an object.
+_NOT_NUMBERS = re.compile(rb'["{}]')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +51,8 @@ class TensorIn:
     shape: tuple[int, ...]
     data: Any = None
     raw: bytes | memoryview | None = None
+    #: False when ``data`` cannot hold true/false (the request's JSON has none).
+    may_hold_bools: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,17 +90,19 @@ def parse_request(body: bytes, header_length: str | None) -> InferRequest:
                 )
             return InferRequest(inputs=(), raw_body=body, binary_output=True)
         header, binary = body[:size], memoryview(body)[size:]
+    deferred = len(header) >= DEFER_JSON_BYTES
     try:
-        doc = _json_object(header)
+        doc = _deferred_json_object(bytes(header)) if deferred else _json_object(header)
     except InvalidRequest:
-        if header_length is None and (extra := _after_json(body)):
+        if header_length is None and not deferred and (extra := _after_json(body)):
             raise InvalidRequest(
                 f"the body has {extra} bytes after its JSON: binary tensor data needs the "
                 f"header Inference-Header-Content-Length: <length of the JSON>."
             ) from None
         raise
     request_params = _parameters(doc.get("parameters"), "the request")
-    inputs = _inputs(doc.get("inputs"), binary, framed=header_length is not None)
+    bools = b"true" in header or b"false" in header
+    inputs = _inputs(doc.get("inputs"), binary, framed=header_length is not None, bools=bools)
     return InferRequest(
         inputs=inputs,
         outputs=_outputs(doc.get("outputs")),
@@ -145,6 +156,57 @@ def _loads(data: bytes | memoryview) -> Any:
         raise InvalidRequest(f"failed to parse the request JSON: {e}.") from None
 
 
+def _deferred_json_object(text: bytes) -> dict:
+    """The request object of a large JSON body, its inputs' ``data`` arrays left as text.
+
+    Each ``"data": [...]`` whose array holds no string or object is cut out and stands as a
+    marker while the rest (names, datatypes, shapes: a few hundred bytes) is parsed; the
+    markers in ``inputs`` then become `tensors.JsonArray` views of the body."""
+    pieces: list[bytes] = []
+    arrays: dict[str, tensors.JsonArray] = {}
+    nonce = os.urandom(8).hex()
+    pos = 0
+    for match in _DATA_KEY.finditer(text):
+        start = match.end() - 1
+        if start < pos:
+            continue
+        stop = _NOT_NUMBERS.search(text, start)
+        end = text.rfind(b"]", start, stop.start() if stop else len(text)) + 1
+        if end <= start or text.count(b"[", start, end) != text.count(b"]", start, end):
+            raise InvalidRequest(
+                "a 'data' array of the request holds something other than numbers or "
+                "true/false (a string or an object), or the JSON is malformed."
+            )
+        key = f"{nonce}:{len(arrays)}"
+        pieces += [text[pos:start], f'"{key}"'.encode()]
+        arrays[key] = tensors.JsonArray(text, start, end, _loads_any)
+        pos = end
+    pieces.append(text[pos:])
+    rest = b"".join(pieces)
+    if len(rest) >= DEFER_JSON_BYTES:  # e.g. a "d\u0061ta" key: its values would be parsed
+        raise InvalidRequest(
+            f"the request JSON outside its inputs' 'data' arrays is {len(rest)} bytes, over "
+            f'{DEFER_JSON_BYTES}; give each input\'s values as "data": [...], or send them '
+            f"as binary data."
+        )
+    try:
+        doc = _json_object(rest)
+    except InvalidRequest as e:
+        message = str(e).split(": line ")[0].rstrip(".")
+        raise InvalidRequest(f"{message} (in the JSON around its 'data' arrays).") from None
+    inputs = doc.get("inputs")
+    for entry in inputs if isinstance(inputs, list) else ():
+        data = entry.get("data") if isinstance(entry, dict) else None
+        if isinstance(data, str) and data in arrays:
+            entry["data"] = arrays[data]
+    return doc
+
+
+def _loads_any(data: memoryview) -> Any:
+    doc = _fast_loads(data)
+    return _loads(data) if doc is None else doc
+
+
 def _after_json(body: bytes) -> int:
     """How many bytes follow a JSON object at the start of ``body`` (0: none, or no object)."""
     text = body.decode("utf-8", "replace")
@@ -163,7 +225,9 @@ def _parameters(value: Any, where: str) -> dict:
     return value
 
 
-def _inputs(value: Any, binary: bytes | memoryview, *, framed: bool) -> tuple[TensorIn, ...]:
+def _inputs(
+    value: Any, binary: bytes | memoryview, *, framed: bool, bools: bool
+) -> tuple[TensorIn, ...]:
     if not isinstance(value, list) or not value:
         raise InvalidRequest(
             "the request needs 'inputs': a non-empty list of {'name', 'datatype', 'shape', "
@@ -191,7 +255,7 @@ def _inputs(value: Any, binary: bytes | memoryview, *, framed: bool) -> tuple[Te
                 raise InvalidRequest(
                     f"input {name!r} has neither 'data' nor parameters.binary_data_size."
                 )
-            out.append(TensorIn(name, datatype, shape, data=entry["data"]))
+            out.append(TensorIn(name, datatype, shape, data=entry["data"], may_hold_bools=bools))
             continue
         _check_binary(name, datatype, shape, entry, size, framed, len(binary) - offset)
         out.append(TensorIn(name, datatype, shape, raw=binary[offset : offset + size]))

@@ -10,6 +10,13 @@ import click
 from .batcher import MAX_QUEUE_SIZE
 from .body import MAX_BODY_BYTES
 
+# the defaults of serve(), repeated so that --help needs neither uvicorn nor grpcio:
+# tests/test_serve.py checks they agree
+HEADER_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 1000
+DRAIN_TIMEOUT_S = 30.0
+EXIT_CUT = 3
+
 
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument(
@@ -60,6 +67,34 @@ from .body import MAX_BODY_BYTES
     type=click.IntRange(min=1),
     help="Requests waiting per model before new ones get 503.",
 )
+@click.option(
+    "--max-inflight-bytes",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Request bytes answered at once (REST and gRPC) before new requests get 503. "
+    "[default: 4 x --max-body-bytes]",
+)
+@click.option(
+    "--header-timeout",
+    default=HEADER_TIMEOUT_S,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a REST connection gets to send its request line and headers (else 408).",
+)
+@click.option(
+    "--max-connections",
+    default=MAX_CONNECTIONS,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="REST connections open at once; one more gets 503 and is closed.",
+)
+@click.option(
+    "--drain-timeout",
+    default=DRAIN_TIMEOUT_S,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help=f"Seconds requests in progress get after SIGTERM; the rest are cut (exit {EXIT_CUT}).",
+)
 @click.option("--log-requests", is_flag=True, help="Log one line per request.")
 def serve_command(
     dirs: tuple[Path, ...],
@@ -70,6 +105,10 @@ def serve_command(
     max_batch_delay_ms: float,
     max_body_bytes: int,
     max_queue_size: int,
+    max_inflight_bytes: int | None,
+    header_timeout: float,
+    max_connections: int,
+    drain_timeout: float,
     log_requests: bool,
 ) -> None:
     """Serve exported bundles over the Open Inference Protocol (KServe V2).
@@ -77,7 +116,7 @@ def serve_command(
     Each DIR is a bundle written by jn.export_model, served under its manifest name at
     /v2/models/<name>. Standard clients work unchanged (tritonclient.http / .grpc).
     Ready (/v2/health/ready) once every model has compiled its batch sizes; SIGTERM
-    finishes the requests in flight, then exits 0.
+    finishes the requests in flight, then exits 0 (3 when the drain timeout cut some).
 
     \b
     Example:
@@ -85,7 +124,7 @@ def serve_command(
     """
     from .server import serve  # starlette, uvicorn, grpcio: only when serving
 
-    serve(
+    cut = serve(
         list(dirs),
         host=host,
         port=port,
@@ -94,5 +133,11 @@ def serve_command(
         max_batch_delay_ms=max_batch_delay_ms,
         max_body_bytes=max_body_bytes,
         max_queue_size=max_queue_size,
+        max_inflight_bytes=max_inflight_bytes,
+        header_timeout=header_timeout,
+        max_connections=max_connections,
+        drain_timeout=drain_timeout,
         log_requests=log_requests,
     )
+    if cut:
+        raise SystemExit(EXIT_CUT)

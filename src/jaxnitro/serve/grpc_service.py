@@ -6,6 +6,7 @@ status code (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -82,7 +83,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         started = time.perf_counter()
         found, rows, code = "", 0, "OK"
         runtime.metrics.inflight += 1
+        share = runtime.inflight_bytes.share()
         try:
+            share.take(request.ByteSize())
             model = runtime.registry.get(request.model_name, request.model_version or None)
             found = model.name
             parsed = _parse(request)
@@ -90,6 +93,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             rows = prepared.rows
             outputs = await runtime.run(model, prepared)
             return _response(model.name, model.version, request.id, outputs)
+        except asyncio.CancelledError:  # the server stops, and its drain timeout has passed
+            runtime.grpc_cut += 1
+            code = "CANCELLED"
+            raise
         except ServeError as e:
             code = e.grpc_code
             await context.abort(getattr(grpc.StatusCode, code), str(e))
@@ -101,6 +108,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
         finally:
             runtime.metrics.inflight -= 1
+            share.release()
             seconds = time.perf_counter() - started
             runtime.metrics.request(
                 protocol="grpc",
@@ -157,7 +165,10 @@ def _parse(request: Any) -> InferRequest:
                 f"input {t.name!r}: {t.datatype or '(no datatype)'} has no typed contents "
                 f"field; send it in raw_input_contents."
             )
-        inputs.append(TensorIn(t.name, t.datatype, shape, data=list(getattr(t.contents, field))))
+        values = list(getattr(t.contents, field))
+        # typed contents are of one kind: only bool_contents holds booleans
+        bools = field == "bool_contents"
+        inputs.append(TensorIn(t.name, t.datatype, shape, data=values, may_hold_bools=bools))
     outputs = tuple(OutputWanted(o.name) for o in request.outputs) or None
     return InferRequest(inputs=tuple(inputs), outputs=outputs, id=request.id or None)
 

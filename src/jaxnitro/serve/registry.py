@@ -234,7 +234,14 @@ class ServedModel:
             )
         if t.raw is not None:  # its size was checked against the shape: no allocation
             return tensors.from_bytes(t.name, t.raw, spec.dtype, t.shape)
-        return tensors.from_list(t.name, t.data, spec.dtype, t.shape, limit=self.max_tensor_bytes)
+        return tensors.from_list(
+            t.name,
+            t.data,
+            spec.dtype,
+            t.shape,
+            limit=self.max_tensor_bytes,
+            may_hold_bools=t.may_hold_bools,
+        )
 
     def _raw(self, body: bytes) -> dict[str, np.ndarray]:
         if len(self.inputs) != 1:

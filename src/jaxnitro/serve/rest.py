@@ -153,11 +153,12 @@ class _Api:
         started = time.perf_counter()
         found, rows = "", 0
         runtime.metrics.inflight += 1
+        share = runtime.inflight_bytes.share()
         try:
             model = self.registry.get(request.path_params["name"], _version(request))
             found = model.name
             data = await body.read_body(
-                request.headers, request.stream(), limit=runtime.max_body_bytes
+                request.headers, request.stream(), limit=runtime.max_body_bytes, share=share
             )
             header_length = request.headers.get(codec.HEADER_LENGTH)
 
@@ -183,6 +184,7 @@ class _Api:
             response = error_response(e)
         finally:
             runtime.metrics.inflight -= 1
+            share.release()
         seconds = time.perf_counter() - started
         runtime.metrics.request(
             protocol="http",

@@ -13,6 +13,7 @@ import importlib.metadata
 import numpy as np
 
 from .batcher import Batcher
+from .body import InflightBytes
 from .errors import Unavailable
 from .metrics import Gauge, Metrics
 from .registry import Prepared, Registry, ServedModel
@@ -20,6 +21,8 @@ from .registry import Prepared, Registry, ServedModel
 #: Bodies at least this large are decoded in a thread, so a big JSON request does not
 #: stall the event loop.
 OFFLOAD_BYTES = 1 << 20
+#: The default --max-inflight-bytes, in bodies of the largest size (--max-body-bytes).
+INFLIGHT_BODIES = 4
 #: The protocol extensions this server implements (server metadata).
 EXTENSIONS = ("binary_tensor_data",)
 
@@ -41,13 +44,21 @@ class Runtime:
     max_body_bytes: int
     max_queue_size: int
     log_requests: bool = False
+    #: The bytes of requests answered at once (None: 4 x max_body_bytes).
+    max_inflight_bytes: int | None = None
     metrics: Metrics = dataclasses.field(init=False)
+    inflight_bytes: InflightBytes = dataclasses.field(init=False)
+    #: gRPC inference calls cancelled unanswered (by the drain timeout).
+    grpc_cut: int = dataclasses.field(init=False, default=0)
     batchers: dict[str, Batcher] = dataclasses.field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         # batch-size histogram buckets at the padded sizes: one bucket per compiled program
         buckets = sorted({b for m in self.registry.models.values() for b in m.bucket_sizes()})
         self.metrics = Metrics(batch_buckets=buckets)
+        if self.max_inflight_bytes is None:
+            self.max_inflight_bytes = INFLIGHT_BODIES * self.max_body_bytes
+        self.inflight_bytes = InflightBytes(self.max_inflight_bytes)
 
     def start(self) -> None:
         """Start a batcher per model on the running event loop."""

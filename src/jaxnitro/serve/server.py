@@ -4,7 +4,9 @@
 The order of `serve`: load every bundle (a bad one fails here, before anything listens)
 → bind the ports → print the models and URLs → warm up (live but not ready until every
 bucket size of every model has run once) → serve → on SIGTERM or Ctrl-C: stop accepting,
-answer every request already received, stop the worker threads, return (exit status 0).
+answer every request already received within the drain timeout, then cut what is left
+(requests still running, responses a client does not read), stop the worker threads, and
+return how many were cut (`jaxnitro serve` exits 0 when none, `EXIT_CUT` otherwise).
 A second signal aborts what is still running.
 """
 
@@ -33,12 +35,24 @@ except ImportError as e:  # pragma: no cover - the `serve` extra is missing
 from ..errors import ConfigError, check_int
 from .batcher import MAX_QUEUE_SIZE
 from .body import MAX_BODY_BYTES
+from .connections import (
+    HEADER_TIMEOUT_S,
+    LINGER_MAX,
+    MAX_CONNECTIONS,
+    ConnectionLimits,
+    protocol_class,
+)
 from .registry import Registry, Servable, load_models
 from .rest import create_app
 from .runtime import Runtime
 
-#: Seconds gRPC calls in progress get to finish after SIGTERM.
-GRPC_GRACE_S = 60.0
+#: Seconds the requests in progress get to finish after SIGTERM (REST and gRPC).
+DRAIN_TIMEOUT_S = 30.0
+#: The exit status of `jaxnitro serve` when the drain timeout cut requests.
+EXIT_CUT = 3
+#: File descriptors kept for the server's own files, gRPC, and refused connections that
+#: linger, when fitting max_connections under the open-files limit.
+_RESERVED_FDS = 64 + LINGER_MAX
 
 log = logging.getLogger("jaxnitro.serve")
 Sources = Sequence[str | os.PathLike | Servable] | str | os.PathLike
@@ -51,6 +65,7 @@ def build_app(
     max_batch_delay_ms: float = 0.0,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_queue_size: int = MAX_QUEUE_SIZE,
+    max_inflight_bytes: int | None = None,
     log_requests: bool = False,
 ):
     """The Starlette app serving the bundles in ``dirs`` (REST only; no ports, no signals).
@@ -67,6 +82,8 @@ def build_app(
         max_body_bytes: the largest request body, before and after decompression, and the
             largest decoded input tensor.
         max_queue_size: requests waiting per model before new ones get 503.
+        max_inflight_bytes: the request bytes answered at once (bodies, and what they
+            decompress to) before new requests get 503; None: 4 x max_body_bytes.
         log_requests: log one line per request (logger ``jaxnitro.serve``).
 
     Example:
@@ -81,6 +98,7 @@ def build_app(
         max_batch_delay_ms=max_batch_delay_ms,
         max_body_bytes=max_body_bytes,
         max_queue_size=max_queue_size,
+        max_inflight_bytes=max_inflight_bytes,
         log_requests=log_requests,
     )
 
@@ -108,8 +126,12 @@ def serve(
     max_batch_delay_ms: float = 0.0,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_queue_size: int = MAX_QUEUE_SIZE,
+    max_inflight_bytes: int | None = None,
+    header_timeout: float = HEADER_TIMEOUT_S,
+    max_connections: int = MAX_CONNECTIONS,
+    drain_timeout: float = DRAIN_TIMEOUT_S,
     log_requests: bool = False,
-) -> None:
+) -> int:
     """Serve bundles over the Open Inference Protocol (KServe V2) until SIGTERM or Ctrl-C.
 
     Standard clients work unchanged: tritonclient.http (JSON and binary tensors, gzip),
@@ -122,8 +144,17 @@ def serve(
         host: the address to listen on (both protocols).
         port: the REST port.
         grpc_port: the gRPC port; None: no gRPC.
-        max_batch_size, max_batch_delay_ms, max_body_bytes, max_queue_size, log_requests:
-            as in `build_app`.
+        max_batch_size, max_batch_delay_ms, max_body_bytes, max_queue_size,
+            max_inflight_bytes, log_requests: as in `build_app`.
+        header_timeout: seconds a REST connection gets to send a request line and headers
+            (from its start, or from a request's first byte), else 408 and closed.
+        max_connections: REST connections open at once; one more is answered 503 and
+            closed. Lowered (with a line saying so) when the open-files limit is lower.
+        drain_timeout: seconds the requests in progress get after SIGTERM; then the rest
+            (a client that does not read its response, too) are cut.
+
+    Returns:
+        The number of requests the drain timeout cut (0: a clean stop).
 
     Example:
         >>> jn.serve.serve(["bundles/mnist"], port=8000, grpc_port=8001, max_batch_size=32)
@@ -135,17 +166,27 @@ def serve(
             raise ConfigError(f"{name} must be an int in [0, 65535], got {value!r}.")
     if grpc_port is not None and grpc_port == port != 0:
         raise ConfigError(f"port and grpc_port are both {port}; give gRPC its own port.")
+    for name, seconds in (("header_timeout", header_timeout), ("drain_timeout", drain_timeout)):
+        if isinstance(seconds, bool) or not (
+            isinstance(seconds, (int, float)) and 0 < seconds < math.inf
+        ):
+            raise ConfigError(f"{name} must be a number of seconds > 0, got {seconds!r}; e.g. 10.")
+    check_int("max_connections", max_connections, fix="pass e.g. 1000")
     runtime = _runtime(
         dirs,
         max_batch_size=max_batch_size,
         max_batch_delay_ms=max_batch_delay_ms,
         max_body_bytes=max_body_bytes,
         max_queue_size=max_queue_size,
+        max_inflight_bytes=max_inflight_bytes,
         log_requests=log_requests,
     )
     _configure_logging()
+    limits = ConnectionLimits(
+        header_timeout=float(header_timeout), max_connections=_fit_connections(max_connections)
+    )
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(_serve(runtime, host, port, grpc_port))
+        return runner.run(_serve(runtime, host, port, grpc_port, limits, float(drain_timeout)))
 
 
 def _loop_factory():
@@ -164,6 +205,7 @@ def _runtime(
     max_batch_delay_ms: float,
     max_body_bytes: int,
     max_queue_size: int,
+    max_inflight_bytes: int | None,
     log_requests: bool,
 ) -> Runtime:
     if max_batch_size is not None:
@@ -177,6 +219,14 @@ def _runtime(
         )
     check_int("max_body_bytes", max_body_bytes, fix="pass e.g. 64 << 20 (64 MiB)")
     check_int("max_queue_size", max_queue_size, fix="pass e.g. 1024")
+    if max_inflight_bytes is not None:
+        check_int("max_inflight_bytes", max_inflight_bytes, fix="pass e.g. 256 << 20 (256 MiB)")
+        if max_inflight_bytes < max_body_bytes:
+            raise ConfigError(
+                f"max_inflight_bytes ({max_inflight_bytes}) is smaller than max_body_bytes "
+                f"({max_body_bytes}), so the largest request could never be answered; raise "
+                f"it to at least {max_body_bytes}, or leave it out (4 x max_body_bytes)."
+            )
     models = load_models(dirs, bucket_cap=max_batch_size, max_tensor_bytes=max_body_bytes)
     return Runtime(
         Registry(models),
@@ -184,8 +234,38 @@ def _runtime(
         max_batch_delay_ms=float(max_batch_delay_ms),
         max_body_bytes=max_body_bytes,
         max_queue_size=max_queue_size,
+        max_inflight_bytes=max_inflight_bytes,
         log_requests=log_requests,
     )
+
+
+def _fit_connections(wanted: int) -> int:
+    """``wanted``, or fewer when the open-files limit cannot hold that many connections
+    (after raising its soft limit as far as the hard one allows): past the limit accept()
+    fails, and no client, good or bad, gets in."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return wanted
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:  # pragma: no cover - no procfs
+        used = 0
+    needed = wanted + used + _RESERVED_FDS
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return wanted
+    fitted = max(1, soft - used - _RESERVED_FDS)
+    _say(
+        f"max connections: {fitted}, not {wanted}: the open-files limit is {soft} (ulimit -n) "
+        f"and {used} are in use; raise it to serve {wanted}."
+    )
+    return fitted
 
 
 def _configure_logging() -> None:
@@ -201,7 +281,14 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-async def _serve(runtime: Runtime, host: str, port: int, grpc_port: int | None) -> None:
+async def _serve(
+    runtime: Runtime,
+    host: str,
+    port: int,
+    grpc_port: int | None,
+    limits: ConnectionLimits,
+    drain_timeout: float,
+) -> int:
     class _Uvicorn(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):  # ours handle SIGTERM/SIGINT, and exit 0 afterwards
@@ -209,11 +296,12 @@ async def _serve(runtime: Runtime, host: str, port: int, grpc_port: int | None) 
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    signals = _handle_signals(loop, stop)
+    _handle_signals(loop, stop)
     sock = _bind(host, port)
     runtime.start()
     config = uvicorn.Config(
         create_app(runtime),
+        http=protocol_class(limits),
         lifespan="off",
         log_level="warning",
         access_log=False,
@@ -253,22 +341,55 @@ async def _serve(runtime: Runtime, host: str, port: int, grpc_port: int | None) 
             _say(f"ready: every model warmed up in {time.perf_counter() - started:.1f}s")
             await asyncio.wait({http_task, *waiting - {warm}}, return_when="FIRST_COMPLETED")
     finally:
-        await _shut_down(runtime, http, http_task, grpc_server, signals)
+        cut = await _shut_down(runtime, http, http_task, grpc_server, drain_timeout)
+    return cut
 
 
-async def _shut_down(runtime, http, http_task, grpc_server, signals: list[int]) -> None:
+async def _shut_down(runtime, http, http_task, grpc_server, drain_timeout: float) -> int:
+    """Stop accepting, give what is in progress ``drain_timeout`` seconds, cut the rest;
+    the number cut."""
     inflight = runtime.metrics.inflight
-    _say(f"stopping: no new requests; finishing {inflight} in flight")
+    _say(
+        f"stopping: no new requests; finishing {inflight} in flight "
+        f"(drain timeout {drain_timeout:g} s)"
+    )
     http.should_exit = True
-    tasks = [http_task]
-    if grpc_server is not None:
-        tasks.append(asyncio.ensure_future(grpc_server.stop(GRPC_GRACE_S)))
+    grpc_stop = None
+    if grpc_server is not None:  # grpc.aio cancels the calls still running after the grace
+        grpc_stop = asyncio.ensure_future(grpc_server.stop(drain_timeout))
+    tasks = [http_task] if grpc_stop is None else [http_task, grpc_stop]
+    done, _ = await asyncio.wait(tasks, timeout=drain_timeout)
+    cut = 0 if http_task in done else _cut_connections(http)
     results = await asyncio.gather(*tasks, return_exceptions=True)
+    cut += runtime.grpc_cut
     await runtime.close()
     for result in results:
         if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
             raise result
-    _say("stopped")
+    if cut:
+        _say(
+            f"stopped: cut {cut} request(s) still unanswered after the drain timeout of "
+            f"{drain_timeout:g} s (running, or a client not reading its response; jaxnitro "
+            f"serve --drain-timeout)"
+        )
+    else:
+        _say("stopped")
+    return cut
+
+
+def _cut_connections(http: uvicorn.Server) -> int:
+    """Close every REST connection left (a request still running, or a response its client
+    does not read); the number that had a request."""
+    connections = list(http.server_state.connections)
+    cut = sum(1 for c in connections if getattr(c, "cycle", None) is not None)
+    for task in list(http.server_state.tasks):
+        task.cancel()
+    for connection in connections:
+        transport = getattr(connection, "transport", None)
+        if transport is not None:
+            transport.abort()
+    http.force_exit = True  # uvicorn stops waiting for the connections to close
+    return cut
 
 
 def _handle_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> list[int]:
