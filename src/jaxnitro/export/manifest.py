@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
 from ..errors import BundleError
-from .format import FORMAT, FORMAT_VERSION, MANIFEST, PROGRAM, WEIGHTS
+from ..jsonable import parse_json
+from .format import FORMAT, FORMAT_VERSION, MANIFEST, NAME, PROGRAM, WEIGHTS
 
 
 def sha256(data: bytes) -> str:
@@ -21,6 +23,10 @@ def file_entry(data: bytes) -> dict:
     return {"sha256": sha256(data), "bytes": len(data)}
 
 
+#: How deep a manifest may nest: the real one nests 5 levels; a deeper one is not ours.
+MAX_DEPTH = 32
+
+
 def read_manifest(root: Path) -> dict:
     """The parsed ``manifest.json`` of a bundle directory, format and version checked."""
     path = root / MANIFEST
@@ -29,9 +35,16 @@ def read_manifest(root: Path) -> dict:
             f"no bundle at {root}: {MANIFEST} is missing. Point load_bundle at the directory "
             f"jn.export_model(n, dir) wrote."
         )
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise BundleError(
+            f"{path} is a link to {resolved}, outside the bundle directory; a bundle only "
+            f"reads its own files, so it is refused. Replace the link with the manifest "
+            f"itself (copy the bundle with symlinks resolved), or export again."
+        )
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        manifest = parse_json(resolved.read_text(encoding="utf-8"), max_depth=MAX_DEPTH)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise BundleError(
             f"{path} is not readable JSON ({e}); the bundle is damaged: export it again."
         ) from e
@@ -45,6 +58,14 @@ def read_manifest(root: Path) -> dict:
         raise BundleError(
             f"{path} has bundle format version {version!r}; this jaxnitro reads up to "
             f"{FORMAT_VERSION}. Upgrade jaxnitro (pip install -U jaxnitro) to load it."
+        )
+    name = manifest.get("name")
+    if "name" in manifest and not (isinstance(name, str) and NAME.fullmatch(name)):
+        raise BundleError(
+            f"{path} names the model {name!r:.80}, which cannot name a served model (it goes "
+            f"into URLs such as /v2/models/<name>): a name is a string of letters, digits, "
+            f"'_', '.', '-'. Set \"name\" to one (e.g. \"mnist-mlp\"), or export again with "
+            f"jn.export_model(n, dir, name=...)."
         )
     return manifest
 
@@ -87,7 +108,7 @@ def read_files(root: Path, manifest: dict) -> dict[str, bytes]:
         path = _inside(root, name)
         expected = _get(entry, "sha256")
         if not path.is_file():
-            raise BundleError(f"{path} is listed in the manifest but missing; export it again.")
+            raise _not_a_file(root, name, path)
         data = path.read_bytes()
         if not isinstance(expected, str) or sha256(data) != expected:
             raise BundleError(
@@ -97,6 +118,30 @@ def read_files(root: Path, manifest: dict) -> dict[str, bytes]:
             )
         out[name] = data
     return out
+
+
+def _not_a_file(root: Path, name: str, path: Path) -> BundleError:
+    """The error for a listed file that is not a regular file: what it is instead."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return BundleError(f"{path} is listed in the manifest but missing; export it again.")
+    except OSError as e:
+        return BundleError(f"{path} is listed in the manifest but unreadable ({e}).")
+    kind = "not a regular file"
+    for test, what in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            kind = f"{what}, not a regular file"
+    return BundleError(
+        f"{root / MANIFEST} lists {name!r}, which is {kind}; a bundle lists only its own "
+        f"files. Remove the entry if the manifest was edited by hand, or export again."
+    )
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
