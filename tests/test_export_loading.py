@@ -104,3 +104,10 @@ def test_a_name_that_cannot_name_a_served_model_is_refused(bundle, name):
     _edit(bundle, lambda m: m.update(name=name))
     with pytest.raises(BundleError, match=r"names the model .*cannot name a served model"):
         jn.load_bundle(bundle)
+
+
+def test_a_manifest_that_is_a_fifo_says_so_and_is_never_opened(bundle):
+    (bundle / "manifest.json").unlink()
+    os.mkfifo(bundle / "manifest.json")
+    with pytest.raises(BundleError, match=r"manifest\.json is a FIFO \(named pipe\), not a"):
+        jn.load_bundle(bundle)

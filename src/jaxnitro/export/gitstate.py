@@ -13,9 +13,9 @@ bundle is exported, so:
   temporary git directory with our own config (no program in it), that HEAD as a detached
   commit, a copy of the index and the repository's objects as an alternate. The system and
   global configs are off (`GIT_CONFIG_NOSYSTEM`, `GIT_CONFIG_GLOBAL`), the environment holds
-  only PATH, and submodules are ignored (git would run `git status` inside each one, with
-  that repository's config). The repository's own config, hooks and `info/` are never read;
-  a `.gitattributes` that names a filter finds no filter defined;
+  only PATH and git's own settings, and submodules are ignored (git would run `git status`
+  inside each one, with that repository's config). The repository's own config, hooks
+  and `info/` are never read; a `.gitattributes` that names a filter finds none defined;
 - a repository not owned by the current user is not read at all (git's `safe.directory`
   rule), and provenance says so.
 """

@@ -30,6 +30,12 @@ MAX_DEPTH = 32
 def read_manifest(root: Path) -> dict:
     """The parsed ``manifest.json`` of a bundle directory, format and version checked."""
     path = root / MANIFEST
+    kind = _kind(path)
+    if root.is_dir() and kind is not None:
+        raise BundleError(
+            f"{path} is {kind}, not a regular file; a bundle's manifest is a JSON file. Point "
+            f"load_bundle at the directory jn.export_model(n, dir) wrote."
+        )
     if not root.is_dir() or not path.is_file():
         raise BundleError(
             f"no bundle at {root}: {MANIFEST} is missing. Point load_bundle at the directory "
@@ -120,15 +126,15 @@ def read_files(root: Path, manifest: dict) -> dict[str, bytes]:
     return out
 
 
-def _not_a_file(root: Path, name: str, path: Path) -> BundleError:
-    """The error for a listed file that is not a regular file: what it is instead."""
+def _kind(path: Path) -> str | None:
+    """What ``path`` is when it exists but is not a regular file (following links), else
+    None: a directory, a FIFO (never opened: reading one blocks), a socket, a device."""
     try:
         mode = path.stat().st_mode
-    except FileNotFoundError:
-        return BundleError(f"{path} is listed in the manifest but missing; export it again.")
-    except OSError as e:
-        return BundleError(f"{path} is listed in the manifest but unreadable ({e}).")
-    kind = "not a regular file"
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
     for test, what in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -137,10 +143,19 @@ def _not_a_file(root: Path, name: str, path: Path) -> BundleError:
         (stat.S_ISBLK, "a block device"),
     ):
         if test(mode):
-            kind = f"{what}, not a regular file"
+            return what
+    return "another kind of file"
+
+
+def _not_a_file(root: Path, name: str, path: Path) -> BundleError:
+    """The error for a listed file that is not a regular file: what it is instead."""
+    kind = _kind(path)
+    if kind is None:
+        return BundleError(f"{path} is listed in the manifest but missing; export it again.")
     return BundleError(
-        f"{root / MANIFEST} lists {name!r}, which is {kind}; a bundle lists only its own "
-        f"files. Remove the entry if the manifest was edited by hand, or export again."
+        f"{root / MANIFEST} lists {name!r}, which is {kind}, not a regular file; a bundle "
+        f"lists only its own files. Remove the entry if the manifest was edited by hand, or "
+        f"export again."
     )
 
 
