@@ -203,8 +203,9 @@ def _dirty(top: Path, gitdir: Path, common: Path, commit: str) -> bool | None:
             )
         )
         data = _read_bytes(index, _LARGE)
-        if data is not None:
-            (shadow / "index").write_bytes(data)
+        if data is None:  # no index (or not a file): git would call every file deleted
+            return None
+        (shadow / "index").write_bytes(data)
         env = {
             "PATH": os.environ.get("PATH", os.defpath),
             "HOME": tmp,
