@@ -507,3 +507,37 @@ def test_all_loggers_at_once_resume_with_the_same_runs(run_dir):
     rows = read_csv(run_dir / "metrics.csv")
     assert [int(r["step"]) for r in rows if r["context"] == "train"] == list(range(1, 25))
     assert not n.logger.dropped
+
+
+class Flushing(Recorder):
+    """Records `flush` too; raises from it when `fail`."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        self.fail = fail
+
+    def flush(self):
+        self.calls.append("flush")
+        if self.fail:
+            raise ConnectionError("tracking server gone")
+
+
+def test_loggers_are_flushed_before_each_checkpoint_is_written(run_dir):
+    rec = Flushing()
+    jn.train(nitro(Tiny(max_epochs=3), run_dir=run_dir, logger=[jn.JSONLogger(), rec]))
+    assert len(jn.read_manifest(run_dir / "checkpoints")) == 3  # (k=3 keeps them all)
+    # one flush per checkpoint, after the epoch's metrics, before the next epoch's steps
+    epochs = "".join(
+        "T" if c == "train" else "V" if c == "validate" else "F" if c == "flush" else ""
+        for c in rec.calls
+    )
+    assert epochs == ("T" * TRAIN_STEPS + "VF") * 3
+
+
+def test_a_logger_failing_to_flush_is_dropped_and_training_goes_on(run_dir):
+    rec = Flushing(fail=True)
+    n = nitro(Tiny(max_epochs=2), run_dir=run_dir, logger=[jn.JSONLogger(), rec])
+    with pytest.warns(LogWarning, match="Flushing failed in flush.*tracking server gone"):
+        assert jn.train(n).stop_reason == "completed"
+    assert rec.calls.count("flush") == 1 and rec.calls[-1] == "close"
+    assert len(metric_lines(run_dir, "train")) == 2 * TRAIN_STEPS

@@ -1,6 +1,8 @@
 """JSONLogger / read_jsonl hardening: links and foreign files, write failures, partial lines,
-dedupe across resumes, close/open lifecycle; History never picks a NaN row."""
+dedupe across resumes, close/open lifecycle; History never picks a NaN row; no logger loses
+a step that a checkpoint covers when the run is killed with SIGKILL and resumed."""
 
+import csv
 import errno
 import gc
 import json
@@ -633,3 +635,83 @@ def test_history_best_skips_infinities_and_all_nan():
 def test_history_best_ignores_an_int_beyond_float_range():
     rows = [{"epoch": 1, "m": 10**400}, {"epoch": 2, "m": 3}]
     assert History(rows, metric="m", mode="max").best["epoch"] == 2
+
+
+# ---------------------------------------------------------------- 4. kill -9 after a checkpoint
+
+_KILL_CHILD = textwrap.dedent("""
+    import json, os, signal, sys
+    sys.path.insert(0, sys.argv[3])
+    import jaxnitro as jn
+    from conftest import Tiny, nitro
+
+    run_dir, kill_at = sys.argv[1], int(sys.argv[2])
+    # flush_secs far beyond the run: only what the driver asks for reaches the disk/store
+    tb = jn.TensorBoardLogger(flush_secs=3600)
+    ml = jn.MLflowLogger(flush_secs=3600)
+    loggers = [jn.JSONLogger(), jn.CSVLogger(), tb, ml]
+    # 50 steps in one epoch, no validation split: nothing but a checkpoint flushes mid-epoch
+    n = nitro(Tiny(n_train=1600, n_val=0, max_epochs=1), run_dir=run_dir, resume="auto",
+              checkpoint_every=10, logger=loggers)
+
+    def die(record):
+        if record.step == kill_at:
+            n.checkpointer.wait()  # the step-30 checkpoint is complete: it is resumed from
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    jn.every(1, die, nitro=n)
+    print(json.dumps({"start": n.step}), flush=True)
+    jn.train(n)
+    print(json.dumps({"done": n.step, "mlflow": ml.run_id, "uri": ml.tracking_uri,
+                      "tensorboard": str(tb.log_dir)}), flush=True)
+""")
+
+
+def _train_child(run_dir: Path, kill_at: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _KILL_CHILD, str(run_dir), str(kill_at), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "MLFLOW_ALLOW_FILE_STORE": "true"},
+    )
+
+
+@pytest.mark.slow
+def test_a_kill_after_a_checkpoint_loses_no_metric_of_any_logger(tmp_path, monkeypatch):
+    """kill -9 at step 36, resume from the step-30 checkpoint, run to step 50: every logger
+    has every step once (MLflow lost steps 1-30 for good when it flushed only on a timer)."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("tensorboardX")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    killed = _train_child(run_dir, kill_at=36)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _train_child(run_dir, kill_at=-1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = [json.loads(x) for x in resumed.stdout.splitlines() if x.startswith("{")]
+    assert lines[0] == {"start": 30}
+    done = lines[-1]
+    assert done["done"] == 50
+    everything = list(range(1, 51))
+    steps: dict[str, list[int]] = {}
+
+    rows = read_jsonl(run_dir / "metrics.jsonl", dedupe=True)
+    steps["jsonl"] = [r["step"] for r in rows if r.get("context") == "train"]
+
+    with open(run_dir / "metrics.csv", newline="") as fh:
+        steps["csv"] = [int(r["step"]) for r in csv.DictReader(fh) if r["context"] == "train"]
+
+    acc = EventAccumulator(done["tensorboard"])
+    acc.Reload()
+    steps["tensorboard"] = [e.step for e in acc.Scalars("train/loss")]
+
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the logger's local default store
+    history = mlflow.MlflowClient(done["uri"]).get_metric_history(done["mlflow"], "loss")
+    steps["mlflow"] = sorted({m.step for m in history})  # 31-36 may come twice: once each
+
+    wrong = {k: sorted(set(everything) - set(v)) for k, v in steps.items() if v != everything}
+    assert not wrong, f"steps missing after kill + resume: {wrong}"

@@ -53,7 +53,7 @@ from jaxnitro.errors import (
     check_mode,
     did_you_mean,
 )
-from jaxnitro.jsonable import jsonable
+from jaxnitro.jsonable import jsonable, parse_json
 from jaxnitro.units import format_bytes
 
 __all__ = [
@@ -633,13 +633,13 @@ def _leaf_spec_ok(leaf: Any) -> bool:
 def _read_meta(ckpt: Path) -> dict:
     """meta.json of a checkpoint, validated (see _check_record) and checked against its hash."""
     try:
-        info = json.loads((ckpt / META).read_text(encoding="utf-8"))
+        info = parse_json((ckpt / META).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(
             f"{ckpt} is not a complete checkpoint (no {META}); pass a path "
             "returned by TopKCheckpointer.save(), latest() or best()"
         ) from None
-    except (OSError, ValueError, RecursionError) as exc:
+    except (OSError, ValueError) as exc:
         raise CheckpointError(
             f"checkpoint {ckpt} is corrupted (unreadable {META}: {_short(exc)}); use another "
             "checkpoint"
@@ -842,10 +842,10 @@ def _read_rows(root: Path, *, quiet: bool = False) -> tuple[list[dict], int]:
     """(valid rows, number dropped); raises _BadManifest when the file cannot be used at all."""
     path = root / MANIFEST
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = parse_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return [], 0
-    except (OSError, ValueError, RecursionError) as exc:
+    except (OSError, ValueError) as exc:
         raise _BadManifest(_short(exc)) from exc
     rows = data.get("checkpoints") if isinstance(data, dict) else None
     if not isinstance(rows, list):

@@ -1,14 +1,16 @@
-"""`jsonable`: the one sanitiser for what goes to JSON (logs, checkpoint meta, run records)."""
+"""`jsonable`: the one sanitiser for what goes to JSON (logs, checkpoint meta, run records),
+and `parse_json`, the one reader of JSON files jaxnitro did not necessarily write."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-__all__ = ["jsonable"]
+__all__ = ["jsonable", "parse_json"]
 
 
 def jsonable(value: Any) -> Any:
@@ -49,3 +51,39 @@ def jsonable(value: Any) -> Any:
             return repr(value)
         return jsonable(plain)
     return repr(value)
+
+
+def parse_json(text: str | bytes, *, max_depth: int | None = None) -> Any:
+    """``json.loads(text)``, where a document nested too deeply is a ``ValueError`` too.
+
+    The json module raises ``RecursionError`` for deep nesting (``[[[[...``), which a caller
+    catching ``ValueError`` for a damaged file misses. ``max_depth`` also refuses a document
+    that parses but nests deeper than that (a later ``copy.deepcopy`` or walk of it would
+    hit the recursion limit instead).
+
+    Example:
+        >>> parse_json('{"a": [1, 2]}')
+        {'a': [1, 2]}
+        >>> parse_json("[" * 100_000)
+        Traceback (most recent call last):
+        ValueError: the JSON is nested too deeply (more levels than Python's recursion limit)
+    """
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise ValueError(
+            "the JSON is nested too deeply (more levels than Python's recursion limit)"
+        ) from None
+    if max_depth is not None:
+        level = [doc]
+        for _ in range(max_depth + 1):  # breadth first, no recursion
+            level = [
+                v
+                for x in level
+                if isinstance(x, dict | list)
+                for v in (x.values() if isinstance(x, dict) else x)
+            ]
+            if not level:
+                return doc
+        raise ValueError(f"the JSON is nested more than {max_depth} levels deep")
+    return doc

@@ -38,6 +38,7 @@ from .history import History
 from .introspect import peak_memory
 from .jsonable import jsonable
 from .live import history
+from .loggers.base import flush_logger
 from .plot import write_curves
 
 # Losses are read back in chunks, a chunk behind the newest step, so dispatch never waits on
@@ -713,12 +714,16 @@ def _checkpoint(n, row: dict, *, stop_reason: str | None = None, validated: bool
     }
     trees = {"params": ts.params, "model_state": ts.state, "opt_state": ts.opt_state}
     ck = n.checkpointer
+    t0 = time.perf_counter()
+    # A resume from this checkpoint replays only the steps after it: what a logger still holds
+    # (MLflow's batch, TensorBoard's file buffer) is written or sent first, or a kill after
+    # the checkpoint would lose it for good.
+    flush_logger(n.logger)
     if not isinstance(ck, TopKCheckpointer) or stop_reason is not None or jax.process_count() > 1:
         ck.save(epoch=row["epoch"], step=n.step, metrics=metrics, trees=trees, meta=meta)
         return
     # A checkpoint during training is written in the background: training waits only for the
     # copy to host memory (the stall, logged per checkpoint) and for the previous write.
-    t0 = time.perf_counter()
     path = ck.save(
         epoch=row["epoch"], step=n.step, metrics=metrics, trees=trees, meta=meta, background=True
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -53,5 +54,5 @@ def _text(s: dict) -> str:
         f"exported {s['name']} to {s['bundle']} ({', '.join(s['platforms'])})\n"
         f"  inputs:  {'; '.join(sig(t) for t in s['inputs'])}\n"
         f"  outputs: {'; '.join(sig(t) for t in s['outputs'])}\n"
-        f"serve it: jaxnitro serve {s['bundle']}"
+        f"serve it: jaxnitro serve {shlex.quote(s['bundle'])}"  # pasted into a shell
     )

@@ -15,6 +15,7 @@ This module is shared by the writer and the loader, and imports neither.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ WEIGHTS = "weights.safetensors"
 PROGRAM = "model.jaxexport"
 #: The symbolic leading dimension of every input and output.
 BATCH = "batch"
+#: A model name: it goes into URLs such as /v2/models/<name>.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 #: Platform names jax.export lowers for.
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 

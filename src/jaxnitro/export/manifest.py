@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
 from ..errors import BundleError
-from .format import FORMAT, FORMAT_VERSION, MANIFEST, PROGRAM, WEIGHTS
+from ..jsonable import parse_json
+from .format import FORMAT, FORMAT_VERSION, MANIFEST, NAME, PROGRAM, WEIGHTS
 
 
 def sha256(data: bytes) -> str:
@@ -21,17 +23,34 @@ def file_entry(data: bytes) -> dict:
     return {"sha256": sha256(data), "bytes": len(data)}
 
 
+#: How deep a manifest may nest: the real one nests 5 levels; a deeper one is not ours.
+MAX_DEPTH = 32
+
+
 def read_manifest(root: Path) -> dict:
     """The parsed ``manifest.json`` of a bundle directory, format and version checked."""
     path = root / MANIFEST
+    kind = _kind(path)
+    if root.is_dir() and kind is not None:
+        raise BundleError(
+            f"{path} is {kind}, not a regular file; a bundle's manifest is a JSON file. Point "
+            f"load_bundle at the directory jn.export_model(n, dir) wrote."
+        )
     if not root.is_dir() or not path.is_file():
         raise BundleError(
             f"no bundle at {root}: {MANIFEST} is missing. Point load_bundle at the directory "
             f"jn.export_model(n, dir) wrote."
         )
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise BundleError(
+            f"{path} is a link to {resolved}, outside the bundle directory; a bundle only "
+            f"reads its own files, so it is refused. Replace the link with the manifest "
+            f"itself (copy the bundle with symlinks resolved), or export again."
+        )
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        manifest = parse_json(resolved.read_text(encoding="utf-8"), max_depth=MAX_DEPTH)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise BundleError(
             f"{path} is not readable JSON ({e}); the bundle is damaged: export it again."
         ) from e
@@ -45,6 +64,14 @@ def read_manifest(root: Path) -> dict:
         raise BundleError(
             f"{path} has bundle format version {version!r}; this jaxnitro reads up to "
             f"{FORMAT_VERSION}. Upgrade jaxnitro (pip install -U jaxnitro) to load it."
+        )
+    name = manifest.get("name")
+    if "name" in manifest and not (isinstance(name, str) and NAME.fullmatch(name)):
+        raise BundleError(
+            f"{path} names the model {name!r:.80}, which cannot name a served model (it goes "
+            f"into URLs such as /v2/models/<name>): a name is a string of letters, digits, "
+            f"'_', '.', '-'. Set \"name\" to one (e.g. \"mnist-mlp\"), or export again with "
+            f"jn.export_model(n, dir, name=...)."
         )
     return manifest
 
@@ -87,7 +114,7 @@ def read_files(root: Path, manifest: dict) -> dict[str, bytes]:
         path = _inside(root, name)
         expected = _get(entry, "sha256")
         if not path.is_file():
-            raise BundleError(f"{path} is listed in the manifest but missing; export it again.")
+            raise _not_a_file(root, name, path)
         data = path.read_bytes()
         if not isinstance(expected, str) or sha256(data) != expected:
             raise BundleError(
@@ -97,6 +124,39 @@ def read_files(root: Path, manifest: dict) -> dict[str, bytes]:
             )
         out[name] = data
     return out
+
+
+def _kind(path: Path) -> str | None:
+    """What ``path`` is when it exists but is not a regular file (following links), else
+    None: a directory, a FIFO (never opened: reading one blocks), a socket, a device."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    for test, what in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return what
+    return "another kind of file"
+
+
+def _not_a_file(root: Path, name: str, path: Path) -> BundleError:
+    """The error for a listed file that is not a regular file: what it is instead."""
+    kind = _kind(path)
+    if kind is None:
+        return BundleError(f"{path} is listed in the manifest but missing; export it again.")
+    return BundleError(
+        f"{root / MANIFEST} lists {name!r}, which is {kind}, not a regular file; a bundle "
+        f"lists only its own files. Remove the entry if the manifest was edited by hand, or "
+        f"export again."
+    )
 
 
 def write_manifest(root: Path, manifest: dict) -> None:

@@ -1,9 +1,9 @@
-"""Where a bundle came from: versions, the experiment, its checkpoint, the code's commit."""
+"""Where a bundle came from: versions, the experiment, its checkpoint, the code's commit
+(read without running git's configured programs: see `gitstate`)."""
 
 from __future__ import annotations
 
 import datetime
-import subprocess
 from pathlib import Path
 
 import jax
@@ -12,6 +12,7 @@ import numpy as np
 from ..experiment import GRAPH, field_values
 from ..jsonable import jsonable
 from . import compat
+from .gitstate import git_state
 
 
 def provenance(n, exported) -> dict:
@@ -62,24 +63,3 @@ def source_checkpoint(n) -> dict | None:
         "epoch": row.get("epoch"),
         "metrics": jsonable(row.get("metrics", {})),
     }
-
-
-def git_state(where: Path) -> dict | None:
-    """{"commit", "dirty"} when ``where`` is inside a git work tree (tracked files only
-    count as dirty: run directories are usually untracked), else None."""
-    probe = where if where.is_dir() else where.parent
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(
-                ["git", "-C", str(probe), *args], capture_output=True, text=True, timeout=10
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    if git("rev-parse", "--is-inside-work-tree") != "true":
-        return None
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": None if status is None else bool(status)}

@@ -11,7 +11,6 @@ into place. A failed export leaves nothing behind.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import uuid
 import warnings
@@ -24,7 +23,7 @@ from .. import population
 from ..compile.programs import check_stale
 from ..errors import BundleError, ExportError, did_you_mean
 from . import compat
-from .format import FORMAT, FORMAT_VERSION, MANIFEST, PLATFORMS, PROGRAM, WEIGHTS
+from .format import FORMAT, FORMAT_VERSION, MANIFEST, NAME, PLATFORMS, PROGRAM, WEIGHTS
 from .manifest import file_entry, read_manifest, write_manifest
 from .program import (
     export_program,
@@ -178,7 +177,7 @@ def _platforms(platforms) -> tuple[str, ...]:
 
 def _name(name: str | None, cls) -> str:
     name = cls.__name__.lower() if name is None else name
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ExportError(
             f"name={name!r} cannot name a served model (it goes into URLs such as "
             f"/v2/models/<name>); use letters, digits, '_', '.', '-', e.g. name='mnist-mlp'."

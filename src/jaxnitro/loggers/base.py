@@ -22,8 +22,11 @@ class Logger(Protocol):
 
     Optional: `state_dict() -> dict` (JSON-able; saved in every checkpoint) and
     `load_state_dict(d)` (called at setup on a resume, before `open`), for a logger that
-    should continue the same remote run after a resume. A logger that raises is warned
-    about once and dropped (see `FanoutLogger`).
+    should continue the same remote run after a resume; `flush()`, called before each
+    checkpoint is written, for a logger that holds metrics back (a batch for a server, a
+    file buffer): it must write or send them all before it returns, since a resume from that
+    checkpoint replays only the steps after it. A logger that raises is warned about once
+    and dropped (see `FanoutLogger`).
 
     Example:
         >>> class Printer:
@@ -65,6 +68,9 @@ class NullLogger:
         pass
 
     def close(self) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
 
@@ -154,6 +160,22 @@ class FanoutLogger:
             except Exception as e:  # noqa: BLE001 - one broken logger must not stop the run
                 self._drop(lg, "log_images", e)
 
+    def flush(self) -> None:
+        """Every logger that has a `flush()` writes or sends what it holds (before a
+        checkpoint is written)."""
+        for lg in list(self.loggers):
+            if callable(getattr(lg, "flush", None)):
+                self._call_one(lg, "flush")
+
+    def _call_one(self, lg: Any, method: str) -> None:
+        if _hardened(lg):
+            getattr(lg, method)()
+            return
+        try:
+            getattr(lg, method)()
+        except Exception as e:  # noqa: BLE001 - one broken logger must not stop the run
+            self._drop(lg, method, e)
+
     def finish(self, status: str, **info: Any) -> None:
         """Reaches every logger; never raises (the driver calls it in its error handler)."""
         for lg in list(self.loggers):
@@ -211,6 +233,13 @@ class FanoutLogger:
                         LogWarning,
                         stacklevel=2,
                     )
+
+
+def flush_logger(logger: Any) -> None:
+    """`logger.flush()` where it has one (a user's logger may not): before a checkpoint."""
+    flush = getattr(logger, "flush", None)
+    if callable(flush):
+        flush()
 
 
 def _hardened(lg: Any) -> bool:
@@ -274,4 +303,11 @@ def check_logger(value) -> Any:
     return value
 
 
-__all__ = ["FanoutLogger", "Logger", "NullLogger", "check_logger", "make_logger"]
+__all__ = [
+    "FanoutLogger",
+    "Logger",
+    "NullLogger",
+    "check_logger",
+    "flush_logger",
+    "make_logger",
+]

@@ -119,9 +119,13 @@ class CSVLogger:
         if self._fh is not None and values.get("key") == "resumed" and isinstance(cut, int):
             self._rewrite(self.columns, keep=lambda row: _step(row) <= cut)
 
-    def finish(self, status: str, **info: Any) -> None:
+    def flush(self) -> None:
+        """Hand the rows written so far to the OS (each row already is, as it is written)."""
         if self._fh is not None:
             self._fh.flush()
+
+    def finish(self, status: str, **info: Any) -> None:
+        self.flush()
 
     def close(self) -> None:
         fh, self._fh, self._writer = self._fh, None, None

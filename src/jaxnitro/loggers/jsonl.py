@@ -190,6 +190,9 @@ class JSONLogger:
             }
         )
 
+    def flush(self) -> None:
+        """Nothing to do: every line is written unbuffered, as it is logged."""
+
     def finish(self, status: str, **info) -> None:
         """Write the `finish` line. Best-effort: never raises (the driver calls it inside its
         error handler), and does not close the file."""

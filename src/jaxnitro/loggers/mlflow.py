@@ -44,7 +44,9 @@ class MLflowLogger:
       `<split>_<name>` (`test_acc`, `test_loss`). Only finite scalars are logged.
       Metrics are sent in batches (every `flush_secs`, at each validation and at the end)
       from a background thread, so neither a remote server nor the file store (a file write
-      per metric) stalls a train step; `finish`/`close` wait for them (`flush_timeout`).
+      per metric) stalls a train step; `flush` (before each checkpoint is written),
+      `finish` and `close` wait for them (`flush_timeout`), so a run killed after a
+      checkpoint has every metric up to it in MLflow.
     - At `finish`: `checkpoints/manifest.json` as an artifact (when the run has one), and
       the run's status (FINISHED, KILLED for a preemption, FAILED for an error).
     - Resume continues the same MLflow run (its id is saved in every checkpoint). Params
@@ -188,6 +190,13 @@ class MLflowLogger:
             self._sender.put((self.run_id, batch))
         if wait:
             self._sender.wait(timeout=self.flush_timeout)
+
+    def flush(self) -> None:
+        """Send every metric logged so far and wait until MLflow has it (the driver calls it
+        before each checkpoint: a resume from that checkpoint replays only later steps, so
+        what was still buffered would be lost for good if the process were killed)."""
+        if self.run_id is not None:
+            self._flush(wait=True)
 
     def _send(self, item: tuple[str, list]) -> None:
         """On the sender thread: the metrics as MLflow entities, in batches it accepts."""

@@ -35,13 +35,18 @@ class TensorBoardLogger:
 
     def __init__(self, log_dir: str | os.PathLike | None = None, *, flush_secs: float = 10):
         self._tbx = require("tensorboardX", "TensorBoardLogger", "tensorboard")
+        from tensorboardX import summary
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
         from tensorboardX.proto.summary_pb2 import Summary
 
-        self._summary = Summary
+        self._summary, self._event, self._session_log = Summary, Event, SessionLog
+        self._events_writer, self._summaries = EventsWriter, summary
         self.log_dir = Path(log_dir).absolute() if log_dir is not None else None
         self._named = log_dir is not None  # the default follows the run dir, even if moved
         self.flush_secs = flush_secs
         self._writer: Any = None
+        self._flushed = time.monotonic()
         self._open = False
         self._purge_step: int | None = None
         self._params: str | None = None
@@ -52,23 +57,44 @@ class TensorBoardLogger:
         self._open = True
 
     def _w(self) -> Any:
-        """The writer, created at the first write (after a resume marker has been seen)."""
+        """The event file, created at the first write (after a resume marker has been seen).
+
+        Events are written here, on the caller's thread, into the file's buffer, and flushed
+        every `flush_secs`, at `flush()` (before each checkpoint) and at the end:
+        tensorboardX's `SummaryWriter` queues them for a thread that its `flush()` does not
+        wait for, so a kill could lose what a checkpoint already covers."""
         if self._writer is None and self._open:
             assert self.log_dir is not None
-            self._writer = self._tbx.SummaryWriter(
-                logdir=str(self.log_dir),
-                flush_secs=self.flush_secs,
-                max_queue=1000,  # the default 10 makes a train step wait for the writer thread
-                purge_step=self._purge_step,
-                # a file per session; the name has whole seconds only: two sessions in one
-                # second would share (and truncate) a file. TensorBoard reads in name order.
-                filename_suffix=f".{time.time_ns()}",
-            )
-            self._purge_step = None
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            # a file per session; the name has whole seconds only: two sessions in one
+            # second would share (and truncate) a file. TensorBoard reads in name order.
+            self._writer = self._events_writer(str(self.log_dir / "events"), f".{time.time_ns()}")
+            if self._purge_step is not None:  # TensorBoard drops older sessions' later steps
+                step = self._purge_step
+                self._add(self._event(step=step, file_version="brain.Event:2"))
+                start = self._session_log(status=self._session_log.START)
+                self._add(self._event(step=step, session_log=start))
+                self._purge_step = None
             if self._params is not None:
-                self._writer.add_text("params", self._params, global_step=0)
+                self._add_summary(self._summaries.text("params", self._params), 0)
                 self._params = None
         return self._writer
+
+    def _add(self, event: Any) -> None:
+        event.wall_time = time.time()
+        self._writer.write_event(event)
+        if time.monotonic() - self._flushed >= self.flush_secs:
+            self.flush()
+
+    def _add_summary(self, summary: Any, step: int) -> None:
+        self._add(self._event(step=int(step), summary=summary))
+
+    def flush(self) -> None:
+        """Write every event logged so far to disk (the driver calls it before each
+        checkpoint, so a resume from that checkpoint never lacks them)."""
+        self._flushed = time.monotonic()
+        if self._writer is not None:
+            self._writer.flush()
 
     def log_params(self, params: dict[str, Any]) -> None:
         # written with the first scalars: a resume marker may still come, and must come first
@@ -86,7 +112,7 @@ class TensorBoardLogger:
         summary = self._summary(
             value=[Value(tag=f"{prefix}/{key}", simple_value=v) for key, v in values.items()]
         )
-        w.file_writer.add_summary(summary, global_step=int(step))
+        self._add_summary(summary, step)
 
     def log_images(self, images: dict[str, Path], *, step: int) -> None:
         """PNG files as TensorBoard images, under `images/<name>`."""
@@ -97,7 +123,8 @@ class TensorBoardLogger:
             return
         for name, path in images.items():
             pixels = imread(str(path))[..., :3]  # RGBA floats in [0, 1]: drop alpha
-            w.add_image(f"images/{name}", pixels, global_step=int(step), dataformats="HWC")
+            image = self._summaries.image(f"images/{name}", pixels, dataformats="HWC")
+            self._add_summary(image, step)
 
     def log_other(self, values: dict[str, Any]) -> None:
         if values.get("key") == "resumed" and isinstance(values.get("from_step"), int):
@@ -107,13 +134,16 @@ class TensorBoardLogger:
         w = self._w()
         if w is not None:
             for key, value in values.items():
-                w.add_text(f"other/{key}", json.dumps(jsonable(value)))
+                self._add_summary(
+                    self._summaries.text(f"other/{key}", json.dumps(jsonable(value))), 0
+                )
 
     def finish(self, status: str, **info: Any) -> None:
         w = self._writer  # none yet: this session logged nothing (a stop during setup)
         if w is not None:
-            w.add_text("finish", json.dumps(jsonable({"status": status, **info})))
-            w.flush()
+            text = json.dumps(jsonable({"status": status, **info}))
+            self._add_summary(self._summaries.text("finish", text), 0)
+            self.flush()
 
     def close(self) -> None:
         writer, self._writer, self._open = self._writer, None, False
