@@ -135,6 +135,30 @@ def test_without_the_launcher_a_raising_rank_stops_the_other_which_names_it(tmp_
     assert STACK_TRACE not in err0 + err1
 
 
+@pytest.mark.slow
+@pytest.mark.multi_device
+def test_a_jaxnitro_command_that_fails_on_one_rank_stops_the_launch_at_once(tmp_path):
+    # The command line's error exit (status 1, no traceback) ends the run like an exception.
+    script = _script(
+        tmp_path,
+        """
+        import sys
+        import jaxnitro as jn
+        from jaxnitro.cli import main
+        jn.distributed.initialize()
+        if jn.distributed.process_index() == 0:
+            main(["plot", sys.argv[1], "-o", sys.argv[1] + "/curves.png"])
+        jn.distributed.broadcast("run settings")
+        """,
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, _, err, seconds = _launch(script, str(empty), timeout=120)
+    assert rc == 1 and seconds < 60, err[-3000:]
+    assert "rank 0 failed first: ConfigError: " in err and "holds no metrics.jsonl" in err
+    assert "[rank 1] jaxnitro: process 0 failed (ConfigError: " in err
+
+
 # ---------------------------------------------------------------- a rank that dies
 @pytest.mark.slow
 @pytest.mark.multi_device
@@ -208,3 +232,35 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
         for p in pids:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_the_launcher_says_jaxs_abort_report_in_one_line(tmp_path):
+    # The report JAX's runtime prints before aborting a rank whose peer stopped sending
+    # heartbeats (as jax 0.10.2 prints it), from a rank that needs no JAX to print it.
+    script = _script(
+        tmp_path,
+        r"""
+        import os, sys
+        if os.environ["JAXNITRO_PROCESS_ID"] == "1":
+            sys.exit(0)
+        print("training", file=sys.stderr, flush=True)
+        sys.stderr.write(
+            "F1202 03:41:54.091227    4829 client.h:80] Terminating process because the JAX "
+            "distributed service detected fatal errors. absl::Status: UNAVAILABLE: The "
+            "following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have "
+            "crashed.\n*** Check failure stack trace: ***\n"
+            "    @     0x7fc275440634  absl::log_internal::LogMessage::SendToLog()\n"
+        )
+        sys.stderr.flush()
+        os.abort()
+        """,
+    )
+    rc, _, err, _ = _launch(script, timeout=60)
+    assert rc == 134
+    assert "[rank 0] training" in err
+    assert (
+        "[rank 0] jaxnitro launch: JAX aborted rank 0 because process 1 of the run died or "
+        "stopped answering" in err
+    )
+    assert STACK_TRACE not in err and "absl::" not in err and "Terminating" not in err
+    assert "rank 0 failed first: it was killed by SIGABRT" in err

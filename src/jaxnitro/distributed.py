@@ -18,6 +18,9 @@ Timeouts (seconds) come from ``JAXNITRO_INIT_TIMEOUT`` (300), ``JAXNITRO_HEARTBE
 (100: how long a dead process goes unnoticed before the others are stopped) and
 ``JAXNITRO_BARRIER_TIMEOUT`` (600: the longest one process waits for the others at a barrier
 or an exchange, e.g. while process 0 writes a checkpoint).
+
+With several processes, each watches the others (`jaxnitro.peer_watch`): one that fails ends
+the run everywhere at once, and one that falls silent is named before JAX aborts the rest.
 """
 
 from __future__ import annotations
