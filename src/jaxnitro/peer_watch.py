@@ -9,9 +9,10 @@ through the coordination service's key-value store (JAX's own; nothing else is o
   so under ``jaxnitro/failed``, writes its error for the launcher (``$JAXNITRO_ERROR_FILE``)
   and exits 1 at once, skipping the shutdown barrier;
 * every process runs a watch thread that reads that key: the others print one line naming the
-  failed process and its error, and exit 1 too. Process 0 hosts the coordination service, so
-  it leaves last (the others say ``jaxnitro/leaving/<i>`` first): leaving earlier would abort
-  them before they could say why;
+  failed process and its error, and exit 1 too. All of them, the failed one included, first
+  shut JAX's client down together (`jax.distributed.shutdown`, whose barrier every process
+  now reaches at once): a process still connected when process 0, the coordination service's
+  host, leaves would be aborted by JAX with a C++ stack trace instead;
 * the watch thread also posts a counter every second (``jaxnitro/alive/<i>``) and, when a
   peer's counter stops for half the heartbeat timeout, says in one line which process stopped
   answering and what to do, before JAX's own abort (``$JAXNITRO_HEARTBEAT_TIMEOUT`` later).
@@ -30,14 +31,14 @@ from typing import Any
 
 ENV_ERROR_FILE = "JAXNITRO_ERROR_FILE"
 FAILED = "jaxnitro/failed"
-LEAVING = "jaxnitro/leaving/"
 ALIVE = "jaxnitro/alive/"
 DONE = "done"  # the last value of a process's counter: it ended normally (at exit)
 FAILED_STATUS = 1  # a process that failed, or that stops because another one failed
 PEER_LOST_STATUS = 134  # the coordinator is gone: the status JAX's own abort would give
-LEAVE_WAIT_S = 10.0  # how long process 0 waits for the others to leave before it does
+SHUTDOWN_WAIT_S = 10.0  # the longest a failing run waits for every process at JAX's shutdown
 
 _ending = threading.Lock()  # one way out per process: the failing thread or the watch
+_stopping = threading.Event()  # the watch is ending this process (another one failed)
 _watch: PeerWatch | None = None
 
 
@@ -48,11 +49,26 @@ def _say(text: str) -> None:
 
 
 def _exit_now(status: int) -> None:
-    """Leave without JAX's shutdown barrier (the peers may never reach it)."""
+    """Leave at once, without Python's exit (whose JAX shutdown could wait 5 minutes)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(status)
+
+
+def _shut_down_then_exit(status: int) -> None:
+    """Shut JAX's client down with the other processes (they are doing the same), then leave.
+    A process that never comes (hung) is waited for `SHUTDOWN_WAIT_S` at most."""
+    import jax
+
+    def shut_down() -> None:
+        with contextlib.suppress(Exception):
+            jax.distributed.shutdown()
+
+    closing = threading.Thread(target=shut_down, name="jaxnitro-shutdown", daemon=True)
+    closing.start()
+    closing.join(SHUTDOWN_WAIT_S)
+    _exit_now(status)
 
 
 class PeerWatch:
@@ -122,13 +138,13 @@ class PeerWatch:
     def _peer_failed(self, failed: dict) -> None:
         if not _ending.acquire(blocking=False):
             return  # this process is failing itself: its own path exits
+        _stopping.set()
         _say(
             f"process {failed.get('process')} failed ({failed.get('error')}); process "
             f"{self.me} stops too (exit {FAILED_STATUS}). The failed process's own output "
             f"has the traceback."
         )
-        _leave(self.client, self.me, self.count)
-        _exit_now(FAILED_STATUS)
+        _shut_down_then_exit(FAILED_STATUS)
 
     def _silent(self, p: int, seconds: float) -> None:
         _say(
@@ -150,21 +166,6 @@ class PeerWatch:
         _exit_now(PEER_LOST_STATUS)
 
 
-def _leave(client: Any, me: int, count: int) -> None:
-    """Process 0 waits (bounded) until the others have said they leave; the others say so."""
-    if me != 0:
-        with contextlib.suppress(Exception):
-            client.key_value_set(f"{LEAVING}{me}", "1", allow_overwrite=True)
-        return
-    deadline = time.monotonic() + LEAVE_WAIT_S
-    for p in range(1, count):
-        left_ms = int(1000 * (deadline - time.monotonic()))
-        if left_ms <= 0:
-            return
-        with contextlib.suppress(Exception):
-            client.blocking_key_value_get(f"{LEAVING}{p}", left_ms)
-
-
 def start(client: Any, *, me: int, count: int, heartbeat_s: float) -> None:
     """Start this process's watch and make an uncaught exception end the run everywhere."""
     global _watch
@@ -176,6 +177,10 @@ def start(client: Any, *, me: int, count: int, heartbeat_s: float) -> None:
     previous = sys.excepthook
 
     def on_uncaught(kind, value, tb):
+        if _stopping.is_set():
+            # The shutdown cut the main thread's wait short: not an error of its own, and
+            # the watch thread ends the process in a moment.
+            threading.Event().wait()
         previous(kind, value, tb)  # the traceback first, as always
         fail(value if value is not None else kind())
 
@@ -212,5 +217,4 @@ def fail(error: BaseException) -> None:
                 json.dump({**record, "time": time.time()}, f)
     with contextlib.suppress(Exception):  # a second failing process finds the key taken
         watch.client.key_value_set(FAILED, json.dumps({"process": watch.me, "error": message}))
-    _leave(watch.client, watch.me, watch.count)
-    _exit_now(FAILED_STATUS)
+    _shut_down_then_exit(FAILED_STATUS)
