@@ -7,7 +7,7 @@ through the coordination service's key-value store (JAX's own; nothing else is o
 
 * a process that fails (an uncaught exception, or `jaxnitro train` exiting on an error) says
   so under ``jaxnitro/failed``, writes its error for the launcher (``$JAXNITRO_ERROR_FILE``)
-  and exits 1 at once, skipping the shutdown barrier;
+  and exits 1 within seconds;
 * every process runs a watch thread that reads that key: the others print one line naming the
   failed process and its error, and exit 1 too. All of them, the failed one included, first
   shut JAX's client down together (`jax.distributed.shutdown`, whose barrier every process
@@ -49,7 +49,7 @@ def _say(text: str) -> None:
 
 
 def _exit_now(status: int) -> None:
-    """Leave at once, without Python's exit (whose JAX shutdown could wait 5 minutes)."""
+    """Leave at once, skipping Python's exit (whose JAX shutdown could wait 5 minutes)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -199,7 +199,8 @@ def _at_exit() -> None:
 
 def fail(error: BaseException) -> None:
     """End this process of a multi-process run because of `error`: tell the launcher and the
-    other processes, and exit 1 without waiting at JAX's shutdown barrier. Does nothing in a
+    other processes, shut JAX's client down with them (10 s at most, where Python's own exit
+    would wait 5 minutes for processes that wait for this one) and exit 1. Does nothing in a
     single-process run (the caller goes on to exit as usual)."""
     watch = _watch
     if watch is None:
