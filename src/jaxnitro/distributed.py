@@ -18,6 +18,9 @@ Timeouts (seconds) come from ``JAXNITRO_INIT_TIMEOUT`` (300), ``JAXNITRO_HEARTBE
 (100: how long a dead process goes unnoticed before the others are stopped) and
 ``JAXNITRO_BARRIER_TIMEOUT`` (600: the longest one process waits for the others at a barrier
 or an exchange, e.g. while process 0 writes a checkpoint).
+
+With several processes, each watches the others (`jaxnitro.peer_watch`): one that fails ends
+the run everywhere at once, and one that falls silent is named before JAX aborts the rest.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import jax
 from jax._src import distributed as _jd
 
+from . import peer_watch
 from .errors import ConfigError, JaxnitroError
 
 ENV_COORDINATOR = "JAXNITRO_COORDINATOR"
@@ -153,6 +157,7 @@ def initialize(
         return
     if jax.distributed.is_initialized():  # someone called jax.distributed.initialize itself
         _state.update(args)
+        _watch_peers()
         return
     _check_backends_untouched()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -160,7 +165,7 @@ def initialize(
         jax.distributed.initialize(
             **args,
             initialization_timeout=_env_int("JAXNITRO_INIT_TIMEOUT") or 300,
-            heartbeat_timeout_seconds=_env_int("JAXNITRO_HEARTBEAT_TIMEOUT") or 100,
+            heartbeat_timeout_seconds=_heartbeat_s(),
         )
     except ValueError as e:  # JAX found no cluster and the arguments do not say it either
         raise ConfigError(
@@ -178,6 +183,22 @@ def initialize(
     _state["coordinator_address"] = _jd.global_state.coordinator_address
     _state["num_processes"] = jax.process_count()
     _state["process_id"] = jax.process_index()
+    _watch_peers()
+
+
+def _watch_peers() -> None:
+    """Every process watches the others (`jaxnitro.peer_watch`): a failing process ends the
+    run everywhere at once, and a silent one is named before JAX aborts."""
+    peer_watch.start(
+        _client(),
+        me=jax.process_index(),
+        count=jax.process_count(),
+        heartbeat_s=_heartbeat_s(),
+    )
+
+
+def _heartbeat_s() -> int:
+    return _env_int("JAXNITRO_HEARTBEAT_TIMEOUT") or 100
 
 
 def _check_backends_untouched() -> None:

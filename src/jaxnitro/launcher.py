@@ -6,30 +6,46 @@ and its id, and with `devices_per_process` that many fake CPU devices), its own 
 Ctrl-C at the terminal reaches the launcher only, which forwards it once to every rank), and
 its output prefixed `[rank i] `. The first rank to fail decides the outcome: the others are
 stopped (SIGTERM, then SIGKILL after `kill_timeout`) and the launcher exits with that rank's
-status, saying which rank failed and how. A rank that exits 143 was preempted: the others are
-given `grace` seconds to checkpoint the same step and exit too.
+status, saying which rank failed and how (a rank that raised names its exception: it writes
+type and message to `$JAXNITRO_ERROR_FILE`, see `jaxnitro.peer_watch`). A rank that exits 143
+was preempted: the others are given `grace` seconds to checkpoint the same step and exit too.
+
+The ranks die with the launcher: each asks the kernel for SIGKILL when the launcher's thread
+that started it ends (`PR_SET_PDEATHSIG`, Linux), so a launcher killed outright (the OOM
+killer) leaves no rank training unseen and holding its run's lock. JAX's own C++ abort report
+in a rank (a peer died) is said in one line instead of a stack trace.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 from .distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from .errors import ConfigError
+from .peer_watch import ENV_ERROR_FILE
 
 PREEMPTED = 143
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+_PR_SET_PDEATHSIG = 1
+# The first line of the report JAX's runtime prints (absl LOG(FATAL)) before it aborts a
+# process whose peer died; a C++ stack trace follows it.
+_JAX_FATAL = re.compile(r"^F\d{4} .*Terminating process because the JAX distributed service")
+_UNHEALTHY = "The following tasks are unhealthy"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,10 +62,13 @@ def rank_env(
     nproc: int,
     coordinator: str,
     devices_per_process: int | None,
+    error_file: str | None = None,
 ) -> dict[str, str]:
     """The environment of one rank: `base` plus the distributed variables (and the fake CPU
-    device count, replacing any count already in XLA_FLAGS)."""
+    device count, replacing any count already in XLA_FLAGS, and where to write its error)."""
     env = dict(base)
+    if error_file is not None:
+        env[ENV_ERROR_FILE] = error_file
     env[ENV_COORDINATOR] = coordinator
     env[ENV_NUM_PROCESSES] = str(nproc)
     env[ENV_PROCESS_ID] = str(rank)
@@ -73,6 +92,23 @@ def command(script: str, args: Sequence[str], *, module: bool = False) -> list[s
             f"no such script {script!r}; give the path of a Python file (or -m pkg.module)."
         )
     return [sys.executable, script, *args]
+
+
+def die_with_this_thread() -> Callable[[], None] | None:
+    """A `preexec_fn` for a rank: the kernel SIGKILLs it when the thread that started it ends
+    (the launcher dies). None off Linux, where there is no such request."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    launcher = os.getpid()
+
+    def in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before the request: die now
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return in_child
 
 
 def describe_status(code: int) -> str:
@@ -130,11 +166,16 @@ class Launch:
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.forwarded: int | None = None  # a signal the launcher passed on to the ranks
+        self.error_dir: str | None = None  # where the ranks write their errors
         self._locks = {id(self.out): threading.Lock(), id(self.err): threading.Lock()}
 
     # -- starting and output --------------------------------------------------------------
     def start(self) -> None:
         coordinator = f"127.0.0.1:{self.port}"
+        self.error_dir = errors = tempfile.mkdtemp(prefix="jaxnitro-launch-")
+        # Every rank is started from this thread, and before any output thread exists
+        # (a preexec_fn runs between fork and exec, where another thread's lock can hang it).
+        die_with_launcher = die_with_this_thread()
         for rank in range(self.nproc):
             env = rank_env(
                 dict(os.environ),
@@ -142,26 +183,58 @@ class Launch:
                 nproc=self.nproc,
                 coordinator=coordinator,
                 devices_per_process=self.devices,
+                error_file=os.path.join(errors, f"rank-{rank}.json"),
             )
-            proc = subprocess.Popen(
-                self.cmd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # the terminal's Ctrl-C reaches the launcher only
+            self.procs.append(
+                subprocess.Popen(
+                    self.cmd,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # the terminal's Ctrl-C reaches the launcher only
+                    preexec_fn=die_with_launcher,
+                )
             )
-            self.procs.append(proc)
+        for rank, proc in enumerate(self.procs):
             for pipe, sink in ((proc.stdout, self.out), (proc.stderr, self.err)):
                 t = threading.Thread(target=self._pump, args=(rank, pipe, sink), daemon=True)
                 t.start()
                 self.pumps.append(t)
 
+    def _error(self, rank: int) -> dict | None:
+        """What rank `rank` wrote about its failure, if it wrote anything."""
+        if self.error_dir is None:
+            return None
+        try:
+            with open(os.path.join(self.error_dir, f"rank-{rank}.json"), encoding="utf-8") as f:
+                got = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return got if isinstance(got, dict) and "type" in got else None
+
     def _pump(self, rank: int, pipe, sink: IO[str]) -> None:
         prefix = f"[rank {rank}] "
+        aborting = False  # JAX's abort report began: the rest is its C++ stack trace
+        unhealthy, silent = False, []  # whether it named the silent processes, and which
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
+            if aborting:
+                if line.strip().isdigit():  # the task ids under "tasks are unhealthy"
+                    silent.append(line.strip())
+                continue
+            if _JAX_FATAL.match(line):
+                aborting, unhealthy = True, _UNHEALTHY in line
+                continue
             self._write(sink, prefix + line + "\n")
+        if aborting:
+            who = f"process {', '.join(silent)}" if unhealthy and silent else "another process"
+            self._write(
+                sink,
+                f"{prefix}jaxnitro launch: JAX aborted rank {rank} because {who} of the run "
+                f"died or stopped answering (the first failing rank is named below; its C++ "
+                f"stack trace is left out)\n",
+            )
         pipe.close()
 
     def _write(self, sink: IO[str], text: str) -> None:
@@ -209,7 +282,12 @@ class Launch:
                     if code == PREEMPTED or self.forwarded is not None:
                         preempted_at = time.monotonic()  # the others are saving too
                     else:
-                        self.note(f"rank {rank} {describe_status(code)}; stopping the others")
+                        raised = self._first_raised()
+                        if raised is not None:
+                            r, error = raised
+                            self.note(f"rank {r} raised {error['type']}; stopping the others")
+                        else:
+                            self.note(f"rank {rank} {describe_status(code)}; stopping the others")
                         self.stop_all()
             if all(c is not None for c in codes):
                 break
@@ -232,6 +310,14 @@ class Launch:
         if first is None:
             return Outcome(0, None, f"all {self.nproc} ranks exited with status 0")
         rank, code = first
+        raised = self._first_raised()
+        if raised is not None and code != PREEMPTED:
+            # A rank that raised makes the others stop at once: one of them may end first.
+            rank, error = raised
+            code = self.procs[rank].returncode
+            said = f"{error['type']}: {error.get('message', '')}".rstrip(": ")
+        else:
+            said = None
         others = [
             f"rank {r} {describe_status(p.returncode)}"
             for r, p in enumerate(self.procs)
@@ -239,9 +325,15 @@ class Launch:
         ]
         tail = f" (then: {'; '.join(others)})" if others else ""
         first_word = "was preempted first" if code == PREEMPTED else "failed first"
-        return Outcome(
-            exit_status(code), rank, f"rank {rank} {first_word}: it {describe_status(code)}{tail}"
-        )
+        how = f"{said} (it {describe_status(code)})" if said else f"it {describe_status(code)}"
+        return Outcome(exit_status(code), rank, f"rank {rank} {first_word}: {how}{tail}")
+
+    def _first_raised(self) -> tuple[int, dict] | None:
+        """The rank that wrote its error first, with what it wrote."""
+        written = [(r, e) for r in range(self.nproc) if (e := self._error(r)) is not None]
+        if not written:
+            return None
+        return min(written, key=lambda item: float(item[1].get("time", 0.0)))
 
     def run(self) -> Outcome:
         """Start the ranks, forward SIGINT/SIGTERM to them while they run, and wait."""
@@ -259,3 +351,5 @@ class Launch:
         finally:
             for signum, previous in handlers.items():
                 signal.signal(signum, previous)
+            if self.error_dir is not None:
+                shutil.rmtree(self.error_dir, ignore_errors=True)

@@ -25,6 +25,7 @@ import importlib.metadata
 
 import click
 
+from .. import peer_watch
 from ..errors import JaxnitroError
 from ..events.signals import Preempted
 from ..serve.command import serve_command
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(143) from None
     except JaxnitroError as e:
         echo_err(f"Error: {type(e).__name__}: {e}")
+        peer_watch.fail(e)  # one process of several: the others stop now, not in 5 minutes
         raise SystemExit(1) from None
     raise SystemExit(code if isinstance(code, int) else 0)
 

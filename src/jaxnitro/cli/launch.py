@@ -65,7 +65,8 @@ def launch(
     The script calls jn.distributed.initialize() first: each rank finds the coordinator,
     the process count and its id in $JAXNITRO_COORDINATOR, $JAXNITRO_NUM_PROCESSES and
     $JAXNITRO_PROCESS_ID. Output lines are prefixed [rank i]; SIGINT/SIGTERM go to every
-    rank; when a rank fails the others are stopped and the exit status is the first failure's.
+    rank; when a rank fails the others are stopped and the exit status is the first failure's
+    (a rank that raised is named with its exception). The ranks die with the launcher.
 
     Example: jaxnitro launch --nproc 2 --devices-per-process 2 train.py --epochs 3
     """
