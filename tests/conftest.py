@@ -16,6 +16,9 @@ import jaxnitro as jn
 jax.config.update("jax_platforms", "cpu")
 # The end-of-train curves.png costs ~0.5 s a run; the tests that check it turn it back on.
 os.environ.setdefault("JAXNITRO_NO_PLOT", "1")
+# No persistent compilation cache (on by default for users): a test's compiles must not
+# depend on what an earlier run left in ~/.cache; tests of the cache turn it on themselves.
+os.environ["JAXNITRO_COMPILATION_CACHE"] = "0"
 
 
 class TinyMLP(nnx.Module):

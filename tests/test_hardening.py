@@ -331,7 +331,7 @@ def test_a_shared_compilation_cache_dir_warns(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    with pytest.warns(UserWarning, match=r"not private: it is world-writable.*chmod 700"):
+    with pytest.warns(UserWarning, match=r"is not used: it is world-writable.*chmod 700"):
         assert check_cache_trust(str(shared)) == ["it is world-writable"]
     group = tmp_path / "group"
     group.mkdir()

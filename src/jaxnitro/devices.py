@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .errors import ConfigError, check_int
+from .units import parse_bytes
 
 _pinned: dict = {}
 
@@ -27,18 +29,24 @@ def setup_devices(
     backend: str | None = None,
     n_devices: int | None = None,
     *,
-    compilation_cache: str | os.PathLike | None = None,
+    compilation_cache: str | os.PathLike | bool | None = None,
+    compilation_cache_max_size: int | str | None = None,
 ) -> DeviceInfo:
     """Pick the backend (before the first `Nitro`) and pin how many devices runs use.
 
     Args:
         backend: "cpu", "gpu", "tpu"...; None keeps JAX's choice. Only before JAX has run.
         n_devices: how many devices each run's `data` mesh spans; None: 1.
-        compilation_cache: a directory for JAX's persistent compilation cache (also from
-            ``$JAXNITRO_COMPILATION_CACHE``), so a second process skips compiling.
+        compilation_cache: JAX's persistent compilation cache, so a second process loads
+            its programs instead of compiling them. None (the default): on, in
+            ``$JAXNITRO_COMPILATION_CACHE`` if set (``0`` turns it off), else in the user
+            cache directory (`default_cache_dir()`); a path: there; False: off.
+        compilation_cache_max_size: the cache's size cap (bytes, or "2GiB"); the least
+            recently used entries are evicted beyond it. Default 2 GiB (also from
+            ``$JAXNITRO_COMPILATION_CACHE_MAX_SIZE``).
 
     Example:
-        >>> info = jn.setup_devices(backend="cpu", n_devices=1)
+        >>> info = jn.setup_devices(backend="cpu", n_devices=1, compilation_cache=False)
         >>> info.backend, info.n_devices
         ('cpu', 1)
     """
@@ -50,41 +58,147 @@ def setup_devices(
                 f"cannot switch to backend {backend!r}: {e}. Call jn.setup_devices() before "
                 f"anything touches JAX arrays (first thing in the script)."
             ) from e
-    compilation_cache = compilation_cache or os.environ.get("JAXNITRO_COMPILATION_CACHE")
-    if compilation_cache:
-        _use_cache_dir(os.fspath(compilation_cache))
+    configure_cache(compilation_cache, max_size=compilation_cache_max_size)
     visible = len(jax.devices())
     if n_devices is not None:
         _pinned["n_devices"] = _check_count(n_devices, visible)
     return DeviceInfo(jax.default_backend(), visible, _pinned.get("n_devices"))
 
 
+#: The persistent cache's default size cap.
+DEFAULT_CACHE_MAX_SIZE = 2 * 2**30
+_OFF = ("0", "false", "off", "no")
+_cache_state: dict = {}  # "dir": the directory in use (None: off), once decided
+
+
 def apply_env() -> None:
-    """Turn on the persistent cache from $JAXNITRO_COMPILATION_CACHE if nothing else did."""
-    path = os.environ.get("JAXNITRO_COMPILATION_CACHE")
-    if path and not getattr(jax.config, "jax_compilation_cache_dir", None):
-        _use_cache_dir(path)
+    """Turn on the persistent cache as `setup_devices` would by default, unless it was
+    already decided (by `setup_devices`, or by the user through JAX's own config)."""
+    if "dir" not in _cache_state:
+        configure_cache(None)
 
 
-def _use_cache_dir(path: str) -> None:
-    """Turn on JAX's persistent cache in `path`, after checking who can write to it."""
-    path = os.path.expanduser(path)
-    check_cache_trust(path)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+def default_cache_dir() -> str:
+    """The platform's user cache directory for compiled programs: ``$XDG_CACHE_HOME`` (or
+    ``~/.cache``) ``/jaxnitro/xla`` on Linux, ``~/Library/Caches/jaxnitro/xla`` on macOS,
+    ``%LOCALAPPDATA%\\jaxnitro\\xla`` on Windows."""
+    if sys.platform == "darwin":
+        base = os.path.expanduser("~/Library/Caches")
+    elif os.name == "nt":
+        base = os.environ.get("LOCALAPPDATA") or os.path.expanduser("~\\AppData\\Local")
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "jaxnitro", "xla")
+
+
+def cache_dir_choice(value: str | os.PathLike | bool | None = None) -> str | None:
+    """The directory `compilation_cache=value` means (None: off): False is off, a path is
+    that path, None (or True) is ``$JAXNITRO_COMPILATION_CACHE`` (``0``: off) or else
+    `default_cache_dir()`."""
+    if value is False:
+        return None
+    if value is None or value is True:
+        env = os.environ.get("JAXNITRO_COMPILATION_CACHE", "").strip()
+        if env.lower() in _OFF:
+            return None
+        return os.path.expanduser(env) if env else default_cache_dir()
+    return os.path.expanduser(os.fspath(value))
+
+
+def configure_cache(
+    value: str | os.PathLike | bool | None, *, max_size: int | str | None = None
+) -> str | None:
+    """Point JAX's persistent compilation cache at `cache_dir_choice(value)` (or turn it
+    off); returns the directory in use. A directory that is not private to this user is not
+    used (a warning names it and the fix). A directory the user set through JAX's own
+    config (`jax_compilation_cache_dir`) is left as it is when `value` is None."""
+    user_set = getattr(jax.config, "jax_compilation_cache_dir", None)
+    if value is None and user_set and _cache_state.get("dir") != user_set:
+        _cache_state["dir"] = user_set  # the user's own JAX setting wins over our default
+        return user_set
+    path = cache_dir_choice(value)
+    if path is not None and not _prepare_private(path):
+        path = None
+    size = _max_size(max_size)
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+    else:
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_compilation_cache_max_size", size)
+    from .compile import persistent  # noqa: F401 (records the hit rate at exit)
+
+    if _cache_state.get("dir", False) != path or _cache_state.get("size") != size:
+        _reset_jax_cache()  # JAX decides once per process whether (and where) to cache
+    _cache_state.update(dir=path, size=size)
+    return path
+
+
+def cache_in_use() -> str | None:
+    """The persistent cache directory this process uses (None: off, or not decided yet)."""
+    return _cache_state.get("dir")
+
+
+def _max_size(value: int | str | None) -> int:
+    if value is None:
+        value = os.environ.get("JAXNITRO_COMPILATION_CACHE_MAX_SIZE") or DEFAULT_CACHE_MAX_SIZE
+    return parse_bytes("compilation_cache_max_size", value, error=ConfigError)
+
+
+def _reset_jax_cache() -> None:
+    try:
+        from jax._src import compilation_cache
+    except ImportError:  # pragma: no cover - a JAX without it has no cache to reset
+        return
+    compilation_cache.reset_cache()
+
+
+def _prepare_private(path: str) -> bool:
+    """Create `path` private to this user (0700), or check that an existing one is; False
+    (with a warning) when it is not safe to load programs from."""
+    if not os.path.exists(path):
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            os.chmod(path, 0o700)  # makedirs' mode is filtered by the umask
+        except OSError as e:
+            _warn_cache(path, f"it cannot be created ({e.strerror})", fix="")
+            return False
+    problems = check_cache_trust(path, warn=False)
+    if problems:
+        _warn_cache(path, " and ".join(problems), fix=f"chmod 700 {path}")
+        return False
+    return True
 
 
 _trust_warned: set = set()
 
 
-def check_cache_trust(path: str) -> list[str]:
-    """Warn (once per directory) when others could plant programs in the compilation cache.
+def _warn_cache(path: str, why: str, *, fix: str) -> None:
+    import warnings
+
+    if path in _trust_warned:
+        return
+    _trust_warned.add(path)
+    how = f"Make it private to you ({fix}), or p" if fix else "P"
+    warnings.warn(
+        f"the compilation cache {path} is not used: {why}. Its entries are executables "
+        f"loaded as they are, so anyone who can write there could change what this process "
+        f"computes. {how}oint JAXNITRO_COMPILATION_CACHE (or "
+        f"jn.setup_devices(compilation_cache=...)) at a directory only you can write to; "
+        f"programs are compiled without it meanwhile.",
+        stacklevel=4,
+    )
+
+
+def check_cache_trust(path: str, *, warn: bool = True) -> list[str]:
+    """The reasons others could plant programs in the compilation cache `path` (empty when
+    it is private to this user); with `warn`, said once per directory.
 
     Entries are executables loaded byte for byte: whoever can write to the directory can make
-    this process compute something else. Returns the problems found (empty when trusted).
+    this process compute something else.
     """
     import stat
-    import warnings
 
     problems: list[str] = []
     p = os.path.abspath(path)
@@ -103,15 +217,8 @@ def check_cache_trust(path: str) -> list[str]:
         problems.append("it is world-writable")
     elif st.st_mode & stat.S_IWGRP and not shared_parent_ok:
         problems.append("it is group-writable")
-    if problems and path not in _trust_warned:
-        _trust_warned.add(path)
-        warnings.warn(
-            f"the compilation cache {path} is not private: {' and '.join(problems)}. Its "
-            f"entries are executables loaded as they are, so anyone who can write there can "
-            f"change what this process computes. Use a directory only you can write to "
-            f"(chmod 700 {p}).",
-            stacklevel=3,
-        )
+    if problems and warn:
+        _warn_cache(path, " and ".join(problems), fix=f"chmod 700 {p}")
     return problems
 
 

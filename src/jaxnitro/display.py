@@ -6,6 +6,7 @@ import contextlib
 import sys
 import threading
 import time
+import types
 
 from rich.console import Console
 from rich.progress import (
@@ -45,9 +46,12 @@ class Display:
 
     @contextlib.contextmanager
     def compiling(self, kind: str, label: str = ""):
-        """Show that a program compiles, with its elapsed time."""
+        """Show that a program compiles, with its elapsed time. Yields a note whose
+        `loaded` the caller sets when JAX loaded the program from its persistent cache
+        instead (then the line says so)."""
         what = f"{kind} program" + (f" ({label})" if label else "")
         t0 = time.perf_counter()
+        note = types.SimpleNamespace(loaded=False)
         if self.console is not None:  # mode "rich"
             with self.console.status(f"compiling the {what}…") as status:
                 stop = threading.Event()
@@ -59,13 +63,17 @@ class Display:
                 t = threading.Thread(target=tick, daemon=True)
                 t.start()
                 try:
-                    yield
+                    yield note
                 finally:
                     stop.set()
                     t.join()
         else:
-            yield
-        self.line(f"compiled the {what} in {time.perf_counter() - t0:.2f}s")
+            yield note
+        seconds = time.perf_counter() - t0
+        if note.loaded:
+            self.line(f"loaded the {what} from the persistent cache in {seconds:.2f}s")
+        else:
+            self.line(f"compiled the {what} in {seconds:.2f}s")
 
     # -- epochs ------------------------------------------------------------------------
     def start_epoch(self, epoch: int, max_epochs: int, total: int | None, done: int = 0) -> None:

@@ -64,6 +64,7 @@ class TrainResult:
     programs_compiled: int
     wall_seconds: float
     members: list[dict] | None = None  # a population's members, best first (last validation)
+    programs_loaded: int = 0  # from JAX's persistent compilation cache (a warm start)
 
 
 def train(n) -> TrainResult:
@@ -99,7 +100,9 @@ def train(n) -> TrainResult:
         return _train(n)
 
 
-def _result(n, reason: str, rate: float, compiled: int, wall: float) -> TrainResult:
+def _result(
+    n, reason: str, rate: float, compiled: int, wall: float, loaded: int = 0
+) -> TrainResult:
     best_row = history(n).best
     return TrainResult(
         history=history(n),
@@ -111,6 +114,7 @@ def _result(n, reason: str, rate: float, compiled: int, wall: float) -> TrainRes
         programs_compiled=compiled,
         wall_seconds=wall,
         members=_members(n),
+        programs_loaded=loaded,
     )
 
 
@@ -136,7 +140,8 @@ def _members(n) -> list[dict] | None:
 
 def _train(n) -> TrainResult:
     t_start = time.perf_counter()
-    misses_start = cache.cache_stats()["misses"]  # programs_compiled counts auto's too
+    start = cache.cache_stats()  # programs_compiled counts auto's too
+    misses_start, loads_start = start["misses"], start["persistent_hits"]
     if n.spec.autotune:  # steps_per_call="auto": measured once, before the plan is checked
         _autotune(n)
     misses0 = cache.cache_stats()["misses"]
@@ -157,15 +162,18 @@ def _train(n) -> TrainResult:
         raise
     n.services.control.clear()
     compiled = cache.cache_stats()["misses"] - misses0  # against the plan (auto's aside)
-    total = cache.cache_stats()["misses"] - misses_start
+    end = cache.cache_stats()
+    loaded = end["persistent_hits"] - loads_start
+    total = end["misses"] - misses_start - loaded  # XLA compiles; loaded ones apart
     rate = steps_run / seconds_run if seconds_run else 0.0
-    result = _result(n, stop_reason, rate, total, time.perf_counter() - t_start)
+    result = _result(n, stop_reason, rate, total, time.perf_counter() - t_start, loaded)
     n.logger.finish(
         stop_reason,
         stop_reason=stop_reason,
         step=n.step,
         epoch=n.epoch,
         programs_compiled=total,
+        programs_loaded=loaded,
         steps_per_s=rate,
         skipped_steps=n.progress.skipped_steps,
     )
@@ -767,6 +775,8 @@ def _summary(n, r: TrainResult) -> None:
     )
     n.display.line(
         f"done ({r.stop_reason}) · {best} · checkpoint {r.best_checkpoint} · "
-        f"{r.programs_compiled} program(s) compiled · {r.steps_per_second:,.0f} steps/s · "
+        f"{r.programs_compiled} program(s) compiled"
+        + (f", {r.programs_loaded} loaded from the persistent cache" if r.programs_loaded else "")
+        + f" · {r.steps_per_second:,.0f} steps/s · "
         f"{r.wall_seconds:.1f}s"
     )

@@ -273,8 +273,8 @@ class Nitro:
         set_phase(self, "Compiling", info={"program": kind, "label": label})
         preload_plotting()  # matplotlib's import, for the end-of-train curves, meanwhile
         try:
-            with self.display.compiling(kind, label):
-                yield
+            with self.display.compiling(kind, label) as note:
+                yield note
         finally:
             if previous in ("Training", "Evaluating"):  # a compile mid-run returns to it
                 set_phase(self, previous)

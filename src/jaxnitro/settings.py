@@ -8,16 +8,13 @@ A keyword wins over an experiment field of the same name (`seed`, `run_dir`, `ma
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .errors import ConfigError, check_int, did_you_mean
+from .units import parse_bytes
 
 # Options that may also come from an experiment field of the same name.
 _FROM_EXPERIMENT = (
@@ -174,42 +171,9 @@ def _run_dir_setting(value, default_name: str) -> Path:
     return Path(value)
 
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
 def _bytes_setting(name: str, value) -> int | None:
-    """Bytes as an int, or a string such as "1GB", "512MiB", "1.5 GiB"."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        unit = m and m.group(2).lower()
-        if not m or unit not in _UNITS:
-            raise ConfigError(
-                f"{name}={value!r} is not a size; pass bytes as an int or a "
-                f"string like '1GB' or '512MiB' (units: B, KB, MB, GB, TB, KiB, "
-                f"MiB, GiB, TiB)."
-            )
-        value = float(m.group(1)) * _UNITS[unit]
-        if not math.isfinite(value):
-            raise ConfigError(f"{name} is not finite.")
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ConfigError(
-            f"{name} must be a positive number of bytes (or '1GB', '512MiB'), got {value!r}."
-        )
-    return int(value)
+    """Bytes as an int, or a string such as "1GB", "512MiB", "1.5 GiB" (None: not set)."""
+    return None if value is None else parse_bytes(name, value, error=ConfigError)
 
 
 def _choice(name: str, value, options: dict[str, str]) -> str:

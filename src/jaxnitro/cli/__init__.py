@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 import click
 
@@ -30,6 +31,7 @@ from ..errors import JaxnitroError
 from ..events.signals import Preempted
 from ..serve.command import serve_command
 from . import browse, run, sweep
+from .cache import cache_command
 from .common import echo_err
 from .export import export
 from .fields import ExperimentCommand
@@ -38,15 +40,32 @@ from .launch import launch
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(importlib.metadata.version("jaxnitro"), prog_name="jaxnitro")
-def cli() -> None:
+@click.option(
+    "--compilation-cache",
+    metavar="DIR|0",
+    default=None,
+    help="Where compiled programs persist between runs (0: off). Default: "
+    "$JAXNITRO_COMPILATION_CACHE, else the user cache directory.",
+)
+def cli(compilation_cache: str | None) -> None:
     """JAX-first training: declare the experiment, compile once, train.
 
     TARGET is path/to/file.py:Class or pkg.module:Class (an @jn.experiment class); its
     fields become options: jaxnitro train TARGET --help lists them.
     """
+    if compilation_cache is not None:  # the run (and `launch`'s ranks) read it at setup
+        os.environ["JAXNITRO_COMPILATION_CACHE"] = compilation_cache
 
 
-for _command in [*run.COMMANDS, sweep.sweep, *browse.COMMANDS, export, serve_command, launch]:
+for _command in [
+    *run.COMMANDS,
+    sweep.sweep,
+    *browse.COMMANDS,
+    export,
+    serve_command,
+    launch,
+    cache_command,
+]:
     cli.add_command(_command)
 
 

@@ -48,23 +48,41 @@ _lock = threading.RLock()
 _entries: dict[Hashable, Program] = {}
 _by_text: dict[str, Program] = {}
 _callback_programs = itertools.count()  # text keys of programs never shared by text
-_stats = {"hits": 0, "misses": 0}
+_stats = {"hits": 0, "misses": 0, "persistent_hits": 0}
 # The keys programs were asked for, newest last, kept after their programs are dropped (a
 # stale program) or when they were served by a twin's text (a copied experiment): a later
 # miss is explained against them. Bounded: old keys only explain old programs.
 _seen: collections.OrderedDict[explain.ProgramKey, None] = collections.OrderedDict()
 _SEEN_MAX = 512
+# JAX reports a load from its persistent cache as a monitoring event in the compiling thread.
+_loads = threading.local()
+
+
+def _on_jax_event(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _loads.count = getattr(_loads, "count", 0) + 1
+
+
+jax.monitoring.register_event_listener(_on_jax_event)
 
 
 def cache_stats() -> dict[str, int]:
-    """{hits, misses, entries} of the process-wide program cache.
+    """{hits, misses, entries, persistent_hits} of the process-wide program cache.
+
+    A miss is a program this process had not built; `persistent_hits` counts the misses
+    JAX loaded from its persistent compilation cache instead of compiling (a warm start).
 
     Example:
         >>> jn.cache_stats()
-        {'hits': 3, 'misses': 2, 'entries': 2}
+        {'hits': 3, 'misses': 2, 'entries': 2, 'persistent_hits': 0}
     """
     with _lock:
-        return {"hits": _stats["hits"], "misses": _stats["misses"], "entries": len(_by_text)}
+        return {
+            "hits": _stats["hits"],
+            "misses": _stats["misses"],
+            "entries": len(_by_text),
+            "persistent_hits": _stats["persistent_hits"],
+        }
 
 
 def cache_reset() -> None:
@@ -79,7 +97,7 @@ def cache_reset() -> None:
         _entries.clear()
         _by_text.clear()
         _seen.clear()
-        _stats["hits"] = _stats["misses"] = 0
+        _stats["hits"] = _stats["misses"] = _stats["persistent_hits"] = 0
         for hook in _reset_hooks:
             hook()
 
@@ -212,8 +230,12 @@ def get_or_compile(
             return twin
     t0 = time.perf_counter()
     ctx = on_compile(kind, label) if on_compile is not None else contextlib.nullcontext()
-    with ctx:
+    loads = getattr(_loads, "count", 0)
+    with ctx as note:
         compiled = lowered.compile(compiler_options=compile_options or None)
+        loaded = getattr(_loads, "count", 0) > loads  # from the persistent cache, not compiled
+        if note is not None and hasattr(note, "loaded"):  # the display says "loaded ..."
+            note.loaded = loaded
     compile_seconds = time.perf_counter() - t0
     rec = report.record(
         kind,
@@ -224,6 +246,7 @@ def get_or_compile(
         compile_seconds=compile_seconds,
         trace_seconds=trace_seconds,
         hooks=hooks or ("forward", "loss"),
+        loaded=loaded,
     )
     parts = key if isinstance(key, explain.ProgramKey) else None
     with _lock:
@@ -232,6 +255,7 @@ def get_or_compile(
             kind, key, compiled, lower_seconds, compile_seconds, label, parts, rec, why, deps
         )
         _stats["misses"] += 1
+        _stats["persistent_hits"] += int(loaded)
         _entries[key] = prog
         _by_text[text_key] = prog
         _remember(key)

@@ -510,6 +510,7 @@ def _compile_line(prog: cache.Program) -> dict:
         "trace_s": rec.trace_seconds,
         "lower_s": rec.lower_seconds,
         "compile_s": rec.compile_seconds,
+        "loaded_from_persistent_cache": rec.loaded,
         "hlo_ops": rec.hlo_ops,
         "stablehlo_ops": rec.stablehlo_ops,
         "text_bytes": rec.text_bytes,

@@ -87,6 +87,8 @@ class CompileRecord:
       memory: ``memory_analysis()`` as ``arguments, outputs, aliased, temporaries, code,
         estimate`` (estimate = arguments + outputs - aliased + temporaries + code), or None.
       flags: the warnings raised for this program.
+      loaded: JAX loaded the executable from its persistent compilation cache (then
+        `compile_seconds` is the load's time, not XLA's).
     """
 
     kind: str
@@ -101,6 +103,7 @@ class CompileRecord:
     flops: float | None
     memory: dict | None
     flags: tuple[Flag, ...]
+    loaded: bool = False
 
 
 def record(
@@ -114,6 +117,7 @@ def record(
     trace_seconds: float | None = None,
     hooks: Sequence[str] = ("forward", "loss"),
     thresholds: Thresholds = Thresholds(),
+    loaded: bool = False,
 ) -> CompileRecord:
     """Measure a lowered and compiled program and flag compile blow-ups.
 
@@ -125,6 +129,7 @@ def record(
       lower_seconds, compile_seconds, trace_seconds: timings the caller measured.
       hooks: the user hooks traced into this program, named in messages as where to look.
       thresholds: when to flag.
+      loaded: whether the executable came from the persistent cache (no slow-compile flag).
 
     Example:
       >>> lowered = jax.jit(step).lower(params, batch)
@@ -139,7 +144,7 @@ def record(
     flags = [
         _constants_flag(kind, constant_bytes, where, thresholds),
         _loop_flag(kind, ops, _n_inputs(text), where, thresholds),
-        _slow_compile_flag(kind, compile_seconds, len(ops), where, thresholds),
+        None if loaded else _slow_compile_flag(kind, compile_seconds, len(ops), where, thresholds),
     ]
     return CompileRecord(
         kind=kind,
@@ -154,6 +159,7 @@ def record(
         flops=_flops(compiled),
         memory=_memory(kind, compiled),
         flags=tuple(f for f in flags if f is not None),
+        loaded=loaded,
     )
 
 
@@ -188,9 +194,10 @@ def _slow_compile_flag(
     return Flag(
         "slow_compile",
         (
-            f"program '{kind}' took {compile_seconds:.0f} s to compile. Turn on the "
-            f"persistent compilation cache so later runs skip it: "
-            f"jn.setup_devices(compilation_cache=DIR). If the op count ({n_ops:,}) is "
+            f"program '{kind}' took {compile_seconds:.0f} s to compile. The persistent "
+            f"compilation cache (on unless JAXNITRO_COMPILATION_CACHE=0 or "
+            f"jn.setup_devices(compilation_cache=False)) lets later runs load it instead. If "
+            f"the op count ({n_ops:,}) is "
             f"large, look for Python loops in {where} and use jax.lax.scan or "
             f"jax.lax.fori_loop."
         ),
@@ -226,7 +233,7 @@ def format_table(records: Iterable[CompileRecord]) -> str:
                 r.kind,
                 r.label,
                 f"{r.lower_seconds:.2f}",
-                f"{r.compile_seconds:.2f}",
+                f"{r.compile_seconds:.2f}" + (" (loaded)" if r.loaded else ""),
                 f"{r.hlo_ops:,}",
                 f"{r.stablehlo_ops:,}",
                 format_bytes(r.text_bytes),
