@@ -88,7 +88,8 @@ HELPER = """
 """
 
 MODELS = """
-        import flax.linen as linen
+    import equinox as eqx
+    import flax.linen as linen
     import jax
     from flax import nnx
 
