@@ -55,10 +55,10 @@ class TrainResult:
         ('completed', PosixPath('runs/MnistMLP/checkpoints/epoch-0003-...'), 2)
     """
 
-    history: History
+    history: History  # a row per validation (mid-epoch ones too), with its step
     best_checkpoint: Path | None
     stop_reason: str
-    best_metric: float | None
+    best_metric: float | None  # best_checkpoint's score (else the history's best)
     steps_per_second: float
     programs_compiled: int
     wall_seconds: float
@@ -99,18 +99,33 @@ def train(n) -> TrainResult:
 
 
 def _result(n, reason: str, rate: float, compiled: int, wall: float) -> TrainResult:
-    best_row = history(n).best
+    hist = history(n)
+    best = n.checkpointer.best()
     return TrainResult(
-        history=history(n),
+        history=hist,
         # this run's best checkpoint (or its newest): never one of another run in the dir
-        best_checkpoint=n.checkpointer.best() or n.checkpointer.latest(),
+        best_checkpoint=best or n.checkpointer.latest(),
         stop_reason=reason,
-        best_metric=None if best_row is None else best_row.get(n.checkpointer.metric),
+        best_metric=_best_metric(n, best, hist),
         steps_per_second=rate,
         programs_compiled=compiled,
         wall_seconds=wall,
         members=_members(n),
     )
+
+
+def _best_metric(n, best: Path | None, hist: History) -> float | None:
+    """The best checkpoint's score (Lightning's `best_model_score` of `best_model_path`);
+    with no ranked checkpoint (checkpointer=False, none written), the history's best."""
+    ck = n.checkpointer
+    if best is not None:
+        for record in ck.records():
+            if record.get("name") == best.name:
+                score = record.get("metrics", {}).get(ck.metric)
+                if isinstance(score, int | float) and not isinstance(score, bool):
+                    return float(score)
+    row = hist.best
+    return None if row is None else row.get(ck.metric)
 
 
 def _members(n) -> list[dict] | None:
@@ -523,6 +538,9 @@ def _mid_epoch(n, epoch: int, *, validate: bool, save: bool) -> None:
     if validate and "val" in n.spec.splits:
         row.update(run_eval(n, "val"))
         _log_validation(n, row, epoch)
+        # a history row per validation (no train_loss: the epoch has not ended), before the
+        # checkpoint, whose meta carries the history a resume continues
+        n._commit(progress=n.progress.with_row(row))
     if save:
         set_phase(n, "Checkpointing")
         _checkpoint(n, row)
@@ -760,6 +778,12 @@ def _summary(n, r: TrainResult) -> None:
         if isinstance(r.best_metric, float)
         else "no validation"
     )
+    row, kept = r.history.best, r.best_metric
+    if row is not None and isinstance(kept, float):
+        score = float(row[metric])
+        if score < kept if n.checkpointer.mode == "min" else score > kept:
+            # a validation between checkpoints scored better than every checkpoint kept
+            best += f" (step {row['step']} validated {score:.4f}, not checkpointed)"
     n.display.line(
         f"done ({r.stop_reason}) · {best} · checkpoint {r.best_checkpoint} · "
         f"{r.programs_compiled} program(s) compiled · {r.steps_per_second:,.0f} steps/s · "

@@ -1,0 +1,60 @@
+"""Where features meet: the reported best across mid-epoch validations, preemption and resume
+lines, warnings that point at the caller, the inspection report, the non-scalar-loss error,
+the range test's documented result, and a population's rows."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import Tiny, nitro
+
+import jaxnitro as jn
+
+
+# -- 1. the reported best covers every validation ------------------------------------------
+def test_history_best_and_best_metric_cover_mid_epoch_validations(run_dir, capsys):
+    # val_loss ranked "max": the first validation (step 3, mid-epoch) is the best one, which
+    # an epoch-end-only history (steps 8 and 16) never reports
+    ck = jn.TopKCheckpointer(k=1, metric="val_loss", mode="max")
+    n = nitro(Tiny(max_epochs=2), run_dir=run_dir, val_every=3, checkpoint_every=3, checkpointer=ck)
+    n.services.display.mode = "plain"
+    result = jn.train(n)
+    rows = result.history.rows
+    assert [r["step"] for r in rows] == [3, 6, 8, 9, 12, 15, 16]
+    assert [r["step"] for r in rows if "train_loss" in r] == [8, 16]  # the epochs' ends
+    assert result.history.best["step"] == 3
+    meta = json.loads((result.best_checkpoint / "meta.json").read_text())
+    assert meta["step"] == 3
+    assert result.best_metric == meta["metrics"]["val_loss"] == rows[0]["val_loss"]
+    assert jn.history(n).best == result.history.best
+    finish = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"best val_loss {result.best_metric:.4f}" in finish
+    assert result.best_checkpoint.name in finish and "not checkpointed" not in finish
+
+
+def test_best_metric_is_the_checkpoints_score_and_the_line_names_a_better_unsaved_one(
+    run_dir, capsys
+):
+    # validations every 3 steps, checkpoints only at epoch ends: the best validation (step 3)
+    # has no checkpoint, so best_metric is the best checkpoint's score, and the line says so
+    ck = jn.TopKCheckpointer(k=2, metric="val_loss", mode="max")
+    n = nitro(Tiny(max_epochs=2), run_dir=run_dir, val_every=3, checkpointer=ck)
+    n.services.display.mode = "plain"
+    result = jn.train(n)
+    meta = json.loads((result.best_checkpoint / "meta.json").read_text())
+    assert meta["step"] in (8, 16) and result.best_metric == meta["metrics"]["val_loss"]
+    assert result.history.best["step"] == 3
+    finish = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "(step 3 validated" in finish and "not checkpointed" in finish
+
+
+def test_a_stop_mid_epoch_then_the_rest_gives_the_straight_runs_history(tmp_path):
+    straight = nitro(Tiny(max_epochs=1), run_dir=tmp_path / "a", val_every=3)
+    jn.train(straight)
+    first = nitro(Tiny(max_epochs=1), run_dir=tmp_path / "b", val_every=3)
+    jn.every(4, lambda record: jn.request_stop(first) if record.step == 4 else None, nitro=first)
+    jn.train(first)
+    assert first.step == 4 and [r["step"] for r in jn.history(first)] == [3, 4]
+    jn.train(first)
+    assert [r["step"] for r in jn.history(first)] == [3, 6, 8]
+    assert jn.history(first)["val_loss"] == jn.history(straight)["val_loss"]
