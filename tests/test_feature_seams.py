@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import optax
+import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
@@ -58,3 +60,30 @@ def test_a_stop_mid_epoch_then_the_rest_gives_the_straight_runs_history(tmp_path
     jn.train(first)
     assert [r["step"] for r in jn.history(first)] == [3, 6, 8]
     assert jn.history(first)["val_loss"] == jn.history(straight)["val_loss"]
+
+
+# -- 4. jn.inspect prints once -------------------------------------------------------------
+def test_printing_what_inspect_returns_shows_the_report_once(run_dir, capsys):
+    n = nitro(Tiny(), run_dir=run_dir)
+    print(jn.inspect(n))
+    out = capsys.readouterr().out
+    assert out.count("forward() receives: x") == 1 and out.count("capacity") == 1
+    report = jn.inspect(n, show=False)
+    assert capsys.readouterr().out == ""
+    assert "forward() receives: x" in str(report) and str(report) == report.text()
+
+
+# -- 5. the non-scalar loss error names the split, the hook and the shape ------------------
+@pytest.mark.parametrize(("n_val", "split", "rows"), [(100, "val", 20), (0, "train", 32)])
+def test_a_per_example_loss_names_its_split_hook_and_shape(run_dir, n_val, split, rows):
+    @jn.experiment
+    class PerExample(Tiny):
+        def loss(self, logits, *, y):
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+    with pytest.raises(jn.HookError) as e:
+        jn.train(nitro(PerExample(n_val=n_val), run_dir=run_dir))
+    assert (
+        f"PerExample.loss() returned an array of shape ({rows},) on a batch of the {split!r} "
+        f"split ({rows} rows); it must return a scalar" in str(e.value)
+    )

@@ -109,6 +109,7 @@ def train_loss_fn(spec):
             outputs,
             **spec.routes["loss"].select(batch),
         )
+        loss_parts(loss, *_loss_context(spec, "train", batch))  # checked here, with the split
         aux = {}
         if "train_metrics" in spec.routes:
             got = spec.cls.train_metrics(
@@ -154,6 +155,14 @@ def custom_step_fn(spec):
     return user_step
 
 
+def _loss_context(spec, split: str, batch) -> tuple[str, str]:
+    """(hook, where) for a loss error: the experiment's hook, the split and the batch rows
+    (a micro-batch's with accum)."""
+    rows = next((v.shape[0] for v in batch.values() if getattr(v, "ndim", 0)), None)
+    size = f" ({rows} rows)" if rows is not None else ""
+    return f"{spec.cls.__name__}.loss", f" on a batch of the {split!r} split{size}"
+
+
 def eval_metrics_fn(spec, split: str):
     """(params, model_state, batch, extras, n_valid) -> {name: (sum, count)} for one batch."""
     has_loss = spec.split_specs[split].has_loss
@@ -174,11 +183,12 @@ def eval_metrics_fn(spec, split: str):
                 outputs,
                 **spec.routes["loss"].select(batch),
             )
+            context = _loss_context(spec, split, batch)
             if isinstance(raw, (tuple, list)) and len(raw) == 2:
-                total, count = loss_parts(raw)
+                total, count = loss_parts(raw, *context)
                 totals["val_loss"] = (total, count.astype(jnp.float32))
             else:
-                loss = scalar_loss(raw)
+                loss = scalar_loss(raw, *context)
                 totals["val_loss"] = (loss * rows, jnp.asarray(rows, jnp.int32))
         if "metrics" in spec.routes:
             got = spec.cls.metrics(
