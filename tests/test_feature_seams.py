@@ -4,7 +4,9 @@ the range test's documented result, and a population's rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import optax
 import pytest
@@ -87,3 +89,15 @@ def test_a_per_example_loss_names_its_split_hook_and_shape(run_dir, n_val, split
         f"PerExample.loss() returned an array of shape ({rows},) on a batch of the {split!r} "
         f"split ({rows} rows); it must return a scalar" in str(e.value)
     )
+
+
+# -- 6. the range test's result is documented ------------------------------------------------
+def test_lr_find_documents_every_result_field_and_its_example_uses_its_classs_fields():
+    names = [f.name for f in dataclasses.fields(jn.LRFindResult)]
+    for doc in (jn.lr_find.__doc__, jn.LRFindResult.__doc__):
+        assert all(f"`{name}`" in doc or f"{name}:" in doc for name in names), doc
+    # every keyword the example passes to its experiment is a field the example declares
+    example = jn.lr_find.__doc__.split("Example:")[1]
+    declared = set(re.findall(r"^\s*(?:\.\.\.|>>>)\s+(\w+): \w+ =", example, re.M))
+    passed = set(re.findall(r"Tuned\((\w+)=", example))
+    assert passed and passed <= declared
