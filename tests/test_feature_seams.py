@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import optax
 import pytest
@@ -101,3 +102,30 @@ def test_lr_find_documents_every_result_field_and_its_example_uses_its_classs_fi
     declared = set(re.findall(r"^\s*(?:\.\.\.|>>>)\s+(\w+): \w+ =", example, re.M))
     passed = set(re.findall(r"Tuned\((\w+)=", example))
     assert passed and passed <= declared
+
+
+# -- 7. a population's rows and the documented example -----------------------------------------
+def test_population_members_report_the_keys_the_user_gave(run_dir):
+    n = nitro(
+        Tiny(max_epochs=1, n_train=64),
+        run_dir=run_dir,
+        population={"smoothing": [0.0, 0.1], "learning_rate": [1e-3, 1e-2]},
+        checkpointer=jn.TopKCheckpointer(metric="acc", mode="max"),
+    )
+    members = jn.train(n).members
+    assert sorted(m["member"] for m in members) == [0, 1]
+    for m in members:
+        assert m["learning_rate"] == [1e-3, 1e-2][m["member"]]
+        assert not any(k.startswith("opt.") for k in m), m
+
+
+def test_the_documented_population_example_ranks_by_a_metric_it_does_not_change():
+    root = Path(__file__).resolve().parents[1]
+    docs = (root / "docs" / "beyond.md").read_text()
+    example = docs.split("## Population training")[1].split("```")[1]
+    assert '"smoothing"' in example  # the loss reads smoothing: val_loss cannot rank fairly
+    assert 'TopKCheckpointer(metric="acc", mode="max")' in example
+    assert "'learning_rate': " in example and "opt.default" not in example
+    readme = (root / "README.md").read_text()
+    bullet = readme.split("- **Population training**")[1].split("\n- ")[0]
+    assert 'metric="acc"' in bullet
