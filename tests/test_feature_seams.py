@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 from pathlib import Path
 
+import numpy as np
 import optax
 import pytest
 from conftest import Tiny, nitro
@@ -129,3 +131,43 @@ def test_the_documented_population_example_ranks_by_a_metric_it_does_not_change(
     readme = (root / "README.md").read_text()
     bullet = readme.split("- **Population training**")[1].split("\n- ")[0]
     assert 'metric="acc"' in bullet
+
+
+# -- 3. warnings point at the caller's line --------------------------------------------------
+def test_warnings_under_public_calls_point_at_the_callers_line(tmp_path):
+    here = str(Path(__file__).resolve())
+    x = np.random.default_rng(0).normal(size=(64, 8))  # float64
+    y = np.zeros(64, np.int32)
+    float64 = {"train": jn.DataLoader({"x": x, "y": y}, batch_size=32, drop_last=True)}
+    table = {"opt.learning_rate": lambda total: lambda s: 1 - s / total}
+
+    def boom(phase, step, epoch, info):
+        raise RuntimeError("a broken monitor")
+
+    caught = {}
+
+    def record(name, call):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            result = call()
+        assert got, f"{name}: no warning"
+        caught[name] = {w.filename for w in got}
+        return result
+
+    # jn.Nitro called here (conftest's nitro() would be the caller's line)
+    kw = dict(run_dir=tmp_path / "a", progress=False)
+    n = record(
+        "float64 data",
+        lambda: jn.Nitro(Tiny(max_epochs=1), **kw, data=float64, schedules=table),
+    )
+    jn.on_phase(boom, nitro=n)
+    record("a failing phase monitor", lambda: jn.train(n))
+    n.max_epochs = 2
+    record("schedules past their horizon", lambda: jn.train(n))
+    record("trained already", lambda: jn.train(n))
+    record(
+        "a resume with another seed",
+        lambda: jn.Nitro(Tiny(max_epochs=1), **kw, resume="auto", seed=7),
+    )
+    assert len(caught) == 5
+    assert all(files == {here} for files in caught.values()), caught

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .errors import ConfigError, check_int
+from .errors import ConfigError, check_int, warn_user
 
 _pinned: dict = {}
 
@@ -84,7 +84,6 @@ def check_cache_trust(path: str) -> list[str]:
     this process compute something else. Returns the problems found (empty when trusted).
     """
     import stat
-    import warnings
 
     problems: list[str] = []
     p = os.path.abspath(path)
@@ -105,12 +104,11 @@ def check_cache_trust(path: str) -> list[str]:
         problems.append("it is group-writable")
     if problems and path not in _trust_warned:
         _trust_warned.add(path)
-        warnings.warn(
+        warn_user(
             f"the compilation cache {path} is not private: {' and '.join(problems)}. Its "
             f"entries are executables loaded as they are, so anyone who can write there can "
             f"change what this process computes. Use a directory only you can write to "
             f"(chmod 700 {p}).",
-            stacklevel=3,
         )
     return problems
 

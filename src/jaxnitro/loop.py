@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 import math
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from . import data as data_mod
 from .checkpoint import TopKCheckpointer
 from .compile import cache, plan, report
 from .compile.programs import check_stale, train_program
-from .errors import DataError, NonFiniteLossError
+from .errors import DataError, NonFiniteLossError, warn_user
 from .evaluation import is_scalar, run_eval
 from .events import steps as step_events
 from .events.phases import set_phase
@@ -84,13 +83,12 @@ def train(n) -> TrainResult:
             f"from build_data (or use jn.evaluate for a model that is not trained)."
         )
     if n.epoch >= n.max_epochs:
-        warnings.warn(
+        warn_user(
             f"{spec.cls.__name__} has already trained to max_epochs={n.max_epochs} (epoch "
             f"{n.epoch}, step {n.step}): nothing to train. To train further, continue from its "
             f"checkpoint in a new handle with a larger max_epochs: jn.Nitro(exp, "
             f"run_dir='{n.run_dir}', resume='auto', max_epochs={n.max_epochs + 1}) (schedules "
             f"then span the new length).",
-            stacklevel=2,
         )
         return _result(n, "completed", 0.0, 0, 0.0)
     _check_horizon(n)
@@ -231,13 +229,12 @@ def _check_horizon(n) -> None:
     if not spec.schedules.fns or not spe or spe * n.max_epochs == spec.total_steps:
         return
     total = spec.total_steps
-    warnings.warn(
+    warn_user(
         f"max_epochs is now {n.max_epochs}, but this handle's schedules were resolved at setup "
         f"for {total} steps ({total // spe} epochs): past step {total} they hold their last "
         f"value. To extend a scheduled run, continue in a new handle, which spans the "
         f"schedules over the new length: jn.Nitro(exp, run_dir='{n.run_dir}', "
         f"resume='auto', max_epochs={n.max_epochs}).",
-        stacklevel=3,
     )
 
 
@@ -574,7 +571,7 @@ def _check_epoch_length(n, epoch: int, total: int | None):
     if total is None and progress.first_epoch_batches is None:
         progress = progress.replace(first_epoch_batches=seen)
     if expected is not None and seen < expected:
-        warnings.warn(
+        warn_user(
             f"epoch {epoch + 1} yielded {seen} train batches, but "
             + (
                 f"the split's len() is {expected}"
@@ -583,7 +580,6 @@ def _check_epoch_length(n, epoch: int, total: int | None):
             )
             + ". A source whose iterator is shared between passes runs dry; make __iter__ "
             "start a new pass (or use jn.DataLoader).",
-            stacklevel=4,
         )
     return progress
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect as pyinspect
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 from .. import custom, models, optim, remat
 from .. import metrics as metrics_mod
 from ..devices import mesh_id
-from ..errors import HookError, JaxnitroError
+from ..errors import HookError, JaxnitroError, warn_user
 from ..experiment import GRAPH, CompileView, field_values
 from ..sharding import to_sharding
 from ..step import (
@@ -356,11 +355,10 @@ def check_stale(spec, ps: ProgramSet) -> None:
     ps.prints = new
     ps.slots = set()  # the recompiles that follow are explained here, not again
     which = f" (the {' and '.join(kinds)} program{'s' * (len(kinds) > 1)})" if kinds else ""
-    warnings.warn(
+    warn_user(
         f"{spec.cls.__name__}: {', '.join(f'`{e}`' for e in edited)} changed since this Nitro "
         f"compiled its programs; {dropped} stale program(s) dropped{which}, they will be "
         f"recompiled; programs that do not call it are kept.",
-        stacklevel=3,
     )
 
 
@@ -386,10 +384,10 @@ def _acquire(
         ps.compiled.append(prog)
         ps.log({"compile": _compile_line(prog)})
         for flag in prog.record.flags:
-            warnings.warn(flag.message, stacklevel=4)
+            warn_user(flag.message)
         if slot in ps.slots:
             why = "; ".join(prog.reasons) or "a new input signature"
-            warnings.warn(f"recompiling the {kind} program ({label}): {why}", stacklevel=4)
+            warn_user(f"recompiling the {kind} program ({label}): {why}")
     ps.slots.add(slot)
     ps.used[(kind, label)] = prog
     return prog
