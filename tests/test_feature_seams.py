@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -16,6 +19,8 @@ import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 # -- 1. the reported best covers every validation ------------------------------------------
@@ -171,3 +176,50 @@ def test_warnings_under_public_calls_point_at_the_callers_line(tmp_path):
     )
     assert len(caught) == 5
     assert all(files == {here} for files in caught.values()), caught
+
+
+# -- 2. preemption in a plain script, and the resume line --------------------------------------
+SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import jaxnitro as jn
+from conftest import Tiny
+
+resume = sys.argv[1] if len(sys.argv) > 1 else False
+n = jn.Nitro(Tiny(max_epochs=3), run_dir={run_dir!r}, resume=resume, progress="plain")
+if not resume:  # a real SIGTERM to this process after step 3 (mid-epoch 1)
+    jn.every(3, lambda r: os.kill(os.getpid(), signal.SIGTERM) if r.step == 3 else None, nitro=n)
+jn.train(n)
+print("finished at step", n.step)
+"""
+
+
+@pytest.mark.slow  # two processes, each importing jax and compiling
+def test_a_preempted_script_names_its_checkpoint_and_the_resume_call_then_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    script = tmp_path / "train.py"
+    tests = str(Path(__file__).resolve().parent)
+    script.write_text(SCRIPT.format(tests=tests, run_dir=str(run_dir)))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    first = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert first.returncode == 143, first.stderr
+    last = first.stdout.strip().splitlines()[-1]
+    written = jn.TopKCheckpointer(dir=run_dir / "checkpoints").latest()
+    assert written is not None and f"wrote checkpoint {written}." in last
+    assert "preempted (SIGTERM) at epoch 1 at batch 3, step 3" in last
+    assert (
+        f"Resume from it with jn.Nitro(Tiny(max_epochs=3), run_dir='{run_dir}', resume='auto')"
+        in last
+    )
+    again = subprocess.run(
+        [sys.executable, str(script), "auto"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert again.returncode == 0, again.stderr
+    out = again.stdout.strip().splitlines()
+    assert out[0] == f"resumed from {written} (epoch 1 at batch 3, step 3)"
+    assert out[-1] == "finished at step 24"

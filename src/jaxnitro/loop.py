@@ -32,7 +32,7 @@ from .evaluation import is_scalar, run_eval
 from .events import steps as step_events
 from .events.phases import set_phase
 from .events.signals import Preempted, PreemptionSync, graceful_stop
-from .experiment import DEVICE, field_values, graph_key
+from .experiment import DEVICE, field_values, fields, graph_key
 from .history import History
 from .introspect import peak_memory
 from .jsonable import jsonable
@@ -185,8 +185,32 @@ def _train(n) -> TrainResult:
     write_curves(n)  # run_dir/curves.png; JAXNITRO_NO_PLOT=1 skips it, a failure only warns
     _summary(n, result)
     if stop_reason == "preempted":
-        raise Preempted(n.step, n.checkpointer.latest())  # exit status 143, catchable
+        preempted = Preempted(
+            n.step, n.checkpointer.latest(), where=n.progress.where(), resume=_resume_call(n)
+        )
+        n.display.line(str(preempted))  # a script's last line: Python prints no SystemExit
+        raise preempted  # exit status 143, catchable
     return result
+
+
+def _resume_call(n) -> str:
+    """The call that continues this run from its newest checkpoint: the experiment with the
+    fields that differ from their defaults, the run dir, resume='auto'."""
+    exp = n.experiment
+    given = []
+    for f in fields(exp):
+        value = getattr(exp, f.name)
+        try:
+            same = bool(value == f.default)
+        except Exception:  # noqa: BLE001 - an array field: compare by nothing, show it
+            same = False
+        if not same:
+            given.append(f"{f.name}={value!r}")
+    call = f"{type(exp).__name__}({', '.join(given)})"
+    return (
+        f"jn.Nitro({call}, run_dir={str(n.run_dir)!r}, resume='auto') (with the run's other "
+        f"options as before)"
+    )
 
 
 def _epochs(n) -> tuple[str, int, float, int]:

@@ -52,6 +52,17 @@ class Progress:
             self, epoch=self.epoch + 1, batch_in_epoch=0, data_state=None, epoch_loss=(0.0, 0)
         )
 
+    def where(self) -> str:
+        """Where the run is, in words (for the resume and preemption lines).
+
+        Example:
+            >>> Progress(epoch=1, batch_in_epoch=7, step=15).where()
+            'epoch 2 at batch 7, step 15'
+        """
+        if self.batch_in_epoch:
+            return f"epoch {self.epoch + 1} at batch {self.batch_in_epoch}, step {self.step}"
+        return f"the end of epoch {self.epoch}, step {self.step}" if self.epoch else "the start"
+
     def with_row(self, row: Mapping[str, Any]) -> Progress:
         """The history with `row` added: one row per validation, mid-epoch ones included.
 
