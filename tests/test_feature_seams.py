@@ -19,6 +19,7 @@ import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
+from jaxnitro.runlock import LOCK_NAME as RUN_LOCK
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -138,6 +139,13 @@ def test_the_documented_population_example_ranks_by_a_metric_it_does_not_change(
     assert 'metric="acc"' in bullet
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited (it printed its pid, then ended)."""
+    code = "import os; print(os.getpid())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(proc.stdout)
+
+
 # -- 3. warnings point at the caller's line --------------------------------------------------
 def test_warnings_under_public_calls_point_at_the_callers_line(tmp_path):
     here = str(Path(__file__).resolve())
@@ -174,7 +182,13 @@ def test_warnings_under_public_calls_point_at_the_callers_line(tmp_path):
         "a resume with another seed",
         lambda: jn.Nitro(Tiny(max_epochs=1), **kw, resume="auto", seed=7),
     )
-    assert len(caught) == 5
+    # through contextlib: jn.train's writing session takes over a dead writer's lock
+    stale = tmp_path / "b"
+    stale.mkdir()
+    (stale / RUN_LOCK).write_text(json.dumps({"pid": dead_pid(), "host": "here"}))
+    b = jn.Nitro(Tiny(max_epochs=1), run_dir=stale, progress=False)
+    record("a dead writer's lock", lambda: jn.train(b))
+    assert len(caught) == 6
     assert all(files == {here} for files in caught.values()), caught
 
 

@@ -9,6 +9,7 @@ import sys
 import sysconfig
 import warnings
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any
 
 
@@ -131,9 +132,13 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (e.g. corrupted) and an older one is used instead."""
 
 
-# Where jaxnitro's own frames live, and the libraries a call may pass through on its way
-# back out (contextlib around a `with`, click, pytest's runner, threading).
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Where jaxnitro's own frames live (the package root, wherever in it this module sits), and
+# the libraries a call may pass through on its way back out (contextlib around a `with`,
+# click, pytest's runner, threading).
+_PACKAGE = os.path.abspath(__file__)
+for _ in __name__.split("."):
+    _PACKAGE = os.path.dirname(_PACKAGE)
+_PACKAGE = os.path.join(_PACKAGE, __name__.split(".")[0], "")
 _LIBRARIES = tuple(
     sorted(
         {
@@ -156,7 +161,8 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
         >>> warn_user("split 'train': field 'x' is float64; ...")  # points at jn.Nitro(...)
     """
     outside = None
-    frame, level = sys._getframe(1), 2  # stacklevel 2: the frame that called this helper
+    frame: FrameType | None = sys._getframe(1)
+    level = 2  # stacklevel 2: the frame that called this helper
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(_PACKAGE):
