@@ -289,7 +289,8 @@ def test_loss_returning_a_non_scalar(run_dir):
         nitro(PerExample(), run_dir=run_dir)
     check(
         e,
-        r"loss\(\) must return a scalar, got an array of shape \(20,\)",
+        r"PerExample\.loss\(\) returned an array of shape \(20,\) on a batch of the 'val' "
+        r"split \(20 rows\); it must return a scalar",
         r"return losses\.mean\(\)",
     )
 

@@ -36,7 +36,6 @@ import shutil
 import sys
 import tempfile
 import traceback
-import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from jaxnitro.errors import (
     check_int,
     check_mode,
     did_you_mean,
+    warn_user,
 )
 from jaxnitro.jsonable import jsonable, parse_json
 from jaxnitro.units import format_bytes
@@ -866,11 +866,10 @@ def _read_rows(root: Path, *, quiet: bool = False) -> tuple[list[dict], int]:
             else dropped
         ).append(r)
     if dropped and not quiet:
-        warnings.warn(
+        warn_user(
             f"checkpoint manifest {path}: ignoring {len(dropped)} row(s) whose name/path "
             f"is not a plain entry of {root} (e.g. {dropped[0].get('path')!r})",
             CheckpointWarning,
-            stacklevel=3,
         )
     return good, len(dropped)
 
@@ -1159,7 +1158,7 @@ class TopKCheckpointer:
             try:
                 rows.append(self._row(p.name, _read_meta(p)))
             except CheckpointError as exc:
-                warnings.warn(f"not listing checkpoint {p}: {exc}", CheckpointWarning, stacklevel=3)
+                warn_user(f"not listing checkpoint {p}: {exc}", CheckpointWarning)
         return sorted(rows, key=lambda r: (r["step"], r["time"]))
 
     def save(
@@ -1346,11 +1345,10 @@ class TopKCheckpointer:
         try:
             rows, dropped = _read_rows(root)
         except _BadManifest as exc:
-            warnings.warn(
+            warn_user(
                 f"checkpoint manifest {root / MANIFEST} is unreadable ({exc}); rebuilt "
                 f"it from the checkpoints' {META} files",
                 CheckpointWarning,
-                stacklevel=4,
             )
             rows, dropped = self._rows_from(_complete_dirs(root)), 1
         if dropped and self._writer:
@@ -1377,11 +1375,10 @@ class TopKCheckpointer:
         if lost:
             moved = self._quarantine(lost, good) if self._writer else {}
             aside = f"; moved aside to {', '.join(p.name for p in moved.values())}" if moved else ""
-            warnings.warn(
+            warn_user(
                 f"checkpoint(s) {', '.join(lost)} in {root} lost their {META} and are "
                 f"ignored{aside}",
                 CheckpointWarning,
-                stacklevel=2,
             )
         return good
 
@@ -1422,10 +1419,9 @@ class TopKCheckpointer:
                 else "no valid checkpoint remains"
             )
             aside = f" Moved aside to {moved[name]}." if name in moved else ""
-            warnings.warn(
+            warn_user(
                 f"skipping corrupted checkpoint {path} ({why}); {where}.{aside}",
                 CheckpointWarning,
-                stacklevel=2,
             )
         return found
 

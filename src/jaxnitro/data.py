@@ -11,7 +11,6 @@ import math
 import numbers
 import queue
 import threading
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -20,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import tables, waits
-from .errors import DataError, check_int
+from .errors import DataError, check_int, warn_user
 
 
 class DataLoader:
@@ -458,11 +457,10 @@ def batch_specs(batch: Mapping[str, Any], split: str) -> dict[str, tuple[tuple, 
         dtype = np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
         canonical = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
         if dtype == np.float64 and canonical != dtype:
-            warnings.warn(
+            warn_user(
                 f"split {split!r}: field {k!r} is float64; JAX computes in float32 (x64 is "
                 f"off), so every batch is cast. Convert it once (x.astype(np.float32)) to "
                 f"silence this and halve the transfer.",
-                stacklevel=4,
             )
         specs[k] = (tuple(np.shape(v)[1:]), canonical)
     return specs

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .errors import ConfigError, check_int
+from .errors import ConfigError, check_int, warn_user
 from .units import parse_bytes
 
 _pinned: dict = {}
@@ -175,19 +175,16 @@ _trust_warned: set = set()
 
 
 def _warn_cache(path: str, why: str, *, fix: str) -> None:
-    import warnings
-
     if path in _trust_warned:
         return
     _trust_warned.add(path)
     how = f"Make it private to you ({fix}), or p" if fix else "P"
-    warnings.warn(
+    warn_user(
         f"the compilation cache {path} is not used: {why}. Its entries are executables "
         f"loaded as they are, so anyone who can write there could change what this process "
         f"computes. {how}oint JAXNITRO_COMPILATION_CACHE (or "
         f"jn.setup_devices(compilation_cache=...)) at a directory only you can write to; "
         f"programs are compiled without it meanwhile.",
-        stacklevel=4,
     )
 
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import warnings
 from collections.abc import Generator, Mapping
 from typing import Any
 
-from .errors import DataError
+from .errors import DataError, warn_user
 
 _MAP_THREADS = 4  # threads reading a MapDataset's batches ahead
 
@@ -126,10 +125,9 @@ def batches(
     if state is not None:
         it.set_state(json.dumps(state).encode() if loader else dict(state))
     elif start:
-        warnings.warn(
+        warn_user(
             f"resuming a grain {type(src).__name__} at batch {start} without its saved "
             f"iterator state (the checkpoint predates it): replaying {start} batches.",
-            stacklevel=2,
         )
         it = itertools.islice(it, start, None)
     for batch in it:

@@ -1,4 +1,5 @@
-"""`jn.history(n)`: one row per epoch (epoch, step, train loss, val metrics), best row marked."""
+"""`jn.history(n)`: one row per validation (epoch, step, val metrics; an epoch's end row also
+its train loss), best row marked."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from .errors import check_mode
 
 
 class History:
-    """Epoch rows as dicts, with the best row by the checkpointer's metric.
+    """A row per validation as dicts, with the best row by the checkpointer's metric.
 
-    `jn.history(n)` returns one for a run. Indexing by an int gives a row, by a slice a
-    History, by a column name that column's values.
+    `jn.history(n)` returns one for a run: a row at each epoch's end (`epoch`, `step`,
+    `train_loss` and the validation metrics) and one per validation inside an epoch
+    (`Nitro(val_every=N)`: `epoch`, `step` and the metrics, no `train_loss`). `best` is chosen
+    from all of them. Indexing by an int gives a row, by a slice a History, by a column name
+    that column's values.
 
     Example:
         >>> h = jn.History([{"epoch": 1, "acc": 0.8}, {"epoch": 2, "acc": 0.9}],

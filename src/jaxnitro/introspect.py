@@ -71,19 +71,38 @@ def memory_plan(n, *, prefetch_depth: int = 2) -> memory.MemoryPlan:
 
 @dataclasses.dataclass
 class Inspection:
+    """What `jn.inspect` reports, by section; `text()` is the whole report.
+
+    A report `jn.inspect(n)` has printed already is not printed again: its `str()` is then a
+    one-line note, so `print(jn.inspect(n))` shows the report once.
+    """
+
     binding: str
     groups: str
     compile_report: str
     memory: str
     sharding: str = ""
+    _shown = False  # (unannotated: not a field) set by jn.inspect once it printed the text
 
-    def __str__(self) -> str:
+    def text(self) -> str:
+        """The whole report: binding, groups, sharding, programs, memory."""
         parts = [self.binding, self.groups, self.sharding, self.compile_report, self.memory]
         return "\n\n".join(p for p in parts if p)
+
+    def __str__(self) -> str:
+        if self._shown:
+            return "(the inspection report is printed above; .text() returns it)"
+        return self.text()
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def inspect(n, *, show: bool = True) -> Inspection:
     """Print the binding report, parameter groups, compile report and memory plan.
+
+    Prints once: the returned report, printed again (`print(jn.inspect(n))`), is only a
+    one-line note; `show=False` returns it unprinted, its `str()` the whole text.
 
     Example:
         >>> report = jn.inspect(n, show=False)
@@ -101,7 +120,9 @@ def inspect(n, *, show: bool = True) -> Inspection:
         sharding=_sharding(n),
     )
     if show:
-        n.display.line(str(result)) if n.display.mode != "off" else print(result)
+        text = result.text()
+        n.display.line(text) if n.display.mode != "off" else print(text)
+        result._shown = True
     return result
 
 

@@ -95,7 +95,8 @@ def request_stop(n) -> None:
 
 
 def history(n) -> History:
-    """Rows (epoch, step, train_loss, val metrics), best row by the checkpointer's metric.
+    """A row per validation (epoch, step, val metrics; at an epoch's end also train_loss),
+    best row by the checkpointer's metric.
 
     Example:
         >>> jn.history(n).best["acc"]

@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 import math
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,12 @@ from . import data as data_mod
 from .checkpoint import TopKCheckpointer
 from .compile import cache, plan, report
 from .compile.programs import check_stale, train_program
-from .errors import DataError, NonFiniteLossError
+from .errors import DataError, NonFiniteLossError, warn_user
 from .evaluation import is_scalar, run_eval
 from .events import steps as step_events
 from .events.phases import set_phase
 from .events.signals import Preempted, PreemptionSync, graceful_stop
-from .experiment import DEVICE, field_values, graph_key
+from .experiment import DEVICE, field_values, fields, graph_key
 from .history import History
 from .introspect import peak_memory
 from .jsonable import jsonable
@@ -56,10 +55,10 @@ class TrainResult:
         ('completed', PosixPath('runs/MnistMLP/checkpoints/epoch-0003-...'), 2)
     """
 
-    history: History
+    history: History  # a row per validation (mid-epoch ones too), with its step
     best_checkpoint: Path | None
     stop_reason: str
-    best_metric: float | None
+    best_metric: float | None  # best_checkpoint's score (else the history's best)
     steps_per_second: float
     programs_compiled: int
     wall_seconds: float
@@ -86,13 +85,12 @@ def train(n) -> TrainResult:
             f"from build_data (or use jn.evaluate for a model that is not trained)."
         )
     if n.epoch >= n.max_epochs:
-        warnings.warn(
+        warn_user(
             f"{spec.cls.__name__} has already trained to max_epochs={n.max_epochs} (epoch "
             f"{n.epoch}, step {n.step}): nothing to train. To train further, continue from its "
             f"checkpoint in a new handle with a larger max_epochs: jn.Nitro(exp, "
             f"run_dir='{n.run_dir}', resume='auto', max_epochs={n.max_epochs + 1}) (schedules "
             f"then span the new length).",
-            stacklevel=2,
         )
         return _result(n, "completed", 0.0, 0, 0.0)
     _check_horizon(n)
@@ -103,19 +101,34 @@ def train(n) -> TrainResult:
 def _result(
     n, reason: str, rate: float, compiled: int, wall: float, loaded: int = 0
 ) -> TrainResult:
-    best_row = history(n).best
+    hist = history(n)
+    best = n.checkpointer.best()
     return TrainResult(
-        history=history(n),
+        history=hist,
         # this run's best checkpoint (or its newest): never one of another run in the dir
-        best_checkpoint=n.checkpointer.best() or n.checkpointer.latest(),
+        best_checkpoint=best or n.checkpointer.latest(),
         stop_reason=reason,
-        best_metric=None if best_row is None else best_row.get(n.checkpointer.metric),
+        best_metric=_best_metric(n, best, hist),
         steps_per_second=rate,
         programs_compiled=compiled,
         wall_seconds=wall,
         members=_members(n),
         programs_loaded=loaded,
     )
+
+
+def _best_metric(n, best: Path | None, hist: History) -> float | None:
+    """The best checkpoint's score (Lightning's `best_model_score` of `best_model_path`);
+    with no ranked checkpoint (checkpointer=False, none written), the history's best."""
+    ck = n.checkpointer
+    if best is not None:
+        for record in ck.records():
+            if record.get("name") == best.name:
+                score = record.get("metrics", {}).get(ck.metric)
+                if isinstance(score, int | float) and not isinstance(score, bool):
+                    return float(score)
+    row = hist.best
+    return None if row is None else row.get(ck.metric)
 
 
 def _members(n) -> list[dict] | None:
@@ -181,8 +194,32 @@ def _train(n) -> TrainResult:
     write_curves(n)  # run_dir/curves.png; JAXNITRO_NO_PLOT=1 skips it, a failure only warns
     _summary(n, result)
     if stop_reason == "preempted":
-        raise Preempted(n.step, n.checkpointer.latest())  # exit status 143, catchable
+        preempted = Preempted(
+            n.step, n.checkpointer.latest(), where=n.progress.where(), resume=_resume_call(n)
+        )
+        n.display.line(str(preempted))  # a script's last line: Python prints no SystemExit
+        raise preempted  # exit status 143, catchable
     return result
+
+
+def _resume_call(n) -> str:
+    """The call that continues this run from its newest checkpoint: the experiment with the
+    fields that differ from their defaults, the run dir, resume='auto'."""
+    exp = n.experiment
+    given = []
+    for f in fields(exp):
+        value = getattr(exp, f.name)
+        try:
+            same = bool(value == f.default)
+        except Exception:  # noqa: BLE001 - an array field: compare by nothing, show it
+            same = False
+        if not same:
+            given.append(f"{f.name}={value!r}")
+    call = f"{type(exp).__name__}({', '.join(given)})"
+    return (
+        f"jn.Nitro({call}, run_dir={str(n.run_dir)!r}, resume='auto') (with the run's other "
+        f"options as before)"
+    )
 
 
 def _epochs(n) -> tuple[str, int, float, int]:
@@ -225,13 +262,12 @@ def _check_horizon(n) -> None:
     if not spec.schedules.fns or not spe or spe * n.max_epochs == spec.total_steps:
         return
     total = spec.total_steps
-    warnings.warn(
+    warn_user(
         f"max_epochs is now {n.max_epochs}, but this handle's schedules were resolved at setup "
         f"for {total} steps ({total // spe} epochs): past step {total} they hold their last "
         f"value. To extend a scheduled run, continue in a new handle, which spans the "
         f"schedules over the new length: jn.Nitro(exp, run_dir='{n.run_dir}', "
         f"resume='auto', max_epochs={n.max_epochs}).",
-        stacklevel=3,
     )
 
 
@@ -532,6 +568,9 @@ def _mid_epoch(n, epoch: int, *, validate: bool, save: bool) -> None:
     if validate and "val" in n.spec.splits:
         row.update(run_eval(n, "val"))
         _log_validation(n, row, epoch)
+        # a history row per validation (no train_loss: the epoch has not ended), before the
+        # checkpoint, whose meta carries the history a resume continues
+        n._commit(progress=n.progress.with_row(row))
     if save:
         set_phase(n, "Checkpointing")
         _checkpoint(n, row)
@@ -565,7 +604,7 @@ def _check_epoch_length(n, epoch: int, total: int | None):
     if total is None and progress.first_epoch_batches is None:
         progress = progress.replace(first_epoch_batches=seen)
     if expected is not None and seen < expected:
-        warnings.warn(
+        warn_user(
             f"epoch {epoch + 1} yielded {seen} train batches, but "
             + (
                 f"the split's len() is {expected}"
@@ -574,7 +613,6 @@ def _check_epoch_length(n, epoch: int, total: int | None):
             )
             + ". A source whose iterator is shared between passes runs dry; make __iter__ "
             "start a new pass (or use jn.DataLoader).",
-            stacklevel=4,
         )
     return progress
 
@@ -773,6 +811,12 @@ def _summary(n, r: TrainResult) -> None:
         if isinstance(r.best_metric, float)
         else "no validation"
     )
+    row, kept = r.history.best, r.best_metric
+    if row is not None and isinstance(kept, float):
+        score = float(row[metric])
+        if score < kept if n.checkpointer.mode == "min" else score > kept:
+            # a validation between checkpoints scored better than every checkpoint kept
+            best += f" (step {row['step']} validated {score:.4f}, not checkpointed)"
     n.display.line(
         f"done ({r.stop_reason}) · {best} · checkpoint {r.best_checkpoint} · "
         f"{r.programs_compiled} program(s) compiled"

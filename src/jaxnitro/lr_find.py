@@ -26,13 +26,25 @@ from .errors import ConfigError, DataError
 
 @dataclasses.dataclass(frozen=True)
 class LRFindResult:
-    """The range test: the rates tried, the raw and smoothed losses, the suggested rate, and
-    the plot (`run_dir/lr_find.png`, when matplotlib is installed).
+    """The range test's result (what `jn.lr_find` returns).
+
+    Attributes:
+        rates: the learning rate of each step run, rising from `min_lr` (for several groups:
+            the largest group's rate; the others keep their ratio to it).
+        losses: the training loss of each step, one per rate.
+        smoothed: the bias-corrected exponential moving average of `losses` (what the
+            suggestion and the divergence stop read).
+        suggestion: the rate where the smoothed loss falls fastest, before any divergence;
+            None when the test ran too few steps to tell.
+        stopped_early: True when the smoothed loss diverged (or a loss was not finite)
+            before `steps` steps.
+        plot: `run_dir/lr_find.png` (loss against rate, the suggestion marked), or None
+            without matplotlib.
 
     Example:
         >>> found = jn.lr_find(n, min_lr=1e-6, max_lr=1.0, steps=100)
-        >>> found.suggestion
-        0.0031622776
+        >>> found.suggestion, len(found.rates) == len(found.losses)
+        (0.0031622776, True)
     """
 
     rates: tuple[float, ...]
@@ -57,9 +69,25 @@ def lr_find(
     Every parameter group keeps its ratio to the largest group rate; the largest follows the
     exponential ramp. `diverge`: stop when the smoothed loss exceeds that many times its best.
 
+    Returns:
+        An `LRFindResult`: `rates` (one per step run), `losses` (each step's training
+        loss), `smoothed` (their moving average), `suggestion` (a rate, or None),
+        `stopped_early` (the loss diverged first) and `plot` (`run_dir/lr_find.png`, or
+        None without matplotlib).
+
     Example:
-        >>> found = jn.lr_find(n)
-        >>> n2 = jn.Nitro(MnistMLP(lr=found.suggestion))
+        To use the suggestion, give the experiment a field its `learning_rate` hook returns:
+
+        >>> @jn.experiment
+        ... class Tuned(MnistMLP):
+        ...     lr: float = 1e-3
+        ...
+        ...     def learning_rate(self, group):
+        ...         return self.lr
+        >>> found = jn.lr_find(jn.Nitro(Tuned()))
+        >>> found.suggestion, found.stopped_early
+        (0.0031622776, True)
+        >>> result = jn.train(jn.Nitro(Tuned(lr=found.suggestion)))
     """
     spec = n.spec
     population.refuse(n, "jn.lr_find")

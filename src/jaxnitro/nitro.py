@@ -112,6 +112,8 @@ class Nitro:
         self._experiment = built.spec.experiment
         self.programs = ProgramSet(log=self.services.log_other, on_compile=self._compiling)
         self.services.describe(setup_mod.params_line(built.spec), built.spec.resume_path)
+        if built.spec.resume_path is not None:
+            self.display.line(f"resumed from {built.spec.resume_path} ({self.progress.where()})")
 
     # -- the parts ------------------------------------------------------------------------
     @property

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .errors import ConfigError, check_int, did_you_mean
+from .errors import ConfigError, check_int, did_you_mean, warn_user
 
 DEFAULT_GROUP = "default"
 
@@ -452,10 +451,9 @@ class Schedules:
         """Values for optimizer step `step` (0-based) as float32 host scalars."""
         if step >= self.total_steps and not self._warned and self.fns:
             self._warned = True
-            warnings.warn(
+            warn_user(
                 f"training past the schedule horizon ({self.total_steps} steps): "
                 f"the last scheduled values hold.",
-                stacklevel=3,
             )
         t = min(step, self.total_steps - 1)
         return {k: np.float32(f(t) * self.multiplier.get(k, 1.0)) for k, f in self.fns.items()}

@@ -19,14 +19,13 @@ import math
 import os
 import sys
 import threading
-import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError, did_you_mean
+from .errors import ConfigError, did_you_mean, warn_user
 from .runs import LOG_NAME, run_rows
 
 _MAX_POINTS = 2000  # a long run's per-step curve is averaged into this many bins
@@ -121,11 +120,10 @@ def write_curves(n) -> Path | None:
         return plot(log, out=out)
     except Exception as e:  # noqa: BLE001 - a drawing must never cost a finished run
         with contextlib.suppress(Exception):
-            warnings.warn(
+            warn_user(
                 f"could not write {out}: {e!r}. The run is unaffected; JAXNITRO_NO_PLOT=1 "
                 f"skips the drawing.",
                 PlotWarning,
-                stacklevel=3,
             )
         return None
 

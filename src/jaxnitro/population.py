@@ -39,6 +39,8 @@ class Population:
         seeds: each member's seed (its init, RNG stream and derived data order).
         values: Device field -> one value per member (fields not named keep the experiment's).
         rates: "opt.<group>.learning_rate" -> one rate per member.
+        labels: the user's rate keys ("learning_rate", "opt.learning_rate" or
+            "opt.<group>.learning_rate") -> one rate per member, as the rows report them.
         own_data: members draw their own shuffled order of the train split (their seeds
             differ and the train loader is shuffled by the run's seed).
     """
@@ -50,15 +52,16 @@ class Population:
     own_data: bool = False
     loaders: tuple | None = None  # with own_data: each member's train loader
     schedules: tuple | None = None  # each member's resolved schedules (its rates)
+    labels: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
     def member_values(self, i: int) -> dict[str, Any]:
         """Member i's Device values (only the fields the population varies)."""
         return {k: v[i] for k, v in self.values.items()}
 
     def describe(self, i: int) -> dict[str, Any]:
-        """What sets member i apart: its seed, values and rates."""
+        """What sets member i apart: its seed, values and rates (under the user's keys)."""
         return {"member": i, "seed": self.seeds[i], **self.member_values(i),
-                **{k: v[i] for k, v in self.rates.items()}}  # fmt: skip
+                **{k: v[i] for k, v in (self.labels or self.rates).items()}}  # fmt: skip
 
     def key(self) -> tuple:
         """What the compiled programs depend on: the member count and the data layout."""
@@ -95,6 +98,7 @@ def resolve(setting, *, seed: int, device_fields: Mapping[str, str], rate_keys) 
     sizes = set()
     values: dict[str, tuple] = {}
     rates: dict[str, tuple] = {}
+    labels: dict[str, tuple] = {}  # the rates under the keys the user gave
     for key, seq in setting.items():
         if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence) or len(seq) == 0:
             raise ConfigError(
@@ -104,6 +108,7 @@ def resolve(setting, *, seed: int, device_fields: Mapping[str, str], rate_keys) 
         if key in ("opt.learning_rate", "learning_rate"):
             for k in rate_keys:
                 rates[k] = tuple(float(v) for v in seq)
+            labels[key] = tuple(float(v) for v in seq)
             continue
         if key.startswith("opt."):
             if key not in rate_keys:
@@ -112,7 +117,7 @@ def resolve(setting, *, seed: int, device_fields: Mapping[str, str], rate_keys) 
                     f"rates, {sorted(rate_keys) or 'none here (a ready optax transformation)'}."
                     + did_you_mean(key, rate_keys)
                 )
-            rates[key] = tuple(float(v) for v in seq)
+            rates[key] = labels[key] = tuple(float(v) for v in seq)
             continue
         marker = device_fields.get(key)
         if marker != DEVICE:
@@ -133,7 +138,7 @@ def resolve(setting, *, seed: int, device_fields: Mapping[str, str], rate_keys) 
             f"{ {k: len(v) for k, v in setting.items()} }; give every key one value per member."
         )
     size = sizes.pop()
-    return Population(size, (seed,) * size, values, rates)
+    return Population(size, (seed,) * size, values, rates, labels=labels)
 
 
 # -- trees with a member axis ----------------------------------------------------------------

@@ -52,11 +52,26 @@ class Progress:
             self, epoch=self.epoch + 1, batch_in_epoch=0, data_state=None, epoch_loss=(0.0, 0)
         )
 
+    def where(self) -> str:
+        """Where the run is, in words (for the resume and preemption lines).
+
+        Example:
+            >>> Progress(epoch=1, batch_in_epoch=7, step=15).where()
+            'epoch 2 at batch 7, step 15'
+        """
+        if self.batch_in_epoch:
+            return f"epoch {self.epoch + 1} at batch {self.batch_in_epoch}, step {self.step}"
+        return f"the end of epoch {self.epoch}, step {self.step}" if self.epoch else "the start"
+
     def with_row(self, row: Mapping[str, Any]) -> Progress:
-        """The history with `row` added (or replacing the row of an epoch a stop cut short)."""
+        """The history with `row` added: one row per validation, mid-epoch ones included.
+
+        An epoch's end row (it carries `train_loss`) replaces an earlier end row of the same
+        epoch: the row of an epoch a stop cut short, which the resume then finished, so the
+        history equals the straight run's.
+        """
         rows = list(self.history)
-        if rows and rows[-1]["epoch"] == row["epoch"]:
-            rows[-1] = dict(row)
-        else:
-            rows.append(dict(row))
+        if "train_loss" in row:
+            rows = [r for r in rows if not (r.get("epoch") == row["epoch"] and "train_loss" in r)]
+        rows.append(dict(row))
         return dataclasses.replace(self, history=tuple(rows))

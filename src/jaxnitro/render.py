@@ -17,14 +17,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from .errors import ConfigError, HookError, did_you_mean
+from .errors import ConfigError, HookError, did_you_mean, warn_user
 
 _SAMPLES = 16
 
@@ -138,10 +137,9 @@ def matrices(n, row: dict[str, Any]) -> list[Path]:
         return list(paths.values())
     except Exception as e:  # noqa: BLE001 - a picture must never cost a run
         with contextlib.suppress(Exception):
-            warnings.warn(
+            warn_user(
                 f"could not draw the matrix metrics {sorted(found)}: {e!r}. The run is unaffected.",
                 RenderWarning,
-                stacklevel=3,
             )
         return []
 

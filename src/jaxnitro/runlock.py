@@ -20,10 +20,9 @@ import json
 import os
 import socket
 import time
-import warnings
 from pathlib import Path
 
-from .errors import ConfigError, RunLockedError
+from .errors import ConfigError, RunLockedError, warn_user
 
 LOCK_NAME = ".jaxnitro.lock"
 
@@ -86,10 +85,9 @@ class RunLock:
         previous = self.holder()
         if previous.get("pid") is not None and not previous.get("released"):
             who = _describe(previous)
-            warnings.warn(
+            warn_user(
                 f"taking over the run lock {self.path} left by {who}, which is no "
                 f"longer running (it did not finish cleanly).",
-                stacklevel=3,
             )
         info = {
             "pid": os.getpid(),

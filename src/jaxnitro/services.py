@@ -14,12 +14,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, warn_user
 from .events.phases import PhaseTracker
 from .events.signals import StopControl
 from .runlock import RunLock
@@ -97,12 +96,11 @@ class Services:
         elif not self.lock.try_acquire(purpose):
             if not self._read_only_warned:
                 self._read_only_warned = True
-                warnings.warn(
+                warn_user(
                     f"run_dir {self.run_dir} is being written by {self.lock.describe()}; "
                     f"this handle only reads it: results are returned, not logged. To evaluate "
                     f"the trainer's weights, load its checkpoint: jn.Nitro(exp, "
                     f"run_dir='runs/eval', checkpoint=path).",
-                    stacklevel=4,
                 )
             yield False
             return

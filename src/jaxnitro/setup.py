@@ -14,7 +14,6 @@ import dataclasses
 import os
 import re
 import uuid
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from .device_batches import DeviceBatches
 from .devices import apply_env, replicated
 from .display import Display
 from .early_stop import EarlyStopping
-from .errors import CheckpointError, ConfigError, DataError, HookError, did_you_mean
+from .errors import CheckpointError, ConfigError, DataError, HookError, did_you_mean, warn_user
 from .experiment import DEVICE, field_values, fields, graph_key, replace
 from .hyper import HyperLayout
 from .jsonable import jsonable
@@ -224,10 +223,9 @@ def identity(resume_path: Path | None, seed: int) -> tuple[str, int]:
     if isinstance(saved, str) and re.fullmatch(r"[0-9a-zA-Z_-]{1,64}", saved):
         run_id = saved
     if meta.get("seed") is not None and meta["seed"] != seed:
-        warnings.warn(
+        warn_user(
             f"resuming with seed {meta['seed']} from the checkpoint instead of {seed}: the "
             f"shuffle order and dropout must continue as they were.",
-            stacklevel=5,
         )
         seed = validate_int(meta, "seed", resume_path)
     return run_id, seed
@@ -818,14 +816,13 @@ def warn_replay(splits: Mapping, position: tuple[int, int, Any]) -> None:
     epoch, batch, _ = position
     src = splits.get("train")
     if batch and src is not None and data_mod.replays(src):
-        warnings.warn(
+        warn_user(
             f"resuming mid-epoch (epoch {epoch + 1}, batch {batch}) from a 'train' split of "
             f"type {type(src).__name__}, which cannot report or seek to a position: the "
             f"resume replays its first {batch} batches of the epoch (reading them again) and "
             f"trusts that every pass yields the same batches in the same order. Use "
             f"jn.DataLoader (arrays, memory maps, datasets.Dataset), a grain dataset or "
             f"grain.DataLoader, or a list of batches, which resume at the position directly.",
-            stacklevel=5,
         )
 
 
@@ -868,12 +865,11 @@ def load_weights(spec: RunSpec, ts: TrainState, path: Path) -> TrainState:
 
 def warn_horizon(spec: RunSpec, progress: Progress, horizon) -> None:
     if spec.schedules.fns and isinstance(horizon, int) and horizon != spec.total_steps:
-        warnings.warn(
+        warn_user(
             f"resuming a run whose schedules spanned {horizon} steps into one of "
             f"{spec.total_steps} (max_epochs={spec.max_epochs}): the schedules are stretched "
             f"to the new length, so from step {progress.step} on the scheduled values differ "
             f"from the original run's.",
-            stacklevel=5,
         )
 
 

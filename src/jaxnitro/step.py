@@ -22,37 +22,42 @@ from .errors import HookError
 LossFn = Callable[..., tuple[Any, tuple[Any, dict]]]
 
 
-def scalar_loss(value, hook: str = "loss") -> jax.Array:
-    """Check a loss is a floating scalar; a (sum, count) pair becomes sum / count."""
+def scalar_loss(value, hook: str = "loss", where: str = "") -> jax.Array:
+    """Check a loss is a floating scalar; a (sum, count) pair becomes sum / count.
+
+    `hook` names the function in errors, `where` what it ran on (e.g. " on a batch of the
+    'train' split (32 rows)")."""
     if isinstance(value, (tuple, list)) and len(value) == 2:
-        total, count = loss_parts(value, hook)
+        total, count = loss_parts(value, hook, where)
         return total / count
     value = jnp.asarray(value)
     if value.shape != ():
         raise HookError(
-            f"{hook}() must return a scalar, got an array of shape {value.shape}. Reduce it, "
-            f"e.g. return losses.mean() (or (losses.sum(), count) for a count-weighted mean)."
+            f"{hook}() returned an array of shape {value.shape}{where}; it must return a "
+            f"scalar. Reduce it, e.g. return losses.mean() (or (losses.sum(), count) for a "
+            f"count-weighted mean)."
         )
     if not jnp.issubdtype(value.dtype, jnp.floating):
         raise HookError(
-            f"{hook}() must return a floating-point scalar, got dtype {value.dtype}. An integer "
+            f"{hook}() must return a floating-point scalar, got dtype {value.dtype}{where}. An "
+            f"integer "
             f"loss has no gradient: compute it in floating point (e.g. "
             f"optax.softmax_cross_entropy_with_integer_labels(...).mean()) or .astype(jnp.float32)."
         )
     return value
 
 
-def loss_parts(value, hook: str = "loss") -> tuple[jax.Array, jax.Array]:
+def loss_parts(value, hook: str = "loss", where: str = "") -> tuple[jax.Array, jax.Array]:
     """(numerator, count) of a loss: a scalar mean counts 1; (sum, count) is weighted by count."""
     if isinstance(value, (tuple, list)) and len(value) == 2:
-        total, count = scalar_loss(value[0], hook), jnp.asarray(value[1])
+        total, count = scalar_loss(value[0], hook, where), jnp.asarray(value[1])
         if count.shape != ():
             raise HookError(
-                f"{hook}() returned (sum, count) with a count of shape {count.shape}; "
+                f"{hook}() returned (sum, count) with a count of shape {count.shape}{where}; "
                 f"the count is a scalar (samples or tokens in the sum)."
             )
         return total, count.astype(total.dtype)
-    value = scalar_loss(value, hook)
+    value = scalar_loss(value, hook, where)
     return value, jnp.ones((), value.dtype)
 
 

@@ -14,7 +14,6 @@ import dataclasses
 import inspect as pyinspect
 import sys
 import types
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 from .. import custom, models, optim, remat
 from .. import metrics as metrics_mod
 from ..devices import mesh_id
-from ..errors import HookError, JaxnitroError
+from ..errors import HookError, JaxnitroError, warn_user
 from ..experiment import GRAPH, CompileView, field_values
 from ..sharding import to_sharding
 from ..step import (
@@ -111,6 +110,7 @@ def train_loss_fn(spec):
             outputs,
             **spec.routes["loss"].select(batch),
         )
+        loss_parts(loss, *_loss_context(spec, "train", batch))  # checked here, with the split
         aux = {}
         if "train_metrics" in spec.routes:
             got = spec.cls.train_metrics(
@@ -156,6 +156,14 @@ def custom_step_fn(spec):
     return user_step
 
 
+def _loss_context(spec, split: str, batch) -> tuple[str, str]:
+    """(hook, where) for a loss error: the experiment's hook, the split and the batch rows
+    (a micro-batch's with accum)."""
+    rows = next((v.shape[0] for v in batch.values() if getattr(v, "ndim", 0)), None)
+    size = f" ({rows} rows)" if rows is not None else ""
+    return f"{spec.cls.__name__}.loss", f" on a batch of the {split!r} split{size}"
+
+
 def eval_metrics_fn(spec, split: str):
     """(params, model_state, batch, extras, n_valid) -> {name: (sum, count)} for one batch."""
     has_loss = spec.split_specs[split].has_loss
@@ -176,11 +184,12 @@ def eval_metrics_fn(spec, split: str):
                 outputs,
                 **spec.routes["loss"].select(batch),
             )
+            context = _loss_context(spec, split, batch)
             if isinstance(raw, (tuple, list)) and len(raw) == 2:
-                total, count = loss_parts(raw)
+                total, count = loss_parts(raw, *context)
                 totals["val_loss"] = (total, count.astype(jnp.float32))
             else:
-                loss = scalar_loss(raw)
+                loss = scalar_loss(raw, *context)
                 totals["val_loss"] = (loss * rows, jnp.asarray(rows, jnp.int32))
         if "metrics" in spec.routes:
             got = spec.cls.metrics(
@@ -424,13 +433,12 @@ def check_rebound(spec, ps: ProgramSet) -> None:
         ps.rebound.add(cls)
         exp = spec.cls.__name__
         what = "experiment" if cls is spec.cls else "model"
-        warnings.warn(
+        warn_user(
             f"The {what} class `{cls.__qualname__}` was re-defined in `{cls.__module__}` after "
             f"this handle was made: this handle still runs the old class's code. To use the "
             f"new code, make a new handle: jn.Nitro({exp}(...), ...), or "
             f'jn.Nitro({exp}(...), run_dir=<this run\'s dir>, resume="auto") to continue '
             f"this run with it.",
-            stacklevel=4,
         )
 
 
@@ -463,11 +471,10 @@ def check_stale(spec, ps: ProgramSet) -> None:
     ps.prints = new
     ps.slots = set()  # the recompiles that follow are explained here, not again
     which = f" (the {' and '.join(kinds)} program{'s' * (len(kinds) > 1)})" if kinds else ""
-    warnings.warn(
+    warn_user(
         f"{spec.cls.__name__}: {', '.join(map(_shown, edited))} changed since this Nitro "
         f"compiled its programs; {dropped} stale program(s) dropped{which}, they will be "
         f"recompiled; programs that do not call it are kept.",
-        stacklevel=3,
     )
 
 
@@ -493,10 +500,10 @@ def _acquire(
         ps.compiled.append(prog)
         ps.log({"compile": _compile_line(prog)})
         for flag in prog.record.flags:
-            warnings.warn(flag.message, stacklevel=4)
+            warn_user(flag.message)
         if slot in ps.slots:
             why = "; ".join(prog.reasons) or "a new input signature"
-            warnings.warn(f"recompiling the {kind} program ({label}): {why}", stacklevel=4)
+            warn_user(f"recompiling the {kind} program ({label}): {why}")
     ps.slots.add(slot)
     ps.used[(kind, label)] = prog
     return prog

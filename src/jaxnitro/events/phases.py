@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
-from ..errors import ConfigArgumentError
+from ..errors import ConfigArgumentError, warn_user
 
 _global_monitors: list[Callable] = []
 
@@ -54,10 +53,9 @@ class PhaseTracker:
             except Exception as e:  # noqa: BLE001 - a monitor must never kill the run
                 if id(fn) not in self._failed:
                     self._failed.add(id(fn))
-                    warnings.warn(
+                    warn_user(
                         f"phase monitor {getattr(fn, '__qualname__', fn)!r} raised {e!r}; "
                         f"it stays registered, this is reported once.",
-                        stacklevel=3,
                     )
 
 

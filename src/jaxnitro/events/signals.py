@@ -183,7 +183,9 @@ class Preempted(SystemExit):
 
     A `SystemExit` with code 143 (the conventional SIGTERM status), so a script that does not
     catch it exits as terminated, while a notebook or a launcher can catch it and resume with
-    ``resume="auto"``. `step` is the last step taken, `checkpoint` the checkpoint written.
+    ``resume="auto"``. `step` is the last step taken, `checkpoint` the checkpoint written,
+    `resume` the call that continues from it; `str()` says all three (`jn.train` prints it
+    as its last line).
 
     Example:
         >>> try:
@@ -192,14 +194,16 @@ class Preempted(SystemExit):
         ...     print("preempted at step", p.step, "saved to", p.checkpoint)
     """
 
-    def __init__(self, step: int, checkpoint=None):
+    def __init__(self, step: int, checkpoint=None, *, where: str = "", resume: str = ""):
         super().__init__(143)
         self.step, self.checkpoint = step, checkpoint
+        self.where = where or f"step {step}"
+        self.resume = resume or "jn.Nitro(exp, run_dir=..., resume='auto')"
 
     def __str__(self) -> str:
         return (
-            f"preempted (SIGTERM) at step {self.step}; checkpoint {self.checkpoint}. "
-            f"Resume with jn.Nitro(exp, run_dir=..., resume='auto')."
+            f"preempted (SIGTERM) at {self.where}; wrote checkpoint {self.checkpoint}. "
+            f"Resume from it with {self.resume}."
         )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import numpy as np
 
 from .. import population
 from ..compile.programs import check_stale
-from ..errors import BundleError, ExportError, did_you_mean
+from ..errors import BundleError, ExportError, did_you_mean, warn_user
 from . import compat
 from .format import FORMAT, FORMAT_VERSION, MANIFEST, NAME, PLATFORMS, PROGRAM, WEIGHTS
 from .manifest import file_entry, read_manifest, write_manifest
@@ -78,11 +77,10 @@ def export_model(
     root = Path(dir)
     where = root.absolute()
     if n.step == 0 and n.spec.weights_path is None:
-        warnings.warn(
+        warn_user(
             f"export_model: {n.spec.cls.__name__} has taken no optimizer step, so the bundle "
             f"holds its initial weights. Train first (jn.train(n)), or load trained weights "
             f"with jn.Nitro(exp, checkpoint='runs/...').",
-            stacklevel=2,
         )
     _check_destination(where)  # before anything is traced: fail fast
     platforms = _platforms(platforms)
@@ -113,11 +111,10 @@ def _write_checked(n, staging: Path, manifest: dict, files: dict, wire, platform
     if here in platforms:
         manifest["check"] = check_servable(n, staging, wire, here)
     else:
-        warnings.warn(
+        warn_user(
             f"export_model: this machine runs {here}, not one of {list(platforms)}, so the "
             f"bundle was not run here (no servable check). Load it on a {platforms[0]} "
             f"machine to verify it.",
-            stacklevel=3,
         )
     write_manifest(staging, manifest)
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_user
 from .jsonl import JSONLogger, LogWarning
 
 METHODS = ("open", "log_params", "log_metrics", "log_other", "finish", "close")
@@ -114,11 +113,10 @@ class FanoutLogger:
             with contextlib.suppress(Exception):  # release what it holds, if it can
                 lg.close()
         with contextlib.suppress(Exception):  # a warning filter set to "error" stops here
-            warnings.warn(
+            warn_user(
                 f"logger {type(lg).__name__} failed in {method}(): {e!r}. It is dropped: "
                 f"training and the other loggers go on without it.",
                 LogWarning,
-                stacklevel=4,
             )
 
     def open(self, run_dir: Path, *, resume: bool) -> None:
@@ -209,10 +207,9 @@ class FanoutLogger:
                 out[key] = fn()
             except Exception as e:  # noqa: BLE001 - a checkpoint must not fail for a logger
                 with contextlib.suppress(Exception):
-                    warnings.warn(
+                    warn_user(
                         f"logger {key}.state_dict() raised {e!r}; a resume starts it afresh.",
                         LogWarning,
-                        stacklevel=2,
                     )
         return out
 
@@ -228,10 +225,9 @@ class FanoutLogger:
                 fn(state[key])
             except Exception as e:  # noqa: BLE001
                 with contextlib.suppress(Exception):
-                    warnings.warn(
+                    warn_user(
                         f"logger {key}.load_state_dict() raised {e!r}; it starts afresh.",
                         LogWarning,
-                        stacklevel=2,
                     )
 
 

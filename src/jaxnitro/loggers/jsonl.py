@@ -9,11 +9,10 @@ import os
 import shutil
 import stat
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, JaxnitroError
+from ..errors import ConfigError, JaxnitroError, warn_user
 from ..jsonable import jsonable
 
 
@@ -146,7 +145,7 @@ class JSONLogger:
             path=self.path,
             cause=e,
         )
-        warnings.warn(str(self.error), LogWarning, stacklevel=4)
+        warn_user(str(self.error), LogWarning)
 
     def _write(self, obj: dict) -> None:
         if self._fh is None:
@@ -200,10 +199,9 @@ class JSONLogger:
             self._write({"type": "finish", "status": status, "time": time.time(), **info})
         except Exception as e:  # e.g. an info value whose repr() raises
             try:
-                warnings.warn(
+                warn_user(
                     f"could not write the finish line to {self.path}: {e!r}",
                     LogWarning,
-                    stacklevel=2,
                 )
             except Exception:  # warnings turned into errors: still never raise here
                 pass
@@ -344,11 +342,10 @@ def read_jsonl(path: str | os.PathLike, *, dedupe: bool = False) -> list[dict]:
                 bad.append(lineno)
     if bad:
         listed = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-        warnings.warn(
+        warn_user(
             f"{path}: skipped {len(bad)} unreadable line(s) (line {listed}); a "
             "process killed mid-write leaves a partial line.",
             LogWarning,
-            stacklevel=2,
         )
     return _dedupe(rows) if dedupe else rows
 

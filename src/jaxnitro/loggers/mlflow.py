@@ -10,11 +10,11 @@ import re
 import threading
 import time
 import urllib.parse
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..errors import warn_user
 from ..jsonable import jsonable
 from .jsonl import LogWarning
 from .scalars import require, scalars
@@ -126,11 +126,10 @@ class MLflowLogger:
                 raise
             run = None
         if run is None or run.info.lifecycle_stage == "deleted":
-            warnings.warn(
+            warn_user(
                 f"MLflow run {run_id} is not in {self.tracking_uri} (deleted, or another "
                 f"store); logging to a new run.",
                 LogWarning,
-                stacklevel=4,
             )
             return False
         self._existing = dict(run.data.params)

@@ -3,14 +3,13 @@ parameter, and what that costs each device."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_user
 from ..units import format_bytes
 from .rules import Sharding, param_specs
 
@@ -150,10 +149,9 @@ def check_fsdp(params, sharding: Sharding, n_devices: int, *, threshold: float =
     share = sum(r[3] for r in whole) / total
     if share > threshold:
         names = ", ".join(f"{r[0]} {r[1]}" for r in whole[:5])
-        warnings.warn(
+        warn_user(
             f"sharding='fsdp' leaves {share:.0%} of the parameter bytes "
             f"({format_bytes(sum(r[3] for r in whole))}) replicated on every device: {names}. "
             f"No dimension of these divides by the {n_devices} devices; pad the dimension or "
             f"add a Sharding rule for them.",
-            stacklevel=5,
         )
