@@ -31,7 +31,7 @@ class SweepCommand(ExperimentCommand):
 
 @click.command(cls=SweepCommand, context_settings=CONTEXT)
 @click.argument("target")
-@run_options
+@run_options(exclude=("seed",))
 @click.option(
     "--seed", type=ListOf(click.IntRange(min=0)), metavar="INT,...", help="Seeds to sweep."
 )
@@ -50,7 +50,7 @@ def sweep(ctx: click.Context, target: str, **_: Any) -> None:
     import jaxnitro as jn
 
     cls = ctx.meta["jaxnitro.class"]
-    base = ctx.params["run_dir"] or Path("runs") / cls.__name__
+    base = Path(ctx.params["run_dir"] or Path("runs") / cls.__name__)
     points = grid(given_fields(ctx), ctx.params.get("seed") if given(ctx, "seed") else None)
     varying = [name for name in points[0] if len({repr(p[name]) for p in points}) > 1]
     rows = []
