@@ -662,15 +662,15 @@ def _default_text(o: Option) -> str:
     return "runs/<Class>" if o.name == "run_dir" else repr(o.default)
 
 
-def docstring() -> str:
-    """The options part of `help(jn.Nitro)`."""
+def docstring(indent: str = "    ") -> str:
+    """The options part of `help(jn.Nitro)` (indented like the class docstring's body)."""
     lines = [
         "Options (keyword > an experiment field of the same name, for value options > default;",
         "value options are also `jaxnitro train` flags and config-file entries; docs/options.md):",
     ]
     for o in OPTIONS:
         lines.append(f"    {o.name} ({o.type}) = {_default_text(o)}: {o.doc}")
-    return "\n".join(lines)
+    return "\n".join(indent + line for line in lines)
 
 
 def markdown() -> str:
