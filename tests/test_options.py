@@ -392,3 +392,13 @@ def test_a_python_run_writes_its_config(run_dir):
     assert written["fields"]["width"] == 16 and written["target"].endswith(":Fielded")
     assert "# not written (no TOML value): options.logger = a JSONLogger" in text
     assert config.read(run_dir / "config.toml")["options"]["seed"] == 42
+
+
+def test_train_needs_a_target_or_a_config_with_one(work):
+    code, out = _print_config(work)
+    assert code == 2 and "give TARGET" in out and "--config FILE.toml" in out
+    path = _toml(work, "no-target.toml", {"options": {"seed": 1}})
+    code, out = _print_config(work, "--config", str(path))
+    assert code == 2 and "give TARGET" in out
+    code, out = _print_config(work, "exp.py:Small", "--config", str(path))
+    assert code == 0 and tomllib.loads(out)["options"]["seed"] == 1
