@@ -402,3 +402,33 @@ def test_train_needs_a_target_or_a_config_with_one(work):
     assert code == 2 and "give TARGET" in out
     code, out = _print_config(work, "exp.py:Small", "--config", str(path))
     assert code == 0 and tomllib.loads(out)["options"]["seed"] == 1
+
+
+def test_sweep_takes_flags_and_a_config_file(work):
+    old = os.getcwd()
+    os.chdir(work)
+    try:
+        bad = _toml(work, "sweep-bad.toml", {"target": "exp.py:Small", "options": {"accum": 0}})
+        r = CliRunner().invoke(cli, ["sweep", "--config", str(bad)])
+        assert r.exit_code == 2 and "[options] accum = 0" in r.output, r.output
+        r = CliRunner().invoke(cli, ["sweep", "exp.py:Small", "--val-every", "0"])
+        assert r.exit_code == 2 and "Invalid value for '--val-every'" in r.output, r.output
+    finally:
+        os.chdir(old)
+
+
+@pytest.mark.slow  # a two-point sweep in a subprocess
+def test_a_sweep_starts_from_a_config_file(work):
+    body = {
+        "target": "exp.py:Small",
+        "fields": {"width": 8},
+        "options": {"max_epochs": 1, "run_dir": "runs/sweepcfg", "val_every": 2},
+    }
+    _toml(work, "sweep.toml", body)
+    p = _jaxnitro("sweep", "--config", "sweep.toml", "--smoothing", "0.0,0.1", "--json", cwd=work)
+    assert p.returncode == 0, p.stderr
+    runs = sorted((work / "runs/sweepcfg").glob("sweep-*"))
+    assert [r.name for r in runs] == ["sweep-0-smoothing=0.0", "sweep-1-smoothing=0.1"]
+    written = tomllib.loads((runs[1] / "config.toml").read_text())
+    assert written["fields"] == {"width": 8, "smoothing": 0.1, "sizes": [1, 2]}
+    assert written["options"]["max_epochs"] == 1 and written["options"]["val_every"] == 2

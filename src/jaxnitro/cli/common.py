@@ -78,6 +78,16 @@ def nitro_kwargs(ctx: click.Context, exp, **fixed) -> dict[str, Any]:
     return kw
 
 
+def need_target(ctx: click.Context) -> None:
+    """TARGET, or a `--config` file naming one, is required (a usage error otherwise)."""
+    if CLASS not in ctx.meta:
+        raise click.UsageError(
+            "give TARGET (path/to/file.py:Class or pkg.module:Class), or --config FILE.toml "
+            'with a target = "pkg.mod:Class" line.',
+            ctx=ctx,
+        )
+
+
 def config_data(ctx: click.Context) -> dict[str, Any]:
     """The `--config` file's contents (checked when the arguments were parsed), or {}."""
     return ctx.meta.get(CONFIG, (None, {}))[1]
@@ -142,9 +152,15 @@ def option_flags(exclude: tuple[str, ...] = ()) -> list[Callable]:
     return out
 
 
-def run_options(fn: Callable | None = None, *, exclude: tuple[str, ...] = (), config: bool = False):
+def run_options(
+    fn: Callable | None = None,
+    *,
+    exclude: tuple[str, ...] = (),
+    config: bool = False,
+    print_config: bool = False,
+):
     """The options of a training command (train, sweep), besides the experiment's fields: the
-    value options of `jn.Nitro` (but `exclude`), and with `config` `--config`/`--print-config`."""
+    value options of `jn.Nitro` (but `exclude`), `--config` and `--print-config`."""
 
     def decorate(fn: Callable) -> Callable:
         own = [
@@ -165,19 +181,22 @@ def run_options(fn: Callable | None = None, *, exclude: tuple[str, ...] = (), co
             click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
         ]
         if config:
-            own += [
+            own.append(
                 click.option(
                     "--config",
                     "config_file",
                     type=click.Path(dir_okay=False, path_type=Path),
                     help="A TOML file: target, preset, [fields], [options] (flags win).",
-                ),
+                )
+            )
+        if print_config:
+            own.append(
                 click.option(
                     "--print-config",
                     is_flag=True,
                     help="Print the resolved config (TOML) and exit without training.",
-                ),
-            ]
+                )
+            )
         return functools.reduce(lambda f, opt: opt(f), reversed(own), fn)
 
     return decorate(fn) if fn is not None else decorate

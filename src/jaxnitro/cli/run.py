@@ -22,15 +22,16 @@ from .common import (
     checkpoint_path,
     config_data,
     emit,
+    need_target,
     nitro_kwargs,
     run_options,
 )
-from .fields import CLASS, ExperimentCommand
+from .fields import ExperimentCommand
 
 
 @click.command(cls=ExperimentCommand, context_settings=CONTEXT)
 @click.argument("target", required=False)
-@run_options(config=True)
+@run_options(config=True, print_config=True)
 @click.pass_context
 def train(ctx: click.Context, target: str | None, **_: Any) -> None:
     """Train TARGET (path/to/file.py:Class or pkg.module:Class); options set its fields.
@@ -44,12 +45,7 @@ def train(ctx: click.Context, target: str | None, **_: Any) -> None:
 
     from .. import config
 
-    if CLASS not in ctx.meta:
-        raise click.UsageError(
-            "give TARGET (path/to/file.py:Class or pkg.module:Class), or --config FILE.toml "
-            'with a target = "pkg.mod:Class" line.',
-            ctx=ctx,
-        )
+    need_target(ctx)
     preset = ctx.params["preset"] or config_data(ctx).get("preset")
     exp = build_experiment(ctx, preset)
     kwargs = nitro_kwargs(ctx, exp)
