@@ -19,6 +19,7 @@ import tokenize
 import typing
 from typing import Any
 
+from . import options
 from .errors import (
     ConfigArgumentError,
     ConfigError,
@@ -31,10 +32,9 @@ GRAPH = "GraphConst"
 DEVICE = "Device"
 HOST = "Host"
 
-#: Settings the driver reads itself; baking one into a program would be meaningless.
-DRIVER_FIELDS = frozenset(
-    {"seed", "max_epochs", "run_dir", "n_devices", "logger", "checkpointer", "early_stop"}
-)
+#: Fields that set a `jn.Nitro` option (the driver reads them; baking one into a program
+#: would be meaningless).
+DRIVER_FIELDS = frozenset(o.name for o in options.OPTIONS if o.reads_field)
 
 
 class _Marker:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import autotune, feed, population, render
+from . import autotune, config, feed, population, render
 from . import data as data_mod
 from .checkpoint import TopKCheckpointer
 from .compile import cache, plan, report
@@ -95,6 +95,8 @@ def train(n) -> TrainResult:
         return _result(n, "completed", 0.0, 0, 0.0)
     _check_horizon(n)
     with n.services.writing("train", step=n.step):
+        if jax.process_index() == 0:  # what repeats this run: jaxnitro train --config
+            config.write(n.run_dir, n.config)
         return _train(n)
 
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import jax
 
-from . import hooks, population
+from . import config as config_mod
+from . import hooks, options, population
 from . import settings as settings_mod
 from . import setup as setup_mod
 from .checkpoint import read_manifest
@@ -59,43 +60,11 @@ class Nitro:
         "_experiment",
         "services",
         "programs",
+        "_config",
     )
 
-    def __init__(
-        self,
-        exp,
-        *,
-        seed: int | None = None,
-        run_dir=None,
-        n_devices: int | None = None,
-        accum: int = 1,
-        steps_per_call: int | str = 1,
-        max_epochs: int | None = None,
-        schedules=None,
-        precision: str | None = None,
-        logger=None,
-        checkpointer=None,
-        early_stop=None,
-        resume: bool | str = False,
-        checkpoint=None,
-        data=None,
-        memory_budget: int | None = None,
-        compile_options: dict | None = None,
-        progress: bool | str | None = None,
-        on_nonfinite: str = "error",
-        val_every: int | None = None,
-        checkpoint_every: int | None = None,
-        checkpoint_every_minutes: float | None = None,
-        log_grad_norm: bool | None = None,
-        sharding="dp",
-        remat: list[str] | None = None,
-        remat_policy: str = "full",
-        population=None,
-        data_on_device: bool | None = None,
-        **unknown,
-    ):
-        _check_arguments(exp, unknown)
-        given = {k: v for k, v in locals().items() if k not in ("self", "exp", "unknown")}
+    def __init__(self, exp, **given: Any):
+        _check_arguments(exp, given)
         routes = hooks.check_hooks(type(exp))
         s = settings_mod.settings(exp, given)
         with terminate_during_setup():
@@ -114,6 +83,7 @@ class Nitro:
         self.services.describe(setup_mod.params_line(built.spec), built.spec.resume_path)
         if built.spec.resume_path is not None:
             self.display.line(f"resumed from {built.spec.resume_path} ({self.progress.where()})")
+        self._config = config_mod.run_config(exp, given)
 
     # -- the parts ------------------------------------------------------------------------
     @property
@@ -218,6 +188,12 @@ class Nitro:
         return self.services.phases.current
 
     @property
+    def config(self) -> dict[str, Any]:
+        """What `run_dir/config.toml` holds (written by `jn.train`): target, preset, fields
+        and options; `jaxnitro train --config run_dir/config.toml` repeats the run."""
+        return self._config
+
+    @property
     def max_epochs(self) -> int:
         return self._spec.max_epochs
 
@@ -282,22 +258,19 @@ class Nitro:
                 set_phase(self, previous)
 
 
-def _check_arguments(exp, unknown: dict) -> None:
+def _check_arguments(exp, given: dict) -> None:
     if not is_experiment(exp) or isinstance(exp, type):
         what = f"the class {exp.__name__}" if isinstance(exp, type) else type(exp).__name__
         raise ConfigError(
             f"Nitro takes an experiment instance, got {what}. Decorate the class with "
             f"@jn.experiment and pass an instance: jn.Nitro(MyExp())."
         )
+    unknown = [name for name in given if name not in options.BY_NAME]
     if unknown:
-        name = next(iter(unknown))
-        options = sorted(
-            p
-            for p in inspect.signature(Nitro.__init__).parameters
-            if p not in ("self", "exp", "unknown")
-        )
+        name = unknown[0]
+        names = sorted(options.NAMES)
         raise ConfigArgumentError(
-            f"Nitro has no option {name!r}; options: {options}." + did_you_mean(name, options)
+            f"Nitro has no option {name!r}; options: {names}." + did_you_mean(name, names)
         )
 
 
@@ -314,5 +287,17 @@ def _log_terminated(services, s) -> None:
             finally:
                 lock.release()
 
+
+Nitro.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("exp", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *(
+            inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default)
+            for o in options.OPTIONS
+        ),
+    ]
+)
+Nitro.__doc__ = f"{Nitro.__doc__}\n{options.docstring()}\n"
 
 __all__ = ["Dist", "Nitro", "read_manifest"]

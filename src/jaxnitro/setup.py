@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from . import data as data_mod
-from . import distributed, grain_source, hooks, optim, remat
+from . import distributed, grain_source, hooks, optim, options, remat
 from . import population as population_mod
 from . import sharding as sharding_mod
 from .checkpoint import TopKCheckpointer, load_checkpoint, validate_int
@@ -918,6 +918,15 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     layout = HyperLayout.build(optimizer, values, schedules)
     pop = population_of(s, exp, seed, optimizer, splits["train"], schedules)
     resident, device_batches = resident_data(s, splits, split_specs, mesh, dist, pop)
+    decided = {  # the options setup turns into something else; the rest are kept as they are
+        "seed": seed,
+        "run_dir": s.run_dir,
+        "log_grad_norm": grad_norm_setting(s.log_grad_norm, optimizer) and not custom,
+        "sharding": sharding,
+        "remat": remat.plan(s.remat, s.remat_policy, model, params, mstate),
+        "population": pop,
+        "schedules": schedules,
+    }
     spec = RunSpec(
         experiment=exp,
         cls=type(exp),
@@ -934,20 +943,14 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         ),
         optimizer=optimizer,
         hyper=layout,
-        schedules=schedules,
         steps_per_epoch=spe,
         total_steps=total,
-        seed=seed,
-        run_dir=s.run_dir,
         run_id=run_id,
-        log_grad_norm=grad_norm_setting(s.log_grad_norm, optimizer) and not custom,
-        sharding=sharding,
-        remat=remat.plan(s.remat, s.remat_policy, model, params, mstate),
         resume_path=resume_path,
-        population=pop,
         resident=resident,
         device_batches=device_batches,
-        **_options(s),
+        **decided,
+        **_options(s, decided),
     )
     if pop is None:
         device = DeviceValues(values, layout.base(optimizer, values))
@@ -967,25 +970,12 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     return _restored(spec, ts, device, s)
 
 
-_OPTIONS = (
-    "max_epochs",
-    "accum",
-    "steps_per_call",
-    "precision",
-    "on_nonfinite",
-    "compile_options",
-    "memory_budget",
-    "val_every",
-    "checkpoint_every",
-    "checkpoint_every_minutes",
-    "early_stop",
-)
-
-
-def _options(s: Settings) -> dict[str, Any]:
-    """The settings a RunSpec keeps as they are (steps_per_call='auto' starts at 1; the first
-    train measures and picks, `autotune.py`)."""
-    out = {k: getattr(s, k) for k in _OPTIONS}
+def _options(s: Settings, decided: Mapping[str, Any]) -> dict[str, Any]:
+    """The options a RunSpec keeps as validated: its fields named like an option that setup
+    has not `decided` (steps_per_call='auto' starts at 1; the first train measures and picks,
+    `autotune.py`)."""
+    kept = {f.name for f in dataclasses.fields(RunSpec)} & set(options.NAMES)
+    out = {k: getattr(s, k) for k in kept - set(decided)}
     if s.steps_per_call == "auto":
         out.update(steps_per_call=1, autotune=True)
     return out

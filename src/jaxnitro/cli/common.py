@@ -13,11 +13,12 @@ from typing import Any
 
 import click
 
+from .. import config, options
 from ..errors import ConfigError
 from ..experiment import DEVICE, GRAPH, fields
 from ..jsonable import jsonable
 from ..settings import settings
-from .fields import CLASS, given, given_fields, nitro_options
+from .fields import CLASS, CONFIG, given, given_fields, nitro_options
 from .values import from_json
 
 #: Commands parse `--max_epochs` like `--max-epochs`.
@@ -39,7 +40,12 @@ def build_experiment(
     then `values` (default: the field options given). A value the experiment refuses exits 2
     with its message."""
     cls = experiment_class(ctx)
-    values = {**(base or {}), **(given_fields(ctx) if values is None else values)}
+    values = {
+        **config_fields(ctx),
+        **(base or {}),
+        **(given_fields(ctx) if values is None else values),
+    }
+    preset = preset or config_data(ctx).get("preset")
     try:
         return cls.from_preset(preset, **values) if preset else cls(**values)
     except ConfigError as e:  # a bad value or preset: a usage error, like a bad option value
@@ -47,15 +53,15 @@ def build_experiment(
 
 
 def nitro_kwargs(ctx: click.Context, exp, **fixed) -> dict[str, Any]:
-    """`Nitro` keywords: the command's own options that were given, fields that are also Nitro
-    options (`--seed`, `--max-epochs` on an experiment with those fields), and `fixed`."""
+    """`Nitro` keywords: a config file's `[options]`, then the options given as flags (a flag
+    wins), fields that are also Nitro options (`--seed` on an experiment with that field),
+    then `fixed`."""
     own = nitro_options()
-    kw = {name: getattr(exp, name) for name in given_fields(ctx) if name in own}
-    for name in ("max_epochs", "accum", "steps_per_call", "precision", "seed", "run_dir"):
+    kw = dict(config_data(ctx).get("options") or {})
+    kw.update({name: getattr(exp, name) for name in given_fields(ctx) if name in own})
+    for name in own:
         if name in ctx.params and given(ctx, name):
             kw[name] = ctx.params[name]
-    if ctx.params.get("resume") is not None:
-        kw["resume"] = resume_value(ctx.params["resume"])
     metric, mode = ctx.params.get("checkpoint_metric"), ctx.params.get("checkpoint_mode")
     if metric or mode:
         from ..checkpoint import TopKCheckpointer
@@ -63,7 +69,7 @@ def nitro_kwargs(ctx: click.Context, exp, **fixed) -> dict[str, Any]:
 
         metric = metric or "val_loss"
         kw["checkpointer"] = TopKCheckpointer(metric=metric, mode=mode or metric_mode(metric))
-    kw["progress"] = progress_value(ctx)
+    kw["progress"] = progress_value(ctx, kw.get("progress"))
     kw.update(fixed)
     try:  # a value given on the command line that the settings refuse is a usage error
         settings(exp, kw)
@@ -72,89 +78,128 @@ def nitro_kwargs(ctx: click.Context, exp, **fixed) -> dict[str, Any]:
     return kw
 
 
-def progress_value(ctx: click.Context) -> Any:
-    """`--progress`: auto → the Nitro default; with `--json` (stdout is for JSON) off."""
-    value = ctx.params.get("progress") or "auto"
-    if ctx.params.get("as_json") and not given(ctx, "progress"):
+def need_target(ctx: click.Context) -> None:
+    """TARGET, or a `--config` file naming one, is required (a usage error otherwise)."""
+    if CLASS not in ctx.meta:
+        raise click.UsageError(
+            "give TARGET (path/to/file.py:Class or pkg.module:Class), or --config FILE.toml "
+            'with a target = "pkg.mod:Class" line.',
+            ctx=ctx,
+        )
+
+
+def config_data(ctx: click.Context) -> dict[str, Any]:
+    """The `--config` file's contents (checked when the arguments were parsed), or {}."""
+    return ctx.meta.get(CONFIG, (None, {}))[1]
+
+
+def config_fields(ctx: click.Context) -> dict[str, Any]:
+    """The `[fields]` of the `--config` file as the experiment takes them."""
+    if CONFIG not in ctx.meta:
+        return {}
+    path, data = ctx.meta[CONFIG]
+    try:
+        return config.field_values(data, experiment_class(ctx), path)
+    except ConfigError as e:
+        raise click.UsageError(str(e), ctx=ctx) from None
+
+
+def progress_value(ctx: click.Context, current: Any = None) -> Any:
+    """`--progress` if given (auto → the Nitro default); else off with `--json` (stdout is
+    for JSON); else the command's own default, or `current` (a config file's)."""
+    value = ctx.params.get("progress")
+    if given(ctx, "progress"):
+        return None if value == "auto" else value
+    if ctx.params.get("as_json"):
         return "off"
-    return None if value == "auto" else value
+    return value if value not in (None, "auto") else current
 
 
-def resume_value(text: str) -> Any:
-    """`--resume auto` (continue from the newest checkpoint if any), `true` (one must exist),
-    `false`, or a checkpoint path."""
-    low = text.strip().lower()
-    return {"auto": "auto", "true": True, "yes": True, "false": False, "no": False}.get(low, text)
+class OptionType(click.ParamType):
+    """A `jn.Nitro` option's flag: the text parsed and checked as `jn.Nitro` checks it (a bad
+    value exits 2 with the option's message)."""
 
-
-class _StepsPerCall(click.ParamType):
-    """`--steps-per-call`: a whole number >= 1, or 'auto'."""
-
-    name = "N|auto"
+    def __init__(self, option: options.Option):
+        self.option, self.name = option, option.metavar
 
     def convert(self, value, param, ctx):
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
+        if not isinstance(value, str):
+            return value
         try:
-            number = int(value)
-        except (TypeError, ValueError):
-            number = 0
-        if number < 1:
-            self.fail(
-                f"{value!r} is not a number of steps >= 1 or 'auto' (e.g. --steps-per-call 8, "
-                f"or --steps-per-call auto to measure it).",
-                param,
-                ctx,
+            parsed = self.option.parse(value) if self.option.parse else value
+            self.option.check(parsed)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
+        return parsed
+
+
+def option_flags(exclude: tuple[str, ...] = ()) -> list[Callable]:
+    """One flag per value option of `jn.Nitro` (`--val-every N`, `--log-grad-norm/--no-...`)."""
+    out = []
+    for o in options.OPTIONS:
+        if not o.value or o.name in exclude:
+            continue
+        default = f" [default: {o.default!r}]" if o.default is not None else ""
+        if o.is_bool:
+            decl = f"{o.flag}/--no-{o.flag[2:]}"
+            out.append(click.option(decl, o.name, default=None, help=o.doc + default))
+        else:
+            out.append(
+                click.option(
+                    o.flag, o.name, type=OptionType(o), metavar=o.metavar, help=o.doc + default
+                )
             )
-        return number
+    return out
 
 
-STEPS_PER_CALL = _StepsPerCall()
+def run_options(
+    fn: Callable | None = None,
+    *,
+    exclude: tuple[str, ...] = (),
+    config: bool = False,
+    print_config: bool = False,
+):
+    """The options of a training command (train, sweep), besides the experiment's fields: the
+    value options of `jn.Nitro` (but `exclude`), `--config` and `--print-config`."""
 
+    def decorate(fn: Callable) -> Callable:
+        own = [
+            click.option(
+                "--preset", metavar="NAME", help="Start from one of the experiment's presets."
+            ),
+            *option_flags(exclude),
+            click.option(
+                "--checkpoint-metric",
+                metavar="NAME",
+                help="The metric checkpoints are ranked by (default val_loss).",
+            ),
+            click.option(
+                "--checkpoint-mode",
+                type=click.Choice(["min", "max"]),
+                help="Lower or higher is better (default: min for a loss or error, else max).",
+            ),
+            click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
+        ]
+        if config:
+            own.append(
+                click.option(
+                    "--config",
+                    "config_file",
+                    type=click.Path(dir_okay=False, path_type=Path),
+                    help="A TOML file: target, preset, [fields], [options] (flags win).",
+                )
+            )
+        if print_config:
+            own.append(
+                click.option(
+                    "--print-config",
+                    is_flag=True,
+                    help="Print the resolved config (TOML) and exit without training.",
+                )
+            )
+        return functools.reduce(lambda f, opt: opt(f), reversed(own), fn)
 
-def run_options(fn: Callable) -> Callable:
-    """The options of a training command (train, sweep), besides the experiment's fields."""
-    options = [
-        click.option(
-            "--preset", metavar="NAME", help="Start from one of the experiment's presets."
-        ),
-        click.option("--max-epochs", type=click.IntRange(min=1), help="Epochs to train."),
-        click.option(
-            "--accum", type=click.IntRange(min=1), help="Micro-batches per optimizer step."
-        ),
-        click.option(
-            "--steps-per-call",
-            type=STEPS_PER_CALL,
-            metavar="N|auto",
-            help="Optimizer steps per compiled call, or 'auto' (measured at the first train).",
-        ),
-        click.option(
-            "--precision", type=click.Choice(["f32", "bf16"]), help="bf16: f32 master weights."
-        ),
-        click.option(
-            "--run-dir",
-            type=click.Path(file_okay=False, path_type=Path),
-            help="Where the run writes (default runs/<Class>).",
-        ),
-        click.option(
-            "--resume",
-            metavar="auto|PATH",
-            help="auto: continue from the newest checkpoint in the run dir, if any.",
-        ),
-        click.option(
-            "--checkpoint-metric",
-            metavar="NAME",
-            help="The metric checkpoints are ranked by (default val_loss).",
-        ),
-        click.option(
-            "--checkpoint-mode",
-            type=click.Choice(["min", "max"]),
-            help="Lower or higher is better (default: min for a loss or error, else max).",
-        ),
-        click.option("--progress", type=PROGRESS, default="auto", help="The progress display."),
-        click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
-    ]
-    return functools.reduce(lambda f, opt: opt(f), reversed(options), fn)
+    return decorate(fn) if fn is not None else decorate
 
 
 def checkpoint_path(path: Path) -> Path:

@@ -9,18 +9,19 @@ for a misspelled option, and `--help` with the fields grouped by marker and the 
 from __future__ import annotations
 
 import dataclasses
-import inspect
+from pathlib import Path
 from typing import Any
 
 import click
 from click.core import ParameterSource
 
-from ..errors import closest
+from .. import config, options
+from ..errors import ConfigError, closest
 from ..experiment import DEVICE, GRAPH, HOST, FieldInfo, fields
 from .target import load_target, looks_like_target
 from .values import FieldType, ListOf, supported
 
-CLASS, FIELDS = "jaxnitro.class", "jaxnitro.fields"
+CLASS, FIELDS, CONFIG = "jaxnitro.class", "jaxnitro.fields", "jaxnitro.config"
 _GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 _FLAGS = {"--help", "-h", "--json"}
 _SECTIONS = {
@@ -36,10 +37,7 @@ def kebab(name: str) -> str:
 
 def nitro_options() -> set[str]:
     """The keywords of `jn.Nitro(...)`: a field of the same name sets that keyword too."""
-    from ..nitro import Nitro
-
-    params = inspect.signature(Nitro.__init__).parameters
-    return {p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY}
+    return set(options.NAMES)
 
 
 class FieldOption(click.Option):
@@ -103,6 +101,13 @@ class ExperimentCommand(click.Command):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         target = self._find_target(args)
+        path = _config_path(args) if any(p.name == "config_file" for p in self.params) else None
+        if path is not None:  # --config FILE.toml: its target unless TARGET is given
+            try:
+                ctx.meta[CONFIG] = (path, config.read(path))
+            except ConfigError as e:
+                raise click.UsageError(str(e), ctx=ctx) from None
+            target = target or ctx.meta[CONFIG][1].get("target")
         if target is not None:
             try:
                 cls = load_target(target)
@@ -179,6 +184,18 @@ class ExperimentCommand(click.Command):
             formatter.write_paragraph()
             formatter.write_text(f"Not settable from the shell (type or name): {', '.join(hidden)}")
         _format_presets(cls, formatter)
+
+
+def _config_path(args: list[str]) -> Path | None:
+    """The value of `--config` among the arguments (click parses them later)."""
+    for i, tok in enumerate(args):
+        if tok == "--":
+            break
+        if tok == "--config" and i + 1 < len(args):
+            return Path(args[i + 1])
+        if tok.startswith("--config="):
+            return Path(tok.split("=", 1)[1])
+    return None
 
 
 def _format_presets(cls: Any, formatter: click.HelpFormatter) -> None:

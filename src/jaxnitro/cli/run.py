@@ -20,7 +20,9 @@ from .common import (
     build_experiment,
     checkpoint_config,
     checkpoint_path,
+    config_data,
     emit,
+    need_target,
     nitro_kwargs,
     run_options,
 )
@@ -28,23 +30,31 @@ from .fields import ExperimentCommand
 
 
 @click.command(cls=ExperimentCommand, context_settings=CONTEXT)
-@click.argument("target")
-@run_options
-@click.option(
-    "--seed", type=click.IntRange(min=0), help="Initialization, shuffling, dropout (default 42)."
-)
+@click.argument("target", required=False)
+@run_options(config=True, print_config=True)
 @click.pass_context
-def train(ctx: click.Context, target: str, **_: Any) -> None:
+def train(ctx: click.Context, target: str | None, **_: Any) -> None:
     """Train TARGET (path/to/file.py:Class or pkg.module:Class); options set its fields.
 
     \b
       jaxnitro train examples/mnist.py:MnistMLP --width 256 --smoothing 0.1 --max-epochs 3
       jaxnitro train mypkg.exps:Big --preset small --precision bf16 --resume auto
+      jaxnitro train --config runs/MnistMLP/config.toml --run-dir runs/again   # a repeat
     """
     import jaxnitro as jn
 
-    exp = build_experiment(ctx, ctx.params["preset"])
-    n = jn.Nitro(exp, **nitro_kwargs(ctx, exp))
+    from .. import config
+
+    need_target(ctx)
+    preset = ctx.params["preset"] or config_data(ctx).get("preset")
+    exp = build_experiment(ctx, preset)
+    kwargs = nitro_kwargs(ctx, exp)
+    named = {"target": target or config_data(ctx).get("target"), "preset": preset}
+    if ctx.params["print_config"]:
+        click.echo(config.to_toml({**config.run_config(exp, kwargs), **named}), nl=False)
+        return
+    n = jn.Nitro(exp, **kwargs)
+    n.config.update(named)
     result = jn.train(n)
     summary = train_summary(n, result)
     emit(summary, as_json=ctx.params["as_json"], text=lambda s: _train_text(s, n.display.mode))

@@ -18,7 +18,16 @@ from typing import Any
 import click
 
 from ..errors import JaxnitroError
-from .common import CONTEXT, build_experiment, echo_err, emit, nitro_kwargs, run_options
+from .common import (
+    CONTEXT,
+    build_experiment,
+    config_data,
+    echo_err,
+    emit,
+    need_target,
+    nitro_kwargs,
+    run_options,
+)
 from .fields import ExperimentCommand, given, given_fields
 from .values import ListOf
 
@@ -30,17 +39,18 @@ class SweepCommand(ExperimentCommand):
 
 
 @click.command(cls=SweepCommand, context_settings=CONTEXT)
-@click.argument("target")
-@run_options
+@click.argument("target", required=False)
+@run_options(exclude=("seed",), config=True)
 @click.option(
     "--seed", type=ListOf(click.IntRange(min=0)), metavar="INT,...", help="Seeds to sweep."
 )
 @click.pass_context
-def sweep(ctx: click.Context, target: str, **_: Any) -> None:
+def sweep(ctx: click.Context, target: str | None, **_: Any) -> None:
     """Train TARGET at every point of a grid of field values; a table ranks the points.
 
     Every field option takes comma-separated values (bools as true,false), --seed too; the
-    grid is their product. Point k runs in <run-dir or runs/Class>/sweep-<k>-<field>=<value>...
+    grid is their product. --config FILE.toml gives the target, fields and options the grid
+    starts from (flags win). Point k runs in <run-dir or runs/Class>/sweep-<k>-<field>=<value>...
     (the fields that vary), in this process: a sweep over Device and Host fields compiles only
     the first point's programs.
 
@@ -49,8 +59,10 @@ def sweep(ctx: click.Context, target: str, **_: Any) -> None:
     """
     import jaxnitro as jn
 
+    need_target(ctx)
     cls = ctx.meta["jaxnitro.class"]
-    base = ctx.params["run_dir"] or Path("runs") / cls.__name__
+    from_file = (config_data(ctx).get("options") or {}).get("run_dir")
+    base = Path(ctx.params["run_dir"] or from_file or Path("runs") / cls.__name__)
     points = grid(given_fields(ctx), ctx.params.get("seed") if given(ctx, "seed") else None)
     varying = [name for name in points[0] if len({repr(p[name]) for p in points}) > 1]
     rows = []
