@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,41 @@ class TrainState:
     def replace(self, **changes) -> TrainState:
         return dataclasses.replace(self, **changes)
 
+    if not TYPE_CHECKING:  # hidden from the type checker, which would then accept any name
+
+        def __getattr__(self, name: str):
+            # Reached only for an attribute the instance lacks: the array fields of a state
+            # `train_step` returned and nobody has read yet. Its leaves wait in `_unread`
+            # and become the fields on the first read (see `_unread_state`).
+            if name not in _ARRAY_FIELDS or "_unread" not in self.__dict__:
+                raise AttributeError(f"'TrainState' object has no attribute {name!r}")
+            with _materializing:  # two threads reading at once get the same objects
+                unread = self.__dict__.pop("_unread", None)
+                if unread is not None:
+                    full = jax.tree.unflatten(unread[1], unread[0])
+                    for field in _ARRAY_FIELDS:
+                        object.__setattr__(self, field, getattr(full, field))
+            return self.__dict__[name]
+
+
+_ARRAY_FIELDS = ("params", "state", "opt_state", "step", "rng")
+_materializing = threading.Lock()
+
+
+def _unread_state(model, tx, leaves, treedef, sig) -> TrainState:
+    """A `TrainState` that holds its leaves unflattened until a field is first read.
+
+    A training loop passes each returned state straight back to `train_step` and reads a
+    field only now and then; rebuilding the pytree every step and flattening it again on the
+    next call costs more than a small step itself when the parameters are NNX `State`s
+    (every `Variable` is rebuilt in Python). An unread state goes back as its leaves. Once a
+    field is read, the state is an ordinary one (its containers may since have been edited
+    in place, so it is flattened again like any other).
+    """
+    ts = object.__new__(TrainState)
+    ts.__dict__.update(model=model, tx=tx, _unread=(leaves, treedef, sig))
+    return ts
+
 
 def _split_loss_output(out):
     """loss | (loss, new_state) | (loss, new_state, aux) -> (loss, new_state or None, aux)."""
@@ -95,11 +131,14 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
     `loss_fn(model, params, model_state, batch)` returns `loss`, `(loss, new_model_state)` or
     `(loss, new_model_state, aux_dict)`. Inside it, `jn.apply` runs the model in training mode
     with a fresh per-step RNG. The input state's buffers are donated: keep the returned state.
+    Batch arrays may be numpy or JAX arrays; numpy ones go to the device as the program starts.
 
     A call is one lookup by the function object, model, optimizer and shapes, then the
     dispatch. A redefined `loss_fn` (a notebook cell run again, `importlib.reload`) is a new
-    object and compiles anew; a module-level value or closure variable the *same* function
-    object reads is not re-checked on each call: after changing one, call `jn.cache_reset()`.
+    object, and a function whose code is replaced in place (IPython's autoreload) has new
+    code: either compiles anew. A module-level value, helper function or closure variable the
+    *same* function object reads is not re-checked on each call: after changing one, call
+    `jn.cache_reset()`.
 
     Example:
         >>> def loss_fn(model, params, state, batch):
@@ -108,34 +147,84 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
         ...     return loss.mean(), state
         >>> ts, loss, aux = jn.train_step(loss_fn, ts, {"x": x, "y": y})
     """
-    batch = jax.tree.map(
-        lambda x: jnp.asarray(x) if isinstance(x, (np.ndarray, list)) else x, batch
-    )
-    leaves, treedef = jax.tree.flatten(state)
+    unread = state.__dict__.get("_unread") if type(state) is TrainState else None
+    if unread is not None:  # a state this function returned, not read since: no flatten
+        leaves, treedef, state_sig = unread
+    else:
+        leaves, treedef = jax.tree.flatten(state)
+        state_sig = _state_sig(leaves)
     batch_leaves, batch_def = jax.tree.flatten(batch)
     # The fast path: one lookup per (function object, model, optimizer, shapes). A new or
-    # redefined function, model or optimizer is a new object, so it takes the full path
-    # (fingerprints and structure keys) and an edit never reuses a stale program.
+    # redefined function, model or optimizer is a new object, and code edited in place is a
+    # new code object, so each takes the full path (fingerprints and structure keys): an edit
+    # never reuses a stale program. Batch leaves are keyed as they come (numpy or JAX,
+    # shape, dtype, weak type) and passed on unconverted: the compiled call moves numpy
+    # arrays to the device itself, several times faster than `jnp.asarray` in Python.
     fast = (
         id(loss_fn),
         id(state.model),
         id(state.tx),
+        treedef,
         batch_def,
-        tuple((x.shape, x.dtype) for x in leaves),
-        tuple(
-            (np.shape(x), getattr(x, "dtype", None), getattr(x, "weak_type", None))
-            for x in batch_leaves
-        ),
+        state_sig,
+        tuple(map(_input_sig, batch_leaves)),
     )
     hit = _fast.get(fast)
-    if hit is not None and hit[0] is loss_fn and hit[1] == treedef:
-        call = hit[2]
-    else:
+    if (
+        hit is None
+        or hit.loss_fn is not loss_fn
+        or hit.code is not _code(loss_fn)
+        or hit.model_code is not _code(state.model)
+    ):
+        if unread is not None:  # the full path reads the fields
+            state = jax.tree.unflatten(treedef, leaves)
         call = _program(loss_fn, state, leaves, treedef, batch).compiled
-        _remember(fast, (loss_fn, treedef, call, state.model, state.tx))
-    leaves, out = call(leaves, batch)
+        hit = _Fast(loss_fn, _code(loss_fn), state.model, _code(state.model), state.tx, call)
+        _remember(fast, hit)
+    leaves, out = hit.call(leaves, batch_leaves)
+    if hit.out_sig is None:  # the program's output avals, the same on every call
+        hit.out_sig = _state_sig(leaves)
     loss = out.pop("loss")
-    return jax.tree.unflatten(treedef, leaves), loss, out
+    if type(state) is not TrainState:  # a subclass: its own fields, rebuilt as it is
+        return jax.tree.unflatten(treedef, leaves), loss, out
+    return _unread_state(state.model, state.tx, leaves, treedef, hit.out_sig), loss, out
+
+
+def _code(fn):
+    """The code object of a plain function (None for other callables and model objects)."""
+    return getattr(fn, "__code__", None)
+
+
+def _input_sig(x):
+    """What the compiled call checks of one input: a JAX array's aval (shape, dtype, weak
+    type); for anything else its type, shape and dtype (a numpy array, a Python scalar)."""
+    if type(x) is np.ndarray:
+        return (np.ndarray, x.shape, x.dtype)
+    aval = getattr(x, "aval", None)
+    if aval is not None:
+        return aval
+    return (type(x), np.shape(x), getattr(x, "dtype", None))
+
+
+def _state_sig(leaves) -> tuple:
+    try:
+        return tuple([x.aval for x in leaves])
+    except AttributeError:  # a numpy or Python leaf (e.g. parameters built with numpy)
+        return tuple(map(_input_sig, leaves))
+
+
+@dataclasses.dataclass(eq=False)
+class _Fast:
+    """A fast-path entry. It holds the function, model and optimizer, so their ids stay
+    theirs while it lives, and the code objects it was compiled from."""
+
+    loss_fn: Any
+    code: Any
+    model: Any
+    model_code: Any
+    tx: Any
+    call: Any
+    out_sig: tuple | None = None
 
 
 _fast: collections.OrderedDict = collections.OrderedDict()
@@ -143,8 +232,7 @@ _FAST_ENTRIES = 64
 cache.on_reset(_fast.clear)
 
 
-def _remember(key, entry) -> None:
-    """Keep the entry (it holds the function, model and optimizer, so their ids stay theirs)."""
+def _remember(key, entry: _Fast) -> None:
     _fast[key] = entry
     _fast.move_to_end(key)
     while len(_fast) > _FAST_ENTRIES:
@@ -152,8 +240,13 @@ def _remember(key, entry) -> None:
 
 
 def _program(loss_fn, state: TrainState, leaves, treedef, batch) -> cache.Program:
-    """The train-step program, from the process-wide cache (keyed by fingerprints)."""
+    """The train-step program, from the process-wide cache (keyed by fingerprints).
+
+    It takes the state's leaves and the batch's leaves (both flat lists, so the compiled
+    call's own argument check is cheap) and returns the new state's leaves and the outputs.
+    """
     model, tx = state.model, state.tx
+    batch_leaves, batch_def = jax.tree.flatten(batch)
 
     def inner(params, model_state, batch, extras, rng):
         with models.mode(train=True, rng=rng):
@@ -169,13 +262,14 @@ def _program(loss_fn, state: TrainState, leaves, treedef, batch) -> cache.Progra
     )
     step_fn = make_train_step(inner, tx)
 
-    def flat_step(leaves, batch):  # the state travels as its leaves (model and tx are static)
+    def flat_step(leaves, batch_leaves):  # model and tx are static: only leaves travel
+        batch = jax.tree.unflatten(batch_def, batch_leaves)
         new, out = step_fn(jax.tree.unflatten(treedef, leaves), batch, {}, {})
         return jax.tree.leaves(new), out
 
     return cache.get_or_compile(
         key,
-        lambda: jax.jit(flat_step, donate_argnums=(0,)).lower(leaves, batch),
+        lambda: jax.jit(flat_step, donate_argnums=(0,)).lower(leaves, batch_leaves),
         kind="train_step",
         label=getattr(loss_fn, "__qualname__", "loss_fn"),
     )
