@@ -290,3 +290,31 @@ def test_a_python_int_and_a_python_float_in_the_batch_are_different_programs():
     ts, as_int, _ = jn.train_step(scaled, ts, {"x": x, "scale": 2})
     ts, as_float, _ = jn.train_step(scaled, ts, {"x": x, "scale": 2.5})
     assert float(as_float) == pytest.approx(1.25 * float(as_int), rel=1e-5)
+
+
+def test_a_returned_state_with_another_batch_shape_or_structure_gets_its_program():
+    # A returned state goes straight back into the program that made it; the compiled call
+    # refuses another batch before running (nothing donated) and the keyed path takes over.
+    ts = jn.TrainState.create(mlp_apply, _dict_params(), {}, optax.sgd(0.1))
+    big, small = _numpy_batches(1)[0], {k: v[:5] for k, v in _numpy_batches(1)[0].items()}
+    ts, _, _ = jn.train_step(mse, ts, big)
+    misses = jn.cache_stats()["misses"]
+    ts, loss_small, _ = jn.train_step(mse, ts, small)
+    assert jn.cache_stats()["misses"] == misses + 1
+    ts, _, _ = jn.train_step(mse, ts, {**big, "unused": np.zeros(3, np.float32)})
+    assert jn.cache_stats()["misses"] == misses + 2
+    ts, loss_big, _ = jn.train_step(mse, ts, big)  # back to the first program
+    assert jn.cache_stats()["misses"] == misses + 2
+    assert np.isfinite(float(loss_small)) and np.isfinite(float(loss_big))
+    assert int(ts.step) == 4
+
+
+def test_cache_reset_reaches_a_returned_state():
+    ts = jn.TrainState.create(mlp_apply, _dict_params(), {}, optax.sgd(0.1))
+    batch = _numpy_batches(1)[0]
+    ts, _, _ = jn.train_step(mse, ts, batch)
+    ts, _, _ = jn.train_step(mse, ts, batch)
+    jn.cache_reset()
+    ts, _, _ = jn.train_step(mse, ts, batch)  # compiles again, as after any reset
+    assert jn.cache_stats()["misses"] == 1
+    assert int(ts.step) == 3

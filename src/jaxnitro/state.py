@@ -97,7 +97,7 @@ _ARRAY_FIELDS = ("params", "state", "opt_state", "step", "rng")
 _materializing = threading.Lock()
 
 
-def _unread_state(model, tx, leaves, treedef, sig) -> TrainState:
+def _unread_state(model, tx, leaves, treedef, program: _Fast) -> TrainState:
     """A `TrainState` that holds its leaves unflattened until a field is first read.
 
     A training loop passes each returned state straight back to `train_step` and reads a
@@ -108,7 +108,7 @@ def _unread_state(model, tx, leaves, treedef, sig) -> TrainState:
     in place, so it is flattened again like any other).
     """
     ts = object.__new__(TrainState)
-    ts.__dict__.update(model=model, tx=tx, _unread=(leaves, treedef, sig))
+    ts.__dict__.update(model=model, tx=tx, _unread=(leaves, treedef, program))
     return ts
 
 
@@ -147,47 +147,60 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
         ...     return loss.mean(), state
         >>> ts, loss, aux = jn.train_step(loss_fn, ts, {"x": x, "y": y})
     """
+    # The batch goes to the compiled call as it comes: the call flattens it and checks its
+    # shapes and dtypes in C++, and moves numpy arrays to the device itself (a `jnp.asarray`
+    # per field in Python cost more than a small step).
     unread = state.__dict__.get("_unread") if type(state) is TrainState else None
     if unread is not None:  # a state this function returned, not read since: no flatten
-        leaves, treedef, state_sig = unread
+        leaves, treedef, program = unread
+        if program.takes_back(loss_fn, state.model):
+            try:
+                new_leaves, out = program.call(leaves, batch)
+            except TypeError:
+                # Another batch structure, shape or dtype: the call refused it before running
+                # (nothing donated); the keyed path below finds or compiles its program.
+                pass
+            else:
+                loss = out.pop("loss")
+                return _unread_state(state.model, state.tx, new_leaves, treedef, program), loss, out
+        state_sig = program.out_sig
     else:
         leaves, treedef = jax.tree.flatten(state)
         state_sig = _state_sig(leaves)
     batch_leaves, batch_def = jax.tree.flatten(batch)
-    # The fast path: one lookup per (function object, model, optimizer, shapes). A new or
-    # redefined function, model or optimizer is a new object, and code edited in place is a
-    # new code object, so each takes the full path (fingerprints and structure keys): an edit
-    # never reuses a stale program. Batch leaves are keyed as they come (numpy or JAX,
-    # shape, dtype, weak type) and passed on unconverted: the compiled call moves numpy
-    # arrays to the device itself, several times faster than `jnp.asarray` in Python.
-    fast = (
-        id(loss_fn),
-        id(state.model),
-        id(state.tx),
-        treedef,
-        batch_def,
-        state_sig,
-        tuple(map(_input_sig, batch_leaves)),
-    )
-    hit = _fast.get(fast)
-    if (
-        hit is None
-        or hit.loss_fn is not loss_fn
-        or hit.code is not _code(loss_fn)
-        or hit.model_code is not _code(state.model)
-    ):
-        if unread is not None:  # the full path reads the fields
-            state = jax.tree.unflatten(treedef, leaves)
-        call = _program(loss_fn, state, leaves, treedef, batch).compiled
-        hit = _Fast(loss_fn, _code(loss_fn), state.model, _code(state.model), state.tx, call)
-        _remember(fast, hit)
-    leaves, out = hit.call(leaves, batch_leaves)
-    if hit.out_sig is None:  # the program's output avals, the same on every call
-        hit.out_sig = _state_sig(leaves)
+    sigs = (state_sig, batch_def, tuple(map(_input_sig, batch_leaves)))
+    program = _lookup(loss_fn, state, leaves, treedef, batch, *sigs, unread=unread is not None)
+    leaves, out = program.call(leaves, batch)
+    if program.out_sig is None:  # the program's output avals, the same on every call
+        program.returned(_state_sig(leaves))
     loss = out.pop("loss")
     if type(state) is not TrainState:  # a subclass: its own fields, rebuilt as it is
         return jax.tree.unflatten(treedef, leaves), loss, out
-    return _unread_state(state.model, state.tx, leaves, treedef, hit.out_sig), loss, out
+    return _unread_state(state.model, state.tx, leaves, treedef, program), loss, out
+
+
+def _lookup(
+    loss_fn, state, leaves, treedef, batch, state_sig, batch_def, batch_sig, *, unread: bool
+) -> _Fast:
+    """The program for these inputs: from the table of the fast path, else the full path.
+
+    The table is keyed by the ids of the function, model and optimizer (each entry holds
+    them, so an id stays theirs) and the input signatures. A new or redefined function, model
+    or optimizer is a new object, and code edited in place is a new code object, so each
+    takes the full path (fingerprints and structure keys): an edit never reuses a stale
+    program. An unread `state` has its fields built only for the full path.
+    """
+    model, tx = state.model, state.tx
+    key = (id(loss_fn), id(model), id(tx), treedef, batch_def, state_sig, batch_sig)
+    hit = _fast.get(key)
+    if hit is not None and hit.fits(loss_fn, model):
+        return hit
+    if unread:
+        state = jax.tree.unflatten(treedef, leaves)
+    call = _program(loss_fn, state, leaves, treedef, batch).compiled
+    hit = _Fast(loss_fn, _code(loss_fn), model, _code(model), tx, call, state_sig)
+    _remember(key, hit)
+    return hit
 
 
 def _code(fn):
@@ -215,8 +228,9 @@ def _state_sig(leaves) -> tuple:
 
 @dataclasses.dataclass(eq=False)
 class _Fast:
-    """A fast-path entry. It holds the function, model and optimizer, so their ids stay
-    theirs while it lives, and the code objects it was compiled from."""
+    """A compiled train step as the fast path keeps it: the function, model and optimizer
+    it was compiled for (held, so their ids stay theirs while it lives), their code objects,
+    and the signatures of its inputs and outputs."""
 
     loss_fn: Any
     code: Any
@@ -224,12 +238,47 @@ class _Fast:
     model_code: Any
     tx: Any
     call: Any
+    state_sig: tuple
     out_sig: tuple | None = None
+    loops: bool = False  # its returned state is a valid input of its own (same signature)
+    live: bool = True  # False once `jn.cache_reset()` dropped it
+
+    def fits(self, loss_fn, model) -> bool:
+        """Still this function's and model's program: alive, and their code unchanged."""
+        return (
+            self.live
+            and self.loss_fn is loss_fn
+            and self.code is _code(loss_fn)
+            and self.model_code is _code(model)
+        )
+
+    def returned(self, out_sig: tuple) -> None:
+        self.out_sig, self.loops = out_sig, out_sig == self.state_sig
+
+    def takes_back(self, loss_fn, model) -> bool:
+        """Whether a state this program returned goes back into it (the usual loop: the
+        same function and model every step; the compiled call itself checks the batch)."""
+        return (
+            self.loops
+            and self.live
+            and self.loss_fn is loss_fn
+            and self.model is model
+            and (self.code is None or self.code is loss_fn.__code__)
+            and (self.model_code is None or self.model_code is model.__code__)
+        )
 
 
 _fast: collections.OrderedDict = collections.OrderedDict()
 _FAST_ENTRIES = 64
-cache.on_reset(_fast.clear)
+
+
+def _reset_fast() -> None:
+    for program in _fast.values():  # an unread state may still point at one
+        program.live = False
+    _fast.clear()
+
+
+cache.on_reset(_reset_fast)
 
 
 def _remember(key, entry: _Fast) -> None:
@@ -242,11 +291,11 @@ def _remember(key, entry: _Fast) -> None:
 def _program(loss_fn, state: TrainState, leaves, treedef, batch) -> cache.Program:
     """The train-step program, from the process-wide cache (keyed by fingerprints).
 
-    It takes the state's leaves and the batch's leaves (both flat lists, so the compiled
-    call's own argument check is cheap) and returns the new state's leaves and the outputs.
+    It takes the state's leaves (a flat list: the call flattens it in C++, where an NNX
+    `State` would call back into Python) and the batch, and returns the new state's leaves
+    and the outputs.
     """
     model, tx = state.model, state.tx
-    batch_leaves, batch_def = jax.tree.flatten(batch)
 
     def inner(params, model_state, batch, extras, rng):
         with models.mode(train=True, rng=rng):
@@ -262,14 +311,13 @@ def _program(loss_fn, state: TrainState, leaves, treedef, batch) -> cache.Progra
     )
     step_fn = make_train_step(inner, tx)
 
-    def flat_step(leaves, batch_leaves):  # model and tx are static: only leaves travel
-        batch = jax.tree.unflatten(batch_def, batch_leaves)
+    def flat_step(leaves, batch):  # model and tx are static: only leaves travel
         new, out = step_fn(jax.tree.unflatten(treedef, leaves), batch, {}, {})
         return jax.tree.leaves(new), out
 
     return cache.get_or_compile(
         key,
-        lambda: jax.jit(flat_step, donate_argnums=(0,)).lower(leaves, batch_leaves),
+        lambda: jax.jit(flat_step, donate_argnums=(0,)).lower(leaves, batch),
         kind="train_step",
         label=getattr(loss_fn, "__qualname__", "loss_fn"),
     )
