@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -227,6 +229,8 @@ def test_a_returned_state_reads_like_any_train_state():
     assert int(ts.replace(step=jnp.int32(7)).step) == 7
     assert "TrainState(params=" in repr(ts)
     assert ts.model is mlp_apply
+    twin = copy.deepcopy(ts)
+    np.testing.assert_array_equal(twin.params["l1"]["w"], ts.params["l1"]["w"])
     with pytest.raises(AttributeError, match="parms"):
         ts.parms  # noqa: B018
 

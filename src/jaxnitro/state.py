@@ -76,6 +76,12 @@ class TrainState:
     def replace(self, **changes) -> TrainState:
         return dataclasses.replace(self, **changes)
 
+    def __getstate__(self) -> dict:
+        # copy, deepcopy and pickle see an ordinary state (an unread one builds its fields).
+        for field in _ARRAY_FIELDS:
+            getattr(self, field)
+        return dict(self.__dict__)
+
     if not TYPE_CHECKING:  # hidden from the type checker, which would then accept any name
 
         def __getattr__(self, name: str):
