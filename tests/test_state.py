@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,3 +125,200 @@ def test_the_fast_path_recompiles_a_redefined_loss_and_cache_reset_clears_it():
     assert float(l2) > 2.0 * float(l3)  # `again` really ran with scale 3, not first's program
     jn.cache_reset()
     assert not state_mod._fast
+
+
+# ------------------------------------------------------- the per-call path (issue 26, part 3)
+
+
+def _dict_params(seed: int = 0) -> dict:
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return {
+        "l1": {"w": jax.random.normal(k1, (2, 8)), "b": jnp.zeros((8,))},
+        "l2": {"w": jax.random.normal(k2, (8, 2)), "b": jnp.zeros((2,))},
+    }
+
+
+def mlp_apply(params, state, x):
+    h = jax.nn.relu(x @ params["l1"]["w"] + params["l1"]["b"])
+    return h @ params["l2"]["w"] + params["l2"]["b"], state
+
+
+def _numpy_batches(n: int = 4) -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [
+        {"x": (x := rng.normal(size=(16, 2)).astype(np.float32)), "y": np.tanh(x)} for _ in range(n)
+    ]
+
+
+def test_numpy_and_device_batches_train_alike():
+    batches = _numpy_batches()
+    runs = []
+    for to_device in (False, True):
+        ts = jn.TrainState.create(mlp_apply, _dict_params(), {}, optax.adam(1e-2))
+        losses = []
+        for b in batches * 3:
+            b = {k: jnp.asarray(v) for k, v in b.items()} if to_device else b
+            ts, loss, _ = jn.train_step(mse, ts, b)
+            losses.append(float(loss))
+        runs.append((losses, jax.tree.map(np.asarray, ts.params)))
+    (l_np, p_np), (l_dev, p_dev) = runs
+    np.testing.assert_allclose(l_np, l_dev, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(p_np), jax.tree.leaves(p_dev), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_numpy_batches_are_not_converted_in_python(monkeypatch):
+    # The compiled call moves numpy arrays to the device itself; a `jnp.asarray` per field
+    # in Python cost more than a small step (it was 2 calls per step here).
+    batches = _numpy_batches()
+    ts = jn.TrainState.create(mlp_apply, _dict_params(), {}, optax.adam(1e-2))
+    for b in batches:  # compile outside the count (tracing may call jnp.asarray)
+        ts, loss, _ = jn.train_step(mse, ts, b)
+    calls = []
+    real = jnp.asarray
+    monkeypatch.setattr(jnp, "asarray", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for b in batches * 2:
+        ts, loss, _ = jn.train_step(mse, ts, b)
+    assert calls == []
+    assert np.isfinite(float(loss))
+
+
+@jax.tree_util.register_pytree_node_class
+class _Counted:
+    """A parameter container that counts how often JAX flattens it."""
+
+    flattens = 0
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def tree_flatten(self):
+        type(self).flattens += 1
+        return (self.inner,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0])
+
+
+def test_a_returned_state_goes_back_without_being_flattened_again():
+    def counted_apply(params, state, x):
+        return mlp_apply(params.inner, state, x)
+
+    batches = _numpy_batches()
+    ts = jn.TrainState.create(counted_apply, _Counted(_dict_params()), {}, optax.sgd(0.1))
+    for b in batches:
+        ts, _, _ = jn.train_step(mse, ts, b)
+    before = _Counted.flattens
+    for b in batches * 3:  # the loop never reads the state: it is passed back as its leaves
+        ts, loss, _ = jn.train_step(mse, ts, b)
+    assert _Counted.flattens == before
+    assert isinstance(ts.params, _Counted)  # reading a field builds the pytree once
+    assert int(ts.step) == 16
+    ts, _, _ = jn.train_step(mse, ts, batches[0])  # a read state is flattened like any other
+    assert _Counted.flattens > before
+
+
+def test_a_returned_state_reads_like_any_train_state():
+    batch = _numpy_batches(1)[0]
+    plain = jn.TrainState.create(mlp_apply, _dict_params(), {}, optax.sgd(0.1))
+    structure = jax.tree.structure(plain)
+    ts, _, _ = jn.train_step(mse, plain, batch)
+    assert jax.tree.structure(ts) == structure  # flattening reads the fields
+    ts, _, _ = jn.train_step(mse, ts, batch)
+    assert int(ts.replace(step=jnp.int32(7)).step) == 7
+    assert "TrainState(params=" in repr(ts)
+    assert ts.model is mlp_apply
+    twin = copy.deepcopy(ts)
+    np.testing.assert_array_equal(twin.params["l1"]["w"], ts.params["l1"]["w"])
+    with pytest.raises(AttributeError, match="parms"):
+        ts.parms  # noqa: B018
+
+
+def test_a_state_edited_in_place_after_a_read_trains_from_the_edit():
+    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    ts = jn.TrainState.create(mlp_apply, _dict_params(), {}, optax.sgd(0.1))
+    ts, _, _ = jn.train_step(mse, ts, batch)
+    zeros = jax.tree.map(jnp.zeros_like, ts.params)
+    ts.params["l2"]["w"] = zeros["l2"]["w"]  # a dict edited in place, not a new state
+    ts.params["l2"]["b"] = zeros["l2"]["b"]
+    _, loss, _ = jn.train_step(mse, ts, batch)
+    assert float(loss) == 0.0  # the edited (zero) output layer ran, not the stale one
+
+
+def test_a_loss_function_edited_in_place_recompiles():
+    # IPython's autoreload swaps `__code__` of the existing function object: the fast path
+    # must not take the same object for the same code.
+    model, params, state = jn.split_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+    ts = jn.TrainState.create(model, params, state, optax.sgd(0.0))
+    batch = {"x": np.ones((4, 3), np.float32)}
+
+    def loss_fn(model, params, state, batch):
+        out, state = jn.apply(model, params, state, batch["x"])
+        return (out**2).mean(), state
+
+    def edited(model, params, state, batch):
+        out, state = jn.apply(model, params, state, batch["x"])
+        return 3.0 * (out**2).mean(), state
+
+    ts, before, _ = jn.train_step(loss_fn, ts, batch)
+    misses = jn.cache_stats()["misses"]
+    loss_fn.__code__ = edited.__code__
+    ts, after, _ = jn.train_step(loss_fn, ts, batch)
+    assert float(after) == pytest.approx(3.0 * float(before), rel=1e-5)
+    assert jn.cache_stats()["misses"] == misses + 1
+
+
+def test_a_model_function_edited_in_place_recompiles():
+    def apply_fn(params, state, x):
+        return x @ params["w"], state
+
+    def doubled(params, state, x):
+        return 2.0 * (x @ params["w"]), state
+
+    ts = jn.TrainState.create(apply_fn, {"w": jnp.ones((2, 2))}, {}, optax.sgd(0.0))
+    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    ts, before, _ = jn.train_step(mse, ts, batch)
+    apply_fn.__code__ = doubled.__code__
+    ts, after, _ = jn.train_step(mse, ts, batch)
+    assert float(after) == pytest.approx(4.0 * float(before), rel=1e-5)
+
+
+def test_a_python_int_and_a_python_float_in_the_batch_are_different_programs():
+    def scaled(model, params, state, batch):
+        pred, state = jn.apply(model, params, state, batch["x"])
+        return batch["scale"] * jnp.mean(pred**2), state
+
+    ts = jn.TrainState.create(mlp_apply, _dict_params(), {}, optax.sgd(0.0))
+    x = np.ones((4, 2), np.float32)
+    ts, as_int, _ = jn.train_step(scaled, ts, {"x": x, "scale": 2})
+    ts, as_float, _ = jn.train_step(scaled, ts, {"x": x, "scale": 2.5})
+    assert float(as_float) == pytest.approx(1.25 * float(as_int), rel=1e-5)
+
+
+def test_a_returned_state_with_another_batch_shape_or_structure_gets_its_program():
+    # A returned state goes straight back into the program that made it; the compiled call
+    # refuses another batch before running (nothing donated) and the keyed path takes over.
+    ts = jn.TrainState.create(mlp_apply, _dict_params(), {}, optax.sgd(0.1))
+    big, small = _numpy_batches(1)[0], {k: v[:5] for k, v in _numpy_batches(1)[0].items()}
+    ts, _, _ = jn.train_step(mse, ts, big)
+    misses = jn.cache_stats()["misses"]
+    ts, loss_small, _ = jn.train_step(mse, ts, small)
+    assert jn.cache_stats()["misses"] == misses + 1
+    ts, _, _ = jn.train_step(mse, ts, {**big, "unused": np.zeros(3, np.float32)})
+    assert jn.cache_stats()["misses"] == misses + 2
+    ts, loss_big, _ = jn.train_step(mse, ts, big)  # back to the first program
+    assert jn.cache_stats()["misses"] == misses + 2
+    assert np.isfinite(float(loss_small)) and np.isfinite(float(loss_big))
+    assert int(ts.step) == 4
+
+
+def test_cache_reset_reaches_a_returned_state():
+    ts = jn.TrainState.create(mlp_apply, _dict_params(), {}, optax.sgd(0.1))
+    batch = _numpy_batches(1)[0]
+    ts, _, _ = jn.train_step(mse, ts, batch)
+    ts, _, _ = jn.train_step(mse, ts, batch)
+    jn.cache_reset()
+    ts, _, _ = jn.train_step(mse, ts, batch)  # compiles again, as after any reset
+    assert jn.cache_stats()["misses"] == 1
+    assert int(ts.step) == 3
