@@ -38,6 +38,7 @@ from .history import History
 from .introspect import peak_memory
 from .jsonable import jsonable
 from .live import history
+from .display import show_image
 from .plot import write_curves
 
 # Losses are read back in chunks, a chunk behind the newest step, so dispatch never waits on
@@ -169,7 +170,9 @@ def _train(n) -> TrainResult:
         skipped_steps=n.progress.skipped_steps,
     )
     _report(n, compiled, planned)
-    write_curves(n)  # run_dir/curves.png; JAXNITRO_NO_PLOT=1 skips it, a failure only warns
+    curves = write_curves(n)  # run_dir/curves.png; JAXNITRO_NO_PLOT=1 skips, a failure warns
+    if curves is not None and n.spec.show_curves:
+        show_image(curves)  # inline in a notebook (Nitro(show_curves=...))
     _summary(n, result)
     if stop_reason == "preempted":
         raise Preempted(n.step, n.checkpointer.latest())  # exit status 143, catchable
@@ -292,6 +295,7 @@ class _Epoch:
         try:
             self._steps(stream, total)
             self._drain(len(self.pending))
+            n.display.end_train(self.batch)  # the bar ends at the true count, then leaves
         finally:
             stream.close()
             self._commit()
@@ -327,9 +331,6 @@ class _Epoch:
                     self.cadence.saved(save)
             if len(self.pending) >= 2 * _READBACK_CHUNK:
                 self._drain(_READBACK_CHUNK)
-                elapsed = time.perf_counter() - self.t0 - self.compile_s
-                rate = len(self.losses) / elapsed if elapsed > 0 else None
-                self.n.display.update(self.batch, self.losses[-1], rate)
             if control.requested:
                 break
 
@@ -408,6 +409,10 @@ class _Epoch:
                     step_s,
                 )
         self._commit()
+        # The bar moves with the read-back chunks: rate and ETA cost no device sync of their own.
+        elapsed = now - self.t0 - self.compile_s
+        rate = len(self.losses) / elapsed if elapsed > 0 else None
+        self.n.display.update(items[-1][1], self.losses[-1] if self.losses else None, rate)
 
     def _step_row(self, row: dict, step: int, batch: int, step_s: float | None) -> None:
         n, epoch = self.n, self.epoch
@@ -577,7 +582,6 @@ def _end_epoch(
     control = n.services.control
     row = {"epoch": epoch + 1, "step": n.step, "train_loss": train_loss}
     if "val" in n.spec.splits and not control.preempted:  # preemption leaves no time
-        n.display.phase("validating")
         try:
             row.update(run_eval(n, "val"))
         except BaseException:
@@ -600,7 +604,7 @@ def _end_epoch(
         reason = "preempted" if control.preempted else "requested"
     set_phase(n, "Checkpointing")
     _checkpoint(n, row, stop_reason=None if reason == "completed" else reason)
-    n.display.end_epoch(_epoch_summary(row, len(losses) / seconds if seconds else 0))
+    n.display.end_epoch(_epoch_summary(row, len(losses) / seconds if seconds else 0), row)
     return reason
 
 

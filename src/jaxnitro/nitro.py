@@ -82,6 +82,7 @@ class Nitro:
         memory_budget: int | None = None,
         compile_options: dict | None = None,
         progress: bool | str | None = None,
+        show_curves: bool | None = None,
         on_nonfinite: str = "error",
         val_every: int | None = None,
         checkpoint_every: int | None = None,

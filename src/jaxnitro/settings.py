@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .display import in_notebook
 from .errors import ConfigError, check_int, did_you_mean
 
 # Options that may also come from an experiment field of the same name.
@@ -50,6 +51,7 @@ class Settings:
     checkpoint_every: int | None
     checkpoint_every_minutes: float | None
     progress: Any
+    show_curves: bool  # the curves shown inline when train returns (default: in a notebook)
     sharding: Any
     remat: tuple[str, ...]
     remat_policy: str
@@ -100,6 +102,7 @@ def settings(exp, given: Mapping[str, Any]) -> Settings:
         checkpoint_every=_optional_int("checkpoint_every", given.get("checkpoint_every")),
         checkpoint_every_minutes=_minutes_setting(given.get("checkpoint_every_minutes")),
         progress=_progress_setting(given.get("progress")),
+        show_curves=_show_curves_setting(given.get("show_curves")),
         sharding=_sharding_setting(given.get("sharding")),
         **_remat_setting(given.get("remat"), given.get("remat_policy", "full")),
         log_grad_norm=given.get("log_grad_norm"),
@@ -240,6 +243,17 @@ def _progress_setting(value):
             f"progress={value!r}; use True (a live display on a terminal, plain lines "
             f"otherwise), 'rich', 'plain' or False/'off'."
             + did_you_mean(str(value), ["rich", "plain", "off"])
+        )
+    return value
+
+
+def _show_curves_setting(value) -> bool:
+    if value is None:
+        return in_notebook()
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"show_curves={value!r}; use True (show the curves inline when jn.train returns, "
+            f"in a notebook), False, or None (on in a Jupyter kernel, off elsewhere)."
         )
     return value
 

@@ -983,6 +983,7 @@ _OPTIONS = (
     "checkpoint_every",
     "checkpoint_every_minutes",
     "early_stop",
+    "show_curves",
 )
 
 
