@@ -206,8 +206,9 @@ def test_in_notebook_is_false_in_a_plain_process():
 
 @pytest.mark.parametrize("value", ["yes", 1])
 def test_show_curves_takes_a_bool(value, tmp_path):
-    import jaxnitro as jn
     from conftest import Tiny
+
+    import jaxnitro as jn
 
     with pytest.raises(jn.ConfigError, match="show_curves="):
         jn.Nitro(Tiny(), run_dir=tmp_path / "r", progress=False, show_curves=value)

@@ -28,6 +28,7 @@ from . import data as data_mod
 from .checkpoint import TopKCheckpointer
 from .compile import cache, plan, report
 from .compile.programs import check_stale, train_program
+from .display import show_image
 from .errors import DataError, NonFiniteLossError
 from .evaluation import is_scalar, run_eval
 from .events import steps as step_events
@@ -38,7 +39,6 @@ from .history import History
 from .introspect import peak_memory
 from .jsonable import jsonable
 from .live import history
-from .display import show_image
 from .plot import write_curves
 
 # Losses are read back in chunks, a chunk behind the newest step, so dispatch never waits on
