@@ -55,6 +55,32 @@ def show_image(path: Any) -> None:
         display(Image(filename=str(path)))
 
 
+def html_table(header, rows, *, marked: int | None = None, caption: str = "") -> str:
+    """An HTML table for a notebook's `_repr_html_` (cells escaped; row `marked` in bold)."""
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f"<td><b>{html.escape(_cell(c))}</b></td>"
+            if i == marked
+            else f"<td>{html.escape(_cell(c))}</td>"
+            for c in row
+        )
+        + "</tr>"
+        for i, row in enumerate(rows)
+    )
+    cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
+    return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
 class _Bar(Progress):
     """A rich progress whose columns follow the console's width at each redraw (a resized or
     narrow terminal gets the compact set, never a line the terminal wraps)."""
@@ -187,7 +213,11 @@ class Display:
         """A transient bar over a split's batches (validation, evaluation, prediction);
         yields `advance(batches)`. Inside an epoch's train bar it shows below it."""
         if self.mode not in ("rich", "notebook"):
-            yield lambda k=1: None
+
+            def advance_none(k: int = 1) -> None:
+                pass
+
+            yield advance_none
             return
         if self._notebook is not None:
             nb, done = self._notebook, [0]
@@ -208,8 +238,12 @@ class Display:
         task = progress.add_task(label, total=total, loss="", rate="")
         if inner is None:
             progress.start()
+
+        def advance(k: int = 1) -> None:
+            progress.advance(task, k)
+
         try:
-            yield lambda k=1: progress.advance(task, k)
+            yield advance
         finally:
             progress.refresh()  # the bar's last state is drawn (its true count), then goes
             if inner is None:
