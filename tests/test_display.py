@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pyte
 import pytest
+from conftest import Tiny
 from rich.console import Console
 
+import jaxnitro as jn
 from jaxnitro.display import Display, in_notebook
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -186,6 +188,18 @@ def test_the_notebook_display_is_one_display_updated_in_place():
     assert "<progress" not in last  # the finished display keeps the summary table only
 
 
+def test_validation_prediction_and_lr_find_show_a_bar_over_their_batches(tmp_path):
+    n = jn.Nitro(Tiny(), run_dir=tmp_path / "r", progress=False)
+    rec = _Recorder()
+    n.services.display = Display("notebook", file=io.StringIO(), show=rec)
+    jn.validate(n)
+    list(jn.predict(n, n.spec.splits["val"]))
+    jn.lr_find(n, steps=10)
+    seen = "".join(rec.updates)
+    for label, count in (("validating", "5/5"), ("predicting", "5/5"), ("lr_find", "10/10")):
+        assert re.search(rf"{label} <progress [^>]*></progress> {count}", seen), (label, seen)
+
+
 def test_outside_a_kernel_nothing_imports_ipython():
     code = (
         "import sys; import jaxnitro as jn; from jaxnitro.display import in_notebook, "
@@ -206,9 +220,5 @@ def test_in_notebook_is_false_in_a_plain_process():
 
 @pytest.mark.parametrize("value", ["yes", 1])
 def test_show_curves_takes_a_bool(value, tmp_path):
-    from conftest import Tiny
-
-    import jaxnitro as jn
-
     with pytest.raises(jn.ConfigError, match="show_curves="):
         jn.Nitro(Tiny(), run_dir=tmp_path / "r", progress=False, show_curves=value)

@@ -230,6 +230,7 @@ class Display:
             try:
                 yield advance_nb
             finally:
+                nb.sub(label, done[0], total, force=True)  # its last count is shown
                 nb.sub(None, 0, None, force=True)
             return
         assert self.console is not None
