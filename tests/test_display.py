@@ -95,6 +95,7 @@ def _screen(raw: bytes, columns: int) -> list[str]:
     return [line.rstrip() for line in screen.display if line.strip()]
 
 
+@pytest.mark.slow
 def test_a_real_terminal_shows_true_counts_transient_bars_and_summary_lines(tmp_path):
     raw = _run_on_pty(tmp_path, columns=60, term="xterm-256color", progress=True)
     frames = _frames(raw)
@@ -114,6 +115,7 @@ def test_a_real_terminal_shows_true_counts_transient_bars_and_summary_lines(tmp_
     assert [s[:10] for s in summaries] == ["epoch 1/2:", "epoch 2/2:"], screen
 
 
+@pytest.mark.slow
 def test_term_dumb_gets_plain_lines_without_escape_codes(tmp_path):
     raw = _run_on_pty(tmp_path, columns=60, term="dumb")
     text = raw.decode(errors="replace")
@@ -200,6 +202,7 @@ def test_validation_prediction_and_lr_find_show_a_bar_over_their_batches(tmp_pat
         assert re.search(rf"{label} <progress [^>]*></progress> {count}", seen), (label, seen)
 
 
+@pytest.mark.slow
 def test_outside_a_kernel_nothing_imports_ipython(tmp_path):
     """The notebook's code as a script: train, inspect, the tables and the curves; no
     import of IPython comes from jaxnitro (flax.nnx imports it where it is installed)."""
