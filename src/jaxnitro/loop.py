@@ -295,12 +295,12 @@ class _Epoch:
         try:
             self._steps(stream, total)
             self._drain(len(self.pending))
-            n.display.end_train(self.batch)  # the bar ends at the true count, then leaves
         finally:
             stream.close()
             self._commit()
         jax.block_until_ready(self.leaves)
         seconds = time.perf_counter() - self.t0 - self.compile_s
+        n.display.end_train(self.batch)  # the bar ends at the true count, then leaves (untimed)
         self._log_epoch(stream.wait_seconds, seconds)
         self._finish(total)
         return self.losses, seconds
