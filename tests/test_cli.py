@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -328,6 +329,11 @@ def test_sweep_over_a_device_field_compiles_once_and_plots(work):
     rows = last_json(p.stdout)
     by_point = sorted(rows, key=lambda r: r["point"])
     assert [r["programs_compiled"] for r in by_point] == [2, 0, 0]
+    # the points done / total, and from the second point on the best so far
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("sweep point ")]
+    assert [ln.split(":")[0] for ln in lines] == [f"sweep point {k}/3" for k in (1, 2, 3)]
+    assert "best so far" not in lines[0]
+    assert all(re.search(r"best so far: val_loss [\d.]+ \(point \d\)$", ln) for ln in lines[1:])
     assert [r["values"]["smoothing"] for r in by_point] == [0.0, 0.05, 0.1]
     losses = [r["best_metric"] for r in rows]
     assert losses == sorted(losses)  # ranked by the checkpointer's metric, val_loss min

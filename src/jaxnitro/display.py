@@ -1,18 +1,29 @@
-"""What a run shows while it works: a rich display on a terminal, plain lines otherwise."""
+"""What a run shows while it works: a rich display on a terminal, a live display updated in
+place in a Jupyter kernel, plain lines otherwise.
+
+The train bar counts the batches read back (in chunks, `loop._READBACK_CHUNK`): its rate and
+ETA need no per-step device sync, and the epoch's last drain moves it to the true count. It is
+transient, like the bar of a validation, evaluation or prediction: what stays on screen per
+epoch is the one summary line.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import html
 import sys
 import threading
 import time
 import types
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     SpinnerColumn,
     TaskID,
     TextColumn,
@@ -20,28 +31,117 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+# Below this many columns the bar drops its rate and times (narrow terminals, 60 columns).
+_FULL_WIDTH = 100
+# The notebook display is redrawn at most this often (each redraw is a kernel message).
+_NOTEBOOK_INTERVAL_S = 0.25
+
+
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel; imports nothing (IPython is only looked up
+    when the kernel already loaded it)."""
+    if "ipykernel" not in sys.modules:
+        return False
+    ipython = sys.modules.get("IPython")
+    get = getattr(ipython, "get_ipython", None)
+    shell = get() if get is not None else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def show_image(path: Any) -> None:
+    """Show a PNG inline when this process is a Jupyter kernel; elsewhere nothing."""
+    if in_notebook():
+        from IPython.display import Image, display  # the kernel loaded IPython already
+
+        display(Image(filename=str(path)))
+
+
+def html_table(header, rows, *, marked: int | None = None, caption: str = "") -> str:
+    """An HTML table for a notebook's `_repr_html_` (cells escaped; row `marked` in bold)."""
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f"<td><b>{html.escape(_cell(c))}</b></td>"
+            if i == marked
+            else f"<td>{html.escape(_cell(c))}</td>"
+            for c in row
+        )
+        + "</tr>"
+        for i, row in enumerate(rows)
+    )
+    cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
+    return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+class _Bar(Progress):
+    """A rich progress whose columns follow the console's width at each redraw (a resized or
+    narrow terminal gets the compact set, never a line the terminal wraps)."""
+
+    def __init__(self, console: Console, *, rate: bool):
+        self._full = _columns(full=True, rate=rate)
+        self._compact = _columns(full=False, rate=rate)
+        self._console = console
+        super().__init__(*self._full, console=console, transient=True)
+
+    def get_renderables(self):
+        wide = self._console.width >= _FULL_WIDTH  # read at each redraw: follows a resize
+        self.columns = self._full if wide else self._compact
+        yield self.make_tasks_table(self.tasks)
+
+
+def _columns(*, full: bool, rate: bool) -> tuple[ProgressColumn, ...]:
+    head: tuple[ProgressColumn, ...] = (
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(bar_width=None if full else 12),
+        MofNCompleteColumn(),
+    )
+    loss = TextColumn("{task.fields[loss]}")  # "loss 0.5472" on a train row, "" otherwise
+    if not full:
+        return head + ((loss,) if rate else ())
+    if rate:
+        head += (loss, TextColumn("{task.fields[rate]}"))
+    return head + (TimeElapsedColumn(), TimeRemainingColumn())
+
 
 class Display:
     """Phase, epoch, step, loss, steps/s and ETA; a live line while a program compiles.
 
-    `mode` is "rich" (a terminal), "plain" (one line per event, for logs and CI) or "off".
+    `mode` is "rich" (a terminal), "notebook" (a Jupyter kernel), "plain" (one line per
+    event, for logs and CI) or "off". None/True pick one: a notebook in a kernel, rich on an
+    interactive terminal (not `TERM=dumb`), plain otherwise.
     """
 
-    def __init__(self, mode: str | bool | None = None, *, file=None):
+    def __init__(self, mode: str | bool | None = None, *, file=None, show: Callable | None = None):
         file = file if file is not None else sys.stdout
         if mode is None or mode is True:
-            mode = "rich" if file.isatty() else "plain"
+            if in_notebook():
+                mode = "notebook"
+            else:
+                interactive = Console(file=file).is_interactive  # a tty, and TERM not dumb
+                mode = "rich" if interactive else "plain"
         self.mode = mode or "off"
         self.file = file
         self.console = Console(file=file) if self.mode == "rich" else None
-        self._progress: Progress | None = None
+        self._progress: _Bar | None = None
         self._task: TaskID | None = None
+        self._epoch_label = ""
+        self._notebook = _Notebook(show) if self.mode == "notebook" else None
 
     # -- lines -------------------------------------------------------------------------
     def line(self, text: str) -> None:
         if self.console is not None:  # mode "rich"
             self.console.print(text, highlight=False)
-        elif self.mode == "plain":
+        elif self.mode in ("plain", "notebook"):
             print(text, file=self.file, flush=True)
 
     @contextlib.contextmanager
@@ -79,45 +179,183 @@ class Display:
     def start_epoch(self, epoch: int, max_epochs: int, total: int | None, done: int = 0) -> None:
         self._epoch_t0 = time.perf_counter()
         self._epoch_label = f"epoch {epoch + 1}/{max_epochs}"
-        if self.mode != "rich":
+        if self._notebook is not None:
+            self._notebook.bar(self._epoch_label, done, total, "", force=True)
+        if self.console is None:
             return
-        self._progress = Progress(
-            SpinnerColumn(),
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[rate]} steps/s"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=self.console,
-            transient=False,
-        )
+        self._progress = _Bar(self.console, rate=True)
         self._progress.start()
         self._task = self._progress.add_task(
-            self._epoch_label, total=total, completed=done, loss="–", rate="–"
+            self._epoch_label, total=total, completed=done, loss="loss –", rate="– steps/s"
         )
 
     def update(self, done: int, loss: float | None, rate: float | None) -> None:
+        """The batches read back so far, the last loss and the steps/s (from the read-back
+        chunks: no device sync of its own)."""
+        loss_text = f"{loss:.4f}" if loss is not None else "–"
+        rate_text = f"{rate:,.0f}" if rate else "–"
+        if self._notebook is not None:
+            self._notebook.bar(
+                self._epoch_label, done, None, f"loss {loss_text} · {rate_text} steps/s"
+            )
         if self._progress is not None and self._task is not None:
             self._progress.update(
-                self._task,
-                completed=done,
-                loss=f"{loss:.4f}" if loss is not None else "–",
-                rate=f"{rate:,.0f}" if rate else "–",
+                self._task, completed=done, loss=f"loss {loss_text}", rate=f"{rate_text} steps/s"
             )
+
+    def end_train(self, done: int) -> None:
+        """The epoch's train steps are all read back: the bar shows the true count (the
+        total too, for a split without len()), then leaves the screen."""
+        if self._notebook is not None:
+            self._notebook.bar(self._epoch_label, done, done, "", force=True, final=True)
+        if self._progress is not None and self._task is not None:
+            task = self._progress.tasks[0]
+            total = task.total if task.total is not None and task.total >= done else done
+            self._progress.update(self._task, completed=done, total=total)
+            self._progress.refresh()
+            self._progress.stop()
+        self._progress = self._task = None
+
+    @contextlib.contextmanager
+    def bar(self, label: str, total: int | None) -> Iterator[Callable[[int], None]]:
+        """A transient bar over a split's batches (validation, evaluation, prediction);
+        yields `advance(batches)`. Inside an epoch's train bar it shows below it."""
+        if self.mode not in ("rich", "notebook"):
+
+            def advance_none(k: int = 1) -> None:
+                pass
+
+            yield advance_none
+            return
+        if self._notebook is not None:
+            nb, done = self._notebook, [0]
+
+            def advance_nb(k: int = 1) -> None:
+                done[0] += k
+                nb.sub(label, done[0], total)
+
+            nb.sub(label, 0, total, force=True)
+            try:
+                yield advance_nb
+            finally:
+                nb.sub(label, done[0], total, force=True)  # its last count is shown
+                nb.sub(None, 0, None, force=True)
+            return
+        assert self.console is not None
+        inner = self._progress  # a mid-epoch validation: a second row under the train bar
+        progress = inner if inner is not None else _Bar(self.console, rate=False)
+        task = progress.add_task(label, total=total, loss="", rate="")
+        if inner is None:
+            progress.start()
+
+        def advance(k: int = 1) -> None:
+            progress.advance(task, k)
+
+        try:
+            yield advance
+        finally:
+            progress.refresh()  # the bar's last state is drawn (its true count), then goes
+            if inner is None:
+                progress.stop()
+            else:
+                progress.remove_task(task)
 
     def phase(self, text: str) -> None:
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, description=f"{self._epoch_label} · {text}")
 
-    def end_epoch(self, summary: str) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-        self.line(f"{self._epoch_label}: {summary}")
+    def end_epoch(self, summary: str, row: dict | None = None) -> None:
+        self.close()
+        text = f"{self._epoch_label}: {summary}"
+        if self._notebook is not None:
+            self._notebook.summary(self._epoch_label, row or {}, summary)
+            return
+        self.line(text)
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-            self._progress = None
+            self._progress = self._task = None
+
+
+class _Notebook:
+    """One display per run in a Jupyter kernel, updated in place (`update_display_data`):
+    the current bar and, once epochs end, the per-epoch summary table that stays."""
+
+    def __init__(self, show: Callable | None):
+        self._show = show  # tests pass a recorder; in a kernel IPython.display.display
+        self._handle: Any = None
+        self._last = 0.0
+        self._bar = ""
+        self._sub = ""
+        self._rows: list[tuple[str, dict, str]] = []
+        self._total: int | None = None
+
+    def bar(self, label, done, total, extra, *, force=False, final=False) -> None:
+        if total is not None:
+            self._total = total
+        total = self._total
+        if final:
+            self._bar = ""
+        else:
+            frac = f'value="{done}" max="{total}"' if total else ""
+            count = f"{done}/{total}" if total else f"{done}"
+            self._bar = (
+                f"<div><b>{html.escape(label)}</b> <progress {frac}></progress> "
+                f"{count} {html.escape(extra)}</div>"
+            )
+        self._draw(force or final)
+
+    def sub(self, label, done, total, *, force=False) -> None:
+        if label is None:
+            self._sub = ""
+        else:
+            frac = f'value="{done}" max="{total}"' if total else ""
+            count = f"{done}/{total}" if total else f"{done}"
+            self._sub = f"<div>{html.escape(label)} <progress {frac}></progress> {count}</div>"
+        self._draw(force)
+
+    def summary(self, label: str, row: dict, text: str) -> None:
+        self._rows.append((label, row, text))
+        self._draw(True)
+
+    def html(self) -> str:
+        table = ""
+        if self._rows:
+            body = "".join(
+                f"<tr><td>{html.escape(label)}</td><td>{html.escape(text)}</td></tr>"
+                for label, _, text in self._rows
+            )
+            table = f"<table><tr><th>epoch</th><th>summary</th></tr>{body}</table>"
+        return f"<div class='jaxnitro-run'>{table}{self._bar}{self._sub}</div>"
+
+    def _draw(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < _NOTEBOOK_INTERVAL_S:
+            return
+        self._last = now
+        content = _Html(self.html())
+        if self._handle is None:
+            self._handle = self._display_fn()(content, display_id=True)
+        else:
+            self._handle.update(content)
+
+    def _display_fn(self) -> Callable:
+        if self._show is None:
+            from IPython.display import display  # only reached inside a kernel
+
+            self._show = display
+        return self._show
+
+
+class _Html:
+    """HTML for IPython's display (and plain text for a front end without HTML)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def _repr_html_(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return "jaxnitro run display"

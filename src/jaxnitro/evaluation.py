@@ -7,6 +7,7 @@ a ragged last batch is padded and masked in a program of its own.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +42,12 @@ def run_eval(n, split: str) -> dict[str, Any]:
     stream = data_mod.Prefetcher(batches, feed.eval_prepare(spec, split, bs, keys))
     totals = eval_totals(spec, ts, split, extras)
     progs: dict = {}
-    try:
+    loader = spec.splits[split]
+    total = len(loader) if hasattr(loader, "__len__") else None
+    label = "validating" if split == "val" else f"evaluating {split!r}"
+    with contextlib.ExitStack() as bar:
+        advance = bar.enter_context(n.display.bar(label, total))
+        bar.callback(stream.close)
         for dev_batch, size, _ in stream:
             if size > bs:
                 raise DataError(
@@ -61,8 +67,7 @@ def run_eval(n, split: str) -> dict[str, Any]:
                     spec, ps, ts, split, dev_batch, extras, totals, n_valid
                 )
             totals = prog(ts.params, ts.state, dev_batch, extras, totals)
-    finally:
-        stream.close()
+            advance(1)  # batches dispatched: the bar adds no device sync
     host = jax.device_get(totals)
     pop = spec.population
     if pop is None:

@@ -80,6 +80,15 @@ class History:
         df["best"] = [i == self.best_index for i in range(len(self.rows))]
         return df
 
+    def _repr_html_(self) -> str:
+        """The rows as a table in a notebook, the best row in bold."""
+        from .display import html_table
+
+        columns = list(dict.fromkeys(k for row in self.rows for k in row))
+        rows = [[row.get(k) for k in columns] for row in self.rows]
+        caption = f"best by {self.metric} ({self.mode})" if self.metric else ""
+        return html_table(columns, rows, marked=self.best_index, caption=caption)
+
     def __repr__(self) -> str:
         return f"History({len(self.rows)} rows, best by {self.metric}={self.best_index})"
 

@@ -10,6 +10,7 @@ parameter groups.
 from __future__ import annotations
 
 import dataclasses
+import html
 
 from .compile import memory, plan, report
 from .compile.programs import check_stale
@@ -28,14 +29,14 @@ def compile(n) -> dict:  # noqa: A001 - the public name
     return plan.planned(n.spec, n.programs, n.train_state, n.device, epoch=n.epoch, step=n.step)
 
 
-def compile_report(n) -> list[report.CompileRecord]:
+def compile_report(n) -> report.CompileReport:
     """One record per program this Nitro compiled: seconds, op counts, constants, memory.
 
     Example:
         >>> [r.kind for r in jn.compile_report(n)]
         ['train', 'eval']
     """
-    return [p.record for p in n.programs.compiled if p.record is not None]
+    return report.CompileReport(p.record for p in n.programs.compiled if p.record is not None)
 
 
 def explain(n) -> list[dict]:
@@ -82,12 +83,38 @@ class Inspection:
     compile_report: str
     memory: str
     sharding: str = ""
+    records: list = dataclasses.field(default_factory=list, repr=False)  # the report's rows
+    notes: list = dataclasses.field(default_factory=list, repr=False)  # the programs planned
     _shown = False  # (unannotated: not a field) set by jn.inspect once it printed the text
 
     def text(self) -> str:
         """The whole report: binding, groups, sharding, programs, memory."""
         parts = [self.binding, self.groups, self.sharding, self.compile_report, self.memory]
         return "\n\n".join(p for p in parts if p)
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: each part a block, the compile report's programs a table."""
+        parts = [
+            ("binding", self.binding),
+            ("groups", self.groups),
+            ("sharding", self.sharding),
+            ("programs", self.compile_report),
+            ("memory", self.memory),
+        ]
+        out = []
+        for name, part in parts:
+            if not part:
+                continue
+            title, _, body = part.partition("\n")
+            if name == "programs":  # the notes as text, the compiled programs as a table
+                body = "\n".join(self.notes)
+            block = f"<pre>{html.escape(body)}</pre>" if body else ""
+            if name == "programs" and self.records:
+                block += report.CompileReport(self.records)._repr_html_()
+            out.append(
+                f"<details open><summary><b>{html.escape(title)}</b></summary>{block}</details>"
+            )
+        return "".join(out)
 
     def __str__(self) -> str:
         if self._shown:
@@ -109,15 +136,16 @@ def inspect(n, *, show: bool = True) -> Inspection:
         >>> print(report.memory)
     """
     mem = memory_plan(n)
+    notes = [f"  {note}" for note in plan.notes(n.spec, train="train" in n.spec.splits)]
+    records = [p.record for p in n.programs.used.values() if p.record]
     result = Inspection(
         binding=_binding(n),
         groups=_groups(n),
-        compile_report="programs\n"
-        + "\n".join(f"  {note}" for note in plan.notes(n.spec, train="train" in n.spec.splits))
-        + "\n"
-        + report.format_table(p.record for p in n.programs.used.values() if p.record),
+        compile_report="programs\n" + "\n".join(notes) + "\n" + report.format_table(records),
         memory=mem.table(),
         sharding=_sharding(n),
+        records=records,
+        notes=notes,
     )
     if show:
         text = result.text()

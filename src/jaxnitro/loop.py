@@ -27,6 +27,7 @@ from . import data as data_mod
 from .checkpoint import TopKCheckpointer
 from .compile import cache, plan, report
 from .compile.programs import check_stale, train_program
+from .display import show_image
 from .errors import DataError, NonFiniteLossError, warn_user
 from .evaluation import is_scalar, run_eval
 from .events import steps as step_events
@@ -193,7 +194,9 @@ def _train(n) -> TrainResult:
         skipped_steps=n.progress.skipped_steps,
     )
     _report(n, compiled, planned)
-    write_curves(n)  # run_dir/curves.png; JAXNITRO_NO_PLOT=1 skips it, a failure only warns
+    curves = write_curves(n)  # run_dir/curves.png; JAXNITRO_NO_PLOT=1 skips, a failure warns
+    if curves is not None and n.spec.show_curves:
+        show_image(curves)  # inline in a notebook (Nitro(show_curves=...))
     _summary(n, result)
     if stop_reason == "preempted":
         preempted = Preempted(
@@ -344,6 +347,7 @@ class _Epoch:
             self._commit()
         jax.block_until_ready(self.leaves)
         seconds = time.perf_counter() - self.t0 - self.compile_s
+        n.display.end_train(self.batch)  # the bar ends at the true count, then leaves (untimed)
         self._log_epoch(stream.wait_seconds, seconds)
         self._finish(total)
         return self.losses, seconds
@@ -374,9 +378,6 @@ class _Epoch:
                     self.cadence.saved(save)
             if len(self.pending) >= 2 * _READBACK_CHUNK:
                 self._drain(_READBACK_CHUNK)
-                elapsed = time.perf_counter() - self.t0 - self.compile_s
-                rate = len(self.losses) / elapsed if elapsed > 0 else None
-                self.n.display.update(self.batch, self.losses[-1], rate)
             if control.requested:
                 break
 
@@ -455,6 +456,10 @@ class _Epoch:
                     step_s,
                 )
         self._commit()
+        # The bar moves with the read-back chunks: rate and ETA cost no device sync of their own.
+        elapsed = now - self.t0 - self.compile_s
+        rate = len(self.losses) / elapsed if elapsed > 0 else None
+        self.n.display.update(items[-1][1], self.losses[-1] if self.losses else None, rate)
 
     def _step_row(self, row: dict, step: int, batch: int, step_s: float | None) -> None:
         n, epoch = self.n, self.epoch
@@ -626,7 +631,6 @@ def _end_epoch(
     control = n.services.control
     row = {"epoch": epoch + 1, "step": n.step, "train_loss": train_loss}
     if "val" in n.spec.splits and not control.preempted:  # preemption leaves no time
-        n.display.phase("validating")
         try:
             row.update(run_eval(n, "val"))
         except BaseException:
@@ -649,7 +653,7 @@ def _end_epoch(
         reason = "preempted" if control.preempted else "requested"
     set_phase(n, "Checkpointing")
     _checkpoint(n, row, stop_reason=None if reason == "completed" else reason)
-    n.display.end_epoch(_epoch_summary(row, len(losses) / seconds if seconds else 0))
+    n.display.end_epoch(_epoch_summary(row, len(losses) / seconds if seconds else 0), row)
     return reason
 
 

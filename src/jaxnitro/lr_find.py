@@ -109,26 +109,28 @@ def lr_find(
     losses: list[float] = []
     smoothed: list[float] = []
     avg, best, stopped, call = 0.0, math.inf, False, None
-    for batch, hyper, _ in _payloads(spec, n, steps):
-        t = len(rates)
-        vec = np.array(hyper, np.float32)
-        for i, r in ratio.items():
-            vec[i] = ramp[t] * r
-        if call is None:  # the run's own train program (a cache hit after training)
-            call = _program(spec, n, batch, vec).compiled
-        leaves, out = call(leaves, batch, n.device.extras, feed.put(spec, vec, spec.replicated))
-        loss = float(jax.device_get(out["loss"]))
-        rates.append(float(ramp[t]))
-        losses.append(loss)
-        avg = smoothing * avg + (1 - smoothing) * loss
-        smooth = avg / (1 - smoothing ** (t + 1))
-        smoothed.append(smooth)
-        best = min(best, smooth)
-        if not math.isfinite(loss) or (t > 5 and smooth > diverge * best):
-            stopped = True
-            break
-        if len(rates) == steps:
-            break
+    with n.display.bar("lr_find", steps) as advance:  # each step reads its loss anyway
+        for batch, hyper, _ in _payloads(spec, n, steps):
+            t = len(rates)
+            vec = np.array(hyper, np.float32)
+            for i, r in ratio.items():
+                vec[i] = ramp[t] * r
+            if call is None:  # the run's own train program (a cache hit after training)
+                call = _program(spec, n, batch, vec).compiled
+            leaves, out = call(leaves, batch, n.device.extras, feed.put(spec, vec, spec.replicated))
+            loss = float(jax.device_get(out["loss"]))
+            rates.append(float(ramp[t]))
+            losses.append(loss)
+            avg = smoothing * avg + (1 - smoothing) * loss
+            smooth = avg / (1 - smoothing ** (t + 1))
+            smoothed.append(smooth)
+            advance(1)
+            best = min(best, smooth)
+            if not math.isfinite(loss) or (t > 5 and smooth > diverge * best):
+                stopped = True
+                break
+            if len(rates) == steps:
+                break
     result = LRFindResult(
         tuple(rates), tuple(losses), tuple(smoothed), _suggest(rates, smoothed), stopped, None
     )

@@ -124,6 +124,19 @@ def _bool_or_none(name: str) -> Callable[[Any], bool | None]:
     return check
 
 
+def _show_curves(value) -> bool:
+    if value is None:
+        from .display import in_notebook
+
+        return in_notebook()
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"show_curves={value!r}; use True (show the curves inline when jn.train returns, "
+            f"in a notebook), False, or None (on in a Jupyter kernel, off elsewhere)."
+        )
+    return value
+
+
 def _steps_per_call(value) -> int | str:
     if value == "auto":
         return value
@@ -482,6 +495,14 @@ OPTIONS: tuple[Option, ...] = (
         _progress,
         _progress_text,
         "auto|rich|plain|off",
+    ),
+    Option(
+        "show_curves",
+        None,
+        "bool",
+        "Show the curves inline when jn.train returns (default: in a Jupyter kernel).",
+        _show_curves,
+        _bool,
     ),
     Option(
         "on_nonfinite",

@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterable, Sequence
-from pathlib import Path
+from pathlib import Path, PosixPath
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,13 @@ _NOT_METRICS = {"type", "context", "epoch", "step", "split", "time", "train_loss
 _X = ("step", "epoch")
 
 
+class Figure(PosixPath):
+    """The PNG `jn.plot` wrote: a path, which a notebook shows inline as the image."""
+
+    def _repr_png_(self) -> bytes | None:
+        return self.read_bytes() if self.suffix == ".png" and self.is_file() else None
+
+
 class PlotWarning(UserWarning):
     """The curves of a finished `jn.train` could not be drawn (the run is unaffected)."""
 
@@ -43,8 +50,9 @@ def plot(
     metrics: str | Sequence[str] | None = None,
     out: str | os.PathLike | None = None,
     x: str = "step",
-) -> Path:
-    """Draw the curves of one or several runs into a PNG; returns its path.
+) -> Figure:
+    """Draw the curves of one or several runs into a PNG; returns its path (a `Path` that a
+    notebook shows as the image).
 
     Args:
         runs: a run directory (one holding `metrics.jsonl`), a `metrics.jsonl` path, a `Nitro`
@@ -67,7 +75,7 @@ def plot(
     names = _metric_names(data, metrics)
     target = Path(out) if out is not None else _default_out(logs)
     _draw(_labels(logs), data, names, x, target)
-    return target
+    return Figure(target)
 
 
 _preloading: list[threading.Thread] = []  # the background import of matplotlib, if started

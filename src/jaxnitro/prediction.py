@@ -50,8 +50,12 @@ def predict(n, batch_or_loader):
 
 def _predict_lazy(n, loader) -> Iterator:
     pad_to = getattr(loader, "batch_size", None)
-    for batch in loader:
-        yield _predict_batch(n, batch, pad_to=pad_to)
+    total = len(loader) if hasattr(loader, "__len__") else None
+    with n.display.bar("predicting", total) as advance:  # closed with the iterator
+        for batch in loader:
+            out = _predict_batch(n, batch, pad_to=pad_to)
+            advance(1)
+            yield out
 
 
 def _fields(n, batch) -> list[str]:

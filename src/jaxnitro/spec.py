@@ -83,6 +83,7 @@ class RunSpec:
     checkpoint_every: int | None = None
     checkpoint_every_minutes: float | None = None
     early_stop: Any = None
+    show_curves: bool = False  # the curves shown inline when train returns (a notebook)
     resume_path: Path | None = None
     weights_path: Path | None = None  # checkpoint=: the weights were loaded from there
     resumed_total_steps: int | None = None

@@ -65,10 +65,13 @@ def sweep(ctx: click.Context, target: str | None, **_: Any) -> None:
     base = Path(ctx.params["run_dir"] or from_file or Path("runs") / cls.__name__)
     points = grid(given_fields(ctx), ctx.params.get("seed") if given(ctx, "seed") else None)
     varying = [name for name in points[0] if len({repr(p[name]) for p in points}) > 1]
-    rows = []
+    rows: list[dict] = []
     for k, point in enumerate(points):
         run_dir = base / point_name(k, {name: point[name] for name in varying})
-        echo_err(f"sweep point {k + 1}/{len(points)}: {_values_text(point)} → {run_dir}")
+        echo_err(
+            f"sweep point {k + 1}/{len(points)}: {_values_text(point)} → {run_dir}"
+            + _best_so_far(rows)
+        )
         values = {f: v for f, v in point.items() if f != "seed" or f in _field_names(cls)}
         exp = build_experiment(ctx, ctx.params["preset"], values=values)
         fixed: dict[str, Any] = {"run_dir": run_dir}
@@ -138,6 +141,17 @@ def ranked(rows: list[dict]) -> list[dict]:
         return (0, v if r.get("mode", "min") == "min" else -v, r["point"])
 
     return sorted(rows, key=key)
+
+
+def _best_so_far(rows: list[dict]) -> str:
+    """` · best so far: val_loss 0.31 (point 0)`, once a finished point has a metric."""
+    if not rows:
+        return ""
+    best = ranked(rows)[0]
+    v = best.get("best_metric")
+    if not isinstance(v, (int, float)) or not math.isfinite(v):
+        return ""
+    return f" · best so far: {best['metric']} {v:.4g} (point {best['point']})"
 
 
 def _field_names(cls: type) -> set[str]:

@@ -204,16 +204,21 @@ def _slow_compile_flag(
     )
 
 
-def format_table(records: Iterable[CompileRecord]) -> str:
-    """A plain-text table of compile records, then their flags, for end-of-run printing.
+class CompileReport(list):
+    """`jn.compile_report(n)`: a list of `CompileRecord`s, shown as a table in a notebook."""
 
-    Example:
-      >>> lowered = jax.jit(step).lower(params, batch)
-      >>> rec = record("train", "batch (32, 784)", lowered, lowered.compile(),
-      ...              lower_seconds=0.2, compile_seconds=1.3)
-      >>> print(format_table([rec]))
-    """
-    records = list(records)
+    def __str__(self) -> str:
+        return format_table(self)
+
+    def _repr_html_(self) -> str:
+        from ..display import html_table
+
+        header, rows = _table_rows(self)
+        flags = "".join(f"<p>! {f.message}</p>" for r in self for f in r.flags)
+        return html_table(header, rows, caption="programs compiled") + flags
+
+
+def _table_rows(records: Sequence[CompileRecord]) -> tuple[tuple[str, ...], list[tuple]]:
     header = (
         "program",
         "label",
@@ -226,7 +231,7 @@ def format_table(records: Iterable[CompileRecord]) -> str:
         "GFLOP",
         "memory",
     )
-    rows = [header]
+    rows = []
     for r in records:
         rows.append(
             (
@@ -242,6 +247,21 @@ def format_table(records: Iterable[CompileRecord]) -> str:
                 "-" if r.memory is None else format_bytes(r.memory["estimate"]),
             )
         )
+    return header, rows
+
+
+def format_table(records: Iterable[CompileRecord]) -> str:
+    """A plain-text table of compile records, then their flags, for end-of-run printing.
+
+    Example:
+      >>> lowered = jax.jit(step).lower(params, batch)
+      >>> rec = record("train", "batch (32, 784)", lowered, lowered.compile(),
+      ...              lower_seconds=0.2, compile_seconds=1.3)
+      >>> print(format_table([rec]))
+    """
+    records = list(records)
+    header, body = _table_rows(records)
+    rows: list[tuple] = [header, *body]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [
         "  ".join(
