@@ -29,7 +29,7 @@ from .checkpoint import TopKCheckpointer
 from .compile import cache, plan, report
 from .compile.programs import check_stale, train_program
 from .errors import DataError, NonFiniteLossError
-from .evaluation import is_scalar, run_eval
+from .evaluation import is_scalar, validation
 from .events import steps as step_events
 from .events.phases import set_phase
 from .events.signals import Preempted, PreemptionSync, graceful_stop
@@ -521,7 +521,7 @@ def _mid_epoch(n, epoch: int, *, validate: bool, save: bool) -> None:
     position, so a resume from it continues mid-epoch exactly."""
     row: dict[str, Any] = {"epoch": epoch + 1, "step": n.step}
     if validate and "val" in n.spec.splits:
-        row.update(run_eval(n, "val"))
+        row.update(validation(n))
         _log_validation(n, row, epoch)
     if save:
         set_phase(n, "Checkpointing")
@@ -579,7 +579,7 @@ def _end_epoch(
     if "val" in n.spec.splits and not control.preempted:  # preemption leaves no time
         n.display.phase("validating")
         try:
-            row.update(run_eval(n, "val"))
+            row.update(validation(n))
         except BaseException:
             # A failing val loader or a second Ctrl-C must not cost the epoch's training:
             # checkpoint the trained state, marked unvalidated, then let the error through.
@@ -712,6 +712,9 @@ def _checkpoint(n, row: dict, *, stop_reason: str | None = None, validated: bool
         "loggers": _logger_state(n),
     }
     trees = {"params": ts.params, "model_state": ts.state, "opt_state": ts.opt_state}
+    if ts.ema is not None:  # the average (its decay is the run's setting, not saved)
+        trees["ema"] = {k: v for k, v in ts.ema.items() if k != "decay"}
+        meta["weights"] = spec.ema.validates  # what `checkpoint=` loads by default
     ck = n.checkpointer
     if not isinstance(ck, TopKCheckpointer) or stop_reason is not None or jax.process_count() > 1:
         ck.save(epoch=row["epoch"], step=n.step, metrics=metrics, trees=trees, meta=meta)

@@ -92,6 +92,12 @@ class Nitro:
         remat_policy: str = "full",
         population=None,
         data_on_device: bool | None = None,
+        ema: float | None = None,
+        ema_warmup: bool | None = None,
+        ema_every: int | None = None,
+        ema_state: bool | None = None,
+        ema_eval: bool | str | None = None,
+        weights: str | None = None,
         **unknown,
     ):
         _check_arguments(exp, unknown)

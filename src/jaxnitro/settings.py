@@ -62,6 +62,8 @@ class Settings:
     data: Any
     population: Any = None  # None, a member count, or {field: [per-member values]}
     data_on_device: bool | None = None  # None: when the train arrays fit (see setup)
+    ema: Any = None  # ema.Ema: weight averaging, or None (off)
+    weights: str | None = None  # checkpoint= loads these: "ema", "raw", None (as validated)
 
 
 def settings(exp, given: Mapping[str, Any]) -> Settings:
@@ -111,7 +113,32 @@ def settings(exp, given: Mapping[str, Any]) -> Settings:
         data=given.get("data"),
         population=_population_setting(given.get("population")),
         data_on_device=_data_on_device_setting(given.get("data_on_device")),
+        ema=_ema_setting(given),
+        weights=_weights_setting(given.get("weights"), given.get("checkpoint")),
     )
+
+
+def _ema_setting(given: Mapping[str, Any]):
+    from .ema import setting
+
+    return setting(
+        given.get("ema"),
+        given.get("ema_warmup"),
+        given.get("ema_every"),
+        given.get("ema_state"),
+        given.get("ema_eval"),
+    )
+
+
+def _weights_setting(value, checkpoint):
+    from .ema import weights_setting
+
+    if value is not None and checkpoint is None:
+        raise ConfigError(
+            f"weights={value!r} without checkpoint=; weights picks which weights a checkpoint "
+            f"loads. Pass checkpoint='runs/...' with it, or drop weights."
+        )
+    return weights_setting(value)
 
 
 def _steps_per_call_setting(value) -> int | str:
