@@ -243,3 +243,53 @@ def test_kill_and_resume_continues_the_average_bit_for_bit(run_dir, tmp_path):
     jn.train(resumed)
     assert leaves_equal(resumed.params, straight.params)
     assert leaves_equal(resumed.train_state.ema, straight.train_state.ema)
+
+
+def test_the_memory_plan_counts_the_average(tmp_path):
+    plain = jn.memory_plan(nitro(Tiny(), run_dir=tmp_path / "a"))
+    averaged = jn.memory_plan(nitro(Tiny(), run_dir=tmp_path / "b", ema=0.99))
+    extra = plain.params_bytes + 4  # an f32 copy of the params and the decay
+    assert averaged.opt_state_bytes == plain.opt_state_bytes + extra
+    assert averaged.checkpoint_staging_bytes == plain.checkpoint_staging_bytes + extra
+
+
+def test_a_custom_train_step_updates_the_average_too(run_dir):
+    from test_custom_step import Alternating
+
+    ck = jn.TopKCheckpointer(k=100, metric="mse")
+    n = nitro(
+        Alternating(max_epochs=1),
+        run_dir=run_dir,
+        checkpointer=ck,
+        ema=0.7,
+        checkpoint_every=1,
+        val_every=1,
+    )
+    first = [np.asarray(x) for x in jax.tree.leaves(n.params)]
+    jn.train(n)
+    saved = _checkpoints(run_dir)
+    assert sorted(saved) == list(range(1, 9))
+    trajectory = [first] + [jax.tree.leaves(saved[s]["params"]) for s in range(1, 9)]
+    got = jax.tree.leaves(host_copy(n.train_state.ema["params"]))
+    for g, w in zip(got, _reference(trajectory, 0.7), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-7)
+
+
+def test_each_population_member_keeps_its_average(run_dir):
+    n = nitro(Tiny(max_epochs=1), run_dir=run_dir, population=2, ema=0.9)
+    jn.train(n)
+    avg = host_copy(n.train_state.ema["params"])
+    assert all(x.shape[0] == 2 for x in jax.tree.leaves(avg))
+    assert not leaves_equal(jax.tree.map(lambda x: x[0], avg), jax.tree.map(lambda x: x[1], avg))
+    one = jn.member(n, 1)
+    assert leaves_equal(one.train_state.ema["params"], jax.tree.map(lambda x: x[1], avg))
+    assert jn.evaluate(one, "val") != jn.evaluate(one, "val", weights="raw")
+
+
+def test_the_checkpointer_may_rank_by_the_raw_weights_metrics(run_dir):
+    ck = jn.TopKCheckpointer(k=1, metric="val_raw_loss")
+    result = jn.train(
+        nitro(Tiny(max_epochs=2), run_dir=run_dir, checkpointer=ck, ema=0.9, ema_eval="both")
+    )
+    _, meta = jn.load_checkpoint(ck.best())
+    assert meta["metrics"]["val_raw_loss"] == min(r["val_raw_loss"] for r in result.history)

@@ -627,7 +627,10 @@ def eval_metric_names(spec: RunSpec, ts: TrainState, device: DeviceValues, split
     """The metric names validation produces (traced abstractly; nothing compiles)."""
     from .compile.programs import eval_metric_shapes
 
-    return sorted(eval_metric_shapes(spec, ts, split, device.extras))
+    names = list(eval_metric_shapes(spec, ts, split, device.extras))
+    if spec.ema is not None and spec.ema.eval == "both" and split == "val":  # the raw weights'
+        names += [f"val_raw_{k.removeprefix('val_')}" for k in names]
+    return sorted(names)
 
 
 def check_metrics(spec: RunSpec, ts, device, svc: Services, named: bool) -> None:
