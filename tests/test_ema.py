@@ -181,6 +181,9 @@ def test_batchnorm_statistics_are_copied_unless_ema_state(run_dir):
     )
     assert not leaves_equal(state, ts.state)
     assert jn.evaluate(averaged, "val") != jn.evaluate(copied, "val")
+    # the saved average holds the statistics: a resume must average them too
+    with pytest.raises(CheckpointError, match="Resume with the same ema_state"):
+        nitro(Norm(max_epochs=2), run_dir=run_dir / "b", resume=True, ema=0.9)
 
 
 @pytest.mark.parametrize(

@@ -725,11 +725,12 @@ def load_trees(ts: TrainState, path: Path, *, full: bool, ema: bool = False) -> 
         tree = next((t for t in _TREES if f"tree '{t}' does not match" in str(e)), None)
         if tree is None:
             raise
-        fix = (
-            "Resume with the same settings, or pass checkpoint=path to load the weights only."
-            if tree == "opt_state"
-            else "Resume with the same model."
-        )
+        fix = {
+            "opt_state": "Resume with the same settings, or pass checkpoint=path to load the "
+            "weights only.",
+            "ema": "Resume with the same ema_state, or pass checkpoint=path to load the "
+            "weights only.",
+        }.get(tree, "Resume with the same model.")
         raise CheckpointError(
             f"cannot {'resume' if full else 'load weights'} from {path}: {_TREES[tree]} "
             f"differs from this run's. {fix}\n{e}"
