@@ -296,3 +296,20 @@ def test_the_checkpointer_may_rank_by_the_raw_weights_metrics(run_dir):
     )
     _, meta = jn.load_checkpoint(ck.best())
     assert meta["metrics"]["val_raw_loss"] == min(r["val_raw_loss"] for r in result.history)
+
+
+def test_fused_steps_give_the_same_average_and_bf16_keeps_it_f32(run_dir):
+    one = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "a", ema=0.9, ema_every=3)
+    fused = nitro(
+        Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "b", ema=0.9, ema_every=3, steps_per_call=4
+    )
+    jn.train(one)
+    jn.train(fused)
+    assert leaves_equal(one.train_state.ema, fused.train_state.ema)
+    bf16 = nitro(
+        Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "c", ema=0.9, precision="bf16", accum=2
+    )
+    jn.train(bf16)
+    avg = bf16.train_state.ema["params"]
+    assert {x.dtype for x in jax.tree.leaves(avg)} == {np.dtype(np.float32)}
+    assert not leaves_equal(avg, bf16.params)
