@@ -46,6 +46,13 @@ GOOD = {
     "remat_policy": "dots_saveable",
     "population": 2,
     "data_on_device": False,
+    "show_curves": True,
+    "ema": 0.99,
+    "ema_warmup": False,
+    "ema_every": 2,
+    "ema_state": True,
+    "ema_eval": "both",
+    "weights": "ema",
 }
 #: Another good value (a flag's, where GOOD is the file's).
 OTHER = {
@@ -73,6 +80,13 @@ OTHER = {
     "remat_policy": "full",
     "population": 3,
     "data_on_device": True,
+    "show_curves": False,
+    "ema": 0.9,
+    "ema_warmup": True,
+    "ema_every": 3,
+    "ema_state": False,
+    "ema_eval": False,
+    "weights": "raw",
 }
 #: A value each option refuses, and a part of the message that says why.
 BAD = {
@@ -99,6 +113,13 @@ BAD = {
     "remat_policy": ("some", "remat_policy='some'"),
     "population": (0, "population=0"),
     "data_on_device": ("yes", "data_on_device='yes'"),
+    "show_curves": ("yes", "show_curves='yes'"),
+    "ema": (1.5, "ema=1.5"),
+    "ema_warmup": ("yes", "ema_warmup='yes'"),
+    "ema_every": (0, "ema_every=0"),
+    "ema_state": ("yes", "ema_state='yes'"),
+    "ema_eval": ("all", "ema_eval='all'"),
+    "weights": ("avg", "weights='avg'"),
 }
 VALUE = [o.name for o in options.OPTIONS if o.value]
 

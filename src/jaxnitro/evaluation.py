@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from . import data as data_mod
-from . import feed, population
+from . import ema, feed, population
 from . import metrics as metrics_mod
 from .compile.programs import check_stale, eval_program, eval_totals
 from .errors import ConfigError, DataError, did_you_mean
@@ -30,14 +30,17 @@ def check_split(n, split: str) -> None:
         )
 
 
-def run_eval(n, split: str) -> dict[str, Any]:
-    """The metrics of `split` (no logging): totals on the device, divided once."""
+def run_eval(n, split: str, weights: str | None = None) -> dict[str, Any]:
+    """The metrics of `split` (no logging): totals on the device, divided once. `weights`:
+    "ema", "raw" or None (those validation uses)."""
     check_split(n, split)
     spec, ps = n.spec, n.programs
     check_stale(spec, ps)
+    params, model_state = ema.pick(n, weights)
     set_phase(n, "Evaluating", info={"split": split})
     bs = spec.split_specs[split].batch_size
-    ts, extras = n.train_state, n.device.extras
+    # (the average has the params' shapes and dtypes: the same eval program serves both)
+    ts, extras = n.train_state.replace(params=params, state=model_state), n.device.extras
     batches, keys = feed.eval_batches(spec, split)
     stream = data_mod.Prefetcher(batches, feed.eval_prepare(spec, split, bs, keys))
     totals = eval_totals(spec, ts, split, extras)
@@ -105,26 +108,45 @@ def is_scalar(v) -> bool:
     return isinstance(v, (int, float)) or v is None
 
 
-def validate(n) -> dict[str, Any]:
+def validation(n) -> dict[str, Any]:
+    """The training loop's validation row: the metrics of the weights validation uses (the
+    checkpointer ranks by these); with `ema_eval="both"` also the raw weights' as
+    `val_raw_<name>` (`acc` -> `val_raw_acc`, `val_loss` -> `val_raw_loss`)."""
+    row = run_eval(n, "val")
+    avg = n.spec.ema
+    if avg is not None and avg.eval == "both":
+        raw = run_eval(n, "val", "raw")
+        row.update({f"val_raw_{k.removeprefix('val_')}": v for k, v in raw.items()})
+    return row
+
+
+def validate(n, *, weights: str | None = None) -> dict[str, Any]:
     """Evaluate the 'val' split; returns {metric: value} (exact: totals divided once).
 
     Example:
         >>> jn.validate(n)
         {'acc': 0.91, 'val_loss': 0.31}
     """
-    return evaluate(n, split="val")
+    return evaluate(n, split="val", weights=weights)
 
 
-def evaluate(n, split: str = "test") -> dict[str, Any]:
+def evaluate(n, split: str = "test", *, weights: str | None = None) -> dict[str, Any]:
     """Evaluate any split with the eval program; returns {metric: value}, and logs it when
     the run dir is free to write.
 
+    Args:
+        n: the run.
+        split: the split to evaluate.
+        weights: with `Nitro(ema=...)`, "ema" (the averaged weights) or "raw" (the trained
+            ones); None: those validation uses.
+
     Example:
         >>> jn.evaluate(n, split="test")["acc"]
+        >>> jn.evaluate(n, split="test", weights="raw")["acc"]  # an ema run's raw weights
     """
     check_split(n, split)
     phase = n.phase
-    values = run_eval(n, split)
+    values = run_eval(n, split, weights)
     with n.services.writing("evaluate", step=n.step, required=False) as may_write:
         if may_write:
             n.logger.log_metrics(

@@ -29,7 +29,7 @@ from .compile import cache, plan, report
 from .compile.programs import check_stale, train_program
 from .display import show_image
 from .errors import DataError, NonFiniteLossError, warn_user
-from .evaluation import is_scalar, run_eval
+from .evaluation import is_scalar, validation
 from .events import steps as step_events
 from .events.phases import set_phase
 from .events.signals import Preempted, PreemptionSync, graceful_stop
@@ -573,7 +573,7 @@ def _mid_epoch(n, epoch: int, *, validate: bool, save: bool) -> None:
     position, so a resume from it continues mid-epoch exactly."""
     row: dict[str, Any] = {"epoch": epoch + 1, "step": n.step}
     if validate and "val" in n.spec.splits:
-        row.update(run_eval(n, "val"))
+        row.update(validation(n))
         _log_validation(n, row, epoch)
         # a history row per validation (no train_loss: the epoch has not ended), before the
         # checkpoint, whose meta carries the history a resume continues
@@ -632,7 +632,7 @@ def _end_epoch(
     row = {"epoch": epoch + 1, "step": n.step, "train_loss": train_loss}
     if "val" in n.spec.splits and not control.preempted:  # preemption leaves no time
         try:
-            row.update(run_eval(n, "val"))
+            row.update(validation(n))
         except BaseException:
             # A failing val loader or a second Ctrl-C must not cost the epoch's training:
             # checkpoint the trained state, marked unvalidated, then let the error through.
@@ -765,6 +765,9 @@ def _checkpoint(n, row: dict, *, stop_reason: str | None = None, validated: bool
         "loggers": _logger_state(n),
     }
     trees = {"params": ts.params, "model_state": ts.state, "opt_state": ts.opt_state}
+    if ts.ema is not None:  # the average (its decay is the run's setting, not saved)
+        trees["ema"] = {k: v for k, v in ts.ema.items() if k != "decay"}
+        meta["weights"] = spec.ema.validates  # what `checkpoint=` loads by default
     ck = n.checkpointer
     t0 = time.perf_counter()
     # A resume from this checkpoint replays only the steps after it: what a logger still holds

@@ -124,6 +124,54 @@ def _bool_or_none(name: str) -> Callable[[Any], bool | None]:
     return check
 
 
+def _ema_decay(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ConfigError(
+            f"ema={value!r}; the decay is a number strictly between 0 and 1 (the weight of the "
+            f"old average per step), e.g. ema=0.999 (about the last 1,000 steps), or None (off)."
+        )
+    return float(value)
+
+
+def _ema_every(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"ema_every={value!r}; pass a whole number of optimizer steps >= 1 between "
+            f"updates, e.g. ema_every=10 (the decay is compounded to match)."
+        )
+    return value
+
+
+def _strict_bool(name: str) -> Callable[[Any], bool]:
+    def check(value):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r}; use True or False.")
+        return value
+
+    return check
+
+
+def _ema_eval(value) -> bool | str:
+    if value not in (True, False, "both") or (value != "both" and not isinstance(value, bool)):
+        raise ConfigError(
+            f"ema_eval={value!r}; use True (validate with the EMA weights), False (the raw "
+            f"weights) or 'both' (val_* for the EMA weights, val_raw_* for the raw ones)."
+        )
+    return value
+
+
+def _ema_eval_text(text: str) -> bool | str:
+    return "both" if text.strip().lower() == "both" else _bool(text)
+
+
+def _weights(value) -> str | None:
+    from .ema import weights_setting
+
+    return weights_setting(value)
+
+
 def _show_curves(value) -> bool:
     if value is None:
         from .display import in_notebook
@@ -594,6 +642,58 @@ OPTIONS: tuple[Option, ...] = (
         "Keep the train arrays on the device (default: when they fit).",
         _data_on_device,
         _bool,
+    ),
+    Option(
+        "ema",
+        None,
+        "float",
+        "Average the weights in the train step with this decay, e.g. 0.999 (default: off).",
+        _ema_decay,
+        _float_text,
+        "DECAY",
+    ),
+    Option(
+        "ema_warmup",
+        True,
+        "bool",
+        "Ramp the EMA decay as min(decay, (1 + t) / (10 + t)) over the first steps.",
+        _strict_bool("ema_warmup"),
+        _bool,
+    ),
+    Option(
+        "ema_every",
+        1,
+        "int",
+        "Update the EMA every k optimizer steps (the decay compounded to match).",
+        _ema_every,
+        _int_text,
+        "K",
+    ),
+    Option(
+        "ema_state",
+        False,
+        "bool",
+        "Average the model state (BatchNorm statistics) too; else it is copied.",
+        _strict_bool("ema_state"),
+        _bool,
+    ),
+    Option(
+        "ema_eval",
+        True,
+        "bool | 'both'",
+        "Validate with the EMA weights; 'both' also logs val_raw_* for the raw ones.",
+        _ema_eval,
+        _ema_eval_text,
+        "true|false|both",
+    ),
+    Option(
+        "weights",
+        None,
+        "'ema' | 'raw'",
+        "Which weights checkpoint= loads (default: those its validation used).",
+        _weights,
+        _str,
+        "ema|raw",
     ),
 )
 

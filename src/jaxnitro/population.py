@@ -313,6 +313,7 @@ def member(n, i: int):
         steps_per_call=spec.steps_per_call,
         on_nonfinite=spec.on_nonfinite,
         schedules=_member_schedules(spec, pop, int(i), constant),
+        **(spec.ema.options() if spec.ema is not None else {}),
     )
     ts = n.train_state
     mine = m.train_state.replace(
@@ -321,6 +322,7 @@ def member(n, i: int):
         opt_state=take(ts.opt_state, i),
         step=ts.step[i],
         rng=ts.rng[i],
+        ema=take(ts.ema, i),  # (each member keeps its own average)
     )
     m._commit(state=mine, progress=n.progress)
     return m

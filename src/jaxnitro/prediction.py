@@ -13,16 +13,17 @@ import jax
 import numpy as np
 
 from . import data as data_mod
-from . import feed, population
+from . import ema, feed, population
 from .compile.programs import check_stale, predict_program
 from .errors import DataError, closest
 
 
-def predict(n, batch_or_loader):
+def predict(n, batch_or_loader, *, weights: str | None = None):
     """Run `forward` in inference mode; host outputs with any padding sliced away.
 
     A dict batch returns the outputs for it; a loader (any re-iterable of dict batches)
-    returns a lazy iterator of per-batch outputs.
+    returns a lazy iterator of per-batch outputs. With `Nitro(ema=...)`, `weights="ema"` or
+    `"raw"` picks the averaged or the trained weights (None: those validation uses).
 
     Example:
         >>> logits = jn.predict(n, {"x": x_test[:10]})
@@ -31,8 +32,9 @@ def predict(n, batch_or_loader):
     """
     population.refuse(n, "jn.predict")
     check_stale(n.spec, n.programs)
+    ema.pick(n, weights)  # a bad or unavailable choice fails here, not at the first batch
     if isinstance(batch_or_loader, Mapping):
-        return _predict_batch(n, batch_or_loader, pad_to=None)
+        return _predict_batch(n, batch_or_loader, pad_to=None, weights=weights)
     if isinstance(batch_or_loader, (np.ndarray, jax.Array)) or not hasattr(
         batch_or_loader, "__iter__"
     ):
@@ -45,15 +47,15 @@ def predict(n, batch_or_loader):
             else f"predict takes a dict batch, got {type(batch_or_loader).__name__}; pass a "
             f"dict of arrays."
         )
-    return _predict_lazy(n, batch_or_loader)
+    return _predict_lazy(n, batch_or_loader, weights)
 
 
-def _predict_lazy(n, loader) -> Iterator:
+def _predict_lazy(n, loader, weights: str | None) -> Iterator:
     pad_to = getattr(loader, "batch_size", None)
     total = len(loader) if hasattr(loader, "__len__") else None
     with n.display.bar("predicting", total) as advance:  # closed with the iterator
         for batch in loader:
-            out = _predict_batch(n, batch, pad_to=pad_to)
+            out = _predict_batch(n, batch, pad_to=pad_to, weights=weights)
             advance(1)
             yield out
 
@@ -72,7 +74,7 @@ def _fields(n, batch) -> list[str]:
     return [f for f in batch if route.takes_all or f in route.required or f in route.optional]
 
 
-def _predict_batch(n, batch, *, pad_to: int | None):
+def _predict_batch(n, batch, *, pad_to: int | None, weights: str | None = None):
     spec = n.spec
     fields = _fields(n, batch)
     size = data_mod.check_batch({f: batch[f] for f in fields}, "predict")
@@ -86,7 +88,9 @@ def _predict_batch(n, batch, *, pad_to: int | None):
         cap = _predict_cap(spec)
         if size > cap:  # in pieces of the largest bucket, outputs joined (batch first)
             pieces = [
-                _predict_batch(n, {f: batch[f][i : i + cap] for f in fields}, pad_to=None)
+                _predict_batch(
+                    n, {f: batch[f][i : i + cap] for f in fields}, pad_to=None, weights=weights
+                )
                 for i in range(0, size, cap)
             ]
             return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *pieces)
@@ -97,7 +101,8 @@ def _predict_batch(n, batch, *, pad_to: int | None):
         target += spec.n_devices - rem
     host = data_mod.pad_batch({f: np.asarray(batch[f]) for f in fields}, target)
     dev = {f: feed.put(spec, host[f], spec.batch_sharding) for f in fields}
-    ts, extras = n.train_state, n.device.extras
+    params, model_state = ema.pick(n, weights)
+    ts, extras = n.train_state.replace(params=params, state=model_state), n.device.extras
     prog = predict_program(spec, n.programs, ts, dev, extras)
     out = jax.device_get(prog(ts.params, ts.state, dev, extras))
     if target == size:

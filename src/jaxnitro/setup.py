@@ -23,6 +23,7 @@ import numpy as np
 
 from . import data as data_mod
 from . import distributed, grain_source, hooks, optim, options, remat
+from . import ema as ema_mod
 from . import population as population_mod
 from . import sharding as sharding_mod
 from .checkpoint import TopKCheckpointer, load_checkpoint, validate_int
@@ -624,7 +625,10 @@ def eval_metric_names(spec: RunSpec, ts: TrainState, device: DeviceValues, split
     """The metric names validation produces (traced abstractly; nothing compiles)."""
     from .compile.programs import eval_metric_shapes
 
-    return sorted(eval_metric_shapes(spec, ts, split, device.extras))
+    names = list(eval_metric_shapes(spec, ts, split, device.extras))
+    if spec.ema is not None and spec.ema.eval == "both" and split == "val":  # the raw weights'
+        names += [f"val_raw_{k.removeprefix('val_')}" for k in names]
+    return sorted(names)
 
 
 def check_metrics(spec: RunSpec, ts, device, svc: Services, named: bool) -> None:
@@ -661,6 +665,7 @@ _TREES = {
     "model_state": "the model state (batch statistics, RNG streams)",
     "opt_state": "the optimizer state layout (param groups, optimizer rules, clipping or "
     "scheduled hyperparameters)",
+    "ema": "the weight average (ema_state=True also averages the model state)",
 }
 
 
@@ -704,22 +709,26 @@ def check_members(spec: RunSpec, path: Path, *, resume: bool) -> None:
     )
 
 
-def load_trees(ts: TrainState, path: Path, *, full: bool) -> tuple[dict, dict]:
-    """(trees, meta) of a checkpoint, restored onto this run's templates."""
+def load_trees(ts: TrainState, path: Path, *, full: bool, ema: bool = False) -> tuple[dict, dict]:
+    """(trees, meta) of a checkpoint, restored onto this run's templates (with `ema`, the
+    weight average too, when the checkpoint holds one)."""
     templates = {"params": ts.params, "model_state": ts.state}
     if full:
         templates["opt_state"] = ts.opt_state
+    if ema and "ema" in checkpoint_meta(path)["trees"]:
+        templates["ema"] = _ema_template(ts, path)
     try:
         return load_checkpoint(path, templates)
     except CheckpointError as e:
         tree = next((t for t in _TREES if f"tree '{t}' does not match" in str(e)), None)
         if tree is None:
             raise
-        fix = (
-            "Resume with the same settings, or pass checkpoint=path to load the weights only."
-            if tree == "opt_state"
-            else "Resume with the same model."
-        )
+        fix = {
+            "opt_state": "Resume with the same settings, or pass checkpoint=path to load the "
+            "weights only.",
+            "ema": "Resume with the same ema_state, or pass checkpoint=path to load the "
+            "weights only.",
+        }.get(tree, "Resume with the same model.")
         raise CheckpointError(
             f"cannot {'resume' if full else 'load weights'} from {path}: {_TREES[tree]} "
             f"differs from this run's. {fix}\n{e}"
@@ -734,7 +743,7 @@ def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Prog
     """Resume: the state, the progress and the schedules' horizon saved in the checkpoint."""
     check_config(spec, path)
     check_members(spec, path, resume=True)
-    trees, meta = load_trees(ts, path, full=True)
+    trees, meta = load_trees(ts, path, full=True, ema=spec.ema is not None)
     step = validate_int(meta, "step", path)
     ts = ts.replace(
         params=on_targets(trees["params"], ts.params),
@@ -743,6 +752,8 @@ def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Prog
         # (a population keeps one step counter per member)
         step=sharding_mod.to_sharding(np.full(ts.step.shape, step, np.int32), spec.replicated),
     )
+    if spec.ema is not None:  # the saved average continues; a run without one starts it here
+        ts = ts.replace(ema=_restored_ema(spec, ts, trees.get("ema")))
     history = meta.get("history", [])
     if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
         raise CheckpointError(
@@ -853,14 +864,55 @@ def weights_path(path: Path) -> Path:
     return found
 
 
-def load_weights(spec: RunSpec, ts: TrainState, path: Path) -> TrainState:
-    """`checkpoint=path`: the weights (params and model state) only; a fresh optimizer."""
+def load_weights(
+    spec: RunSpec, ts: TrainState, path: Path, weights: str | None = None
+) -> TrainState:
+    """`checkpoint=path`: the weights (params and model state) only; a fresh optimizer.
+    `weights="ema"` loads the checkpoint's weight average (None: the weights its validation
+    used); an averaging run starts its own average from what was loaded."""
     check_members(spec, path, resume=False)
-    trees, _ = load_trees(ts, path, full=False)
-    return ts.replace(
+    meta = checkpoint_meta(path)
+    has_ema = "ema" in meta["trees"]
+    if weights is None:
+        weights = meta["meta"].get("weights", "raw") if has_ema else "raw"
+    if weights == "ema" and not has_ema:
+        raise CheckpointError(
+            f"weights='ema', but checkpoint {path} holds no weight average (its run trained "
+            f"without ema=); pass weights='raw' (or leave it out), or a checkpoint of a run "
+            f"with Nitro(ema=0.999)."
+        )
+    trees, _ = load_trees(ts, path, full=False, ema=weights == "ema")
+    ts = ts.replace(
         params=on_targets(trees["params"], ts.params),
         state=on_targets(trees["model_state"], ts.state),
     )
+    if weights == "ema":
+        avg = {"params": trees["ema"]["params"], **({"state": trees["ema"]["state"]}
+               if "state" in trees["ema"] else {})}  # fmt: skip
+        params, state = ema_mod.as_model(avg, ts.params, ts.state)
+        ts = ts.replace(params=on_targets(params, ts.params), state=on_targets(state, ts.state))
+    if spec.ema is not None:
+        ts = ts.replace(ema=ema_mod.init(spec.ema, ts.params, ts.state, ts.step))
+    return ts
+
+
+def _ema_template(ts: TrainState, path: Path) -> dict:
+    """The saved average's layout: this run's when it averages, else f32 params (and model
+    state, which a checkpoint of an ema_state=True run holds too)."""
+    if ts.ema is not None:
+        return {k: v for k, v in ts.ema.items() if k != "decay"}
+    leaves = checkpoint_meta(path)["trees"]["ema"]["leaves"]
+    averaged = {"params": ts.params}
+    if any(leaf["path"].startswith("['state']") for leaf in leaves):
+        averaged["state"] = ts.state
+    return jax.eval_shape(lambda t: jax.tree.map(ema_mod.f32, t), averaged)
+
+
+def _restored_ema(spec: RunSpec, ts: TrainState, saved) -> dict:
+    fresh = ema_mod.init(spec.ema, ts.params, ts.state, ts.step)
+    if saved is None:
+        return fresh
+    return {"decay": fresh["decay"], **{k: on_targets(saved[k], fresh[k]) for k in saved}}
 
 
 def warn_horizon(spec: RunSpec, progress: Progress, horizon) -> None:
@@ -918,6 +970,11 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
     layout = HyperLayout.build(optimizer, values, schedules)
     pop = population_of(s, exp, seed, optimizer, splits["train"], schedules)
     resident, device_batches = resident_data(s, splits, split_specs, mesh, dist, pop)
+    if s.weights is not None and s.checkpoint is None:
+        raise ConfigError(
+            f"weights={s.weights!r} without checkpoint=; weights picks which weights a "
+            f"checkpoint loads. Pass checkpoint='runs/...' with it, or drop weights."
+        )
     decided = {  # the options setup turns into something else; the rest are kept as they are
         "seed": seed,
         "run_dir": s.run_dir,
@@ -926,6 +983,7 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         "remat": remat.plan(s.remat, s.remat_policy, model, params, mstate),
         "population": pop,
         "schedules": schedules,
+        "ema": ema_mod.setting(s.ema, s.ema_warmup, s.ema_every, s.ema_state, s.ema_eval),
     }
     spec = RunSpec(
         experiment=exp,
@@ -965,6 +1023,8 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
             spec = spec.replace(early_stop=stopping)
             active = sharding_mod.to_sharding(stopping.active(), rep)
             device = dataclasses.replace(device, active=active)
+    if spec.ema is not None:  # placed and sharded as the params (their copy, in f32)
+        ts = ts.replace(ema=ema_mod.init(spec.ema, ts.params, ts.state, ts.step))
     sharding_mod.check_fsdp(ts.params, sharding, mesh.size)
     check_metrics(spec, ts, device, svc, named)
     return _restored(spec, ts, device, s)
@@ -989,7 +1049,7 @@ def _restored(spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings) 
         warn_horizon(spec, progress, horizon)
     elif s.checkpoint is not None:
         path = weights_path(Path(s.checkpoint).absolute())
-        ts = load_weights(spec, ts, path)
+        ts = load_weights(spec, ts, path, s.weights)
         spec = spec.replace(weights_path=path)
     if spec.early_stop is not None and progress.early_stop is not None:
         spec.early_stop.load_state_dict(progress.early_stop)

@@ -88,6 +88,7 @@ class RunSpec:
     weights_path: Path | None = None  # checkpoint=: the weights were loaded from there
     resumed_total_steps: int | None = None
     population: Any = None  # population.Population: members trained in one program
+    ema: Any = None  # ema.Ema: the weight average kept in TrainState.ema, or None (off)
     # The train split's arrays on the device ({field: array}); the train program gathers each
     # batch's rows from them (only the row indices are sent per step). None: batches are sent.
     resident: Mapping[str, Any] | None = None

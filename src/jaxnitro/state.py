@@ -30,7 +30,8 @@ def default_optimizer(learning_rate: float = 1e-3) -> optax.GradientTransformati
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Model structure, parameters, model state, optimizer and its state, step and RNG.
+    """Model structure, parameters, model state, optimizer and its state, step and RNG; with
+    `Nitro(ema=...)` also `ema`, the average of the weights (`{"decay", "params"[, "state"]}`).
 
     Example:
         >>> ts = jn.TrainState.create(model, params, state, optax.adam(1e-3))
@@ -44,6 +45,7 @@ class TrainState:
     rng: jax.Array
     model: Any = dataclasses.field(metadata={"static": True})
     tx: Any = dataclasses.field(metadata={"static": True})
+    ema: Any = None  # weight averaging (ema.py): None when off
 
     @classmethod
     def create(

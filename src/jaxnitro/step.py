@@ -146,11 +146,12 @@ def step_inputs(ts, extras, hyper, unpack_hyper=None, write_hyper=None):
 
 
 def kept_if(ok, new, old):
-    """`new` where `ok`, else `old`'s params, model state and optimizer state (the step
-    counter runs on): a skipped step, or a population member that stopped early."""
+    """`new` where `ok`, else `old`'s params, model state, optimizer state and weight
+    average (the step counter runs on): a skipped step, or a population member that stopped
+    early."""
     keep = {
         k: jax.tree.map(lambda a, b: jnp.where(ok, a, b), getattr(new, k), getattr(old, k))
-        for k in ("params", "state", "opt_state")
+        for k in ("params", "state", "opt_state", "ema")
     }
     return new.replace(**keep)
 

@@ -108,11 +108,11 @@ def memory_plan(
     return memory.plan(
         {name: p.compiled for name, p in progs.items()},
         params=ts.params,
-        opt_state=ts.opt_state,
+        opt_state=(ts.opt_state, ts.ema),  # the weight average is kept per param, like it
         model_state=ts.state,
         batch_bytes=batch_bytes,
         batches_in_flight=in_flight,
-        checkpoint_staging_bytes=memory.tree_bytes((ts.params, ts.opt_state, ts.state)),
+        checkpoint_staging_bytes=memory.tree_bytes((ts.params, ts.opt_state, ts.state, ts.ema)),
         capacity=capacity,
         capacity_source=source,
         members=spec.population.size if spec.population is not None else None,

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from .. import custom, models, optim, remat
 from .. import metrics as metrics_mod
 from ..devices import mesh_id
+from ..ema import averaging
 from ..errors import HookError, JaxnitroError, warn_user
 from ..experiment import GRAPH, CompileView, field_values
 from ..sharding import to_sharding
@@ -346,7 +347,7 @@ def hook_prints(spec, kind: str | None = None) -> tuple:
 
 def _state_arrays(ts) -> tuple:
     """The arrays of a TrainState (its model and optimizer are in the key by structure)."""
-    return (ts.params, ts.state, ts.opt_state, ts.step, ts.rng)
+    return (ts.params, ts.state, ts.opt_state, ts.step, ts.rng, ts.ema)
 
 
 def program_key(
@@ -542,6 +543,7 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
         "population": spec.population.key() if spec.population is not None else None,
         "early stopping per member": spec.population is not None and spec.early_stop is not None,
         "data on device": spec.resident is not None,
+        "ema": spec.ema.key() if spec.ema is not None else None,  # (the decay is traced)
     }
     inputs = {"batch": batch, "extras": extras["device"]}
     if spec.resident is not None:  # the arrays are not stacked per step: not batch inputs
@@ -599,6 +601,8 @@ def _train_step(spec, steps: int, *, gathered: bool = False):
             skip_nonfinite=spec.on_nonfinite == "skip",
             grad_norm=spec.log_grad_norm,
         )
+    if spec.ema is not None:  # the average moves in the same program, after the update
+        one = averaging(one, spec.ema)
     pop = spec.population
     if pop is not None and spec.early_stop is not None:
         one = _frozen_when_stopped(one)

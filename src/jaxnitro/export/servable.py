@@ -71,7 +71,9 @@ def sample_inputs(n, wire: dict[str, TensorSpec]) -> dict[str, np.ndarray]:
     return out
 
 
-def reference_outputs(n, sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def reference_outputs(
+    n, sample: dict[str, np.ndarray], weights: str | None = None
+) -> dict[str, np.ndarray]:
     """What the bundle must return: export_preprocess → `jn.predict` → export_postprocess."""
     spec, device = n.spec, dict(n.device.values)
     cls = spec.cls
@@ -80,7 +82,7 @@ def reference_outputs(n, sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]
         if callable(getattr(cls, "export_preprocess", None)):
             pre = jax.jit(lambda d, w: _hook(spec, d, "export_preprocess", **w))
             batch = jax.device_get(pre(device, sample))
-        outputs = predict(n, {k: np.asarray(v) for k, v in dict(batch).items()})
+        outputs = predict(n, {k: np.asarray(v) for k, v in dict(batch).items()}, weights=weights)
         where = f"{cls.__name__}.forward"
         if callable(getattr(cls, "export_postprocess", None)):
             post = jax.jit(lambda d, o: _hook(spec, d, "export_postprocess", o))
@@ -168,10 +170,13 @@ def compare(expected: dict, got: dict) -> dict[str, float]:
     return diffs
 
 
-def check_servable(n, root: Path, wire: dict[str, TensorSpec], platform: str) -> dict:
-    """Run the check; the manifest's record of it."""
+def check_servable(
+    n, root: Path, wire: dict[str, TensorSpec], platform: str, weights: str | None = None
+) -> dict:
+    """Run the check (against `jn.predict` with the exported `weights`); the manifest's
+    record of it."""
     sample = sample_inputs(n, wire)
-    expected = reference_outputs(n, sample)
+    expected = reference_outputs(n, sample, weights)
     got = run_fresh(root, sample, n.spec.cls, platform)
     diffs = compare(expected, got)
     rows = len(next(iter(sample.values())))

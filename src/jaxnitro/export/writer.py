@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import population
+from .. import ema, population
 from ..compile.programs import check_stale
 from ..errors import BundleError, ExportError, did_you_mean, warn_user
 from . import compat
@@ -45,6 +45,7 @@ def export_model(
     name: str | None = None,
     platforms: Sequence[str] = ("cpu", "cuda"),
     allow_custom_calls: Sequence[str] = (),
+    weights: str | None = None,
 ) -> Path:
     """Write the run's model as a bundle: manifest.json, weights.safetensors, model.jaxexport.
 
@@ -64,6 +65,8 @@ def export_model(
             need not have them).
         allow_custom_calls: custom-call targets to export although jax.export gives them no
             compatibility guarantee (the bundle then needs this exact jaxlib).
+        weights: with `Nitro(ema=...)`, "ema" (the averaged weights) or "raw" (the trained
+            ones); None: those validation uses.
 
     Returns:
         The bundle directory.
@@ -74,6 +77,7 @@ def export_model(
         (3, 10)
     """
     population.refuse(n, "jn.export_model")
+    ema.pick(n, weights)  # a bad or unavailable choice fails before anything is written
     root = Path(dir)
     where = root.absolute()
     if n.step == 0 and n.spec.weights_path is None:
@@ -88,11 +92,11 @@ def export_model(
     check_stale(n.spec, n.programs)
     with n.programs.on_compile("export", name):
         allow = (allow_custom_calls,) if isinstance(allow_custom_calls, str) else allow_custom_calls
-        manifest, files, wire = _build(n, name, platforms, tuple(allow))
+        manifest, files, wire = _build(n, name, platforms, tuple(allow), weights)
     staging = where.parent / f".{where.name}.tmp-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     try:
-        _write_checked(n, staging, manifest, files, wire, platforms)
+        _write_checked(n, staging, manifest, files, wire, platforms, weights)
         _publish(staging, where)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -100,7 +104,9 @@ def export_model(
     return root
 
 
-def _write_checked(n, staging: Path, manifest: dict, files: dict, wire, platforms) -> None:
+def _write_checked(
+    n, staging: Path, manifest: dict, files: dict, wire, platforms, weights: str | None
+) -> None:
     """The bundle's files in `staging`, then the servable check (where this platform is one
     of the bundle's) recorded in its manifest."""
     for fname, data in files.items():
@@ -109,7 +115,7 @@ def _write_checked(n, staging: Path, manifest: dict, files: dict, wire, platform
     here = compat.platform()
     manifest["check"] = None
     if here in platforms:
-        manifest["check"] = check_servable(n, staging, wire, here)
+        manifest["check"] = check_servable(n, staging, wire, here, weights)
     else:
         warn_user(
             f"export_model: this machine runs {here}, not one of {list(platforms)}, so the "
@@ -119,13 +125,14 @@ def _write_checked(n, staging: Path, manifest: dict, files: dict, wire, platform
     write_manifest(staging, manifest)
 
 
-def _build(n, name: str, platforms: tuple[str, ...], allow: tuple[str, ...]):
+def _build(
+    n, name: str, platforms: tuple[str, ...], allow: tuple[str, ...], which: str | None = None
+):
     """(manifest without files' check, {file name: bytes}, wire input specs)."""
     import safetensors.numpy
 
     wire = wire_inputs(n)
-    ts = n.train_state
-    weights = flatten_weights(ts.params, ts.state)
+    weights = flatten_weights(*ema.pick(n, which))
     order: list[str] = []
     fn = serving_function(n, weights, order)
     exported = export_program(
