@@ -357,11 +357,11 @@ def test_shard_checksums_catch_a_changed_or_missing_shard(tmp_path):
     import numpy as np
 
     from jaxnitro import checkpoint_shards
-    from jaxnitro.checkpoint import _checksum
+    from jaxnitro.checkpoint_format import checksum
 
     value = np.arange(8.0).reshape(2, 4)
     halves = [[[0, 2], [0, 2]], [[0, 2], [2, 4]]]
-    shards = [[h, _checksum(["['w']"], [value[:, h[1][0] : h[1][1]]])] for h in halves]
+    shards = [[h, checksum(["['w']"], [value[:, h[1][0] : h[1][1]]])] for h in halves]
     leaf = {"path": "['w']", "shards": shards}
     spec = {"leaves": [leaf], "sha256": checkpoint_shards._tree_hash([leaf])}
     checkpoint_shards.verify(tmp_path, "params", spec, [value])

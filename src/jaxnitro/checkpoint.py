@@ -26,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -44,6 +43,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The format's pieces shared with checkpoint_shards.py, under the private names this module
+# (and its tests) have always used.
+from jaxnitro.checkpoint_format import ARRAYS, LOCK, MANIFEST, META
+from jaxnitro.checkpoint_format import TMP as _TMP
+from jaxnitro.checkpoint_format import WRITING as _WRITING
+from jaxnitro.checkpoint_format import Unverified as _Unverified
+from jaxnitro.checkpoint_format import checksum as _checksum
+from jaxnitro.checkpoint_format import fsync_dir as _fsync_dir
+from jaxnitro.checkpoint_format import is_prng_key as _is_prng_key
+from jaxnitro.checkpoint_format import key_entry as _key_entry
+from jaxnitro.checkpoint_format import orbax_layout as _orbax_layout
+from jaxnitro.checkpoint_format import record_hash as _record_hash
+from jaxnitro.checkpoint_format import write_json as _write_json
+from jaxnitro.checkpoint_format import writing as _writing
 from jaxnitro.errors import (
     CheckpointError,
     CheckpointWarning,
@@ -65,14 +78,11 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-MANIFEST, META, ARRAYS, LOCK = "manifest.json", "meta.json", "arrays", ".jaxnitro.lock"
-_TMP = ".tmp-"  # in-progress or abandoned entries are named "<name>.tmp-<pid>"
 _CORRUPT = (
     ".corrupt-"  # checkpoints that failed verification are moved aside as "<name>.corrupt-<n>"
 )
 _TMP_RE, _CORRUPT_RE = re.compile(r"\.tmp-(\d+)$"), re.compile(r"\.corrupt-\d+$")
 _GLOB = frozenset("[]*?\\{}")  # Orbax/TensorStore treat these as patterns in the paths they get
-_WRITING: set[str] = set()  # temp entries this process is writing now (never cleaned by bind)
 
 
 class _QuietOrbax(logging.Filter):
@@ -155,45 +165,6 @@ def _short(exc: BaseException | str, limit: int = 200, *, within: Path | None = 
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make renames inside `path` durable (POSIX); skipped where dirs cannot be opened."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def _writing(tmp: Path):
-    """Mark `tmp` as being written by this process, so bind() here never removes it."""
-    _WRITING.add(str(tmp))
-    try:
-        yield tmp
-    finally:
-        _WRITING.discard(str(tmp))
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    """Temp file + fsync + os.replace: readers see the old file or the new one, never half."""
-    with _writing(path.with_name(f"{path.name}{_TMP}{os.getpid()}")) as tmp:
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(obj, f, indent=1, allow_nan=False)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-    _fsync_dir(path.parent)
-
-
-class _Unverified(Exception):
-    """A fresh write did not read back as written (the message says how)."""
-
-
 def _write_failed(path: Path, exc: BaseException) -> CheckpointError:
     why = _short(exc) if isinstance(exc, _Unverified) else f"{type(exc).__name__}: {_short(exc)}"
     try:
@@ -270,24 +241,6 @@ def _orbax_path(directory: Path):
             os.rmdir(safe)
 
 
-def _key_entry(k: Any) -> list:
-    """JSON form of a key-path entry; the kind ("i"/"f" = list, "d"/"a" = dict) guides _nest."""
-    tu = jax.tree_util
-    if isinstance(k, tu.SequenceKey):
-        return ["i", k.idx]
-    if isinstance(k, tu.FlattenedIndexKey):
-        return ["f", k.key]
-    if isinstance(k, tu.GetAttrKey):
-        return ["a", k.name]
-    key = getattr(k, "key", str(k))
-    return ["d", key if isinstance(key, str | int) else str(key)]
-
-
-def _is_prng_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 class _Staged:
     """A leaf already copied to the host (`stage`): its array to store and its JSON spec."""
 
@@ -345,27 +298,6 @@ def _stored_layout(leaf: dict) -> tuple[tuple, str]:
         trailing, dtype = _key_data_layout(leaf["prng_impl"])
         return tuple(leaf["shape"]) + trailing, dtype
     return tuple(leaf["shape"]), str(jnp.dtype(leaf["dtype"]))
-
-
-def _checksum(paths: list[str], arrays: list[np.ndarray]) -> str:
-    """sha256 over paths, dtypes, shapes and raw bytes, so edits to data or layout show."""
-    h = hashlib.sha256()
-    for p, a in zip(paths, arrays, strict=True):
-        a = np.ascontiguousarray(a)
-        h.update(f"{p}|{a.dtype}|{a.shape}\n".encode())
-        h.update(a.reshape(-1).view(np.uint8).data)
-    return h.hexdigest()
-
-
-def _record_hash(info: dict) -> str:
-    """sha256 of meta.json's canonical JSON, less this hash and the trees' own sha256 fields
-    (those verify themselves against the arrays: an edit shows as a checksum mismatch)."""
-    body = {k: v for k, v in info.items() if k != "record_sha256"}
-    body["trees"] = {
-        n: {k: v for k, v in t.items() if k != "sha256"} for n, t in info["trees"].items()
-    }
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _nest(entries: list[tuple[list, np.ndarray]]) -> Any:
@@ -464,16 +396,6 @@ def _this_process(ocp: Any) -> dict:
         "multiprocessing_options": ocp.options.MultiprocessingOptions(
             primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"jaxnitro-p{me}"
         )
-    }
-
-
-def _orbax_layout(handler: Any, where: Path) -> dict:
-    """{"t<i>": {"l<j>": (shape, dtype)}} as Orbax's metadata records it (no array is read).
-    From the handler: Checkpointer.metadata() would swallow the reason it cannot be read."""
-    tree = handler.metadata(where).tree
-    return {
-        t: {k: (tuple(m.shape), str(np.dtype(m.dtype))) for k, m in leaves.items()}
-        for t, leaves in tree.items()
     }
 
 

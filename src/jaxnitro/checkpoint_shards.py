@@ -21,6 +21,17 @@ import jax
 import numpy as np
 
 from . import distributed
+from .checkpoint_format import (
+    ARRAYS,
+    META,
+    Unverified,
+    checksum,
+    is_prng_key,
+    key_entry,
+    orbax_layout,
+    record_hash,
+    write_json,
+)
 from .errors import CheckpointError
 
 
@@ -43,14 +54,12 @@ def _orbax_together():
 def _leaf(where: str, leaf: Any) -> tuple[Any, dict]:
     """A leaf as Orbax stores it (a global array, or a host array the same everywhere) and its
     meta.json spec; typed PRNG keys as their key data."""
-    from .checkpoint import _is_prng_key
-
     if isinstance(leaf, jax.ShapeDtypeStruct):
         raise CheckpointError(
             f"leaf {where} is an abstract ShapeDtypeStruct; save the real arrays (a "
             "ShapeDtypeStruct only describes one, e.g. as a load_checkpoint template)"
         )
-    if _is_prng_key(leaf):
+    if is_prng_key(leaf):
         impl = str(jax.random.key_impl(leaf))
         spec = {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "prng_impl": impl}
         return jax.random.key_data(leaf), spec
@@ -72,14 +81,12 @@ def _index(slices: tuple, shape: tuple) -> list[list[int]]:
 
 def _shards(path: str, arr: Any) -> list[list]:
     """[(index, sha256)] of the shards of `arr` this process writes."""
-    from .checkpoint import _checksum
-
     if not isinstance(arr, jax.Array):  # a host array: process 0 writes it whole
         if jax.process_index() != 0:
             return []
-        return [[[[0, dim] for dim in arr.shape], _checksum([path], [arr])]]
+        return [[[[0, dim] for dim in arr.shape], checksum([path], [arr])]]
     return [
-        [_index(s.index, arr.shape), _checksum([path], [np.asarray(s.data)])]
+        [_index(s.index, arr.shape), checksum([path], [np.asarray(s.data)])]
         for s in arr.addressable_shards
         if s.replica_id == 0
     ]
@@ -92,8 +99,6 @@ def _tree_hash(leaves: list[dict]) -> str:
 
 def flatten(trees: dict[str, Any]) -> tuple[dict, dict]:
     """(the Orbax item, the tree specs of meta.json with every process's shard hashes)."""
-    from .checkpoint import _key_entry
-
     item: dict = {}
     specs: dict = {}
     for i, (tname, tree) in enumerate(trees.items()):
@@ -102,7 +107,7 @@ def flatten(trees: dict[str, Any]) -> tuple[dict, dict]:
             path = jax.tree_util.keystr(kp)
             arr, spec = _leaf(f"{tname}{path}", leaf)
             arrays[f"l{j}"] = arr
-            leaves.append({"path": path, "keys": [_key_entry(k) for k in kp], **spec})
+            leaves.append({"path": path, "keys": [key_entry(k) for k in kp], **spec})
             leaves[-1]["shards"] = _shards(path, arr)
         if arrays:
             item[f"t{i}"] = arrays
@@ -121,8 +126,6 @@ def flatten(trees: dict[str, Any]) -> tuple[dict, dict]:
 def write(target: Path, trees: dict[str, Any], record: dict) -> None:
     """Every process: write the arrays into `target` (made by process 0); then process 0
     checks the store and writes meta.json. Raises on every process if any part failed."""
-    from .checkpoint import ARRAYS, META, _orbax_layout, _record_hash, _Unverified, _write_json
-
     item, specs = flatten(trees)
     failed: str | None = None
     if item:
@@ -134,7 +137,7 @@ def write(target: Path, trees: dict[str, Any], record: dict) -> None:
             failed = f"{type(e).__name__}: {e}"
     failures = [f for f in distributed.gather("checkpoint-written", failed) if f]
     if failures:
-        raise _Unverified(f"a process could not write its shards ({failures[0][:300]})")
+        raise Unverified(f"a process could not write its shards ({failures[0][:300]})")
 
     def finish() -> None:
         if item:
@@ -142,10 +145,10 @@ def write(target: Path, trees: dict[str, Any], record: dict) -> None:
                 t: {k: (tuple(a.shape), str(np.dtype(a.dtype))) for k, a in leaves.items()}
                 for t, leaves in item.items()
             }
-            if _orbax_layout(handler, target / ARRAYS) != want:
-                raise _Unverified("the arrays did not read back as written")
+            if orbax_layout(handler, target / ARRAYS) != want:
+                raise Unverified("the arrays did not read back as written")
         info = json.loads(json.dumps({**record, "trees": specs}))
-        _write_json(target / META, {**info, "record_sha256": _record_hash(info)})
+        write_json(target / META, {**info, "record_sha256": record_hash(info)})
 
     distributed.decided_by_process_zero("checkpoint-meta", finish)
 
@@ -153,8 +156,6 @@ def write(target: Path, trees: dict[str, Any], record: dict) -> None:
 def verify(ckpt: Path, name: str, spec: dict, values: list[np.ndarray]) -> None:
     """The shards recorded for tree `name` hash as they did when written (whole arrays were
     read); they cover each array exactly once."""
-    from .checkpoint import _checksum
-
     leaves = spec["leaves"]
     ok = isinstance(spec.get("sha256"), str) and spec["sha256"] == _tree_hash(leaves)
     for leaf, value in zip(leaves, values, strict=True):
@@ -168,7 +169,7 @@ def verify(ckpt: Path, name: str, spec: dict, values: list[np.ndarray]) -> None:
         for index, sha in shards:
             part = value[tuple(slice(a, b) for a, b in index)]
             covered += part.size
-            ok = ok and _checksum([leaf["path"]], [part]) == sha
+            ok = ok and checksum([leaf["path"]], [part]) == sha
         ok = ok and covered == value.size  # every element once: no shard left out
     if not ok:
         raise CheckpointError(
