@@ -43,15 +43,13 @@ from .loggers import (
 from .loop import TrainResult, train
 from .lr_find import LRFindResult, lr_find
 from .models import apply, split_model
-from .nitro import Dist, Nitro
+from .nitro import Dist, Nitro, member
 from .plot import plot
-from .population import member
 from .prediction import predict
 from .render import render
 from .sharding import Sharding
 from .state import TrainState, train_step
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 __all__ = [
     "BundleError",

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 import jax
+import numpy as np
 
 from . import config as config_mod
 from . import hooks, options, population
@@ -32,10 +33,11 @@ from .compile.programs import ProgramSet
 from .errors import ConfigArgumentError, ConfigError, did_you_mean
 from .events.phases import set_phase
 from .events.signals import SetupTerminated, terminate_during_setup
-from .experiment import is_experiment
+from .experiment import is_experiment, replace
 from .plot import preload as preload_plotting
 from .progress import Progress
 from .runlock import RunLock
+from .schedules import constant
 from .setup import Dist
 from .sharding import to_sharding
 from .spec import DeviceValues, RunSpec
@@ -300,4 +302,73 @@ Nitro.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
 )
 Nitro.__doc__ = f"{Nitro.__doc__}\n{options.docstring()}\n"
 
-__all__ = ["Dist", "Nitro", "read_manifest"]
+
+def member(n, i: int):
+    """A normal handle for member `i` of a population: its parameters, model and optimizer
+    state, its seed and values; to predict, evaluate, export or serve (or train further).
+
+    The handle reads the run's data and writes nothing of its own (no logger, no
+    checkpointer); its run dir is `<run_dir>/members/<i>`.
+
+    Example:
+        >>> result = jn.train(jn.Nitro(exp, population=8))
+        >>> best = jn.member(n, result.members[0]["member"])
+        >>> jn.export_model(best, "bundles/best")
+    """
+    pop = n.spec.population
+    if pop is None:
+        raise ConfigError(
+            "jn.member(n, i) picks one member of a population (jn.Nitro(exp, population=...)); "
+            "this handle trains one model: use it as it is."
+        )
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < pop.size:
+        raise ConfigError(f"member {i!r}: the population has members 0..{pop.size - 1}.")
+    spec = n.spec
+    splits = dict(spec.splits)
+    if pop.own_data:
+        splits["train"] = pop.loaders[i]
+    m = Nitro(
+        replace(n.experiment, **pop.member_values(i)),
+        seed=pop.seeds[i],
+        run_dir=spec.run_dir / "members" / str(i),
+        data=splits,
+        logger=False,
+        checkpointer=False,
+        progress=False,
+        max_epochs=spec.max_epochs,
+        accum=spec.accum,
+        steps_per_call=spec.steps_per_call,
+        on_nonfinite=spec.on_nonfinite,
+        schedules=_member_schedules(spec, pop, int(i), constant),
+        **(spec.ema.options() if spec.ema is not None else {}),
+    )
+    ts = n.train_state
+    mine = m.train_state.replace(
+        params=population.take(ts.params, i),
+        state=population.take(ts.state, i),
+        opt_state=population.take(ts.opt_state, i),
+        step=ts.step[i],
+        rng=ts.rng[i],
+        ema=population.take(ts.ema, i),  # (each member keeps its own average)
+    )
+    m._commit(state=mine, progress=n.progress)
+    return m
+
+
+def _member_schedules(spec, pop: population.Population, i: int, constant) -> dict:
+    """The run's schedules as member i follows them (its own rates as constant multipliers
+    of the group's rate), for a handle that trains on like the member."""
+    out: dict[str, Any] = {}
+    sched = pop.schedules[i] if pop.schedules is not None else spec.schedules
+    for key, fn in sched.fns.items():
+        scale = sched.multiplier.get(key, 1.0) / spec.schedules.multiplier.get(key, 1.0)
+        out[key] = lambda total, fn=fn, scale=scale: lambda t: fn(t) * scale
+    for key, rates in pop.rates.items():
+        if key not in out:
+            group, _ = spec.optimizer.hyper_paths[key]
+            rate = spec.optimizer.groups[group].rate
+            out[key] = constant(rates[i] / rate) if rate else constant(0.0)
+    return out
+
+
+__all__ = ["Dist", "Nitro", "member", "read_manifest"]

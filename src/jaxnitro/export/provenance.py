@@ -11,18 +11,17 @@ import numpy as np
 
 from ..experiment import GRAPH, field_values
 from ..jsonable import jsonable
+from ..version import __version__
 from . import compat
 from .gitstate import git_state
 
 
 def provenance(n, exported) -> dict:
     """The manifest's ``provenance``: what made the bundle, enough to rebuild or audit it."""
-    import jaxnitro
-
     spec = n.spec
     versions = compat.versions()
     return {
-        "jaxnitro": jaxnitro.__version__,
+        "jaxnitro": __version__,
         "jax": versions["jax"],
         "jaxlib": versions["jaxlib"],
         "serialization_version": versions["serialization_version"],

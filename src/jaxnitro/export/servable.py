@@ -103,12 +103,11 @@ def run_fresh(root: Path, sample: dict[str, np.ndarray], cls, platform: str) -> 
     """The bundle's outputs on ``sample``, computed in a new Python process."""
     import safetensors.numpy
 
-    import jaxnitro
-
     with tempfile.TemporaryDirectory(prefix="jaxnitro-check-") as tmp:
         inp, out = Path(tmp) / "inputs.safetensors", Path(tmp) / "outputs.safetensors"
         safetensors.numpy.save_file({k: np.asarray(v, order="C") for k, v in sample.items()}, inp)
-        package_root = str(Path(jaxnitro.__file__).resolve().parent.parent)
+        # The directory that holds the `jaxnitro` package (this module is jaxnitro/export/...).
+        package_root = str(Path(__file__).resolve().parents[2])
         args = [str(root), str(inp), str(out), json.dumps(_blocked(cls)), package_root]
         env = {**os.environ, "JAX_PLATFORMS": platform}
         try:
