@@ -140,6 +140,7 @@ MODULE_NAMES = {
 }
 
 COMMANDS = [
+    "cache",  # added with the persistent compilation cache (warm starts)
     "evaluate",
     "export",
     "inspect",

@@ -83,7 +83,7 @@ def run_config(exp, given: Mapping[str, Any]) -> dict[str, Any]:
             out_options[o.name] = value
         elif raw[o.name] is not None and (given.get(o.name) is not None or o.value):
             skipped[f"options.{o.name}"] = _what(raw[o.name]) + ("" if o.value else ", Python only")
-    from . import __version__
+    from .version import __version__
 
     return {
         "target": target_of(type(exp)),

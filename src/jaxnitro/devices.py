@@ -127,8 +127,9 @@ def configure_cache(
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_compilation_cache_max_size", size)
-    from .compile import persistent  # noqa: F401 (records the hit rate at exit)
+    from .compile import persistent
 
+    persistent.use(path)  # its loads and compiles are recorded there at exit
     if _cache_state.get("dir", False) != path or _cache_state.get("size") != size:
         _reset_jax_cache()  # JAX decides once per process whether (and where) to cache
     _cache_state.update(dir=path, size=size)

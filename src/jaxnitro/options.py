@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .errors import MODES, ConfigError, check_int, did_you_mean
 from .units import parse_bytes
 
@@ -256,10 +258,22 @@ def _remat_policy(value):
     return check(None, value)[1]
 
 
-def _population(value):
-    from .population import check_setting
-
-    return check_setting(value)
+def _population(value) -> int | dict | None:
+    """`population=`: None, a member count >= 1, or {field: [values]} (checked at setup)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, Mapping)):
+        raise ConfigError(
+            f"population={value!r}; pass a number of members (population=8: seeds seed..seed+7) "
+            f"or a dict of per-member values, e.g. population={{'smoothing': [0.0, 0.1]}}."
+        )
+    if isinstance(value, Mapping):
+        if not value:
+            raise ConfigError("population={} names no field; give {field: [v1, v2, ...]}.")
+        return {str(k): v for k, v in value.items()}
+    if value < 1:
+        raise ConfigError(f"population={value}; a population has at least 1 member.")
+    return int(value)
 
 
 def _data_on_device(value):

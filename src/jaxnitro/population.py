@@ -68,26 +68,8 @@ class Population:
         return (self.size, self.own_data)
 
 
-def check_setting(value) -> int | dict | None:
-    """`population=`: None, a member count >= 1, or {field: [values]} (checked at setup)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer, Mapping)):
-        raise ConfigError(
-            f"population={value!r}; pass a number of members (population=8: seeds seed..seed+7) "
-            f"or a dict of per-member values, e.g. population={{'smoothing': [0.0, 0.1]}}."
-        )
-    if isinstance(value, Mapping):
-        if not value:
-            raise ConfigError("population={} names no field; give {field: [v1, v2, ...]}.")
-        return {str(k): v for k, v in value.items()}
-    if value < 1:
-        raise ConfigError(f"population={value}; a population has at least 1 member.")
-    return int(value)
-
-
 def resolve(setting, *, seed: int, device_fields: Mapping[str, str], rate_keys) -> Population:
-    """The members of `setting` (from `check_setting`) for a run with this seed.
+    """The members of `setting` (as `options` checked it) for a run with this seed.
 
     Args:
         device_fields: every field of the experiment -> its marker (DEVICE, GRAPH, HOST).

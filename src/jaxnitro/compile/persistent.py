@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import cache
 
-__all__ = ["CacheInfo", "clear", "info", "record_process"]
+__all__ = ["CacheInfo", "clear", "info", "record_process", "use"]
 
 STATS_FILE = "jaxnitro-stats.jsonl"
 _ENTRY = "-cache"  # JAX's suffixes: the executable, and its last access time for the LRU
@@ -130,10 +130,13 @@ def record_process(directory: str | None) -> None:
             os.replace(tmp, path)
 
 
-def _at_exit() -> None:
-    from ..devices import cache_in_use
-
-    record_process(cache_in_use())
+_in_use: dict[str, str | None] = {"dir": None}
 
 
-atexit.register(_at_exit)
+def use(directory: str | None) -> None:
+    """Note the directory this process caches in (`devices.configure_cache` calls this), so
+    its loads and compiles are recorded there at exit."""
+    _in_use["dir"] = directory
+
+
+atexit.register(lambda: record_process(_in_use["dir"]))
