@@ -13,8 +13,8 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxnitro.checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
-from jaxnitro.errors import CheckpointError, ConfigError
+from jaxnitro.checkpoint.store import TopKCheckpointer, load_checkpoint, read_manifest
+from jaxnitro.core.errors import CheckpointError, ConfigError
 
 
 def _bits(x) -> bytes:

@@ -21,17 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxnitro import checkpoint as ckmod
-from jaxnitro.checkpoint import (
+from jaxnitro.checkpoint import store as ckmod
+from jaxnitro.checkpoint.store import (
     TopKCheckpointer,
     load_checkpoint,
     read_manifest,
     validate_int,
     verify_checkpoint,
 )
-from jaxnitro.errors import CheckpointError, CheckpointWarning
+from jaxnitro.core.errors import CheckpointError, CheckpointWarning
 
-FREE = r"\d+(\.\d)? [KMGTP]?i?B free"  # jaxnitro.units.format_bytes, then "free"
+FREE = r"\d+(\.\d)? [KMGTP]?i?B free"  # jaxnitro.core.units.format_bytes, then "free"
 
 
 def _trees(step: int = 1):
@@ -514,8 +514,8 @@ FSIZE_CHILD = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 import jax.numpy as jnp, numpy as np
-from jaxnitro.checkpoint import TopKCheckpointer
-from jaxnitro.errors import CheckpointError
+from jaxnitro.checkpoint.store import TopKCheckpointer
+from jaxnitro.core.errors import CheckpointError
 ck = TopKCheckpointer(dir=sys.argv[1])
 ck.bind(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro.runlock import RunLock
-from jaxnitro.runs import list_runs
+from jaxnitro.checkpoint.runlock import RunLock
+from jaxnitro.observe.runs import list_runs
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PNG = b"\x89PNG\r\n\x1a\n"

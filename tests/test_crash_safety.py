@@ -27,9 +27,9 @@ import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
-from jaxnitro.checkpoint import TopKCheckpointer, verify_checkpoint
-from jaxnitro.errors import CheckpointError, CheckpointWarning
-from jaxnitro.loggers import JSONLogger, read_jsonl
+from jaxnitro.checkpoint.store import TopKCheckpointer, verify_checkpoint
+from jaxnitro.core.errors import CheckpointError, CheckpointWarning
+from jaxnitro.observe.loggers import JSONLogger, read_jsonl
 
 TESTS = Path(__file__).resolve().parent
 

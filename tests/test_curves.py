@@ -17,7 +17,7 @@ from conftest import Tiny, nitro
 
 import jaxnitro as jn
 
-plot = importlib.import_module("jaxnitro.plot")  # the module (`jaxnitro.plot` is jn.plot)
+plot = importlib.import_module("jaxnitro.observe.plot")  # the module, not jn.plot
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -33,7 +33,7 @@ def _fresh_process(script: str, *, draw: bool) -> dict:
         sys.path.insert(0, {str(TESTS)!r})
         from conftest import Tiny, nitro
         import jaxnitro as jn
-        plot = sys.modules["jaxnitro.plot"]
+        plot = sys.modules["jaxnitro.observe.plot"]
         """
     )
     if draw:

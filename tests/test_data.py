@@ -1,4 +1,4 @@
-"""Tests for jaxnitro.data: DataLoader, batch checks, padding, and the prefetch thread."""
+"""Tests for jaxnitro.data.loader: DataLoader, batch checks, padding, and the prefetch thread."""
 
 import threading
 import time
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro.data import DataLoader, Prefetcher, check_batch, pad_batch, skip
+from jaxnitro.data.loader import DataLoader, Prefetcher, check_batch, pad_batch, skip
 
 
 def data(n=10, d=3):

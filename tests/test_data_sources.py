@@ -16,7 +16,7 @@ import pytest
 from conftest import Tiny, leaves_equal, make_data, nitro
 
 import jaxnitro as jn
-from jaxnitro import tables
+from jaxnitro.data import tables
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 N_TRAIN, BS, AT = 64, 8, 3  # 8 steps an epoch; the mid-epoch checkpoint is at step 3
@@ -206,7 +206,7 @@ def test_an_abandoned_pass_does_not_leak_into_the_next():
 
 
 def test_a_transform_gets_an_rng_of_seed_epoch_and_index_only():
-    from jaxnitro.data import sample_rng
+    from jaxnitro.data.loader import sample_rng
 
     assert sample_rng(1, 2, 3).random() == sample_rng(1, 2, 3).random()
     assert sample_rng(1, 2, 3).random() != sample_rng(1, 2, 4).random()
@@ -339,7 +339,7 @@ def grain_loader(source, shard=None):
 def test_grain_map_dataset_resume_is_bitwise_and_epochs_differ(tmp_path):
     a, _ = straight_and_resumed(tmp_path, lambda: grain_map(CountingSource()))
     ds = grain_map(CountingSource())
-    from jaxnitro.grain_source import batches
+    from jaxnitro.data.grain_source import batches
 
     e0 = np.concatenate([b["i"] for b, _ in batches(ds, 0, 0, None)])
     e1 = np.concatenate([b["i"] for b, _ in batches(ds, 1, 0, None)])
@@ -354,7 +354,7 @@ def test_grain_map_dataset_resume_reads_nothing_before_the_position(tmp_path):
         return grain_map(sources[-1])
 
     straight_and_resumed(tmp_path, train, max_epochs=1)
-    from jaxnitro.grain_source import batches
+    from jaxnitro.data.grain_source import batches
 
     order = np.concatenate([b["i"] for b, _ in batches(grain_map(CountingSource()), 0, 0, None)])
     before, after = set(order[: AT * BS].tolist()), set(order[AT * BS :].tolist())
@@ -383,8 +383,8 @@ def test_grain_loader_resume_is_bitwise_and_reads_nothing_before_the_position(tm
 
 def test_grain_shards_follow_dist_and_an_unsharded_loader_is_refused():
     pytest.importorskip("grain")
-    from jaxnitro import grain_source
-    from jaxnitro.setup import Dist
+    from jaxnitro.data import grain_source
+    from jaxnitro.run.setup import Dist
 
     reads = []
     for p in (0, 1):

@@ -22,7 +22,7 @@ from conftest import Tiny
 from rich.console import Console
 
 import jaxnitro as jn
-from jaxnitro.display import Display, in_notebook
+from jaxnitro.observe.display import Display, in_notebook
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TESTS = Path(__file__).resolve().parent
@@ -223,7 +223,7 @@ def test_outside_a_kernel_nothing_imports_ipython(tmp_path):
         sys.path.insert(0, {str(TESTS)!r})
         from conftest import Tiny
         import jaxnitro as jn
-        from jaxnitro.display import in_notebook
+        from jaxnitro.observe.display import in_notebook
         assert not in_notebook()
         n = jn.Nitro(Tiny(max_epochs=1), run_dir={str(tmp_path / "run")!r})
         jn.train(n)

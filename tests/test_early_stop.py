@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxnitro.early_stop import EarlyStopping
-from jaxnitro.errors import ConfigError, MetricsError
+from jaxnitro.core.errors import ConfigError, MetricsError
+from jaxnitro.train.early_stop import EarlyStopping
 
 
 def _run(es: EarlyStopping, values, metric: str | None = None) -> list[bool]:

@@ -17,8 +17,8 @@ from conftest import Tiny, host_copy, leaves_equal, make_data, nitro
 from flax import nnx
 
 import jaxnitro as jn
-from jaxnitro.ema import pick
-from jaxnitro.errors import CheckpointError, ConfigError
+from jaxnitro.core.errors import CheckpointError, ConfigError
+from jaxnitro.steps.ema import pick
 
 TESTS = Path(__file__).resolve().parent
 

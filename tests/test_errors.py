@@ -23,8 +23,8 @@ import pytest
 from conftest import Tiny, make_data, nitro
 
 import jaxnitro as jn
-from jaxnitro.early_stop import EarlyStopping
-from jaxnitro.errors import ConfigArgumentError, JaxnitroError
+from jaxnitro.core.errors import ConfigArgumentError, JaxnitroError
+from jaxnitro.train.early_stop import EarlyStopping
 
 SRC = Path(jn.__file__).resolve().parent
 TESTS = Path(__file__).resolve().parent
@@ -1221,7 +1221,7 @@ def test_preset_override_typo_names_the_override():
 
 
 def test_run_dir_in_use_by_another_handle(run_dir):
-    from jaxnitro.runlock import RunLockedError
+    from jaxnitro.checkpoint.runlock import RunLockedError
 
     other = jn.Nitro(Tiny(max_epochs=1), run_dir=run_dir, progress=False)
     other.services.lock.acquire("train", what="x")

@@ -20,9 +20,9 @@ from conftest import Tiny, make_data, nitro
 from flax import nnx
 
 import jaxnitro as jn
-from jaxnitro.errors import BundleError, BundleInputError, ExportError, HookError
+from jaxnitro.core.errors import BundleError, BundleInputError, ExportError, HookError
+from jaxnitro.experiment.hooks import check_hooks
 from jaxnitro.export import compat
-from jaxnitro.hooks import check_hooks
 
 # Most tests export an untrained handle on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:export_model.*no optimizer step")

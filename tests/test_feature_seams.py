@@ -19,7 +19,7 @@ import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
-from jaxnitro.runlock import LOCK_NAME as RUN_LOCK
+from jaxnitro.checkpoint.runlock import LOCK_NAME as RUN_LOCK
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

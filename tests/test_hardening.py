@@ -22,8 +22,8 @@ import pytest
 from conftest import Tiny, leaves_equal, make_data, nitro
 
 import jaxnitro as jn
-from jaxnitro.devices import check_cache_trust
-from jaxnitro.runlock import RunLock, RunLockedError
+from jaxnitro.checkpoint.runlock import RunLock, RunLockedError
+from jaxnitro.dist.devices import check_cache_trust
 
 TESTS = os.path.dirname(__file__)
 
@@ -64,7 +64,7 @@ def test_stale_lock_of_a_killed_process_is_taken_over(run_dir):
     run_dir.mkdir(parents=True)
     code = (
         f"import sys, time; sys.path.insert(0, {os.path.dirname(jn.__file__)!r}+'/..');"
-        f"from jaxnitro.runlock import RunLock; l = RunLock({str(run_dir)!r}); "
+        f"from jaxnitro.checkpoint.runlock import RunLock; l = RunLock({str(run_dir)!r}); "
         f"assert l.try_acquire('train'); print('HELD', flush=True); time.sleep(60)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

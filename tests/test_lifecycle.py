@@ -15,7 +15,7 @@ import pytest
 from conftest import Tiny, leaves_equal, make_data, nitro
 
 import jaxnitro as jn
-from jaxnitro import optim
+from jaxnitro.optim import groups as optim
 
 
 def phases_of(n, **kw):

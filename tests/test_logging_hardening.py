@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxnitro.errors import ConfigError, JaxnitroError
-from jaxnitro.history import History
-from jaxnitro.loggers import JSONLogger, LogWarning, LogWriteError, read_jsonl
+from jaxnitro.core.errors import ConfigError, JaxnitroError
+from jaxnitro.observe.loggers import JSONLogger, LogWarning, LogWriteError, read_jsonl
+from jaxnitro.train.history import History
 
 
 def _log_warnings(record):
@@ -313,7 +313,7 @@ def test_log_write_error_str_is_its_message():
 
 _FSIZE_CHILD = textwrap.dedent("""
     import json, resource, signal, sys, warnings
-    from jaxnitro.loggers import JSONLogger, LogWarning
+    from jaxnitro.observe.loggers import JSONLogger, LogWarning
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
     run_dir = sys.argv[1]
     log = JSONLogger()

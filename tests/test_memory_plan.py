@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from jaxnitro.compile import memory
-from jaxnitro.errors import MemoryPlanError
+from jaxnitro.core.errors import MemoryPlanError
 
 TX = optax.adam(1e-3)
 BATCH = 256

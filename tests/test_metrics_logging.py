@@ -1,4 +1,4 @@
-"""Tests for jaxnitro.metrics, jaxnitro.logging, jaxnitro.history and jaxnitro.datasets."""
+"""Tests for jaxnitro.steps.metrics, the loggers, jaxnitro.train.history and jaxnitro.datasets."""
 
 import json
 import math
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro import metrics
-from jaxnitro.history import History
-from jaxnitro.loggers import JSONLogger, read_jsonl
+from jaxnitro.observe.loggers import JSONLogger, read_jsonl
+from jaxnitro.steps import metrics
+from jaxnitro.train.history import History
 
 # ---------------------------------------------------------------- metrics.normalize
 

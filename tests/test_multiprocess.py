@@ -14,7 +14,7 @@ import time
 import pytest
 
 import jaxnitro as jn
-from jaxnitro import launcher
+from jaxnitro.dist import launcher
 from jaxnitro.distributed import resolve_args
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -356,8 +356,8 @@ def jax_leaves(tree):
 def test_shard_checksums_catch_a_changed_or_missing_shard(tmp_path):
     import numpy as np
 
-    from jaxnitro import checkpoint_shards
-    from jaxnitro.checkpoint_format import checksum
+    from jaxnitro.checkpoint import shards as checkpoint_shards
+    from jaxnitro.checkpoint.format import checksum
 
     value = np.arange(8.0).reshape(2, 4)
     halves = [[[0, 2], [0, 2]], [[0, 2], [2, 4]]]

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from jaxnitro import launcher
-from jaxnitro.runlock import RunLock
+from jaxnitro.checkpoint.runlock import RunLock
+from jaxnitro.dist import launcher
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 STACK_TRACE = "Check failure stack trace"
@@ -25,7 +25,7 @@ STACK_TRACE = "Check failure stack trace"
 LOCKED = """
     import sys
     import jaxnitro as jn
-    from jaxnitro.runlock import RunLock
+    from jaxnitro.checkpoint.runlock import RunLock
     jn.distributed.initialize()
     if jn.distributed.process_index() == 0:
         RunLock(sys.argv[1]).acquire("train", what=f"run directory {sys.argv[1]}")

@@ -13,7 +13,8 @@ import pytest
 from conftest import Tiny, host_copy, leaves_equal, make_data, nitro
 
 import jaxnitro as jn
-from jaxnitro import hyper, optim
+from jaxnitro.optim import groups as optim
+from jaxnitro.optim import hyper
 
 
 def allclose(a, b, atol=1e-6):

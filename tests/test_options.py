@@ -1,4 +1,4 @@
-"""Options declared once (`jaxnitro.options`): as keywords, experiment fields, flags of
+"""Options declared once (`jaxnitro.run.options`): as keywords, experiment fields, flags of
 `jaxnitro train`, entries of a TOML config file, in `help(jn.Nitro)` and docs/options.md."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from click.testing import CliRunner
 from conftest import Tiny
 
 import jaxnitro as jn
-from jaxnitro import config, options, settings
 from jaxnitro.cli import cli
+from jaxnitro.run import config, options, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,7 @@ def test_help_and_signature_list_every_option_with_default_and_doc():
 
 
 def test_docs_options_md_is_up_to_date():
-    """Regenerate with: python -m jaxnitro.options > docs/options.md"""
+    """Regenerate with: python -m jaxnitro.run.options > docs/options.md"""
     assert (ROOT / "docs" / "options.md").read_text() == options.markdown()
 
 

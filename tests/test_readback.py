@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxnitro.loop import _read_back
+from jaxnitro.train.driver import _read_back
 
 
 def _runs():

@@ -10,7 +10,7 @@ from conftest import host_copy, make_data, nitro
 from flax import nnx
 
 import jaxnitro as jn
-from jaxnitro import remat
+from jaxnitro.experiment import remat
 
 
 class Block(nnx.Module):

@@ -29,7 +29,7 @@ from conftest import Tiny, nitro
 from test_serve import INFER, Server, _json_infer, _raw, _x
 
 import jaxnitro as jn
-from jaxnitro.errors import ConfigError
+from jaxnitro.core.errors import ConfigError
 from jaxnitro.serve import codec, command, connections, server, tensors
 from jaxnitro.serve.body import InflightBytes
 from jaxnitro.serve.errors import InvalidRequest, PayloadTooLarge, Unavailable

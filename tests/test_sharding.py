@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxnitro as jn
-from jaxnitro.sharding import param_specs, resolve, spec_for
+from jaxnitro.dist.sharding import param_specs, resolve, spec_for
 
 MIB = 2**20
 

@@ -14,19 +14,22 @@ import pytest
 from conftest import Tiny, make_data
 
 import jaxnitro as jn
-from jaxnitro import feed, hooks, hyper, optim
-from jaxnitro import setup as setup_mod
+from jaxnitro.checkpoint.runlock import RunLock
 from jaxnitro.compile import cache, explain
 from jaxnitro.compile.programs import ProgramSet, eval_metric_shapes, eval_program, train_program
-from jaxnitro.data import batch_sharding
-from jaxnitro.devices import make_mesh, replicated
-from jaxnitro.display import Display
-from jaxnitro.hyper import HyperLayout
-from jaxnitro.loggers import NullLogger
-from jaxnitro.progress import Progress
-from jaxnitro.runlock import RunLock
-from jaxnitro.services import NoCheckpointer, Services
-from jaxnitro.spec import DeviceValues, RunSpec
+from jaxnitro.data import feed
+from jaxnitro.data.loader import batch_sharding
+from jaxnitro.dist.devices import make_mesh, replicated
+from jaxnitro.experiment import hooks
+from jaxnitro.observe.display import Display
+from jaxnitro.observe.loggers import NullLogger
+from jaxnitro.optim import groups as optim
+from jaxnitro.optim import hyper
+from jaxnitro.optim.hyper import HyperLayout
+from jaxnitro.run import setup as setup_mod
+from jaxnitro.run.progress import Progress
+from jaxnitro.run.services import NoCheckpointer, Services
+from jaxnitro.run.spec import DeviceValues, RunSpec
 
 
 @jn.experiment
@@ -215,7 +218,7 @@ class Parts:
 
 
 def test_one_epoch_of_the_loop_advances_state_and_progress(tmp_path):
-    from jaxnitro.loop import _Epoch
+    from jaxnitro.train.driver import _Epoch
 
     spec, ts, device = make_spec(tmp=tmp_path)
     parts = Parts(spec, ts, device, tmp_path)
@@ -230,7 +233,7 @@ def test_one_epoch_of_the_loop_advances_state_and_progress(tmp_path):
 
 
 def test_a_stop_request_ends_the_epoch_mid_way_and_keeps_the_position(tmp_path):
-    from jaxnitro.loop import _Epoch
+    from jaxnitro.train.driver import _Epoch
 
     spec, ts, device = make_spec(tmp=tmp_path)
     parts = Parts(spec, ts, device, tmp_path)

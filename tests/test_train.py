@@ -277,7 +277,7 @@ def test_stop_mid_epoch_then_resume_equals_straight_run(run_dir):
 def test_rich_display_runs_on_a_terminal_like_stream(run_dir):
     import io
 
-    from jaxnitro.display import Display
+    from jaxnitro.observe.display import Display
 
     buf = io.StringIO()
     d = Display("rich", file=buf)

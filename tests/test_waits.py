@@ -14,8 +14,8 @@ from conftest import nitro
 from flax import nnx
 
 import jaxnitro as jn
-from jaxnitro import waits
-from jaxnitro.data import Prefetcher
+from jaxnitro.data import waits
+from jaxnitro.data.loader import Prefetcher
 
 
 class FakeStep:

@@ -18,7 +18,7 @@ import pytest
 
 import jaxnitro as jn
 from jaxnitro.compile import persistent
-from jaxnitro.devices import cache_dir_choice, default_cache_dir
+from jaxnitro.dist.devices import cache_dir_choice, default_cache_dir
 
 TESTS = str(Path(__file__).parent)
 

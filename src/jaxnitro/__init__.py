@@ -1,13 +1,9 @@
 """jaxnitro: declare the experiment, compile once, train without boilerplate."""
 
-from . import datasets, distributed, schedules
-from .checkpoint import TopKCheckpointer, load_checkpoint, read_manifest
-from .compile.cache import cache_reset, cache_stats
-from .custom import group_grad, optimizer_step
-from .data import DataLoader
-from .devices import setup_devices
-from .early_stop import EarlyStopping
-from .errors import (
+from jaxnitro import datasets, distributed, schedules
+from jaxnitro.checkpoint.store import TopKCheckpointer, load_checkpoint, read_manifest
+from jaxnitro.compile.cache import cache_reset, cache_stats
+from jaxnitro.core.errors import (
     BundleError,
     BundleInputError,
     CheckpointError,
@@ -23,15 +19,17 @@ from .errors import (
     RoutingError,
     RunLockedError,
 )
-from .evaluation import evaluate, validate
-from .events import Preempted, StepRecord, every, on_phase
-from .experiment import Device, GraphConst, Host, experiment, fields
-from .export import Bundle, TensorSpec, export_model, load_bundle
-from .grain_source import shard_options
-from .history import History
-from .introspect import compile, compile_report, explain, inspect, memory_plan
-from .live import device_value, history, request_stop, set_device
-from .loggers import (
+from jaxnitro.core.version import __version__ as __version__
+from jaxnitro.data.grain_source import shard_options
+from jaxnitro.data.loader import DataLoader
+from jaxnitro.dist.devices import setup_devices
+from jaxnitro.dist.sharding import Sharding
+from jaxnitro.experiment.markers import Device, GraphConst, Host, experiment, fields
+from jaxnitro.experiment.models import apply, split_model
+from jaxnitro.export import Bundle, TensorSpec, export_model, load_bundle
+from jaxnitro.observe.events import Preempted, StepRecord, every, on_phase
+from jaxnitro.observe.introspect import compile, compile_report, explain, inspect, memory_plan
+from jaxnitro.observe.loggers import (
     CSVLogger,
     JSONLogger,
     Logger,
@@ -40,16 +38,18 @@ from .loggers import (
     WandbLogger,
     read_jsonl,
 )
-from .loop import TrainResult, train
-from .lr_find import LRFindResult, lr_find
-from .models import apply, split_model
-from .nitro import Dist, Nitro, member
-from .plot import plot
-from .prediction import predict
-from .render import render
-from .sharding import Sharding
-from .state import TrainState, train_step
-from .version import __version__ as __version__
+from jaxnitro.observe.plot import plot
+from jaxnitro.observe.render import render
+from jaxnitro.run.live import device_value, history, request_stop, set_device
+from jaxnitro.run.nitro import Dist, Nitro, member
+from jaxnitro.steps.custom import group_grad, optimizer_step
+from jaxnitro.steps.state import TrainState, train_step
+from jaxnitro.train.driver import TrainResult, train
+from jaxnitro.train.early_stop import EarlyStopping
+from jaxnitro.train.evaluation import evaluate, validate
+from jaxnitro.train.history import History
+from jaxnitro.train.lr_find import LRFindResult, lr_find
+from jaxnitro.train.prediction import predict
 
 __all__ = [
     "BundleError",

@@ -1,5 +1,7 @@
 """The `jaxnitro` command: train, evaluate, sweep and look at runs from the shell.
 
+It may import every part: nothing imports it but `__main__`.
+
 Built on click. The options of `train`, `sweep`, `validate`... are the TARGET experiment's
 fields, known only once TARGET is loaded: click lets a command build `click.Option` objects at
 run time (`ExperimentCommand` adds them just before parsing), and then does the rest of the
@@ -26,16 +28,16 @@ import os
 
 import click
 
-from .. import peer_watch
-from ..errors import JaxnitroError
-from ..events.signals import Preempted
-from ..serve.command import serve_command
-from . import browse, run, sweep
-from .cache import cache_command
-from .common import echo_err
-from .export import export
-from .fields import ExperimentCommand
-from .launch import launch
+from jaxnitro.cli import browse, run, sweep
+from jaxnitro.cli.cache import cache_command
+from jaxnitro.cli.common import echo_err
+from jaxnitro.cli.export import export
+from jaxnitro.cli.fields import ExperimentCommand
+from jaxnitro.cli.launch import launch
+from jaxnitro.core.errors import JaxnitroError
+from jaxnitro.dist import peer_watch
+from jaxnitro.observe.events.signals import Preempted
+from jaxnitro.serve.command import serve_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .common import CONTEXT, emit
+from jaxnitro.cli.common import CONTEXT, emit
 
 _STYLE = {
     "completed": "green",
@@ -30,7 +30,7 @@ def runs_command(directory: Path, as_json: bool) -> None:
     line: completed, early_stop, preempted, error, requested; running while a writer holds
     the run lock; killed when the log just stops.
     """
-    from ..runs import list_runs
+    from jaxnitro.observe.runs import list_runs
 
     if not directory.is_dir():
         raise click.BadParameter(
@@ -86,7 +86,7 @@ def plot_command(runs: tuple[Path, ...], metrics: str | None, x: str, out: Path 
 
     Each RUN is a run directory or its metrics.jsonl.
     """
-    from ..plot import plot
+    from jaxnitro.observe.plot import plot
 
     click.echo(f"wrote {plot(list(runs), metrics=metrics, out=out, x=x)}")
 

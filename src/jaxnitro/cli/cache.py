@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import CONTEXT, emit
+from jaxnitro.cli.common import CONTEXT, emit
 
 _DIR = click.option(
     "--dir",
@@ -16,7 +16,7 @@ _DIR = click.option(
 
 
 def _directory(directory: str | None) -> str:
-    from ..devices import cache_dir_choice
+    from jaxnitro.dist.devices import cache_dir_choice
 
     path = cache_dir_choice(directory)
     if path is None:
@@ -39,9 +39,9 @@ def cache_command() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a dict.")
 def info_command(directory: str | None, as_json: bool) -> None:
     """Where the cache is, its size, its entries and how often it served."""
-    from ..compile.persistent import info
-    from ..devices import DEFAULT_CACHE_MAX_SIZE
-    from ..units import format_bytes
+    from jaxnitro.compile.persistent import info
+    from jaxnitro.core.units import format_bytes
+    from jaxnitro.dist.devices import DEFAULT_CACHE_MAX_SIZE
 
     got = info(_directory(directory))
 
@@ -66,7 +66,7 @@ def info_command(directory: str | None, as_json: bool) -> None:
 @_DIR
 def clear_command(directory: str | None) -> None:
     """Remove every entry: the next run of each program compiles it again."""
-    from ..compile.persistent import clear
+    from jaxnitro.compile.persistent import clear
 
     path = _directory(directory)
     click.echo(f"removed {clear(path)} entr(ies) from {path}")

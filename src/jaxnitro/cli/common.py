@@ -13,13 +13,13 @@ from typing import Any
 
 import click
 
-from .. import config, options
-from ..errors import ConfigError
-from ..experiment import DEVICE, GRAPH, fields
-from ..jsonable import jsonable
-from ..settings import settings
-from .fields import CLASS, CONFIG, given, given_fields, nitro_options
-from .values import from_json
+from jaxnitro.cli.fields import CLASS, CONFIG, given, given_fields, nitro_options
+from jaxnitro.cli.values import from_json
+from jaxnitro.core.errors import ConfigError
+from jaxnitro.core.jsonable import jsonable
+from jaxnitro.experiment.markers import DEVICE, GRAPH, fields
+from jaxnitro.run import config, options
+from jaxnitro.run.settings import settings
 
 #: Commands parse `--max_epochs` like `--max-epochs`.
 CONTEXT = {"token_normalize_func": lambda s: s.replace("_", "-"), "show_default": False}
@@ -64,8 +64,8 @@ def nitro_kwargs(ctx: click.Context, exp, **fixed) -> dict[str, Any]:
             kw[name] = ctx.params[name]
     metric, mode = ctx.params.get("checkpoint_metric"), ctx.params.get("checkpoint_mode")
     if metric or mode:
-        from ..checkpoint import TopKCheckpointer
-        from ..runs import metric_mode
+        from jaxnitro.checkpoint.store import TopKCheckpointer
+        from jaxnitro.observe.runs import metric_mode
 
         metric = metric or "val_loss"
         kw["checkpointer"] = TopKCheckpointer(metric=metric, mode=mode or metric_mode(metric))
@@ -205,8 +205,8 @@ def run_options(
 def checkpoint_path(path: Path) -> Path:
     """A checkpoint directory; a run (or checkpoints) directory gives its best checkpoint
     (the library's rule for `jn.Nitro(checkpoint=...)`), a bad one a usage error (exit 2)."""
-    from ..errors import CheckpointError
-    from ..setup import weights_path
+    from jaxnitro.core.errors import CheckpointError
+    from jaxnitro.run.setup import weights_path
 
     try:
         return weights_path(path.absolute())
@@ -218,7 +218,7 @@ def checkpoint_config(ctx: click.Context, path: Path) -> dict[str, Any]:
     """The GraphConst values a checkpoint was trained with (the model's shapes follow them)
     and its Device values (the loss may read them), for the fields not given on the command
     line; said on stderr."""
-    from ..setup import read_meta
+    from jaxnitro.run.setup import read_meta
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

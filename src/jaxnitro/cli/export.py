@@ -8,9 +8,9 @@ from typing import Any
 
 import click
 
-from .common import emit
-from .fields import ExperimentCommand
-from .run import CONTEXT, _checkpoint_option, _checkpoint_options, loaded
+from jaxnitro.cli.common import emit
+from jaxnitro.cli.fields import ExperimentCommand
+from jaxnitro.cli.run import CONTEXT, _checkpoint_option, _checkpoint_options, loaded
 
 
 @click.command(cls=ExperimentCommand, context_settings=CONTEXT)

@@ -15,13 +15,13 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from .. import config, options
-from ..errors import ConfigError, closest
-from ..experiment import DEVICE, GRAPH, HOST, FieldInfo, fields
-from .target import load_target, looks_like_target
-from .values import FieldType, ListOf, supported
+from jaxnitro.cli.target import load_target, looks_like_target
+from jaxnitro.cli.values import FieldType, ListOf, supported
+from jaxnitro.core.errors import ConfigError, closest
+from jaxnitro.experiment.markers import DEVICE, GRAPH, HOST, FieldInfo, fields
+from jaxnitro.run import config, options
 
-CLASS, FIELDS, CONFIG = "jaxnitro.class", "jaxnitro.fields", "jaxnitro.config"
+CLASS, FIELDS, CONFIG = "jaxnitro.class", "jaxnitro.fields", "jaxnitro.run.config"
 _GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 _FLAGS = {"--help", "-h", "--json"}
 _SECTIONS = {

@@ -1,11 +1,11 @@
 """`jaxnitro launch --nproc N [--devices-per-process K] script.py [args...]`: a local
-multi-process run (see `jaxnitro.launcher`)."""
+multi-process run (see `jaxnitro.dist.launcher`)."""
 
 from __future__ import annotations
 
 import click
 
-from ..errors import ConfigError
+from jaxnitro.core.errors import ConfigError
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -70,7 +70,7 @@ def launch(
 
     Example: jaxnitro launch --nproc 2 --devices-per-process 2 train.py --epochs 3
     """
-    from .. import launcher
+    from jaxnitro.dist import launcher
 
     try:
         cmd = launcher.command(script, args, module=module)

@@ -14,7 +14,7 @@ from typing import Any
 import click
 import numpy as np
 
-from .common import (
+from jaxnitro.cli.common import (
     CONTEXT,
     PROGRESS,
     build_experiment,
@@ -26,7 +26,7 @@ from .common import (
     nitro_kwargs,
     run_options,
 )
-from .fields import ExperimentCommand
+from jaxnitro.cli.fields import ExperimentCommand
 
 
 @click.command(cls=ExperimentCommand, context_settings=CONTEXT)
@@ -42,8 +42,7 @@ def train(ctx: click.Context, target: str | None, **_: Any) -> None:
       jaxnitro train --config runs/MnistMLP/config.toml --run-dir runs/again   # a repeat
     """
     import jaxnitro as jn
-
-    from .. import config
+    from jaxnitro.run import config
 
     need_target(ctx)
     preset = ctx.params["preset"] or config_data(ctx).get("preset")
@@ -183,7 +182,7 @@ def predict(ctx: click.Context, target: str, split: str, batches: int, rows: int
     import jax
 
     import jaxnitro as jn
-    from jaxnitro.evaluation import check_split
+    from jaxnitro.train.evaluation import check_split
 
     with loaded(ctx) as n:
         check_split(n, split)

@@ -17,8 +17,7 @@ from typing import Any
 
 import click
 
-from ..errors import JaxnitroError
-from .common import (
+from jaxnitro.cli.common import (
     CONTEXT,
     build_experiment,
     config_data,
@@ -28,8 +27,9 @@ from .common import (
     nitro_kwargs,
     run_options,
 )
-from .fields import ExperimentCommand, given, given_fields
-from .values import ListOf
+from jaxnitro.cli.fields import ExperimentCommand, given, given_fields
+from jaxnitro.cli.values import ListOf
+from jaxnitro.core.errors import JaxnitroError
 
 
 class SweepCommand(ExperimentCommand):
@@ -155,7 +155,7 @@ def _best_so_far(rows: list[dict]) -> str:
 
 
 def _field_names(cls: type) -> set[str]:
-    from ..experiment import fields
+    from jaxnitro.experiment.markers import fields
 
     return {f.name for f in fields(cls)}
 

@@ -12,8 +12,8 @@ from types import ModuleType
 
 import click
 
-from ..errors import did_you_mean
-from ..experiment import is_experiment
+from jaxnitro.core.errors import did_you_mean
+from jaxnitro.experiment.markers import is_experiment
 
 FORMS = "path/to/file.py:Class or pkg.module:Class"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from ..experiment import FieldInfo
+from jaxnitro.experiment.markers import FieldInfo
 
 _TRUE = ("true", "1", "yes", "y", "on")
 _FALSE = ("false", "0", "no", "n", "off")

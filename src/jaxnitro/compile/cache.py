@@ -21,8 +21,8 @@ from typing import Any
 
 import jax
 
-from . import explain, report
-from .fingerprint import fingerprint, fingerprint_value
+from jaxnitro.compile import explain, report
+from jaxnitro.compile.fingerprint import fingerprint, fingerprint_value
 
 
 @dataclasses.dataclass

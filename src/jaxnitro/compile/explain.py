@@ -16,7 +16,7 @@ import reprlib
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from .fingerprint import describe_reach, fingerprint, fingerprint_value
+from jaxnitro.compile.fingerprint import describe_reach, fingerprint, fingerprint_value
 
 __all__ = ["KeyParts", "ProgramKey", "closest", "hook_parts", "reasons"]
 

@@ -50,7 +50,7 @@ from collections.abc import Hashable
 import jax
 import numpy as np
 
-from ..errors import ConfigArgumentError
+from jaxnitro.core.errors import ConfigArgumentError
 
 __all__ = [
     "MAX_ARRAY_BYTES",

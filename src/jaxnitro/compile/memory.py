@@ -22,8 +22,8 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from ..errors import ConfigError, MemoryPlanError
-from ..units import format_bytes
+from jaxnitro.core.errors import ConfigError, MemoryPlanError
+from jaxnitro.core.units import format_bytes
 
 __all__ = ["MemoryPlan", "ProgramMemory", "check", "device_capacity", "plan", "suggestions"]
 
@@ -86,7 +86,7 @@ class MemoryPlan:
       batches_in_flight: batches held besides the one a program is consuming (prefetch).
       checkpoint_staging_bytes: host copy made while writing a checkpoint.
       kept_batches_bytes: an in-order train split's batches kept on the device, besides the
-        one a program is consuming (`device_batches.py`).
+        one a program is consuming (`data/device_batches.py`).
       total: the largest program + batches in flight + kept batches + (on host memory)
         checkpoint staging.
       capacity, capacity_source: what the device holds and where that number came from.

@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from . import cache
+from jaxnitro.compile import cache
 
 __all__ = ["CacheInfo", "clear", "info", "record_process", "use"]
 

@@ -7,9 +7,9 @@ run that will not fit, before it trains. Nothing here trains or writes the run's
 
 from __future__ import annotations
 
-from .. import feed
-from . import memory
-from .programs import ProgramSet, eval_program, eval_totals, train_program
+from jaxnitro.compile import memory
+from jaxnitro.compile.programs import ProgramSet, eval_program, eval_totals, train_program
+from jaxnitro.data import feed
 
 
 def planned(spec, ps: ProgramSet, ts, device, *, epoch: int, step: int, train: bool = True) -> dict:

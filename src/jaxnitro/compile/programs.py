@@ -20,14 +20,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import custom, models, optim, remat
-from .. import metrics as metrics_mod
-from ..devices import mesh_id
-from ..ema import averaging
-from ..errors import HookError, JaxnitroError, warn_user
-from ..experiment import GRAPH, CompileView, field_values
-from ..sharding import to_sharding
-from ..step import (
+from jaxnitro.compile import cache, explain
+from jaxnitro.compile.fingerprint import fingerprint, fingerprint_value, is_library_class
+from jaxnitro.core.errors import HookError, JaxnitroError, warn_user
+from jaxnitro.dist.devices import mesh_id
+from jaxnitro.dist.sharding import to_sharding
+from jaxnitro.experiment import models, remat
+from jaxnitro.experiment.markers import GRAPH, CompileView, field_values
+from jaxnitro.optim import groups as optim
+from jaxnitro.steps import custom
+from jaxnitro.steps import metrics as metrics_mod
+from jaxnitro.steps.ema import averaging
+from jaxnitro.steps.step import (
     fuse,
     kept_if,
     loss_parts,
@@ -36,8 +40,6 @@ from ..step import (
     scalar_loss,
     slice_rows,
 )
-from . import cache, explain
-from .fingerprint import fingerprint, fingerprint_value, is_library_class
 
 _TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics", "train_step")
 # The hooks each kind of program traces: a program's key holds their fingerprints only, so

@@ -27,8 +27,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ..units import format_bytes
-from .memory import ProgramMemory
+from jaxnitro.compile.memory import ProgramMemory
+from jaxnitro.core.units import format_bytes
 
 __all__ = ["CompileRecord", "Flag", "Thresholds", "format_table", "record"]
 
@@ -211,7 +211,7 @@ class CompileReport(list):
         return format_table(self)
 
     def _repr_html_(self) -> str:
-        from ..display import html_table
+        from jaxnitro.observe.display import html_table
 
         header, rows = _table_rows(self)
         flags = "".join(f"<p>! {f.message}</p>" for r in self for f in r.flags)

@@ -1,10 +1,14 @@
 """Export and load serving bundles: `jn.export_model(n, dir)` writes one, `jn.load_bundle(dir)`
-runs it without the model's code. The format is in `format.py`; see docs/export.md."""
+runs it without the model's code. The format is in `format.py`; see docs/export.md.
 
-from ..errors import BundleError, BundleInputError, ExportError
-from .bundle import Bundle, load_bundle
-from .format import TensorSpec
-from .writer import export_model
+It may import `core`, `experiment`, `optim`, `steps`, `compile` and `train` (a
+bundle is checked against the predict program).
+"""
+
+from jaxnitro.core.errors import BundleError, BundleInputError, ExportError
+from jaxnitro.export.bundle import Bundle, load_bundle
+from jaxnitro.export.format import TensorSpec
+from jaxnitro.export.writer import export_model
 
 __all__ = [
     "Bundle",

@@ -19,12 +19,12 @@ import jax
 import numpy as np
 from jax import export
 
-from ..errors import BundleError, BundleInputError, did_you_mean
-from . import compat
-from .executable import Executable
-from .format import PROGRAM, WEIGHTS, TensorSpec
-from .inputs import as_input, batch_size, bucket, signature
-from .manifest import read_files, read_manifest
+from jaxnitro.core.errors import BundleError, BundleInputError, did_you_mean
+from jaxnitro.export import compat
+from jaxnitro.export.executable import Executable
+from jaxnitro.export.format import PROGRAM, WEIGHTS, TensorSpec
+from jaxnitro.export.inputs import as_input, batch_size, bucket, signature
+from jaxnitro.export.manifest import read_files, read_manifest
 
 
 def load_bundle(

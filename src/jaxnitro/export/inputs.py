@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BundleInputError
-from .format import TensorSpec
+from jaxnitro.core.errors import BundleInputError
+from jaxnitro.export.format import TensorSpec
 
 
 def as_input(name: str, value: Any, spec: TensorSpec) -> np.ndarray:

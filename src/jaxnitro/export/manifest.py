@@ -9,9 +9,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..errors import BundleError
-from ..jsonable import parse_json
-from .format import FORMAT, FORMAT_VERSION, MANIFEST, NAME, PROGRAM, WEIGHTS
+from jaxnitro.core.errors import BundleError
+from jaxnitro.core.jsonable import parse_json
+from jaxnitro.export.format import FORMAT, FORMAT_VERSION, MANIFEST, NAME, PROGRAM, WEIGHTS
 
 
 def sha256(data: bytes) -> str:

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 
-from .. import models
-from ..compile.programs import _forward
-from ..errors import ExportError, JaxnitroError
-from ..experiment import CompileView
-from .format import BATCH, TensorSpec
-from .weights import Weights
+from jaxnitro.compile.programs import _forward
+from jaxnitro.core.errors import ExportError, JaxnitroError
+from jaxnitro.experiment import models
+from jaxnitro.experiment.markers import CompileView
+from jaxnitro.export.format import BATCH, TensorSpec
+from jaxnitro.export.weights import Weights
 
 #: Primitives that call back into Python, with the call a user writes.
 _CALLBACKS = {

@@ -9,11 +9,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..experiment import GRAPH, field_values
-from ..jsonable import jsonable
-from ..version import __version__
-from . import compat
-from .gitstate import git_state
+from jaxnitro.core.jsonable import jsonable
+from jaxnitro.core.version import __version__
+from jaxnitro.experiment.markers import GRAPH, field_values
+from jaxnitro.export import compat
+from jaxnitro.export.gitstate import git_state
 
 
 def provenance(n, exported) -> dict:

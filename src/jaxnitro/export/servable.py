@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import models
-from ..errors import ExportError
-from ..prediction import predict
-from .format import TensorSpec
-from .program import _hook, _named_outputs
+from jaxnitro.core.errors import ExportError
+from jaxnitro.experiment import models
+from jaxnitro.export.format import TensorSpec
+from jaxnitro.export.program import _hook, _named_outputs
+from jaxnitro.train.prediction import predict
 
 #: Rows of the sample batch: odd, so the bundle's padding to a bucket is exercised.
 SAMPLE_ROWS = 3

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import ExportError
-from ..optim import path_str
+from jaxnitro.core.errors import ExportError
+from jaxnitro.optim.groups import path_str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,22 +18,30 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import ema, population
-from ..compile.programs import check_stale
-from ..errors import BundleError, ExportError, did_you_mean, warn_user
-from . import compat
-from .format import FORMAT, FORMAT_VERSION, MANIFEST, NAME, PLATFORMS, PROGRAM, WEIGHTS
-from .manifest import file_entry, read_manifest, write_manifest
-from .program import (
+from jaxnitro.compile.programs import check_stale
+from jaxnitro.core.errors import BundleError, ExportError, did_you_mean, warn_user
+from jaxnitro.export import compat
+from jaxnitro.export.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    NAME,
+    PLATFORMS,
+    PROGRAM,
+    WEIGHTS,
+)
+from jaxnitro.export.manifest import file_entry, read_manifest, write_manifest
+from jaxnitro.export.program import (
     export_program,
     output_specs,
     serialize,
     serving_function,
     wire_inputs,
 )
-from .provenance import provenance
-from .servable import check_servable
-from .weights import flatten_weights
+from jaxnitro.export.provenance import provenance
+from jaxnitro.export.servable import check_servable
+from jaxnitro.export.weights import flatten_weights
+from jaxnitro.steps import ema, population
 
 _EXPORT_HOOKS = ("export_inputs", "export_preprocess", "export_postprocess")
 

@@ -1,6 +1,8 @@
 """`jaxnitro serve`: exported bundles over the Open Inference Protocol (KServe V2), so
 standard clients (tritonclient.http/grpc, KServe, plain JSON) work unchanged.
 
+It may import `core` and `export`.
+
 The modules, in the order a request meets them:
 
 - `connections`: the REST port's guards (connection cap, header deadline and size);
@@ -22,17 +24,17 @@ Example:
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidRequest, NotFound, PayloadTooLarge, ServeError, Unavailable
+from jaxnitro.serve.errors import InvalidRequest, NotFound, PayloadTooLarge, ServeError, Unavailable
 
 if TYPE_CHECKING:
-    from .server import build_app, serve
+    from jaxnitro.serve.server import build_app, serve
 
 
 def __getattr__(name: str) -> Any:
     # Imported on first use: `jaxnitro serve --help` (and the jaxnitro CLI, which registers
     # the command) must work without starlette, uvicorn and grpcio installed.
     if name in ("serve", "build_app"):
-        from . import server
+        from jaxnitro.serve import server
 
         return getattr(server, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,8 +9,8 @@ import sys
 
 import click
 
-from ..errors import JaxnitroError
-from .command import serve_command
+from jaxnitro.core.errors import JaxnitroError
+from jaxnitro.serve.command import serve_command
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .errors import ServeError, Unavailable
-from .registry import ServedModel
+from jaxnitro.serve.errors import ServeError, Unavailable
+from jaxnitro.serve.registry import ServedModel
 
 #: The default bound on requests waiting per model.
 MAX_QUEUE_SIZE = 1024

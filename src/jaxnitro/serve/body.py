@@ -15,7 +15,7 @@ import asyncio
 import zlib
 from collections.abc import AsyncIterator, Mapping
 
-from .errors import InvalidRequest, PayloadTooLarge, RequestTimeout, Unavailable
+from jaxnitro.serve.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, Unavailable
 
 #: The default limit on a request body (before and after decompression) and on a decoded
 #: tensor: 64 MiB, as Triton's --http-max-input-size.

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from . import tensors
-from .errors import InvalidRequest
+from jaxnitro.serve import tensors
+from jaxnitro.serve.errors import InvalidRequest
 
 try:
     import orjson as _orjson

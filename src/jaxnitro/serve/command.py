@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from .batcher import MAX_QUEUE_SIZE
-from .body import MAX_BODY_BYTES
+from jaxnitro.serve.batcher import MAX_QUEUE_SIZE
+from jaxnitro.serve.body import MAX_BODY_BYTES
 
 # the defaults of serve(), repeated so that --help needs neither uvicorn nor grpcio:
 # tests/test_serve.py checks they agree
@@ -122,7 +122,7 @@ def serve_command(
     Example:
         jaxnitro serve bundles/mnist --port 8000 --grpc-port 8001 --max-batch-size 32
     """
-    from .server import serve  # starlette, uvicorn, grpcio: only when serving
+    from jaxnitro.serve.server import serve  # starlette, uvicorn, grpcio: only when serving
 
     cut = serve(
         list(dirs),

@@ -5,7 +5,7 @@ server needs no grpcio). Handlers raise these; the REST app turns one into
 
 from __future__ import annotations
 
-from ..errors import JaxnitroError
+from jaxnitro.core.errors import JaxnitroError
 
 
 class ServeError(JaxnitroError):

@@ -14,13 +14,13 @@ from typing import Any
 import grpc
 import numpy as np
 
-from .codec import InferRequest, OutputWanted, TensorIn, parse_shape
-from .errors import InvalidRequest, ServeError
-from .proto import grpc_service_pb2 as pb
-from .proto import grpc_service_pb2_grpc as pb_grpc
-from .registry import ServedModel
-from .runtime import Runtime, server_metadata
-from .tensors import datatype_of
+from jaxnitro.serve.codec import InferRequest, OutputWanted, TensorIn, parse_shape
+from jaxnitro.serve.errors import InvalidRequest, ServeError
+from jaxnitro.serve.proto import grpc_service_pb2 as pb
+from jaxnitro.serve.proto import grpc_service_pb2_grpc as pb_grpc
+from jaxnitro.serve.registry import ServedModel
+from jaxnitro.serve.runtime import Runtime, server_metadata
+from jaxnitro.serve.tensors import datatype_of
 
 log = logging.getLogger("jaxnitro.serve")
 

@@ -16,11 +16,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import ConfigError, did_you_mean
-from ..export import load_bundle
-from . import tensors
-from .codec import InferRequest, TensorIn
-from .errors import InvalidRequest, NotFound, Unavailable
+from jaxnitro.core.errors import ConfigError, did_you_mean
+from jaxnitro.export import load_bundle
+from jaxnitro.serve import tensors
+from jaxnitro.serve.codec import InferRequest, TensorIn
+from jaxnitro.serve.errors import InvalidRequest, NotFound, Unavailable
 
 #: The largest batch one compiled program takes when dynamic batching is off (the bundle's
 #: own default); a larger request runs in pieces of this size.

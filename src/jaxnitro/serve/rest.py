@@ -25,10 +25,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import body, codec
-from .errors import ServeError
-from .metrics import CONTENT_TYPE
-from .runtime import OFFLOAD_BYTES, Runtime, server_metadata
+from jaxnitro.serve import body, codec
+from jaxnitro.serve.errors import ServeError
+from jaxnitro.serve.metrics import CONTENT_TYPE
+from jaxnitro.serve.runtime import OFFLOAD_BYTES, Runtime, server_metadata
 
 log = logging.getLogger("jaxnitro.serve")
 

@@ -12,11 +12,11 @@ import importlib.metadata
 
 import numpy as np
 
-from .batcher import Batcher
-from .body import InflightBytes
-from .errors import Unavailable
-from .metrics import Gauge, Metrics
-from .registry import Prepared, Registry, ServedModel
+from jaxnitro.serve.batcher import Batcher
+from jaxnitro.serve.body import InflightBytes
+from jaxnitro.serve.errors import Unavailable
+from jaxnitro.serve.metrics import Gauge, Metrics
+from jaxnitro.serve.registry import Prepared, Registry, ServedModel
 
 #: Bodies at least this large are decoded in a thread, so a big JSON request does not
 #: stall the event loop.

@@ -32,19 +32,19 @@ except ImportError as e:  # pragma: no cover - the `serve` extra is missing
         f"jaxnitro serve needs starlette and uvicorn ({e}); pip install 'jaxnitro[serve]'."
     ) from e
 
-from ..errors import ConfigError, check_int
-from .batcher import MAX_QUEUE_SIZE
-from .body import MAX_BODY_BYTES
-from .connections import (
+from jaxnitro.core.errors import ConfigError, check_int
+from jaxnitro.serve.batcher import MAX_QUEUE_SIZE
+from jaxnitro.serve.body import MAX_BODY_BYTES
+from jaxnitro.serve.connections import (
     HEADER_TIMEOUT_S,
     LINGER_MAX,
     MAX_CONNECTIONS,
     ConnectionLimits,
     protocol_class,
 )
-from .registry import Registry, Servable, load_models
-from .rest import create_app
-from .runtime import Runtime
+from jaxnitro.serve.registry import Registry, Servable, load_models
+from jaxnitro.serve.rest import create_app
+from jaxnitro.serve.runtime import Runtime
 
 #: Seconds the requests in progress get to finish after SIGTERM (REST and gRPC).
 DRAIN_TIMEOUT_S = 30.0
@@ -321,7 +321,7 @@ async def _serve(
         grpc_bound = None
         if grpc_port is not None:
             try:
-                from .grpc_service import start_grpc
+                from jaxnitro.serve.grpc_service import start_grpc
             except ImportError as e:
                 raise ConfigError(
                     f"gRPC needs grpcio and protobuf ({e}); pip install 'jaxnitro[serve]', or "

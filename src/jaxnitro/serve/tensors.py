@@ -19,7 +19,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .errors import InvalidRequest, PayloadTooLarge
+from jaxnitro.serve.errors import InvalidRequest, PayloadTooLarge
 
 #: Open Inference Protocol datatype -> numpy dtype (BF16 from Triton's extension table).
 #: BYTES is a protocol datatype no bundle takes; it is known so that the message says so.

@@ -1,0 +1,8 @@
+"""From rows to device batches: `jn.DataLoader` (`loader`), the feed to the
+programs (`feed`), row tables (`tables`), transform workers (`workers`), grain splits
+(`grain_source`), batches kept on the device (`device_batches`), waits for data (`waits`) and
+the offline datasets (`datasets`, public as `jaxnitro.datasets`).
+
+It may import `core`, `experiment`, `optim`, `dist` and `observe` (the workers wait for the
+plotting import before they fork).
+"""

@@ -1,0 +1,6 @@
+"""Optimizers built from optax pieces: param groups, decoupled decay, clipping and
+schedules (`groups`; the public `jaxnitro.schedules` re-exports its schedule factories), and
+the per-step hyperparameter vector (`hyper`).
+
+It may import `core` and `experiment`.
+"""
