@@ -180,8 +180,12 @@ def test_without_the_launcher_the_survivor_names_the_silent_rank_before_jax_abor
 @pytest.mark.multi_device
 def test_under_the_launcher_a_dead_coordinator_leaves_no_cxx_stack_trace(tmp_path):
     rc, _, err, seconds = _launch(_script(tmp_path, KILLED), "0")
-    assert rc == 137 and seconds < 60, err[-3000:]
-    assert "rank 0 failed first: it was killed by SIGKILL" in err
+    assert seconds < 60, err[-3000:]
+    # Which failure the launcher sees first is a race: rank 0's SIGKILL (137), or rank 1
+    # failing to reach the dead coordination service (JAX's abort, 134, or its error, 1).
+    assert (rc == 137 and "rank 0 failed first: it was killed by SIGKILL" in err) or (
+        rc in (1, 134) and "rank 1 failed first: DistributedError" in err
+    ), err[-3000:]
     assert STACK_TRACE not in err and "    @ " not in err
     # Rank 1 said why it stopped: its own watch, or the launcher for JAX's abort.
     assert (
