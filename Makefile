@@ -1,11 +1,11 @@
 # Two entry points: `make demo` (train the MNIST quick start) and `make test` (the suite).
-# While working: `make test-fast` (no slow or multi-device tests) and `make lint`.
+# While working: `make test-fast` (no slow or multi-device tests), `make lint` and `make docs`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test test-fast lint bench bench-serve clean
+.PHONY: demo test test-fast lint docs bench bench-serve clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,5 +50,14 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy src
 
+$(VENV)/.docs: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet -e ".[docs]"
+	touch $@
+
+# The documentation site (mkdocs.yml, pages under docs/) into site/; --strict fails on a broken
+# link, a page missing from the nav or a docstring reference that does not resolve.
+docs: $(VENV)/.docs
+	$(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache .mypy_cache
