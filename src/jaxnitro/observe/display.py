@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import (
@@ -30,6 +30,8 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+
+T = TypeVar("T")
 
 # Below this many columns the bar drops its rate and times (narrow terminals, 60 columns).
 _FULL_WIDTH = 100
@@ -299,6 +301,18 @@ class Display:
         if self._progress is not None:
             self._progress.stop()
             self._progress = self._task = None
+
+
+def each(items: Sequence[T], label: str, display: Display | None, *, many: int = 20) -> Iterator[T]:
+    """`items` one by one under `display`'s bar (none when `display` is None); in plain mode
+    its lines only for `many` items or more, so a short listing stays one screen."""
+    if display is None:
+        yield from items
+        return
+    with display.bar(label, len(items), lines=len(items) >= many) as advance:
+        for item in items:
+            yield item
+            advance(1)
 
 
 class _Notebook:
