@@ -295,6 +295,7 @@ def _fake_runs(root: Path, count: int) -> None:
         )
 
 
+@pytest.mark.slow
 def test_the_cli_runs_and_plot_over_many_runs_show_progress_on_stderr(tmp_path):
     import json
 
