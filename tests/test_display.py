@@ -251,3 +251,94 @@ def test_in_notebook_is_false_in_a_plain_process():
 def test_show_curves_takes_a_bool(value, tmp_path):
     with pytest.raises(jn.ConfigError, match="show_curves="):
         jn.Nitro(Tiny(), run_dir=tmp_path / "r", progress=False, show_curves=value)
+
+
+# ---------------------------------------------------------------- other long work
+def test_a_bar_over_other_work_prints_a_few_lines_only_in_plain_mode():
+    out = io.StringIO()
+    with Display("plain", file=out).bar("warming up", 25, lines=True) as advance:
+        for i in range(25):
+            advance(1, f"batch {i}")
+    lines = out.getvalue().splitlines()
+    assert 5 <= len(lines) <= 13 and lines[-1] == "warming up: 25/25 · batch 24", lines
+    quiet = io.StringIO()
+    for mode, lines_ in (("plain", False), ("off", True)):
+        with Display(mode, file=quiet).bar("validating", 5, lines=lines_) as advance:
+            advance(5)
+    assert quiet.getvalue() == ""  # a split's bar stays out of logs; progress="off": nothing
+
+
+def test_export_shows_its_steps(tmp_path):
+    n = jn.Nitro(Tiny(max_epochs=1), run_dir=tmp_path / "r", progress=False)
+    jn.train(n)
+    out = io.StringIO()
+    n.services.display = Display("plain", file=out)
+    jn.export_model(n, tmp_path / "bundle", platforms=("cpu",))
+    text = out.getvalue()
+    assert "exporting tiny: 1/3 · lowered for cpu" in text, text
+    assert re.search(r"exporting tiny: 2/3 · wrote [\d,]+ bytes", text), text
+    assert "exporting tiny: 3/3 · ran once on cpu" in text, text
+
+
+def _fake_runs(root: Path, count: int) -> None:
+    import json
+
+    for i in range(count):
+        rows = [
+            {"type": "params", "experiment": "Tiny", "run_id": f"r{i}"},
+            {"type": "metrics", "context": "train", "epoch": 1, "step": 2, "loss": 1.0 / (i + 1)},
+            {"type": "finish", "status": "completed", "epoch": 1, "step": 2},
+        ]
+        (root / f"run{i:02d}").mkdir(parents=True)
+        (root / f"run{i:02d}" / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows)
+        )
+
+
+@pytest.mark.slow
+def test_the_cli_runs_and_plot_over_many_runs_show_progress_on_stderr(tmp_path):
+    import json
+
+    _fake_runs(tmp_path / "runs", 24)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "JAX_PLATFORMS": "cpu"}
+    cli = [sys.executable, "-m", "jaxnitro"]
+    listed = subprocess.run(
+        [*cli, "runs", str(tmp_path / "runs"), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert len(json.loads(listed.stdout)) == 24  # stdout stays the listing alone
+    assert "reading runs: 24/24" in listed.stderr.splitlines()[-1], listed.stderr
+    dirs = sorted(str(p) for p in (tmp_path / "runs").iterdir())
+    drawn = subprocess.run(
+        [*cli, "plot", *dirs, "-o", str(tmp_path / "c.png")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert drawn.returncode == 0, drawn.stderr
+    assert drawn.stdout.strip() == f"wrote {tmp_path / 'c.png'}"
+    assert "reading runs: 24/24" in drawn.stderr, drawn.stderr
+    few = subprocess.run(  # a short listing prints no progress lines
+        [*cli, "runs", str(tmp_path / "runs" / "run00")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert few.returncode == 0 and "reading runs" not in few.stderr, few.stderr
+
+
+def test_the_runs_listing_is_an_html_table_in_a_notebook(tmp_path):
+    from jaxnitro.observe.runs import list_runs
+
+    _fake_runs(tmp_path, 3)
+    rows = list_runs(tmp_path)
+    assert isinstance(rows, list) and len(rows) == 3
+    table = rows._repr_html_()
+    assert "<caption>3 run(s), newest first</caption>" in table
+    assert table.count("<tr>") == 4 and "run02" in table and "completed" in table

@@ -3,6 +3,7 @@ resumed bit for bit, validation and predict/evaluate/export with either weights.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -317,3 +318,71 @@ def test_fused_steps_give_the_same_average_and_bf16_keeps_it_f32(run_dir):
     avg = bf16.train_state.ema["params"]
     assert {x.dtype for x in jax.tree.leaves(avg)} == {np.dtype(np.float32)}
     assert not leaves_equal(avg, bf16.params)
+
+
+FSDP_SCRIPT = """
+import json, sys, warnings
+sys.path.insert(0, {tests!r})
+warnings.simplefilter("ignore")
+import jax, numpy as np
+from conftest import Tiny, host_copy, nitro
+import jaxnitro as jn
+
+assert len(jax.devices()) == 8
+tmp, out = {tmp!r}, {{}}
+fsdp = jn.Sharding(fsdp=True, min_shard_bytes=0)  # every divisible array is split
+
+
+def run(name, epochs, **kw):
+    n = nitro(Tiny(max_epochs=epochs, val_batch=40), run_dir=tmp + "/" + name, ema=0.9, **kw)
+    jn.train(n)
+    return n
+
+
+def specs(n):
+    ts = n.train_state
+    pairs = zip(jax.tree.leaves(ts.params), jax.tree.leaves(ts.ema["params"]), strict=True)
+    return [[str(p.sharding.spec), str(e.sharding.spec), p.sharding == e.sharding]
+            for p, e in pairs]
+
+
+def diff(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in
+               zip(jax.tree.leaves(host_copy(a)), jax.tree.leaves(host_copy(b)), strict=True))
+
+
+one = run("one", 2, n_devices=1)
+straight = run("fsdp", 2, n_devices=8, sharding=fsdp)
+out["specs"] = specs(straight)
+out["vs_one"] = diff(straight.train_state.ema, one.train_state.ema)
+run("resumed", 1, n_devices=8, sharding=fsdp)
+resumed = run("resumed", 2, n_devices=8, sharding=fsdp, resume="auto")
+out["resumed_specs"] = specs(resumed)
+out["resumed_vs_straight"] = diff(resumed.train_state.ema, straight.train_state.ema)
+out["resumed_step"] = [resumed.step, straight.step]
+print("OUT" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multi_device
+def test_fsdp_shards_the_average_like_the_params_and_resumes_it(tmp_path):
+    script = tmp_path / "fsdp_ema.py"
+    script.write_text(FSDP_SCRIPT.format(tests=str(TESTS), tmp=str(tmp_path)))
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.split("OUT", 1)[1])
+    for specs in (out["specs"], out["resumed_specs"]):
+        assert any("data" in param for param, _, _ in specs)  # FSDP did split something
+        for param, average, same in specs:
+            assert same, f"the average is placed as {average}, its param as {param}"
+    assert out["vs_one"] < 1e-5  # the sharded average is the one-device average
+    assert out["resumed_step"][0] == out["resumed_step"][1]
+    assert out["resumed_vs_straight"] == 0.0  # the resume continues it bit for bit

@@ -452,6 +452,11 @@ def test_start_up_banner_access_log_and_no_nagle_delay(server):
     assert "tiny-bf16 (version 1): x BF16[-1, 8]" in out
     assert f"REST:    http://{server.rest}/v2" in out and f"gRPC:    {server.grpc}" in out
     assert "dynamic batching: up to 16 rows, 2 ms delay" in out and "ready:" in out
+    # the warm-up's progress, per model and batch size, ends at its true count before ready
+    warming = re.findall(r"warming up: (\d+)/(\d+) · (tiny(?:-bf16)?), batch (\d+)", out)
+    assert warming and warming[-1][0] == warming[-1][1], out
+    assert {model for _, _, model, _ in warming} <= {"tiny", "tiny-bf16"}
+    assert out.index("warming up: " + warming[-1][0]) < out.index("ready:")
     conn = http.client.HTTPConnection(server.rest, timeout=10)
     times = []
     for _ in range(20):  # keep-alive: a response split in two writes would wait ~40 ms

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def runs_command(directory: Path, as_json: bool) -> None:
     line: completed, early_stop, preempted, error, requested; running while a writer holds
     the run lock; killed when the log just stops.
     """
+    from jaxnitro.observe.display import Display
     from jaxnitro.observe.runs import list_runs
 
     if not directory.is_dir():
@@ -38,7 +40,7 @@ def runs_command(directory: Path, as_json: bool) -> None:
             f"directory such as runs/.",
             param_hint="'DIRECTORY'",
         )
-    infos = list_runs(directory)
+    infos = list_runs(directory, display=Display(None, file=sys.stderr))
     if not infos and not as_json:
         click.echo(f"no runs under {directory} (a run directory holds a metrics.jsonl)")
         return
@@ -86,9 +88,11 @@ def plot_command(runs: tuple[Path, ...], metrics: str | None, x: str, out: Path 
 
     Each RUN is a run directory or its metrics.jsonl.
     """
+    from jaxnitro.observe.display import Display
     from jaxnitro.observe.plot import plot
 
-    click.echo(f"wrote {plot(list(runs), metrics=metrics, out=out, x=x)}")
+    shown = Display(None, file=sys.stderr)  # stdout keeps the one "wrote" line
+    click.echo(f"wrote {plot(list(runs), metrics=metrics, out=out, x=x, display=shown)}")
 
 
 COMMANDS = [runs_command, plot_command]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -98,32 +98,47 @@ def export_model(
     platforms = _platforms(platforms)
     name = _name(name, n.spec.cls)
     check_stale(n.spec, n.programs)
-    with n.programs.on_compile("export", name):
-        allow = (allow_custom_calls,) if isinstance(allow_custom_calls, str) else allow_custom_calls
-        manifest, files, wire = _build(n, name, platforms, tuple(allow), weights)
-    staging = where.parent / f".{where.name}.tmp-{uuid.uuid4().hex[:8]}"
-    staging.mkdir(parents=True)
-    try:
-        _write_checked(n, staging, manifest, files, wire, platforms, weights)
-        _publish(staging, where)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    # progress: lowered for the platforms, then written and (on one of them) run once here
+    steps = 2 + (compat.platform() in platforms)
+    with n.display.bar(f"exporting {name}", steps, lines=True) as advance:
+        with n.programs.on_compile("export", name):
+            allow = (
+                (allow_custom_calls,) if isinstance(allow_custom_calls, str) else allow_custom_calls
+            )
+            manifest, files, wire = _build(n, name, platforms, tuple(allow), weights)
+        advance(1, f"lowered for {', '.join(platforms)}")
+        staging = where.parent / f".{where.name}.tmp-{uuid.uuid4().hex[:8]}"
+        staging.mkdir(parents=True)
+        try:
+            _write_checked(n, staging, manifest, files, wire, platforms, weights, advance)
+            _publish(staging, where)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return root
 
 
 def _write_checked(
-    n, staging: Path, manifest: dict, files: dict, wire, platforms, weights: str | None
+    n,
+    staging: Path,
+    manifest: dict,
+    files: dict,
+    wire,
+    platforms,
+    weights: str | None,
+    advance: Callable[..., None],
 ) -> None:
     """The bundle's files in `staging`, then the servable check (where this platform is one
     of the bundle's) recorded in its manifest."""
     for fname, data in files.items():
         (staging / fname).write_bytes(data)
     write_manifest(staging, manifest)
+    advance(1, f"wrote {sum(len(d) for d in files.values()):,} bytes")
     here = compat.platform()
     manifest["check"] = None
     if here in platforms:
         manifest["check"] = check_servable(n, staging, wire, here, weights)
+        advance(1, f"ran once on {here}")
     else:
         warn_user(
             f"export_model: this machine runs {here}, not one of {list(platforms)}, so the "

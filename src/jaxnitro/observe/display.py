@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import (
@@ -31,10 +31,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+T = TypeVar("T")
+
 # Below this many columns the bar drops its rate and times (narrow terminals, 60 columns).
 _FULL_WIDTH = 100
 # The notebook display is redrawn at most this often (each redraw is a kernel message).
 _NOTEBOOK_INTERVAL_S = 0.25
+# A bar in plain mode (`bar(..., lines=True)`) prints about this many lines at most.
+_PLAIN_LINES = 10
 
 
 def in_notebook() -> bool:
@@ -72,6 +76,11 @@ def html_table(header, rows, *, marked: int | None = None, caption: str = "") ->
     )
     cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
     return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _count_text(label: str, done: int, total: int | None, note: str) -> str:
+    count = f"{done}/{total}" if total else f"{done}"
+    return f"{label}: {count}" + (f" · {note}" if note else "")
 
 
 def _cell(value) -> str:
@@ -217,28 +226,42 @@ class Display:
         self._progress = self._task = None
 
     @contextlib.contextmanager
-    def bar(self, label: str, total: int | None) -> Iterator[Callable[[int], None]]:
-        """A transient bar over a split's batches (validation, evaluation, prediction);
-        yields `advance(batches)`. Inside an epoch's train bar it shows below it."""
+    def bar(
+        self, label: str, total: int | None, *, lines: bool = False
+    ) -> Iterator[Callable[..., None]]:
+        """A transient bar over a split's batches (validation, evaluation, prediction) or the
+        items of other long work; yields `advance(k=1, note="")`, `note` naming the item
+        done (e.g. "model mnist, batch 8"). Inside an epoch's train bar it shows below it.
+
+        In plain mode (no terminal) the bar prints nothing unless `lines`: then it prints
+        `label: done/total · note` lines, at most about ten per bar, the last one always.
+        """
         if self.mode not in ("rich", "notebook"):
+            plain = lines and self.mode == "plain"
+            count = [0]
+            step = max(1, -(-total // _PLAIN_LINES)) if total else 1
 
-            def advance_none(k: int = 1) -> None:
-                pass
+            def advance_plain(k: int = 1, note: str = "") -> None:
+                before, count[0] = count[0], count[0] + k
+                if plain and (count[0] // step > before // step or count[0] == total):
+                    self.line(_count_text(label, count[0], total, note))
 
-            yield advance_none
+            yield advance_plain
             return
         if self._notebook is not None:
             nb, done = self._notebook, [0]
+            shown = [label]
 
-            def advance_nb(k: int = 1) -> None:
+            def advance_nb(k: int = 1, note: str = "") -> None:
                 done[0] += k
-                nb.sub(label, done[0], total)
+                shown[0] = f"{label} · {note}" if note else label
+                nb.sub(shown[0], done[0], total)
 
             nb.sub(label, 0, total, force=True)
             try:
                 yield advance_nb
             finally:
-                nb.sub(label, done[0], total, force=True)  # its last count is shown
+                nb.sub(shown[0], done[0], total, force=True)  # its last count is shown
                 nb.sub(None, 0, None, force=True)
             return
         assert self.console is not None
@@ -248,7 +271,9 @@ class Display:
         if inner is None:
             progress.start()
 
-        def advance(k: int = 1) -> None:
+        def advance(k: int = 1, note: str = "") -> None:
+            if note:
+                progress.update(task, description=f"{label} · {note}")
             progress.advance(task, k)
 
         try:
@@ -276,6 +301,18 @@ class Display:
         if self._progress is not None:
             self._progress.stop()
             self._progress = self._task = None
+
+
+def each(items: Sequence[T], label: str, display: Display | None, *, many: int = 20) -> Iterator[T]:
+    """`items` one by one under `display`'s bar (none when `display` is None); in plain mode
+    its lines only for `many` items or more, so a short listing stays one screen."""
+    if display is None:
+        yield from items
+        return
+    with display.bar(label, len(items), lines=len(items) >= many) as advance:
+        for item in items:
+            yield item
+            advance(1)
 
 
 class _Notebook:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from jaxnitro.core.errors import ConfigError, did_you_mean, warn_user
+from jaxnitro.observe.display import Display, each
 from jaxnitro.observe.runs import LOG_NAME, run_rows
 
 _MAX_POINTS = 2000  # a long run's per-step curve is averaged into this many bins
@@ -50,6 +51,8 @@ def plot(
     metrics: str | Sequence[str] | None = None,
     out: str | os.PathLike | None = None,
     x: str = "step",
+    *,
+    display: Display | None = None,
 ) -> Figure:
     """Draw the curves of one or several runs into a PNG; returns its path (a `Path` that a
     notebook shows as the image).
@@ -61,6 +64,7 @@ def plot(
             validation metric logged.
         out: the PNG to write; None: `<run_dir>/curves.png` for one run, `curves.png` for several.
         x: "step" (optimizer steps) or "epoch" (train values averaged per epoch).
+        display: shows a bar while the logs are read (`jaxnitro plot` passes one).
 
     Example:
         >>> jn.plot(["runs/a", "runs/b"], metrics="loss,acc", out="curves.png")
@@ -71,7 +75,7 @@ def plot(
     logs = [_log_path(r) for r in ([runs] if _single(runs) else list(runs))]
     if not logs:
         raise ConfigError("jn.plot got no runs; pass a run directory or a list of them.")
-    data = [run_rows(log) for log in logs]
+    data = [run_rows(log) for log in each(logs, "reading runs", display)]
     names = _metric_names(data, metrics)
     target = Path(out) if out is not None else _default_out(logs)
     _draw(_labels(logs), data, names, x, target)

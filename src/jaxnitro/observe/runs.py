@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxnitro.checkpoint.runlock import LOCK_NAME
+from jaxnitro.observe.display import Display, each, html_table
 from jaxnitro.observe.loggers.jsonl import read_jsonl
 
 LOG_NAME = "metrics.jsonl"
@@ -75,16 +76,41 @@ def find_runs(root: str | os.PathLike) -> Iterator[Path]:
             yield Path(here)
 
 
-def list_runs(root: str | os.PathLike = "runs") -> list[RunInfo]:
+class RunList(list):
+    """The `RunInfo` rows of `list_runs`: a list, shown as a table in a notebook."""
+
+    def _repr_html_(self) -> str:
+        header = ("experiment", "status", "epoch", "step", "best", "updated", "run dir")
+        rows = [
+            (
+                r.experiment or "?",
+                r.status,
+                r.epoch,
+                r.step,
+                f"{r.metric} {r.best:.4g}" if r.best is not None else None,
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated)),
+                str(r.run_dir),
+            )
+            for r in self
+        ]
+        return html_table(header, rows, caption=f"{len(self)} run(s), newest first")
+
+
+def list_runs(root: str | os.PathLike = "runs", *, display: Display | None = None) -> RunList:
     """The runs under `root`, newest first (by the time their log last changed).
+
+    Args:
+        root: the directory searched (itself included).
+        display: shows a bar while the logs are read (`jaxnitro runs` passes one); None: none.
 
     Example:
         >>> rows = list_runs("runs")
         >>> rows[0].status
         'completed'
     """
-    infos = [run_info(d) for d in find_runs(root)]
-    return sorted(infos, key=lambda r: r.updated, reverse=True)
+    dirs = list(find_runs(root))
+    infos = [run_info(d) for d in each(dirs, "reading runs", display)]
+    return RunList(sorted(infos, key=lambda r: r.updated, reverse=True))
 
 
 def run_info(run_dir: str | os.PathLike) -> RunInfo:

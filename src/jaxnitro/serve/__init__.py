@@ -1,7 +1,7 @@
 """`jaxnitro serve`: exported bundles over the Open Inference Protocol (KServe V2), so
 standard clients (tritonclient.http/grpc, KServe, plain JSON) work unchanged.
 
-It may import `core` and `export`.
+It may import `core`, `export` and `observe.display` (the warm-up's progress).
 
 The modules, in the order a request meets them:
 

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -154,14 +154,16 @@ class ServedModel:
     def _bucket(self, rows: int) -> int:
         return next(b for b in self._buckets if b >= rows)
 
-    def warm_up(self) -> None:
+    def warm_up(self, done: Callable[[int], None] | None = None) -> None:
         """Run every bucket size once, so no request waits for a compile. (That call's time
         includes the compile, so the first request of each size runs in the worker thread,
-        and its time says whether the next ones are `quick`.)"""
+        and its time says whether the next ones are `quick`.) `done(size)` follows each."""
         for size in self.bucket_sizes():
             self.run(
                 {k: np.zeros((size, *spec.shape), spec.dtype) for k, spec in self.inputs.items()}
             )
+            if done is not None:
+                done(size)
 
     # -- checking a request ------------------------------------------------------------------
     def prepare(self, request: InferRequest) -> Prepared:

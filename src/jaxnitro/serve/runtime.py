@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import functools
 import importlib.metadata
+from collections.abc import Callable
 
 import numpy as np
 
@@ -73,12 +74,14 @@ class Runtime:
             batcher.start()
             self.batchers[name] = batcher
 
-    async def warm_up(self) -> None:
-        """Compile every bucket of every model (concurrently, one worker thread each)."""
+    async def warm_up(self, done: Callable[[str, int], None] | None = None) -> None:
+        """Compile every bucket of every model (concurrently, one worker thread each);
+        `done(model, size)` follows each bucket, on that model's worker thread."""
         loop = asyncio.get_running_loop()
 
         async def one(model: ServedModel) -> None:
-            await loop.run_in_executor(model.executor, model.warm_up)
+            each = None if done is None else functools.partial(done, model.name)
+            await loop.run_in_executor(model.executor, model.warm_up, each)
             model.ready = True
 
         await asyncio.gather(*(one(m) for m in self.registry.models.values()))

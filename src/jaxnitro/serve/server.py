@@ -333,7 +333,7 @@ async def _serve(
                 raise ConfigError(f"{e}; choose another --grpc-port.") from None
         _banner(runtime, host, rest_port, grpc_bound)
         started = time.perf_counter()
-        warm = asyncio.create_task(runtime.warm_up())
+        warm = asyncio.create_task(_warm_up(runtime))
         waiting = {warm, http_task, asyncio.create_task(stop.wait())}
         done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if warm in done:
@@ -343,6 +343,22 @@ async def _serve(
     finally:
         cut = await _shut_down(runtime, http, http_task, grpc_server, drain_timeout)
     return cut
+
+
+async def _warm_up(runtime: Runtime) -> None:
+    """`runtime.warm_up()` with progress per model and batch size: a transient bar on a
+    terminal, a line per step (about ten at most) in a log."""
+    from jaxnitro.observe.display import Display
+
+    total = sum(len(m.bucket_sizes()) for m in runtime.registry.models.values())
+    lock = threading.Lock()  # the models warm up on their own worker threads
+    with Display(None).bar("warming up", total, lines=True) as advance:
+
+        def done(model: str, size: int) -> None:
+            with lock:
+                advance(1, f"{model}, batch {size}")
+
+        await runtime.warm_up(done)
 
 
 async def _shut_down(runtime, http, http_task, grpc_server, drain_timeout: float) -> int:
