@@ -26,6 +26,7 @@ from jaxnitro.observe.display import show_image
 from jaxnitro.observe.events.phases import set_phase
 from jaxnitro.observe.events.signals import Preempted, graceful_stop
 from jaxnitro.observe.plot import write_curves
+from jaxnitro.observe.timing import Goodput, host_bound_hint
 from jaxnitro.run import config
 from jaxnitro.run.live import history
 from jaxnitro.steps import population
@@ -57,6 +58,8 @@ class TrainResult:
     wall_seconds: float
     members: list[dict] | None = None  # a population's members, best first (last validation)
     programs_loaded: int = 0  # from JAX's persistent compilation cache (a warm start)
+    # the fraction of wall time in train programs producing kept steps (observe/timing.py)
+    goodput: float | None = None
 
 
 def train(n: Nitro) -> TrainResult:
@@ -94,7 +97,13 @@ def train(n: Nitro) -> TrainResult:
 
 
 def _result(
-    n: Nitro, reason: str, rate: float, compiled: int, wall: float, loaded: int = 0
+    n: Nitro,
+    reason: str,
+    rate: float,
+    compiled: int,
+    wall: float,
+    loaded: int = 0,
+    goodput: float | None = None,
 ) -> TrainResult:
     hist = history(n)
     best = n.checkpointer.best()
@@ -109,6 +118,7 @@ def _result(
         wall_seconds=wall,
         members=_members(n),
         programs_loaded=loaded,
+        goodput=goodput,
     )
 
 
@@ -148,6 +158,7 @@ def _members(n: Nitro) -> list[dict] | None:
 
 def _train(n: Nitro) -> TrainResult:
     t_start = time.perf_counter()
+    good = Goodput(t_start)
     start = cache.cache_stats()  # programs_compiled counts auto's too
     misses_start, loads_start = start["misses"], start["persistent_hits"]
     if n.spec.autotune:  # steps_per_call="auto": measured once, before the plan is checked
@@ -158,7 +169,7 @@ def _train(n: Nitro) -> TrainResult:
     set_phase(n, "Starting", force=True)
     check_stale(n.spec, n.programs)
     try:
-        stop_reason, steps_run, seconds_run, planned = _epochs(n)
+        stop_reason, steps_run, seconds_run, planned = _epochs(n, good)
         _wait_for_checkpoint(n)  # the last background write is complete before train returns
         set_phase(n, "Done")
     except BaseException as e:
@@ -174,7 +185,9 @@ def _train(n: Nitro) -> TrainResult:
     loaded = end["persistent_hits"] - loads_start
     total = end["misses"] - misses_start - loaded  # XLA compiles; loaded ones apart
     rate = steps_run / seconds_run if seconds_run else 0.0
-    result = _result(n, stop_reason, rate, total, time.perf_counter() - t_start, loaded)
+    spent = good.record()
+    wall = time.perf_counter() - t_start
+    result = _result(n, stop_reason, rate, total, wall, loaded, spent["goodput"])
     n.logger.finish(
         stop_reason,
         stop_reason=stop_reason,
@@ -184,6 +197,8 @@ def _train(n: Nitro) -> TrainResult:
         programs_loaded=loaded,
         steps_per_s=rate,
         skipped_steps=n.progress.skipped_steps,
+        goodput=spent["goodput"],
+        time={k: v for k, v in spent.items() if k != "goodput"},
     )
     _report(n, compiled, planned)
     curves = write_curves(n)  # run_dir/curves.png; JAXNITRO_NO_PLOT=1 skips, a failure warns
@@ -219,7 +234,7 @@ def _resume_call(n: Nitro) -> str:
     )
 
 
-def _epochs(n: Nitro) -> tuple[str, int, float, int]:
+def _epochs(n: Nitro, good: Goodput) -> tuple[str, int, float, int]:
     """(stop reason, steps run, seconds training, programs planned) of the epoch loop."""
     stop_reason, steps_run, seconds_run = "completed", 0, 0.0
     with graceful_stop(n.services.control):
@@ -235,6 +250,12 @@ def _epochs(n: Nitro) -> tuple[str, int, float, int]:
             done = run_epoch(n, epoch)
             steps_run, seconds_run = steps_run + len(done.losses), seconds_run + done.seconds
             stop_reason = _end_epoch(n, epoch, done)
+            split = _log_epoch_time(n, epoch, done)
+            good.add(split)
+            hint = None if good.hinted else host_bound_hint(split, n.spec.steps_per_call)
+            if hint is not None:  # once a run
+                n.display.line(hint)
+                good.hinted = True
             if stop_reason != "completed":
                 break
     return stop_reason, steps_run, seconds_run, len(memory.programs)
@@ -272,6 +293,7 @@ def _end_epoch(n: Nitro, epoch: int, done: EpochResult) -> str:
     control = n.services.control
     row = {"epoch": epoch + 1, "step": n.step, "train_loss": done.train_loss}
     if "val" in n.spec.splits and not control.preempted:  # preemption leaves no time
+        t0 = time.perf_counter()
         try:
             row.update(validation(n))
         except BaseException:
@@ -281,6 +303,7 @@ def _end_epoch(n: Nitro, epoch: int, done: EpochResult) -> str:
             with contextlib.suppress(Exception):
                 save_checkpoint(n, row, stop_reason="error", validated=False)
             raise
+        done.clock.eval_s += time.perf_counter() - t0
         log_validation(n, row, epoch)
     n._commit(progress=n.progress.with_row(row))
     reason = "completed"
@@ -293,11 +316,28 @@ def _end_epoch(n: Nitro, epoch: int, done: EpochResult) -> str:
     if control.requested:
         reason = "preempted" if control.preempted else "requested"
     set_phase(n, "Checkpointing")
-    save_checkpoint(n, row, stop_reason=None if reason == "completed" else reason)
-    n.display.end_epoch(
-        _epoch_summary(row, len(done.losses) / done.seconds if done.seconds else 0), row
-    )
+    stall = save_checkpoint(n, row, stop_reason=None if reason == "completed" else reason)
+    done.clock.checkpoint_stall_s += stall
+    rate = len(done.losses) / done.seconds if done.seconds else 0
+    n.display.end_epoch(_epoch_summary(row, rate, done.rates.get("mfu")), row)
     return reason
+
+
+def _log_epoch_time(n: Nitro, epoch: int, done: EpochResult) -> dict[str, float]:
+    """The epoch line: its throughput and where its wall time went, from its start to the
+    end of its checkpoint (observe/timing.py); returns the split."""
+    split = done.clock.split(done.data_wait_s)
+    n.logger.log_metrics(
+        {
+            "steps_per_s": done.steps / done.seconds if done.seconds else None,
+            **done.rates,
+            **split,
+        },
+        context="epoch",
+        epoch=epoch + 1,
+        step=n.step,
+    )
+    return split
 
 
 def _members_stopped(n: Nitro, es: population.MemberStopping, epoch: int) -> None:
@@ -316,7 +356,7 @@ def _members_stopped(n: Nitro, es: population.MemberStopping, epoch: int) -> Non
     n._set_active(now)
 
 
-def _epoch_summary(row: dict, rate: float) -> str:
+def _epoch_summary(row: dict, rate: float, mfu: float | None = None) -> str:
     parts = [f"train_loss {row['train_loss']:.4f}" if row.get("train_loss") is not None else ""]
     parts += [
         f"{k} {v:.4f}"
@@ -324,6 +364,8 @@ def _epoch_summary(row: dict, rate: float) -> str:
         if k not in ("epoch", "step", "train_loss") and isinstance(v, float)
     ]
     parts.append(f"{rate:,.0f} steps/s")
+    if mfu is not None:
+        parts.append(f"MFU {mfu:.1%}")
     return " · ".join(p for p in parts if p)
 
 

@@ -14,7 +14,7 @@ import collections
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -25,11 +25,13 @@ from jaxnitro.core.errors import NonFiniteLossError, warn_user
 from jaxnitro.core.jsonable import jsonable
 from jaxnitro.data import feed
 from jaxnitro.data import loader as data_mod
-from jaxnitro.observe import render
+from jaxnitro.observe import render, throughput
 from jaxnitro.observe.events import steps as step_events
 from jaxnitro.observe.events.phases import set_phase
 from jaxnitro.observe.events.signals import PreemptionSync
 from jaxnitro.observe.introspect import peak_memory
+from jaxnitro.observe.profile import ProfileWindow
+from jaxnitro.observe.timing import EpochClock
 from jaxnitro.run.progress import Progress
 from jaxnitro.train.checkpointing import save_checkpoint
 from jaxnitro.train.evaluation import is_scalar, validation
@@ -52,6 +54,10 @@ class EpochResult:
     losses: list[float | None]  # per step read (None: a custom step without a "loss")
     seconds: float  # the epoch's train time, compiles excluded
     train_loss: float | None  # the epoch's mean loss (its steps before a resume too)
+    steps: int  # optimizer steps run (skipped ones too)
+    clock: EpochClock  # where the time went; the driver adds the epoch end's
+    data_wait_s: float  # the device idle for want of data
+    rates: dict[str, float]  # samples_per_s, tokens_per_s, tflops_per_s, mfu (those known)
 
 
 def run_epoch(n: Nitro, epoch: int) -> EpochResult:
@@ -75,7 +81,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     stream = _stream(n, run, loader)
     sync = PreemptionSync(control)  # several processes: one stop step for all
     try:
-        for payloads, _, unit in stream:
+        for payloads, _, unit in _timed(stream, run.time):
             base = run.batch
             for call in payloads:
                 run.dispatch(call)
@@ -93,12 +99,32 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     finally:
         stream.close()
         run.commit()
+        run.close_profile()
+    t_end = time.perf_counter()
     jax.block_until_ready(run.leaves)
-    seconds = time.perf_counter() - run.t0 - run.compile_s
+    run.time.readback_s += time.perf_counter() - t_end
+    seconds = time.perf_counter() - run.t0 - run.time.compile_s
     n.display.end_train(run.batch)  # the bar ends at the true count, then leaves (untimed)
     _log_epoch(n, run, stream.wait_seconds, seconds)
     _finish(n, epoch, run.batch, total)
-    return EpochResult(run.losses, seconds, run.train_loss())
+    steps = run.step - run.first_step
+    rates = run.throughput().rates(steps, seconds)
+    return EpochResult(
+        run.losses, seconds, run.train_loss(), steps, run.time, stream.wait_seconds, rates
+    )
+
+
+def _timed(stream: InlineFeed | Prefetcher, clock: EpochClock) -> Iterator[Any]:
+    """The stream's items, the time spent asking for each added to `clock.fetch_s`."""
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(stream)
+        except StopIteration:
+            clock.fetch_s += time.perf_counter() - t0
+            return
+        clock.fetch_s += time.perf_counter() - t0
+        yield item
 
 
 def _stream(n: Nitro, run: _Cursor, loader: Any) -> InlineFeed | Prefetcher:
@@ -126,7 +152,7 @@ def _at_boundary(run: _Cursor, steps: int, total: int | None) -> bool:
         validate, save = run.cadence.due(run.step - steps, run.step)
         if (validate or save) and run.batch != total:  # the epoch end does both
             run.drain(len(run.pending))
-            mid_epoch(n, run.epoch, validate=validate, save=save)
+            mid_epoch(n, run.epoch, validate=validate, save=save, clock=run.time)
             run.cadence.saved(save)
     return drained
 
@@ -147,14 +173,33 @@ class _Cursor:
         self.extras = n.device.extras
         self.lr_of = _lr_reader(self.spec, n.device)
         self.cadence = Cadence(self.spec)
-        self.compile_s = 0.0
         self.calls: dict[int, Any] = {}  # steps per call -> the compiled train program
+        self.flops: dict[int, float | None] = {}  # steps per call -> the program's FLOPs
         self.on_host = n.spec.mesh.devices.flat[0].platform == "cpu"  # outputs in host memory
         self.fire = False
-        self.t0 = self.clock = time.perf_counter()
+        self.first_step = self.step
+        self.profile = ProfileWindow(n.spec.profile, n.run_dir)
+        self.time = EpochClock()
+        self.t0 = self.clock = self.time.t0
+        self._throughput: throughput.Throughput | None = None
+        self.rates: dict[str, float] = {}  # of the last read-back chunk
 
     def restart_clock(self) -> None:
-        self.t0 = self.clock = time.perf_counter()
+        self.time.restart()
+        self.t0 = self.clock = self.time.t0
+
+    def throughput(self) -> throughput.Throughput:
+        """What a step carries (samples, tokens, FLOPs) and the peak: from the program used
+        for most steps (the fused one), known once it is fetched."""
+        if self._throughput is None or self._throughput.flops is None:
+            steps = max(self.flops, default=None)
+            flops = None if steps is None else self.flops[steps]
+            self._throughput = throughput.for_run(self.spec, flops, self.spec.peak_tflops)
+        return self._throughput
+
+    def close_profile(self) -> None:
+        if self.profile.close(self.leaves):
+            self.n.logger.log_other({"profile": str(self.profile.dir), "step": self.step})
 
     def in_flight(self) -> Any:
         """An output of the last dispatched call not yet read back (None: the device is
@@ -164,11 +209,20 @@ class _Cursor:
     def dispatch(self, call: feed.Call) -> None:
         compiled = self.calls.get(call.steps)
         if compiled is None:
-            compiled = self.calls[call.steps] = self._program(call).compiled
+            prog = self._program(call)
+            compiled = self.calls[call.steps] = prog.compiled
+            self.flops[call.steps] = prog.record.flops
+        if self.profile.before_dispatch(self.step):
+            self.n.display.line(f"profiling steps {self.step + 1}.. into {self.profile.dir}")
+        t0 = time.perf_counter()
         self.leaves, out = compiled(self.leaves, call.batch, self.extras, call.hyper)
+        self.time.dispatch_s += time.perf_counter() - t0
         self.batch += call.steps * self.spec.accum
         self.step += call.steps
         self.pending.append(InFlight(self.step, self.batch, call.steps, out))
+        if self.profile.after_dispatch(self.step, out):
+            self.n.logger.log_other({"profile": str(self.profile.dir), "step": self.step})
+            self.n.display.line(f"profile of steps up to {self.step} written to {self.profile.dir}")
 
     def _program(self, call: feed.Call) -> Any:
         """The train program for `call.steps` per call (fetched or compiled; compiles are
@@ -187,7 +241,7 @@ class _Cursor:
                 call.hyper,
                 call.steps,
             )
-            self.compile_s += time.perf_counter() - c0
+            self.time.compile_s += time.perf_counter() - c0
         return prog
 
     def commit(self) -> None:
@@ -218,12 +272,15 @@ class _Cursor:
         self.fire = step_events.has_callbacks(self.n.services.step_callbacks)
         members = self.spec.population is not None
         hosts = read_back(items, on_host=self.on_host)
+        self.time.readback_s += time.perf_counter() - now  # blocked on the device, mostly
+        if step_s is not None:  # per chunk: the rates each of its step lines carries
+            self.rates = self.throughput().rates(1, step_s)
         for item, host in zip(items, hosts, strict=True):
             for row in step_rows(item, host, accum=self.spec.accum, members=members):
                 self._step_row(row, step_s)
         self.commit()
         # The bar moves with the read-back chunks: rate and ETA cost no device sync of their own.
-        elapsed = now - self.t0 - self.compile_s
+        elapsed = now - self.t0 - self.time.compile_s
         rate = len(self.losses) / elapsed if elapsed > 0 else None
         self.n.display.update(items[-1].batch, self.losses[-1] if self.losses else None, rate)
 
@@ -239,6 +296,7 @@ class _Cursor:
                 self.loss_count += 1
         rates = self.lr_of(step - 1)
         row.update(rates)
+        row.update(self.rates)
         n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
         if not self.fire:
             return
@@ -363,19 +421,24 @@ class Cadence:
             self.last = time.monotonic()
 
 
-def mid_epoch(n: Nitro, epoch: int, *, validate: bool, save: bool) -> None:
+def mid_epoch(
+    n: Nitro, epoch: int, *, validate: bool, save: bool, clock: EpochClock | None = None
+) -> None:
     """Validation and/or a checkpoint inside an epoch: the checkpoint holds the batch
     position, so a resume from it continues mid-epoch exactly."""
+    clock = clock if clock is not None else EpochClock()
     row: dict[str, Any] = {"epoch": epoch + 1, "step": n.step}
     if validate and "val" in n.spec.splits:
+        t0 = time.perf_counter()
         row.update(validation(n))
+        clock.eval_s += time.perf_counter() - t0
         log_validation(n, row, epoch)
         # a history row per validation (no train_loss: the epoch has not ended), before the
         # checkpoint, whose meta carries the history a resume continues
         n._commit(progress=n.progress.with_row(row))
     if save:
         set_phase(n, "Checkpointing")
-        save_checkpoint(n, row)
+        clock.checkpoint_stall_s += save_checkpoint(n, row)
     set_phase(n, "Training")
 
 
