@@ -22,6 +22,7 @@ from jaxnitro.compile import autotune, cache, plan, report
 from jaxnitro.compile.programs import check_stale
 from jaxnitro.core.errors import DataError, warn_user
 from jaxnitro.experiment.markers import fields
+from jaxnitro.observe import oom
 from jaxnitro.observe.display import show_image
 from jaxnitro.observe.events.phases import set_phase
 from jaxnitro.observe.events.signals import Preempted, graceful_stop
@@ -247,9 +248,10 @@ def _epochs(n: Nitro, good: Goodput) -> tuple[str, int, float, int]:
         )
         while n.epoch < n.max_epochs:
             epoch = n.epoch  # 0-based; logs and history say epoch + 1
-            done = run_epoch(n, epoch)
+            with oom.reported(n, memory):  # out of memory: what was alive, and the fixes
+                done = run_epoch(n, epoch)
+                stop_reason = _end_epoch(n, epoch, done)
             steps_run, seconds_run = steps_run + len(done.losses), seconds_run + done.seconds
-            stop_reason = _end_epoch(n, epoch, done)
             split = _log_epoch_time(n, epoch, done)
             good.add(split)
             hint = None if good.hinted else host_bound_hint(split, n.spec.steps_per_call)
