@@ -9,6 +9,7 @@ profile plugin, and a `.trace.json.gz` that Perfetto opens). A window the run do
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,10 @@ class ProfileWindow:
         """Stop an active trace (its last step finished first); True: one was written."""
         if not self.active:
             return False
-        try:
-            jax.block_until_ready(outputs)  # the traced steps' execution is in the trace
-        finally:
-            jax.profiler.stop_trace()
-            self.active, self.done = False, True
+        # the traced steps' execution is in the trace; a failed step (the error on its way
+        # out of the epoch) still stops the trace, and its error is the one raised
+        with contextlib.suppress(Exception):
+            jax.block_until_ready(outputs)
+        jax.profiler.stop_trace()
+        self.active, self.done = False, True
         return True
