@@ -294,3 +294,13 @@ def test_csv_and_tensorboard_get_the_epoch_split_and_throughput(tmp_path):
 
     (info,) = list_runs(tmp_path)  # what `jaxnitro runs` shows
     assert info.time_split is not None and info.time_split["device_s"] > 0
+
+
+def test_the_host_bound_hint_names_steps_per_call_past_a_fifth_of_the_step():
+    from jaxnitro.observe.timing import host_bound_hint
+
+    hint = host_bound_hint({"host_s": 1.0, "device_s": 3.0}, 1)
+    assert hint is not None and "25% of the train time" in hint
+    assert "steps_per_call=8 (now 1)" in hint
+    assert host_bound_hint({"host_s": 0.5, "device_s": 3.0}, 1) is None  # 14%: device-bound
+    assert "steps_per_call=32 (now 8)" in host_bound_hint({"host_s": 2.0, "device_s": 1.0}, 8)
