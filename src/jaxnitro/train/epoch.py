@@ -178,7 +178,7 @@ class _Cursor:
         self.on_host = n.spec.mesh.devices.flat[0].platform == "cpu"  # outputs in host memory
         self.fire = False
         self.first_step = self.step
-        self.profile = ProfileWindow(n.spec.profile, n.run_dir)
+        self.profile = ProfileWindow(n.spec.profile, n.spec.run_dir)
         self.time = EpochClock()
         self.t0 = self.clock = self.time.t0
         self._throughput: throughput.Throughput | None = None
