@@ -369,6 +369,7 @@ class NitroRuns:
         self.rates: list[float] = []
         self.e2es: list[float] = []
         self.waits: list[float] = []
+        self.epochs: list[dict] = []  # each warm run's epoch line: its FLOPs and time split
         del n
         gc.collect()
         self.e2e_warm_start, self.loaded_warm_start = self._warm_start()
@@ -411,6 +412,7 @@ class NitroRuns:
         self.rates.append(r.steps_per_second)
         self.e2es.append(e2e)
         self.waits.append(_data_line(n).get("data_wait_frac"))
+        self.epochs.append(_data_line(n, context="epoch"))
         del n
         gc.collect()
 
@@ -434,15 +436,47 @@ class NitroRuns:
             "peak_bytes": self.data_line.get("peak_bytes_in_use"),
             "plan_bytes": self.plan_bytes,
             "train_loss": self.train_loss,
+            **self._observed(),
         }
 
+    def _observed(self) -> dict:
+        """jaxnitro's own view of the warm runs (their epoch lines): TFLOP/s and FLOPs per step
+        from XLA's cost analysis, and the median fraction of each part of the time split."""
+        lines = [e for e in self.epochs if e.get("wall_s")]
+        if not lines:
+            return {}
+        out: dict = {
+            "split": {
+                k: median([e.get(f"{k}_frac", 0.0) for e in lines])
+                for k in ("device", "host", "data_wait", "compile", "eval", "checkpoint_stall")
+            }
+        }
+        flops = [
+            e["tflops_per_s"] * 1e12 / e["steps_per_s"]
+            for e in lines
+            if e.get("tflops_per_s") and e.get("steps_per_s")
+        ]
+        if flops:
+            out["jn_flops_per_step"] = median(flops)
+            out["jn_tflops"] = median([e["tflops_per_s"] for e in lines if e.get("tflops_per_s")])
+        return out
 
-def _data_line(n) -> dict:
-    """The last `context: data` line of the run's metrics.jsonl (data_wait_frac, peak bytes)."""
-    lines = [
-        ln for ln in jn.read_jsonl(Path(n.run_dir) / "metrics.jsonl") if ln.get("context") == "data"
-    ]
+
+def _data_line(n, context: str = "data") -> dict:
+    """The last `context` line (data: data_wait_frac, peak bytes; epoch: throughput and the
+    time split) of the run's metrics.jsonl."""
+    log = Path(n.run_dir) / "metrics.jsonl"
+    lines = [ln for ln in jn.read_jsonl(log) if ln.get("context") == context]
     return lines[-1] if lines else {}
+
+
+def _split_text(split: dict | None) -> str:
+    """'device 81% · host 12% · data 5%' (the three largest parts)."""
+    if not split:
+        return "–"
+    names = {"data_wait": "data", "checkpoint_stall": "checkpoint"}
+    top = sorted(split.items(), key=lambda kv: kv[1], reverse=True)[:3]
+    return " · ".join(f"{names.get(k, k)} {v:.0%}" for k, v in top)
 
 
 def matmul_peak() -> tuple[float, str]:
@@ -498,11 +532,17 @@ def run_case(case: dict, *, torch_rows: bool = True) -> dict:
         # the same work: the first epoch's mean loss, by hand and through jaxnitro
         "train_loss": {r["way"]: r.get("train_loss") for r in rows if r.get("train_loss")},
     }
+    peak, source = matmul_peak()
+    out["peak_flops"], out["peak_source"] = peak, source
+    for row in rows:  # jaxnitro's MFU from its own FLOP count, against the same peak
+        if row.get("jn_tflops"):
+            row["jn_mfu"] = row["jn_tflops"] * 1e12 / peak
     if case["kind"] == "gpt":
         cfg = gpt_config(case)
-        peak, source = matmul_peak()
         out["flops_per_step"] = flops = gpt.train_flops_per_token(cfg) * case["batch"] * cfg.seq
-        out["peak_flops"], out["peak_source"] = peak, source
+        counted = [r["jn_flops_per_step"] for r in rows if r.get("jn_flops_per_step")]
+        if counted:  # XLA's count of a step against the hand count (6N + attention)
+            out["flops_vs_hand"] = counted[0] / flops
     # PyTorch last: its thread pools would otherwise compete with XLA's on a small CPU.
     out["rows"] += torch_side(case, data) if torch_rows else []
     for row in out["rows"]:
@@ -758,6 +798,25 @@ def _bytes(v):
     return "–" if v is None else format_bytes(v)
 
 
+def _notes(res: dict) -> list[str]:
+    """The notes under a case's table: the same work's losses, the MFU's peak, the FLOPs."""
+    notes = []
+    losses = res.get("train_loss", {})
+    if losses:
+        notes.append(
+            "same work, first epoch's mean loss: "
+            + ", ".join(f"{way} {v:.4f}" for way, v in losses.items())
+        )
+    if res.get("peak_source"):
+        notes.append(
+            f"MFU against {res['peak_source']} ({res['peak_flops'] / 1e12:.3g} TFLOP/s); "
+            f"MFU (XLA count) and the time split are jaxnitro's own epoch lines"
+        )
+    if res.get("flops_vs_hand") is not None:
+        notes.append(f"XLA's FLOPs per step / the hand count: {res['flops_vs_hand']:.3f}")
+    return notes
+
+
 def markdown(report: dict) -> str:
     env = report["env"]
     lines = [
@@ -799,6 +858,7 @@ def markdown(report: dict) -> str:
         ]
         if gpt:
             head += ["TFLOP/s", "MFU"]
+        head += ["MFU (XLA count)", "time split"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row in res["rows"]:
             if row.get("skipped"):
@@ -840,18 +900,9 @@ def markdown(report: dict) -> str:
             ]
             if gpt:
                 cells += [_fmt(row.get("tflops"), ".3g"), _fmt(row.get("mfu"), ".1%")]
+            cells += [_fmt(row.get("jn_mfu"), ".1%"), _split_text(row.get("split"))]
             lines.append("| " + " | ".join(cells) + " |")
-        notes = []
-        losses = res.get("train_loss", {})
-        if losses:
-            notes.append(
-                "same work, first epoch's mean loss: "
-                + ", ".join(f"{way} {v:.4f}" for way, v in losses.items())
-            )
-        if gpt and res.get("peak_source"):
-            notes.append(
-                f"MFU against {res['peak_source']} ({res['peak_flops'] / 1e12:.3g} TFLOP/s)"
-            )
+        notes = _notes(res)
         if notes:
             lines += ["", "; ".join(notes) + "."]
         lines.append("")

@@ -53,6 +53,8 @@ GOOD = {
     "ema_state": True,
     "ema_eval": "both",
     "weights": "ema",
+    "peak_tflops": 312.0,
+    "profile": "10:20",
 }
 #: Another good value (a flag's, where GOOD is the file's).
 OTHER = {
@@ -87,6 +89,8 @@ OTHER = {
     "ema_state": False,
     "ema_eval": False,
     "weights": "raw",
+    "peak_tflops": 989.0,
+    "profile": "3:5",
 }
 #: A value each option refuses, and a part of the message that says why.
 BAD = {
@@ -120,6 +124,8 @@ BAD = {
     "ema_state": ("yes", "ema_state='yes'"),
     "ema_eval": ("all", "ema_eval='all'"),
     "weights": ("avg", "weights='avg'"),
+    "peak_tflops": (0, "peak_tflops must be a number of TFLOP/s > 0"),
+    "profile": ("20:10", "profile='20:10'"),
 }
 VALUE = [o.name for o in options.OPTIONS if o.value]
 

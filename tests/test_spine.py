@@ -136,7 +136,7 @@ def test_the_feed_stacks_steps_and_micro_batches_with_their_hyperparameters():
     spec, _, device = make_spec(accum=2, steps_per_call=2)
     loader = spec.splits["train"]
     units = list(feed.train_units(spec, loader, 0, 0))
-    assert [k for _, k in units] == [4]  # 64 rows / 16 = 4 batches = one unit of 2×2
+    assert [u.size for u in units] == [4]  # 64 rows / 16 = 4 batches = one unit of 2×2
     prepare = feed.train_prepare(spec, 0, device.hyper_base)
     (batch, hv, steps), *_ = prepare(units[0])[0]
     assert steps == 2 and batch["x"].shape == (2, 2, 16, 8)
@@ -147,7 +147,7 @@ def test_a_tail_that_does_not_fill_a_call_runs_as_single_steps():
     spec, _, device = make_spec(steps_per_call=3)  # 4 steps per epoch: 3 + a tail of 1
     units = list(feed.train_units(spec, spec.splits["train"], 0, 0))
     prepare = feed.train_prepare(spec, 0, device.hyper_base)
-    shapes = [[(p[0]["x"].shape, p[2]) for p in prepare(u)[0]] for u in units]
+    shapes = [[(c.batch["x"].shape, c.steps) for c in prepare(u)[0]] for u in units]
     assert shapes == [[((3, 16, 8), 3)], [((16, 8), 1)]]
 
 
@@ -155,8 +155,8 @@ def test_a_tail_that_does_not_fill_a_call_runs_as_single_steps():
 def test_train_and_eval_programs_from_a_spec_and_their_keys():
     spec, ts, device = make_spec()
     ps = ProgramSet()
-    stacked, k = feed.first_unit(spec, spec.splits["train"])
-    (batch, hv, steps), *_ = feed.train_prepare(spec, 0, device.hyper_base)((stacked, k))[0]
+    unit = feed.first_unit(spec, spec.splits["train"])
+    (batch, hv, steps), *_ = feed.train_prepare(spec, 0, device.hyper_base)(unit)[0]
     prog = train_program(spec, ps, ts, batch, device.extras, hv, steps)
     assert isinstance(prog.key, explain.ProgramKey) and prog.key.option("accum") == 1
     leaves, treedef = jax.tree.flatten(ts)
@@ -180,8 +180,8 @@ def test_an_option_in_the_key_is_explained_by_name():
     spec, ts, device = make_spec()
     other = spec.replace(precision="bf16")
     ps = ProgramSet()
-    stacked, k = feed.first_unit(spec, spec.splits["train"])
-    (batch, hv, steps), *_ = feed.train_prepare(spec, 0, device.hyper_base)((stacked, k))[0]
+    unit = feed.first_unit(spec, spec.splits["train"])
+    (batch, hv, steps), *_ = feed.train_prepare(spec, 0, device.hyper_base)(unit)[0]
     train_program(spec, ps, ts, batch, device.extras, hv, steps)
     prog = train_program(other, ps, ts, batch, device.extras, hv, steps)
     assert "precision 'f32' → 'bf16'" in prog.reasons
@@ -218,13 +218,13 @@ class Parts:
 
 
 def test_one_epoch_of_the_loop_advances_state_and_progress(tmp_path):
-    from jaxnitro.train.driver import _Epoch
+    from jaxnitro.train.epoch import run_epoch
 
     spec, ts, device = make_spec(tmp=tmp_path)
     parts = Parts(spec, ts, device, tmp_path)
     before = jax.tree.map(np.asarray, ts.params)
-    losses, seconds = _Epoch(parts, 0).run()
-    assert len(losses) == 4 and all(np.isfinite(losses)) and seconds > 0
+    done = run_epoch(parts, 0)
+    assert len(done.losses) == 4 and all(np.isfinite(done.losses)) and done.seconds > 0
     assert parts.progress == Progress(epoch=1, batch_in_epoch=0, step=4)
     after = parts.train_state
     assert int(after.step) == 4
@@ -233,12 +233,12 @@ def test_one_epoch_of_the_loop_advances_state_and_progress(tmp_path):
 
 
 def test_a_stop_request_ends_the_epoch_mid_way_and_keeps_the_position(tmp_path):
-    from jaxnitro.train.driver import _Epoch
+    from jaxnitro.train.epoch import run_epoch
 
     spec, ts, device = make_spec(tmp=tmp_path)
     parts = Parts(spec, ts, device, tmp_path)
     parts.services.control.request()
-    _Epoch(parts, 0).run()
+    run_epoch(parts, 0)
     assert parts.progress.epoch == 0 and parts.progress.batch_in_epoch == 1  # resumable here
     assert int(parts.train_state.step) == 1 and parts.step == 1
     assert cache.cache_stats()["entries"] >= 1

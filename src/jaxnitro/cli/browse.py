@@ -51,7 +51,10 @@ def _table(infos):
     from rich.table import Table
 
     table = Table(title=f"{len(infos)} run(s), newest first")
-    for col in ("experiment", "status", "epoch", "step", "best", "updated", "run dir"):
+    from jaxnitro.observe.timing import format_split
+
+    cols = ("experiment", "status", "epoch", "step", "best", "time (last epoch)", "updated")
+    for col in (*cols, "run dir"):
         table.add_column(
             col,
             overflow="fold",
@@ -67,6 +70,7 @@ def _table(infos):
             "-" if r.epoch is None else str(r.epoch),
             "-" if r.step is None else str(r.step),
             best,
+            "-" if r.time_split is None else format_split(r.time_split, short=True),
             time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated)),
             str(r.run_dir),
         )

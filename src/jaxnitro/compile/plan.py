@@ -24,14 +24,15 @@ def planned(spec, ps: ProgramSet, ts, device, *, epoch: int, step: int, train: b
         loader = spec.splits["train"]
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
-        stacked, k = feed.first_unit(spec, loader)
+        unit = feed.first_unit(spec, loader)
+        stacked = unit.batches
         prepare = feed.train_prepare(spec, step, device.hyper_base)
-        (batch, hyper, steps), *_ = prepare((stacked, k))[0]
+        (batch, hyper, steps), *_ = prepare(unit)[0]
         out["train"] = train_program(spec, ps, ts, batch, extras, hyper, steps)
         spe = spec.steps_per_epoch
         if steps > 1 and spe and spe % steps:
             one = {f: a[: spec.accum] for f, a in stacked.items()}
-            (single,) = prepare((one, spec.accum))[0]
+            (single,) = prepare(feed.Unit(one, spec.accum))[0]
             out["train (single steps)"] = train_program(
                 spec, ps, ts, single[0], extras, single[1], 1
             )

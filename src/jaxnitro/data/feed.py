@@ -9,6 +9,7 @@ Everything here reads a `RunSpec`; nothing writes the handle.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -124,6 +125,22 @@ def eval_prepare(spec, split: str, pad_to: int | None, keys: frozenset | None = 
     return prepare
 
 
+class Unit(NamedTuple):
+    """A dispatch unit: `steps_per_call` × `accum` train batches (fewer at an epoch's end)."""
+
+    batches: dict[str, Any]  # field -> (size, batch, ...) on the host (or the rows to gather)
+    size: int  # batches in the unit
+    states: list | None = None  # a stream's iterator state after each batch (grain)
+
+
+class Call(NamedTuple):
+    """One train program call prepared from a unit: its inputs and how many steps it runs."""
+
+    batch: dict[str, Any]  # on the device, shaped (steps, micro-batches, batch, ...)
+    hyper: Any  # the packed hyperparameters of its steps, on the device
+    steps: int  # optimizer steps in the call
+
+
 def eval_batches(spec, split: str) -> tuple[Iterable, frozenset | None]:
     """(the split's batches, the fields they carry): a DataLoader reads only the fields a
     hook names (a field no hook names is never read from disk); others yield what they do."""
@@ -135,9 +152,9 @@ def eval_batches(spec, split: str) -> tuple[Iterable, frozenset | None]:
 
 
 def train_units(spec, loader, start: int, epoch: int, state=None):
-    """Dispatch units of `steps_per_call` × `accum` train batches from batch `start`, as
-    ({field: (k, batch, ...)}, k) or, for a source with an iterator state (grain streams),
-    ({field: ...}, k, [state after each batch]). A DataLoader gathers each unit at once (only
+    """Dispatch units (`Unit`) of `steps_per_call` × `accum` train batches from batch `start`
+    (for a source with an iterator state, grain streams, with the state after each batch). A
+    DataLoader gathers each unit at once (only
     the fields the hooks name); any other source is checked batch by batch and stacked."""
     info = spec.split_specs["train"]
     size = spec.accum * spec.steps_per_call
@@ -147,13 +164,17 @@ def train_units(spec, loader, start: int, epoch: int, state=None):
             mine.set_epoch(epoch)
         units = [mine.iter_stacked(start, size, info.fields) for mine in pop.loaders]
         for parts in zip(*units, strict=True):
-            yield {f: np.stack([p[0][f] for p in parts], axis=1) for f in info.fields}, parts[0][1]
+            yield Unit(
+                {f: np.stack([p[0][f] for p in parts], axis=1) for f in info.fields}, parts[0][1]
+            )
         return
     if spec.resident is not None or spec.device_batches is not None:  # the rows only: the
-        yield from loader.iter_rows(start, size)  # batches are on the device already
+        for rows, k in loader.iter_rows(start, size):  # batches are on the device already
+            yield Unit(rows, k)
         return
     if isinstance(loader, data_mod.DataLoader):
-        yield from loader.iter_stacked(start, size, info.fields)
+        for stacked, k in loader.iter_stacked(start, size, info.fields):
+            yield Unit(stacked, k)
         return
     stateful = grain_source.kind(loader) in ("iter", "loader")
     if grain_source.kind(loader) is not None:
@@ -175,13 +196,13 @@ def train_units(spec, loader, start: int, epoch: int, state=None):
         group.append(host)
         states.append(after)
         if len(group) == size:
-            yield (_stack(group, info.fields), size) + ((states,) if stateful else ())
+            yield Unit(_stack(group, info.fields), size, states if stateful else None)
             group, states = [], []
     if group:
-        yield (_stack(group, info.fields), len(group)) + ((states,) if stateful else ())
+        yield Unit(_stack(group, info.fields), len(group), states if stateful else None)
 
 
-def first_unit(spec, loader) -> tuple[dict, int]:
+def first_unit(spec, loader) -> Unit:
     """The first dispatch unit, for planning programs: a DataLoader gathers it (no side
     effects); any other source repeats its peeked first batch (only the shapes matter), so
     planning never iterates a source the run is about to train on."""
@@ -190,13 +211,13 @@ def first_unit(spec, loader) -> tuple[dict, int]:
     pop = spec.population
     if pop is not None and pop.own_data:
         unit, k = next(loader.iter_stacked(0, size, info.fields))
-        return {f: np.stack([a] * pop.size, axis=1) for f, a in unit.items()}, k
+        return Unit({f: np.stack([a] * pop.size, axis=1) for f, a in unit.items()}, k)
     if spec.resident is not None or spec.device_batches is not None:
-        return next(loader.iter_rows(0, size))
+        return Unit(*next(loader.iter_rows(0, size)))
     if isinstance(loader, data_mod.DataLoader):
-        return next(loader.iter_stacked(0, size, info.fields))
+        return Unit(*next(loader.iter_stacked(0, size, info.fields)))
     k = min(size, len(loader)) if hasattr(loader, "__len__") else size
-    return _stack([info.first] * k, info.fields), k
+    return Unit(_stack([info.first] * k, info.fields), k)
 
 
 def _stack(group, fields) -> dict:
@@ -233,7 +254,7 @@ def stage_train(spec, loader, start: int) -> int:
 
 
 def train_prepare(spec, first_step: int, base):
-    """A unit -> [(device batch, packed hyperparameters, optimizer steps)], in order.
+    """A `Unit` -> ([`Call`], batches in it): the unit's train calls, in order.
 
     Runs in the prefetch thread: reshapes the unit to (steps, micro-batches, batch, ...)
     (leading axes of size 1 dropped), transfers it, and packs the per-step hyperparameters of
@@ -247,8 +268,8 @@ def train_prepare(spec, first_step: int, base):
     same = ShapeCheck(spec, "train")
     kept = spec.device_batches
 
-    def prepare(item):
-        stacked, k = item[0], item[1]
+    def prepare(item: Unit) -> tuple[list[Call], int]:
+        stacked, k = item.batches, item.size
         same(next_step[0], stacked)
         if k % accum:
             raise DataError(
@@ -260,7 +281,7 @@ def train_prepare(spec, first_step: int, base):
         for offset, s, lead in call_splits(k // accum, accum, spc):
             if kept is not None:  # cut once, in the program's shape: taken as it is
                 batch = kept.get(int(stacked["rows"][offset, 0]), lead)
-                payloads.append((batch, hyper.at(next_step[0], s), s))
+                payloads.append(Call(batch, hyper.at(next_step[0], s), s))
                 next_step[0] += s
                 continue
             axis = len(lead) + members  # the batch axis (after a member axis)
@@ -282,7 +303,7 @@ def train_prepare(spec, first_step: int, base):
                 batch[f] = put(spec, part.reshape(lead + part.shape[1:]), sharding)
             if spec.resident is not None:  # the rows, and the arrays to gather them from
                 batch = {"rows": batch["rows"], "data": spec.resident}
-            payloads.append((batch, hyper.at(next_step[0], s), s))
+            payloads.append(Call(batch, hyper.at(next_step[0], s), s))
             next_step[0] += s
         return payloads, k
 

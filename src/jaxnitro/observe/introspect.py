@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import html
+from pathlib import Path
 
 from jaxnitro.compile import memory, plan, report
 from jaxnitro.compile.programs import check_stale
 from jaxnitro.core.units import format_bytes
 from jaxnitro.experiment.markers import fields
+from jaxnitro.observe import timing
+from jaxnitro.observe.runs import run_rows
 
 
 def compile(n) -> dict:  # noqa: A001 - the public name
@@ -85,11 +88,13 @@ class Inspection:
     sharding: str = ""
     records: list = dataclasses.field(default_factory=list, repr=False)  # the report's rows
     notes: list = dataclasses.field(default_factory=list, repr=False)  # the programs planned
+    time_split: str = ""  # where the last epoch's time went (observe/timing.py)
     _shown = False  # (unannotated: not a field) set by jn.inspect once it printed the text
 
     def text(self) -> str:
         """The whole report: binding, groups, sharding, programs, memory."""
         parts = [self.binding, self.groups, self.sharding, self.compile_report, self.memory]
+        parts.append(self.time_split)
         return "\n\n".join(p for p in parts if p)
 
     def _repr_html_(self) -> str:
@@ -146,12 +151,20 @@ def inspect(n, *, show: bool = True) -> Inspection:
         sharding=_sharding(n),
         records=records,
         notes=notes,
+        time_split=_time_split(n),
     )
     if show:
         text = result.text()
         n.display.line(text) if n.display.mode != "off" else print(text)
         result._shown = True
     return result
+
+
+def _time_split(n) -> str:
+    """The last epoch's time split from the run's log ('' before a train)."""
+    log = Path(n.run_dir) / "metrics.jsonl"
+    split = timing.last_split(run_rows(log)) if log.is_file() else None
+    return "" if split is None else f"time (last epoch): {timing.format_split(split)}"
 
 
 def _binding(n) -> str:

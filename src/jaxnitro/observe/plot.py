@@ -30,7 +30,8 @@ from jaxnitro.observe.display import Display, each
 from jaxnitro.observe.runs import LOG_NAME, run_rows
 
 _MAX_POINTS = 2000  # a long run's per-step curve is averaged into this many bins
-_HIDDEN = {"lr", "grad_norm", "skipped"}  # train-line keys shown only when asked for
+# train-line keys shown only when asked for (the throughput: observe/throughput.py)
+_HIDDEN = {"lr", "grad_norm", "skipped", "samples_per_s", "tokens_per_s", "tflops_per_s", "mfu"}
 _NOT_METRICS = {"type", "context", "epoch", "step", "split", "time", "train_loss"}
 _X = ("step", "epoch")
 

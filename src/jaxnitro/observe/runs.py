@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxnitro.checkpoint.runlock import LOCK_NAME
+from jaxnitro.observe import timing
 from jaxnitro.observe.display import Display, each, html_table
 from jaxnitro.observe.loggers.jsonl import read_jsonl
 
@@ -52,6 +53,7 @@ class RunInfo:
     best: float | None
     updated: float  # the log's modification time (seconds since the epoch)
     run_id: str | None
+    time_split: dict[str, float] | None = None  # the last epoch's (observe/timing.py)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (`run_dir` as a string, `updated` as ISO 8601 local time)."""
@@ -134,6 +136,7 @@ def run_info(run_dir: str | os.PathLike) -> RunInfo:
         best=best_value(rows, metric, mode),
         updated=log.stat().st_mtime,
         run_id=params.get("run_id"),
+        time_split=timing.last_split(rows),
     )
 
 

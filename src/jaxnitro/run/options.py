@@ -214,6 +214,36 @@ def _minutes(value) -> float | None:
     return value
 
 
+def _peak_tflops(value) -> float | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+    ):
+        raise ConfigError(
+            f"peak_tflops must be a number of TFLOP/s > 0 (the device's peak for the run's "
+            f"precision), got {value!r}; e.g. peak_tflops=989 for an H100 SXM in bf16."
+        )
+    return None if value is None else float(value)
+
+
+def _profile(value) -> tuple[int, int] | None:
+    """`profile=`: None, (start_step, end_step) or the text 'START:END'."""
+    if value is None:
+        return None
+    pair = value.split(":") if isinstance(value, str) else value
+    try:
+        start, end = (int(v) for v in pair)
+        ok = all(not isinstance(v, bool) for v in pair) and 0 <= start < end
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"profile={value!r}; give the optimizer steps to trace as (start_step, end_step) "
+            f"with 0 <= start < end, e.g. profile=(10, 20) (on the command line --profile "
+            f"10:20)."
+        )
+    return start, end
+
+
 def _progress(value):
     if not (value is None or isinstance(value, bool) or value in ("rich", "plain", "off")):
         raise ConfigError(
@@ -699,6 +729,24 @@ OPTIONS: tuple[Option, ...] = (
         _ema_eval,
         _ema_eval_text,
         "true|false|both",
+    ),
+    Option(
+        "peak_tflops",
+        None,
+        "float",
+        "The device's peak TFLOP/s for mfu (default: a table of known accelerators).",
+        _peak_tflops,
+        _float_text,
+        "TFLOPS",
+    ),
+    Option(
+        "profile",
+        None,
+        "(start, end) | 'START:END'",
+        "Record a jax.profiler trace of these steps into run_dir/profile/.",
+        _profile,
+        _str,
+        "START:END",
     ),
     Option(
         "weights",

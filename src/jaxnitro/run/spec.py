@@ -82,6 +82,8 @@ class RunSpec:
     val_every: int | None = None
     checkpoint_every: int | None = None
     checkpoint_every_minutes: float | None = None
+    peak_tflops: float | None = None  # the device's peak for mfu (None: the known table's)
+    profile: tuple[int, int] | None = None  # steps traced by jax.profiler (observe/profile.py)
     early_stop: Any = None
     show_curves: bool = False  # the curves shown inline when train returns (a notebook)
     resume_path: Path | None = None

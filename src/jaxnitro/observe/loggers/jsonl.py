@@ -45,7 +45,7 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 class JSONLogger:
     """One JSON object per line, appended and flushed per line (`run_dir/metrics.jsonl`).
 
-    Line types: `params`, `metrics` (with `context` = train | validate | data, `epoch`,
+    Line types: `params`, `metrics` (with `context` = train | validate | data | epoch, `epoch`,
     `step`), `other` (`log_resumed` writes one with `"key": "resumed"`), `finish` (with
     `status`). Non-finite numbers are written as `null`.
 
