@@ -38,7 +38,7 @@ from jaxnitro.observe.events.signals import Preempted, PreemptionSync, graceful_
 from jaxnitro.observe.introspect import peak_memory
 from jaxnitro.observe.loggers.base import flush_logger
 from jaxnitro.observe.plot import write_curves
-from jaxnitro.run import config
+from jaxnitro.run import commands, config
 from jaxnitro.run.live import history
 from jaxnitro.steps import population
 from jaxnitro.train.evaluation import is_scalar, validation
@@ -362,6 +362,7 @@ class _Epoch:
         for payloads, _, unit in stream:
             states, base = (unit[2] if len(unit) > 2 else None), self.batch
             for dev_batch, hyper, steps in payloads:
+                hyper = commands.at_boundary(self, _mid_epoch, hyper, steps)  # jn.start's
                 self._dispatch(dev_batch, hyper, steps)
                 sync.poll()
                 if states is not None:  # the iterator state after the last batch trained on
