@@ -33,7 +33,7 @@ _lock = threading.Lock()
 
 def run_id(n) -> str:
     """A run's id: `<Experiment>-<run id>` (the run id its logs and checkpoints carry)."""
-    return f"{n.spec.cls.__name__}-{n.spec.run_id or id(n):x}"
+    return f"{n.spec.cls.__name__}-{n.spec.run_id or format(id(n), 'x')}"
 
 
 class RunHandle:
@@ -258,7 +258,8 @@ def tail_rows(log: Path, count: int, *, context: str | None = None) -> list[dict
     ...), read from the file's end: a long run's log is never read whole."""
     if not log.is_file():
         return []
-    size, chunk, rows = log.stat().st_size, 1 << 16, []
+    size, chunk = log.stat().st_size, 1 << 16
+    rows: list[dict] = []
     with log.open("rb") as f:
         while True:
             start = max(0, size - chunk)
