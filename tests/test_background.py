@@ -42,6 +42,8 @@ def test_two_background_runs_at_once_with_their_own_run_dirs(tmp_path):
         assert h.nitro.run_dir == tmp_path / d
         assert ra.best_checkpoint != rb.best_checkpoint
         assert (tmp_path / d / "metrics.jsonl").is_file()
+    with pytest.raises(jn.ConfigError, match="ended before a step boundary"):
+        a.checkpoint(wait=True, timeout=5)  # no boundary is left: said at once, no hang
     assert [h.id for h in jn.runs()][-2:] == [a.id, b.id]
     table = jn.runs()
     assert a.id in repr(table) and "<table>" in table._repr_html_()

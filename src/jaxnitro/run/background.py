@@ -16,7 +16,7 @@ import contextlib
 import json
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
@@ -143,15 +143,15 @@ class RunHandle:
         """Write a checkpoint at the next step boundary without stopping. With `wait=True`,
         returns its path once written (None: the run writes no checkpoints)."""
         future = self._commands.checkpoint()
-        if self.done:
-            future.cancel()
-            raise ConfigError(
-                f"run {self.id} has ended ({self.status()['stop_reason']}): no step boundary "
-                f"is left to checkpoint at. Its checkpoints are in {self.nitro.run_dir}."
-            )
-        if not wait:
+        if not wait and not future.cancelled():
             return None
-        return future.result(timeout)
+        try:
+            return future.result(timeout)
+        except CancelledError:
+            raise ConfigError(
+                f"run {self.id} ended before a step boundary took the checkpoint request; "
+                f"its checkpoints are in {self.nitro.run_dir} (status()['best_checkpoint'])."
+            ) from None
 
     def set_device(self, **values: Any) -> None:
         """Change Device fields from the next step boundary on (checked now; no recompile)."""

@@ -32,6 +32,7 @@ class Commands:
         self._values: dict[str, Any] = {}  # field -> (checked array, the value as given)
         self._checkpoints: list[Future] = []
         self.pending = False  # read without the lock by the training thread: a hint only
+        self.closed = False  # the run ended (no boundary will take a request)
         self.repack: tuple[Any, HyperFeed] | None = None  # (epoch, its hyperparameters' feed)
 
     def set_device(self, n, values: dict[str, Any]) -> None:
@@ -46,6 +47,9 @@ class Commands:
         writes no checkpoints); cancelled when the run ends first."""
         future: Future = Future()
         with self._lock:
+            if self.closed:  # the run has ended: no boundary will come
+                future.cancel()
+                return future
             self._checkpoints.append(future)
             self.pending = True
         return future
@@ -58,6 +62,8 @@ class Commands:
 
     def cancel(self) -> None:
         """The run ended: checkpoint requests it did not reach resolve as cancelled."""
+        with self._lock:
+            self.closed = True
         _, futures = self.take()
         for future in futures:
             future.cancel()
