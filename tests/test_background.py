@@ -98,15 +98,17 @@ def test_set_device_checkpoint_and_stop_mid_run(tmp_path):
     assert jax.device_get(n.device.values["smoothing"]) == 0.25
 
 
-def test_a_background_run_installs_no_signal_handlers(tmp_path):
+def test_a_background_run_installs_no_signal_handlers_and_draws_no_bar(tmp_path):
     import signal
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    n = jn.Nitro(Tiny(max_epochs=1), run_dir=tmp_path / "r", progress=False)
+    n = jn.Nitro(Tiny(max_epochs=1), run_dir=tmp_path / "r", progress="rich")
     seen = []
     jn.on_phase(
         lambda phase, *_: seen.append((signal.getsignal(signal.SIGINT), signal.getsignal(15))),
         nitro=n,
     )
-    jn.start(n).wait(timeout=120)
+    h = jn.start(n)
+    assert n.display.mode == "plain"  # a live bar redrawn from a thread: plain lines instead
+    h.wait(timeout=120)
     assert seen and all(s == before for s in seen)
