@@ -40,6 +40,7 @@ from jaxnitro.observe.loggers import (
 )
 from jaxnitro.observe.plot import plot
 from jaxnitro.observe.render import render
+from jaxnitro.run.background import RunHandle, runs, start
 from jaxnitro.run.live import device_value, history, request_stop, set_device
 from jaxnitro.run.nitro import Dist, Nitro, member
 from jaxnitro.steps.custom import group_grad, optimizer_step
@@ -90,6 +91,7 @@ __all__ = [
     "NonFiniteLossError",
     "Preempted",
     "RoutingError",
+    "RunHandle",
     "RunLockedError",
     "Sharding",
     "StepRecord",
@@ -120,10 +122,12 @@ __all__ = [
     "read_jsonl",
     "read_manifest",
     "request_stop",
+    "runs",
     "set_device",
     "setup_devices",
     "shard_options",
     "split_model",
+    "start",
     "train",
     "train_step",
     "validate",

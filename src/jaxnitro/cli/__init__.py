@@ -34,6 +34,7 @@ from jaxnitro.cli.common import echo_err
 from jaxnitro.cli.export import export
 from jaxnitro.cli.fields import ExperimentCommand
 from jaxnitro.cli.launch import launch
+from jaxnitro.cli.mcp_server import mcp_command
 from jaxnitro.core.errors import JaxnitroError
 from jaxnitro.dist import peer_watch
 from jaxnitro.observe.events.signals import Preempted
@@ -67,6 +68,7 @@ for _command in [
     serve_command,
     launch,
     cache_command,
+    mcp_command,
 ]:
     cli.add_command(_command)
 

@@ -262,7 +262,7 @@ def train_prepare(spec, first_step: int, base):
     """
     accum, spc = spec.accum, spec.steps_per_call
     next_step = [first_step]
-    hyper = _HyperFeed(spec, base)
+    hyper = HyperFeed(spec, base)
     shardings: dict[int, object] = {}
     members = spec.population is not None and spec.population.own_data
     same = ShapeCheck(spec, "train")
@@ -310,7 +310,7 @@ def train_prepare(spec, first_step: int, base):
     return prepare
 
 
-class _HyperFeed:
+class HyperFeed:
     """The packed hyperparameters of `s` steps from a step on, on the device. Nothing
     scheduled: one array per `s` serves every call."""
 

@@ -18,6 +18,14 @@ def set_device(n, **values) -> None:
     Example:
         >>> jn.set_device(n, smoothing=0.1)
     """
+    n._set_device(checked_device(n, values), replace(n.experiment, **values))
+
+
+def checked_device(n, values: dict) -> dict:
+    """The new Device values as the programs take them (arrays of the old shapes and dtypes);
+    a ConfigError for a name that is no Device field or a value that would need a recompile.
+    Changes nothing (`jn.RunHandle.set_device` checks at once and applies at a step boundary).
+    """
     spec, current = n.spec, n.device.values
     known = {f.name: f for f in fields(n.experiment)}
     new = {}
@@ -65,7 +73,7 @@ def set_device(n, **values) -> None:
                 f"(schedule key 'device.{name}'). Change the schedule instead."
             )
         new[name] = arr
-    n._set_device(new, replace(n.experiment, **values))
+    return new
 
 
 def device_value(n, name: str):

@@ -32,6 +32,7 @@ from jaxnitro.observe.events.signals import PreemptionSync
 from jaxnitro.observe.introspect import peak_memory
 from jaxnitro.observe.profile import ProfileWindow
 from jaxnitro.observe.timing import EpochClock
+from jaxnitro.run import commands
 from jaxnitro.run.progress import Progress
 from jaxnitro.train.checkpointing import save_checkpoint
 from jaxnitro.train.evaluation import is_scalar, validation
@@ -84,6 +85,9 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
         for payloads, _, unit in _timed(stream, run.time):
             base = run.batch
             for call in payloads:
+                # What a `jn.start` handle asked since the last dispatch (new Device values, a
+                # checkpoint) is done here, before the next dispatch.
+                call = call._replace(hyper=commands.at_boundary(run, mid_epoch, call))
                 run.dispatch(call)
                 sync.poll()
                 if unit.states is not None:  # the iterator state after the last batch trained

@@ -1,0 +1,417 @@
+"""The tools `jaxnitro mcp` serves, as plain Python: set up runs, train them in the
+background, steer, evaluate, predict, export, list and read them, every path confined to one
+root directory.
+
+Nothing here imports the `mcp` SDK (`cli/mcp.py` does, and only there): each tool is a
+method of `Workspace` taking and returning JSON values, so it can be called and tested
+without a server. A jaxnitro error is raised as it is; the server turns it into a tool error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxnitro.cli import values as values_mod
+from jaxnitro.core.errors import ConfigError, did_you_mean
+from jaxnitro.core.jsonable import jsonable
+from jaxnitro.experiment.markers import DEVICE, fields
+from jaxnitro.observe.runs import LOG_NAME, list_runs
+from jaxnitro.run import background
+from jaxnitro.run import options as opts
+
+# Options that are paths: confined to the root like every other path.
+_PATH_OPTIONS = ("run_dir", "checkpoint", "resume")
+
+
+class PathError(ConfigError):
+    """A path that leaves the server's root (`..`, an absolute path elsewhere, a symlink)."""
+
+
+class Workspace:
+    """The runs one `jaxnitro mcp` server drives, and the root every path stays under.
+
+    Example:
+        >>> ws = Workspace("/tmp/work")
+        >>> run = ws.setup("examples/mnist.py:MnistMLP", options={"max_epochs": 1})
+        >>> ws.train(run["id"])["phase"]
+    """
+
+    def __init__(self, root: str | Path = ".") -> None:
+        self.root = Path(root).resolve()
+        if not self.root.is_dir():
+            raise ConfigError(f"--root {str(root)!r} is not a directory; pass an existing one.")
+        self._runs: dict[str, Any] = {}  # run id -> its jn.Nitro
+        self._handles: dict[str, background.RunHandle] = {}
+        self._classes: dict[str, tuple[int | None, Any]] = {}  # TARGET -> (file stamp, class)
+        self._lock = threading.Lock()
+
+    # -- paths --------------------------------------------------------------------------
+    def path(self, value: str | Path, *, what: str) -> Path:
+        """`value` (relative to the root, or absolute inside it) resolved; a `PathError`
+        when it leaves the root: `..`, an absolute path elsewhere, a symlink pointing out."""
+        given = Path(value)
+        if ".." in given.parts:
+            raise PathError(
+                f"{what} {str(value)!r} contains '..'; paths stay under the root {self.root}. "
+                f"Pass a path relative to the root, e.g. 'runs/a'."
+            )
+        full = given if given.is_absolute() else self.root / given
+        resolved = full.resolve()
+        if not resolved.is_relative_to(self.root):
+            why = (
+                "is absolute and outside it"
+                if given.is_absolute() and not full.is_relative_to(self.root)
+                else f"leads through a symlink to {resolved}"
+            )
+            raise PathError(
+                f"{what} {str(value)!r} {why}; every path stays under the root {self.root} "
+                f"(jaxnitro mcp --root DIR). Pass a path relative to the root."
+            )
+        return resolved
+
+    # -- runs ---------------------------------------------------------------------------
+    def _nitro(self, run_id: str):
+        with self._lock:
+            n = self._runs.get(run_id)
+            known = sorted(self._runs)
+        if n is None:
+            raise ConfigError(
+                f"no run {run_id!r} on this server; runs: {known or 'none (setup makes one)'}."
+                + did_you_mean(run_id, known)
+            )
+        return n
+
+    def _idle(self, run_id: str, what: str):
+        """The run's handle, refused while it trains in the background."""
+        n = self._nitro(run_id)
+        handle = self._handles.get(run_id)
+        if handle is not None and not handle.done:
+            raise ConfigError(
+                f"run {run_id} is training ({n.phase}, step {n.step}); {what} waits until it "
+                f"ends. Call stop (or poll status until phase is Done) first."
+            )
+        return n
+
+    def setup(
+        self,
+        target: str,
+        preset: str | None = None,
+        fields: dict[str, Any] | None = None,
+        options: dict[str, Any] | None = None,
+        overrides: str | None = None,
+    ) -> dict[str, Any]:
+        """Load TARGET, build the experiment and set up a run (nothing compiled)."""
+        from jaxnitro.run.nitro import Nitro
+
+        cls = self._load(target)
+        infos = {f.name: f for f in _fields(cls)}
+        given_fields = {k: self._field_json(infos, k, v) for k, v in (fields or {}).items()}
+        given_options = dict(options or {})
+        for name in given_options:
+            _settable_option(name)
+        for key, text in _overrides(overrides, infos, taken={**given_fields, **given_options}):
+            if key in infos:
+                given_fields[key] = _parse(infos[key].type, text, key)
+            else:
+                opt = opts.BY_NAME[key]
+                assert opt.parse is not None
+                given_options[key] = _parse_option(opt, text)
+        own = {o.name for o in opts.OPTIONS}
+        for name in _PATH_OPTIONS:
+            value = given_options.get(name)
+            if isinstance(value, str) and not (name == "resume" and value == "auto"):
+                given_options[name] = self.path(value, what=name)
+        if given_options.get("run_dir") is None:
+            given_options["run_dir"] = self._fresh_dir(cls.__name__)
+        given_options.setdefault("progress", False)  # stdout is the protocol's
+        try:
+            exp = cls.from_preset(preset, **given_fields) if preset else cls(**given_fields)
+        except TypeError as e:
+            raise ConfigError(f"{cls.__name__}: {e}") from None
+        n = Nitro(exp, **{k: v for k, v in given_options.items() if k in own})
+        run_id = background.run_id(n)
+        with self._lock:
+            self._runs[run_id] = n
+        return {
+            "id": run_id,
+            "run_dir": str(n.run_dir),
+            "experiment": cls.__name__,
+            "fields": {
+                f.name: {
+                    "marker": f.marker,
+                    "type": values_mod.type_name(f.type),
+                    "value": jsonable(getattr(exp, f.name)),
+                }
+                for f in _fields(cls)
+            },
+            "max_epochs": n.max_epochs,
+            "total_steps": n.spec.total_steps,
+            "splits": sorted(n.spec.splits),
+        }
+
+    def _load(self, target: str) -> Any:
+        """TARGET's class; a file is loaded again only once it changed (loading it again
+        re-defines the class, which the handles made from the old one would warn about)."""
+        from jaxnitro.cli.target import load_target
+
+        left, sep, name = target.rpartition(":")
+        stamp = None
+        if sep and (left.endswith(".py") or "/" in left):  # a file: confined like any path
+            path = self.path(left, what="target file")
+            target = f"{path}:{name}"
+            stamp = path.stat().st_mtime_ns if path.is_file() else None
+        cached = self._classes.get(target)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        try:
+            cls = load_target(target)
+        except Exception as e:  # a click.UsageError: its message says what is missing
+            raise ConfigError(str(getattr(e, "message", e))) from None
+        self._classes[target] = (stamp, cls)
+        return cls
+
+    def _fresh_dir(self, name: str) -> Path:
+        base = self.root / "runs"
+        for i in range(1, 10_000):
+            path = base / f"{name}-{i}"
+            if not path.exists():
+                return path
+        raise ConfigError(f"{base} holds 9999 runs of {name}; pass options.run_dir.")
+
+    def _field_json(self, infos: Mapping[str, Any], name: str, value: Any) -> Any:
+        if name not in infos:
+            raise ConfigError(
+                f"unknown field {name!r}; fields: {sorted(infos)}." + did_you_mean(name, infos)
+            )
+        return values_mod.from_json(infos[name].type, value)
+
+    def train(self, run_id: str) -> dict[str, Any]:
+        n = self._idle(run_id, "train")
+        handle = background.start(n)
+        with self._lock:
+            self._handles[run_id] = handle
+        return handle.status()
+
+    def status(self, run_id: str) -> dict[str, Any]:
+        n = self._nitro(run_id)
+        handle = self._handles.get(run_id)
+        if handle is not None:
+            return handle.status()
+        return {"id": run_id, "phase": "Set up", "epoch": n.epoch, "step": n.step}
+
+    def _handle(self, run_id: str, what: str) -> background.RunHandle:
+        self._nitro(run_id)
+        handle = self._handles.get(run_id)
+        if handle is None or handle.done:
+            raise ConfigError(
+                f"run {run_id} is not training, so there is nothing to {what}; call train "
+                f"first (status says where it is)."
+            )
+        return handle
+
+    def stop(self, run_id: str, wait: bool = False, timeout: float = 300.0) -> dict[str, Any]:
+        handle = self._handle(run_id, "stop")
+        handle.stop()
+        if wait:
+            handle.wait(timeout)
+        return handle.status()
+
+    def checkpoint(self, run_id: str, timeout: float = 300.0) -> dict[str, Any]:
+        path = self._handle(run_id, "checkpoint").checkpoint(wait=True, timeout=timeout)
+        return {"id": run_id, "checkpoint": None if path is None else str(path)}
+
+    def set_device(self, run_id: str, values: dict[str, Any]) -> dict[str, Any]:
+        from jaxnitro.run.live import set_device
+
+        n = self._nitro(run_id)
+        infos = {f.name: f for f in _fields(n.experiment) if f.marker == DEVICE}
+        given = {k: self._field_json(infos, k, v) for k, v in values.items()}
+        handle = self._handles.get(run_id)
+        if handle is not None and not handle.done:
+            handle.set_device(**given)
+            return {"id": run_id, "values": jsonable(given), "applies": "from the next step"}
+        set_device(n, **given)
+        return {"id": run_id, "values": jsonable(given), "applies": "now"}
+
+    def validate(self, run_id: str) -> dict[str, Any]:
+        from jaxnitro.train.evaluation import validate
+
+        return {"metrics": jsonable(validate(self._idle(run_id, "validate")))}
+
+    def evaluate(self, run_id: str, split: str = "test") -> dict[str, Any]:
+        from jaxnitro.train.evaluation import evaluate
+
+        return {
+            "split": split,
+            "metrics": jsonable(evaluate(self._idle(run_id, "evaluate"), split)),
+        }
+
+    def predict(self, run_id: str, inputs: dict[str, Any]) -> dict[str, Any]:
+        from jaxnitro.train.prediction import predict
+
+        n = self._idle(run_id, "predict")
+        batch = {k: _array(v) for k, v in inputs.items()}
+        return {"outputs": jsonable(predict(n, batch))}
+
+    def export(self, run_id: str, directory: str, name: str | None = None) -> dict[str, Any]:
+        from jaxnitro.export.writer import export_model
+
+        n = self._idle(run_id, "export")
+        out = self.path(directory, what="export directory")
+        return {"bundle": str(export_model(n, out, name=name, platforms=("cpu",)))}
+
+    def runs(self, directory: str = "runs") -> dict[str, Any]:
+        where = self.path(directory, what="runs directory")
+        ids = {str(n.run_dir.resolve()): run_id for run_id, n in self._runs.items()}
+        rows = []
+        for info in list_runs(where) if where.is_dir() else []:
+            row = info.to_dict()
+            row["id"] = ids.get(str(Path(info.run_dir).resolve()))
+            rows.append(row)
+        return {"runs": rows}
+
+    def inspect(self, run_id: str) -> dict[str, Any]:
+        from jaxnitro.observe.introspect import inspect
+
+        n = self._idle(run_id, "inspect")
+        report = inspect(n, show=False)
+        from jaxnitro.observe.introspect import memory_plan
+
+        return {
+            "programs": [jsonable(dataclasses.asdict(r)) for r in report.records],
+            "notes": [note.strip() for note in report.notes],
+            "memory": jsonable(dataclasses.asdict(memory_plan(n))),
+        }
+
+    def logs(self, run_id: str, lines: int = 20, context: str | None = None) -> dict[str, Any]:
+        return {
+            "lines": background.tail_rows(self.log_path(run_id), max(0, lines), context=context)
+        }
+
+    def log_path(self, run_id: str) -> Path:
+        return self._nitro(run_id).run_dir / LOG_NAME
+
+    def curves_path(self, run_id: str) -> Path:
+        from jaxnitro.observe.plot import plot
+
+        n = self._nitro(run_id)
+        path = n.run_dir / "curves.png"
+        if not path.is_file():
+            plot([n.run_dir], out=path)
+        return path
+
+
+def _array(value: Any) -> np.ndarray:
+    """A JSON array as the model takes it: JSON numbers are float64, JAX computes in float32
+    unless x64 is on."""
+    import jax
+
+    arr = np.asarray(value)
+    if arr.dtype == np.float64 and not jax.config.read("jax_enable_x64"):
+        arr = arr.astype(np.float32)
+    return arr
+
+
+def _settable_option(name: str) -> opts.Option:
+    """A run option a tool may set: a value option (JSON can carry it)."""
+    opt = opts.lookup(name, where="setup's options")
+    if not opt.value:
+        names = [o.name for o in opts.OPTIONS if o.value]
+        raise ConfigError(
+            f"option {name!r} takes a Python object ({opt.type}) and cannot be set here; "
+            f"options a tool sets: {names}."
+        )
+    return opt
+
+
+def _fields(cls_or_exp) -> tuple:
+    return fields(cls_or_exp)
+
+
+_KEY = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=(.*)$", re.S)
+
+
+def _overrides(text: str | None, infos: Mapping[str, Any], *, taken: Mapping[str, Any]):
+    """`"a=1, b=[1, 2]"` as (key, value text) pairs; an unknown key, a key given twice (or
+    also as a typed argument) is a ConfigError naming the valid keys."""
+    if not text or not text.strip():
+        return []
+    valid = sorted(infos) + [o.name for o in opts.OPTIONS if o.value]
+    out: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for part in values_mod.split_list(text):
+        m = _KEY.match(part)
+        if m is None:
+            raise ConfigError(
+                f"overrides: {part!r} is not key=value; write e.g. 'width=64, max_epochs=3'."
+            )
+        key, value = m.group(1), m.group(2).strip()
+        if key not in valid:
+            raise ConfigError(
+                f"overrides: unknown key {key!r}; fields and options: {valid}."
+                + did_you_mean(key, valid)
+            )
+        if key in seen or key in taken:
+            raise ConfigError(
+                f"overrides: {key!r} is given twice"
+                + (" (also as a typed argument)" if key in taken else "")
+                + "; give each key once."
+            )
+        seen.add(key)
+        out.append((key, value))
+    return out
+
+
+def _parse(typ, text: str, key: str) -> Any:
+    try:
+        return values_mod.parse(typ, text)
+    except ValueError as e:
+        raise ConfigError(f"overrides: {key}={text!r}: {e}.") from None
+
+
+def _parse_option(opt: opts.Option, text: str) -> Any:
+    assert opt.parse is not None
+    try:
+        return opt.parse(text)
+    except (ValueError, ConfigError) as e:
+        raise ConfigError(f"overrides: {opt.name}={text!r}: {e}") from None
+
+
+# -- JSON schemas from the option declarations ---------------------------------------------
+def _type_schema(part: str) -> dict[str, Any] | None:
+    part = part.strip()
+    simple: dict[str, dict[str, Any]] = {
+        "int": {"type": "integer"},
+        "float": {"type": "number"},
+        "bool": {"type": "boolean"},
+        "str": {"type": "string"},
+        "path": {"type": "string"},
+        "list[str]": {"type": "array", "items": {"type": "string"}},
+        "dict": {"type": "object"},
+    }
+    if part in simple:
+        return simple[part]
+    if len(part) > 1 and part[0] == part[-1] == "'":
+        return {"const": part[1:-1]} if ":" not in part else {"type": "string"}
+    return None  # a Python object (a Sharding, a Logger): not JSON
+
+
+def options_schema() -> dict[str, Any]:
+    """A JSON schema of the run options a tool sets (each value option, typed and
+    documented from `run/options.py`)."""
+    props: dict[str, Any] = {}
+    for o in opts.OPTIONS:
+        if not o.value:
+            continue
+        kinds = [s for s in (_type_schema(p) for p in o.type.split(" | ")) if s is not None]
+        kinds.append({"type": "null"})
+        default = o.default if isinstance(o.default, int | float | str | bool) else None
+        props[o.name] = {"anyOf": kinds, "description": o.doc, "default": default}
+    return {"type": "object", "properties": props, "additionalProperties": True}

@@ -1,0 +1,114 @@
+"""Background runs: `jn.start`, `jn.RunHandle`, `jn.runs` (commands applied at step boundaries)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import pytest
+from conftest import Tiny
+
+import jaxnitro as jn
+from jaxnitro.run.background import tail_rows
+
+
+@jn.experiment
+class Shown(Tiny):
+    """Tiny that logs its Device value `smoothing` with every train step."""
+
+    def train_metrics(self, logits, *, y):
+        return {"smoothing_seen": self.smoothing + 0.0 * logits.sum()}
+
+
+def _until(predicate, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_two_background_runs_at_once_with_their_own_run_dirs(tmp_path):
+    a = jn.start(jn.Nitro(Tiny(max_epochs=1), run_dir=tmp_path / "a", progress=False))
+    b = jn.start(jn.Nitro(Tiny(max_epochs=1), run_dir=tmp_path / "b", progress=False))
+    assert a.id != b.id
+    ra, rb = a.wait(timeout=120), b.wait(timeout=120)
+    assert ra.stop_reason == rb.stop_reason == "completed"
+    assert a.status()["stop_reason"] == "completed" and a.status()["step"] == 8
+    for h, d in ((a, "a"), (b, "b")):
+        assert h.nitro.run_dir == tmp_path / d
+        assert ra.best_checkpoint != rb.best_checkpoint
+        assert (tmp_path / d / "metrics.jsonl").is_file()
+    with pytest.raises(jn.ConfigError, match="ended before a step boundary"):
+        a.checkpoint(wait=True, timeout=5)  # no boundary is left: said at once, no hang
+    assert [h.id for h in jn.runs()][-2:] == [a.id, b.id]
+    table = jn.runs()
+    assert a.id in repr(table) and "<table>" in table._repr_html_()
+
+
+def test_wait_reraises_the_run_error(tmp_path):
+    @jn.experiment
+    class Broken(Tiny):
+        def loss(self, logits, *, y):
+            return logits.mean() * float("nan")
+
+    h = jn.start(jn.Nitro(Broken(), run_dir=tmp_path / "r", progress=False))
+    with pytest.raises(jn.NonFiniteLossError, match="loss is nan"):
+        h.wait(timeout=120)
+    assert h.status()["stop_reason"] == "error"
+    assert "NonFiniteLossError" in h.status()["error"]
+
+
+def test_stop_before_the_first_step(tmp_path):
+    n = jn.Nitro(Tiny(max_epochs=3), run_dir=tmp_path / "r", progress=False)
+    gate = threading.Event()
+    jn.on_phase(lambda phase, *_: phase == "Starting" and gate.wait(60), nitro=n)
+    h = jn.start(n)
+    h.stop()  # while the run is still starting: before any step
+    gate.set()
+    result = h.wait(timeout=120)
+    assert result.stop_reason == "requested"
+    assert n.step <= 1 and n.epoch == 0
+    assert result.best_checkpoint is not None  # the stop validated and checkpointed
+
+
+def test_set_device_checkpoint_and_stop_mid_run(tmp_path):
+    n = jn.Nitro(Shown(max_epochs=50), run_dir=tmp_path / "r", progress=False)
+    h = jn.start(n)
+    _until(lambda: n.step >= 3, "three steps")
+    compiled = jn.cache_stats()["misses"]
+    with pytest.raises(jn.ConfigError, match="GraphConst field 'width'"):
+        h.set_device(width=4)  # checked at once: the caller's error, not the run's
+    h.set_device(smoothing=0.25)
+    path = h.checkpoint(wait=True, timeout=60)
+    assert path is not None and path.exists()
+    h.stop()
+    result = h.wait(timeout=120)
+    assert result.stop_reason == "requested" and n.epoch < 50
+    assert jn.cache_stats()["misses"] == compiled  # nothing recompiled
+    rows = tail_rows(n.run_dir / "metrics.jsonl", 100_000)
+    marker = next(r for r in rows if r.get("key") == "set_device")
+    seen = {r["step"]: r["smoothing_seen"] for r in rows if r.get("context") == "train"}
+    first = marker["from_step"]
+    assert all(v == 0.0 for s, v in seen.items() if s < first)
+    assert all(v == 0.25 for s, v in seen.items() if s >= first) and max(seen) >= first
+    assert jax.device_get(n.device.values["smoothing"]) == 0.25
+
+
+def test_a_background_run_installs_no_signal_handlers_and_draws_no_bar(tmp_path):
+    import signal
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    n = jn.Nitro(Tiny(max_epochs=1), run_dir=tmp_path / "r", progress="rich")
+    seen = []
+    jn.on_phase(
+        lambda phase, *_: seen.append((signal.getsignal(signal.SIGINT), signal.getsignal(15))),
+        nitro=n,
+    )
+    h = jn.start(n)
+    assert n.display.mode == "plain"  # a live bar redrawn from a thread: plain lines instead
+    h.wait(timeout=120)
+    assert seen and all(s == before for s in seen)
