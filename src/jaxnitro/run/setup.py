@@ -451,7 +451,7 @@ def _init_traced(exp, key) -> tuple[tuple, jax.Array] | None:
     cannot be one, and the caller runs it eagerly.
 
     Run eagerly, each operation of an initializer is a program of its own: compiled on a
-    cold start and loaded from the persistent cache one by one on a warm one (about 0.2 s
+    cold start and loaded from the persistent cache one by one on a warm one (about 0.15 s
     of CPU for the quick start's two layers). Traced, they are one program, loaded once, with
     the same values bit for bit. Not traced: a `build_model` that does host work on values or
     fails under tracing (it then runs eagerly, so its own error is the one raised), whose
