@@ -197,7 +197,7 @@ class Repository:
             try:
                 self.wanted = set(await asyncio.to_thread(scan, self.root))
                 await self.sync_all()
-            except OSError as e:  # the directory is being rewritten: next time
+            except Exception as e:  # noqa: BLE001 - e.g. a directory being rewritten: next poll
                 log.warning("model repository %s: %s; trying again at the next poll", self.root, e)
 
     async def sync_all(self) -> None:
@@ -267,7 +267,9 @@ class Repository:
                         }
                     )
             if not listed:
-                out.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": ""})
+                out.append(
+                    {"name": name, "version": "", "state": "UNAVAILABLE", "reason": "not loaded"}
+                )
         if ready_only:
             out = [e for e in out if e["state"] == "READY"]
         return out
@@ -299,10 +301,11 @@ class Repository:
                 await self.runtime.retire(model)
                 self.entries[(name, version)] = _Entry("UNAVAILABLE", "unloaded")
                 log.info("model %s version %s: unloaded", name, version)
+        # versions no longer on disk (or no longer wanted) and not loaded leave the index
+        loaded_now = self.runtime.registry.table.get(name, {})
         for key in [k for k in self.entries if k[0] == name]:
-            if versions is None or key[1] not in versions:
-                if self.entries[key].state != "UNAVAILABLE" or versions is None:
-                    self.entries.pop(key, None)
+            if (versions is None or key[1] not in versions) and str(key[1]) not in loaded_now:
+                del self.entries[key]
 
     def _should_try(self, name: str, version: int, versions: Any, retry: bool) -> bool:
         """A version that failed is tried again when its files change (or on a load call)."""
