@@ -315,31 +315,37 @@ def test_swap_under_load_fails_no_request_and_a_broken_version_serves_on(version
                 answers[version] = answers.get(version, 0) + 1
         conn.close()
 
+    def swap(futures) -> None:
+        deadline = time.monotonic() + 60
+        while answers["1"] < 64:
+            assert time.monotonic() < deadline and not failures, failures[:3]
+            time.sleep(0.05)
+        _place(versions[2][0], repo / "tiny" / "2")
+        s.wait_index(
+            lambda i: (
+                i.get(("tiny", "2"), {}).get("state") == "READY"
+                and i.get(("tiny", "1"), {}).get("state") == "UNAVAILABLE"
+            ),
+            "v2 in, v1 drained and unloaded",
+        )
+        _remove(repo / "tiny" / "1")
+        s.wait_index(lambda i: ("tiny", "1") not in i, "v1 gone from the index")
+        seen = answers["2"]
+        while answers["2"] < seen + 64:
+            assert time.monotonic() < deadline + 120 and not failures, failures[:3]
+            time.sleep(0.05)
+        stop.set()
+        for f in futures:
+            f.result()
+
     try:
         s.wait_index(lambda i: i.get(("tiny", "1"), {}).get("state") == "READY", "v1 ready")
         with ThreadPoolExecutor(32) as pool:
             futures = [pool.submit(client) for _ in range(32)]
-            deadline = time.monotonic() + 60
-            while answers["1"] < 64:
-                assert time.monotonic() < deadline and not failures, failures[:3]
-                time.sleep(0.05)
-            _place(versions[2][0], repo / "tiny" / "2")
-            s.wait_index(
-                lambda i: (
-                    i[("tiny", "2")]["state"] == "READY"
-                    and i[("tiny", "1")]["state"] == "UNAVAILABLE"
-                ),
-                "v2 in, v1 drained and unloaded",
-            )
-            _remove(repo / "tiny" / "1")
-            s.wait_index(lambda i: ("tiny", "1") not in i, "v1 gone from the index")
-            seen = answers["2"]
-            while answers["2"] < seen + 64:
-                assert time.monotonic() < deadline + 120 and not failures, failures[:3]
-                time.sleep(0.05)
-            stop.set()
-            for f in futures:
-                f.result()
+            try:
+                swap(futures)
+            finally:
+                stop.set()  # the clients stop, also when an assertion fails
         assert not failures, failures[:5]
         assert answers["1"] >= 64 and answers["2"] >= 64, answers
 

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from jaxnitro.serve.codec import InferRequest, OutputWanted, TensorIn, parse_shape
-from jaxnitro.serve.errors import InvalidRequest, ServeError
+from jaxnitro.serve.errors import InvalidRequest, NotFound, ServeError
 from jaxnitro.serve.proto import grpc_service_pb2 as pb
 from jaxnitro.serve.proto import grpc_service_pb2_grpc as pb_grpc
 from jaxnitro.serve.registry import ServedModel
@@ -62,7 +62,18 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.runtime.ready)
 
     async def ModelReady(self, request, context):
-        model = await self._model(request.name, request.version, context, "ready")
+        # a model or version not loaded is not ready (as over HTTP, where tritonclient reads
+        # any status but 200 as False), not an error: a client polls this while it loads
+        try:
+            model = self.runtime.registry.get(request.name, request.version or None)
+        except NotFound:
+            self.runtime.metrics.request(
+                protocol="grpc", endpoint="ready", model="", code=404, seconds=None
+            )
+            return pb.ModelReadyResponse(ready=False)
+        self.runtime.metrics.request(
+            protocol="grpc", endpoint="ready", model=model.name, code=200, seconds=None
+        )
         return pb.ModelReadyResponse(ready=model.ready)
 
     async def ServerMetadata(self, request, context):
