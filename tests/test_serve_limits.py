@@ -138,6 +138,7 @@ def test_limit_options_are_checked_and_the_cli_defaults_agree(tmp_path):
     assert command.MAX_CONNECTIONS == connections.MAX_CONNECTIONS
     assert command.DRAIN_TIMEOUT_S == server.DRAIN_TIMEOUT_S
     assert command.EXIT_CUT == server.EXIT_CUT
+    assert command.REPOSITORY_POLL_SECS == server.REPOSITORY_POLL_SECS
     bad = [
         ({"header_timeout": 0}, "header_timeout must be a number of seconds > 0, got 0"),
         ({"drain_timeout": float("inf")}, "drain_timeout must be a number of seconds > 0"),
