@@ -13,12 +13,14 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -256,6 +258,15 @@ def test_tritonclient_config_statistics_repository_load_unload(versions, tmp_pat
         assert len(gstats) == 1 and gstats[0]["inference_stats"]["fail"]["count"] == "1"
         assert gstats[0]["inference_count"] == "4"
 
+        # /metrics on the REST port and on --metrics-port (0 here: the line names it)
+        metrics_url = re.findall(r"metrics: http://([\d.]+:\d+)/metrics", s.output)
+        assert len(metrics_url) == 2 and metrics_url[0] == s.rest, s.output
+        with urllib.request.urlopen(f"http://{metrics_url[1]}/metrics", timeout=30) as r:
+            own_port = _samples(r.read().decode())
+        samples = _samples(s.request("GET", "/metrics")[2].decode())
+        success = ("nv_inference_request_success", (("model", "tiny"), ("version", "1")))
+        assert own_port[success] == samples[success] == 3
+
         index = {(e["name"], e.get("version", "")): e for e in h.get_model_repository_index()}
         assert index[("tiny", "1")]["state"] == index[("tiny", "2")]["state"] == "READY"
         assert index[("other", "")]["state"] == "UNAVAILABLE"
@@ -264,6 +275,8 @@ def test_tritonclient_config_statistics_repository_load_unload(versions, tmp_pat
 
         g.load_model("other")
         assert h.is_model_ready("other") and g.is_model_ready("other", "1")
+        loaded = _samples(s.request("GET", "/metrics")[2].decode())
+        assert loaded[("nv_inference_count", (("model", "other"), ("version", "1")))] == 0
         h.unload_model("tiny")
         assert not h.is_model_ready("tiny") and not g.is_model_ready("tiny", "2")
         with pytest.raises(InferenceServerException, match="unknown model 'tiny'"):
@@ -274,10 +287,6 @@ def test_tritonclient_config_statistics_repository_load_unload(versions, tmp_pat
             h.load_model("nope")
         with pytest.raises(InferenceServerException, match="no version '7'"):
             g.get_model_config("tiny", "7")
-        samples = _samples(s.request("GET", "/metrics")[2].decode())
-        assert (
-            samples[("nv_inference_request_success", (("model", "other"), ("version", "1")))] == 0
-        )
         h.close()
         g.close()
     finally:
