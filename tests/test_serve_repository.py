@@ -397,3 +397,39 @@ def test_default_grpc_port_taken_names_the_port_and_the_flags(versions, tmp_path
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"port {port}" in r.stderr and "--grpc-port" in r.stderr and "--no-grpc" in r.stderr
+
+
+@pytest.mark.slow
+def test_none_mode_loads_what_the_policy_serves_and_refuses_load_calls(versions, tmp_path):
+    repo = tmp_path / "repo"
+    for version in (1, 2):
+        _place(versions[version][0], repo / "tiny" / str(version))
+    (repo / "junk").mkdir()  # a model without versions: listed, not loaded
+    (repo / "tiny" / "notes").mkdir()  # not a version: skipped
+    app = build_app(model_repository=repo, version_policy="latest:2", max_batch_size=2)
+    with TestClient(app) as c:
+        assert c.get("/v2/health/ready").status_code == 200
+        index = c.post("/v2/repository/index", content=json.dumps({"ready": True})).json()
+        assert [(e["name"], e["version"]) for e in index] == [("tiny", "1"), ("tiny", "2")]
+        assert c.post("/v2/repository/index").json()[0] == {
+            "name": "junk",
+            "version": "",
+            "state": "UNAVAILABLE",
+            "reason": "not loaded",
+        }
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 8]}]}
+        body["inputs"][0]["data"] = X.ravel().tolist()
+        for path, version in (("/v2/models/tiny", "2"), ("/v2/models/tiny/versions/1", "1")):
+            doc = c.post(path + "/infer", content=json.dumps(body)).json()
+            assert doc["model_version"] == version
+            got = np.asarray(doc["outputs"][0]["data"], np.float32).reshape(2, 4)
+            np.testing.assert_allclose(got, versions[int(version)][1], rtol=1e-5, atol=1e-5)
+        config = c.get("/v2/models/tiny/versions/1/config").json()
+        assert config["version_policy"] == {"latest": {"num_versions": 2}}
+        assert config["dynamic_batching"]["preferred_batch_size"] == [1, 2]
+        r = c.post("/v2/repository/models/tiny/unload")
+        assert r.status_code == 400 and "--model-control-mode explicit" in r.json()["error"]
+    with pytest.raises(ConfigError, match="not both"):
+        build_app([versions[1][0]], model_repository=repo)
+    with pytest.raises(ConfigError, match=r"--load-model 'tni': no such model .*'tiny'"):
+        build_app(model_repository=repo, model_control_mode="explicit", load_model=["tni"])
