@@ -27,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 try:
+    import prometheus_client  # noqa: F401
     import starlette  # noqa: F401
     import uvicorn
 except ImportError as e:  # pragma: no cover - the `serve` extra is missing
     raise ImportError(
-        f"jaxnitro serve needs starlette and uvicorn ({e}); pip install 'jaxnitro[serve]'."
+        f"jaxnitro serve needs starlette, uvicorn and prometheus_client ({e}); pip install "
+        f"'jaxnitro[serve]'."
     ) from e
 
 from jaxnitro.core.errors import ConfigError, check_int
