@@ -141,20 +141,39 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self._children: dict[tuple, tuple] = {}
+        self._batch_children: dict[str, tuple] = {}
         r.register(_ScrapeTime(self, gauges, snapshots))
 
     def request(
         self, *, protocol: str, endpoint: str, model: str, code: int, seconds: float | None
     ) -> None:
-        self._requests.labels(protocol, endpoint, model, str(code)).inc()
-        if code >= 400:
-            self._errors.labels(protocol, str(code)).inc()
-        if seconds is not None and endpoint == "infer":
-            self._latency.labels(protocol, model).observe(seconds)
+        # the labelled children, looked up once per label set: `labels()` costs more than
+        # the increment (a dict read here; the label sets are few and bounded)
+        key = (protocol, endpoint, model, code)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self._requests.labels(protocol, endpoint, model, str(code)),
+                self._errors.labels(protocol, str(code)) if code >= 400 else None,
+                self._latency.labels(protocol, model) if endpoint == "infer" else None,
+            )
+        requests, errors, latency = children
+        requests.inc()
+        if errors is not None:
+            errors.inc()
+        if seconds is not None and latency is not None:
+            latency.observe(seconds)
 
     def batch(self, model: str, rows: int, seconds: float) -> None:
-        self._batch_rows.labels(model).observe(rows)
-        self._batch_seconds.labels(model).observe(seconds)
+        children = self._batch_children.get(model)
+        if children is None:
+            children = self._batch_children[model] = (
+                self._batch_rows.labels(model),
+                self._batch_seconds.labels(model),
+            )
+        children[0].observe(rows)
+        children[1].observe(seconds)
 
     def render(self) -> bytes:
         """The exposition text (format 0.0.4)."""
