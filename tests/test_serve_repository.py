@@ -190,11 +190,18 @@ class RepoServer(Server):
             time.sleep(0.1)
 
 
-def _infer(conn: http.client.HTTPConnection, path="/v2/models/tiny/infer"):
+def _infer(conn: http.client.HTTPConnection, path="/v2/models/tiny/infer", pause: float = 0):
+    """One JSON request; with ``pause``, its body follows its headers that much later, so
+    the server holds the version it picked while the body is on its way."""
     body = json.dumps(
         {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 8], "data": X.ravel().tolist()}]}
-    )
-    conn.request("POST", path, body=body)
+    ).encode()
+    conn.putrequest("POST", path)
+    conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders()
+    if pause:
+        time.sleep(pause)  # the client's behaviour under test, not a wait for the server
+    conn.send(body)
     r = conn.getresponse()
     doc = json.loads(r.read())
     if r.status != 200:
@@ -298,8 +305,9 @@ def test_tritonclient_config_statistics_repository_load_unload(versions, tmp_pat
 def test_swap_under_load_fails_no_request_and_a_broken_version_serves_on(versions, tmp_path):
     """32 clients without a version while version 2 is added (poll mode; the default policy,
     latest 1, then drains and unloads version 1) and version 1's directory removed: every
-    request succeeds, and each answer is exactly one version's. Then a broken version 3 is
-    dropped in: the index says why, and version 2 keeps serving."""
+    request succeeds, and each answer is exactly one version's; a quarter of the clients
+    send their bodies 0.2 s after their headers, so requests hold version 1 while it goes.
+    Then a broken version 3 is dropped in: the index says why, and version 2 keeps serving."""
     repo = tmp_path / "repo"
     _place(versions[1][0], repo / "tiny" / "1")
     s = RepoServer(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2")
@@ -309,10 +317,10 @@ def test_swap_under_load_fails_no_request_and_a_broken_version_serves_on(version
     stop = threading.Event()
     lock = threading.Lock()
 
-    def client() -> None:
+    def client(pause: float) -> None:
         conn = http.client.HTTPConnection(s.rest, timeout=60)
         while not stop.is_set():
-            status, doc, got = _infer(conn)
+            status, doc, got = _infer(conn, pause=pause)
             if status != 200:
                 failures.append((status, doc))
                 continue
@@ -350,7 +358,8 @@ def test_swap_under_load_fails_no_request_and_a_broken_version_serves_on(version
     try:
         s.wait_index(lambda i: i.get(("tiny", "1"), {}).get("state") == "READY", "v1 ready")
         with ThreadPoolExecutor(32) as pool:
-            futures = [pool.submit(client) for _ in range(32)]
+            # a quarter send their bodies late: they hold version 1 while it is swapped out
+            futures = [pool.submit(client, 0.2 if i % 4 == 0 else 0.0) for i in range(32)]
             try:
                 swap(futures)
             finally:
