@@ -223,6 +223,10 @@ def test_tritonclient_config_statistics_repository_load_unload(versions, tmp_pat
     _place(versions[1][0], repo / "other" / "1")
     s = RepoServer(repo, "--model-control-mode", "explicit", "--load-model", "tiny")
     try:
+        s._wait_for(r"(ready:)")  # the start-up lines: endpoints, models, versions, states
+        for line in ("model repository", "control mode explicit", "loading: tiny", "gRPC:"):
+            assert line in s.output, s.output
+        assert "serving tiny version 2" in s.output and "not serving other: not loaded" in s.output
         h = httpclient.InferenceServerClient(s.rest)
         g = grpcclient.InferenceServerClient(s.grpc)
         for client in (h, g):

@@ -475,8 +475,10 @@ async def _serve(
             warm.result()
             _say(f"ready: every model warmed up in {time.perf_counter() - started:.1f}s")
             for entry in runtime.index() if runtime.repository is not None else ():
-                if entry["state"] != "READY":
-                    _say(f"  not serving {entry['name']} {entry['version']}: {entry['reason']}")
+                version = f" version {entry['version']}" if entry["version"] else ""
+                state = "serving" if entry["state"] == "READY" else "not serving"
+                reason = f": {entry['reason']}" if entry.get("reason") else ""
+                _say(f"  {state} {entry['name']}{version}{reason}")
             await asyncio.wait({http_task, *waiting - {warm}}, return_when="FIRST_COMPLETED")
     finally:
         if metrics_server is not None:
