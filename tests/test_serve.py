@@ -178,7 +178,7 @@ def test_app_in_process_json_binary_and_errors():
         assert r.status_code == 405 and "error" in r.json()
         assert client.get("/v2/health/live").status_code == 200
         counts = parse_metrics(client.get("/metrics").text)
-        unknown = 'jaxnitro_requests_total{protocol="http",endpoint="infer",model="",code="404"}'
+        unknown = 'jaxnitro_requests_total{code="404",endpoint="infer",model="",protocol="http"}'
         assert counts[unknown] == 2  # unknown model, unknown version: no label for the name
     # without its lifespan (not started, not warmed up) the app is live but not ready
     client = TestClient(build_app([FakeBundle()]))
@@ -204,7 +204,7 @@ def test_batcher_merges_splits_isolates_and_bounds_its_queue():
     async def main():
         runtime.start()
         model.ready = True
-        batcher = runtime.batchers["fake"]
+        batcher = runtime.registry.get("fake").batcher
 
         async def one(rows):
             a = rng.normal(size=(rows, 3)).astype(np.float32)
@@ -222,7 +222,7 @@ def test_batcher_merges_splits_isolates_and_bounds_its_queue():
             max_queue_size=1,
         )
         small.start()
-        q = small.batchers["fake"]
+        q = small.registry.get("fake").batcher
         args = ({"a": np.zeros((1, 3), np.float32), "b": np.zeros(1, np.int32)}, 1)
         first = asyncio.ensure_future(q.submit(*args))  # runs
         await asyncio.sleep(0.05)
@@ -311,7 +311,7 @@ def test_quick_calls_run_on_the_event_loop_slow_ones_in_the_worker_in_order(
         runtime.start()
         await runtime.warm_up()  # times every bucket: 1 is quick, 2 and 4 are not
         assert model.quick(1) and not model.quick(2) and not model.quick(5)
-        batcher = runtime.batchers["fake"]
+        batcher = runtime.registry.get("fake").batcher
         del fake.calls[:], fake.threads[:]
         await batcher.submit(*inputs(1))  # quick: here, on the loop
         slow = asyncio.ensure_future(batcher.submit(*inputs(3)))  # slow: in the worker
@@ -360,7 +360,7 @@ class Server:
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         cmd = [sys.executable, "-m", "jaxnitro.serve", *map(str, dirs), "--port", "0"]
         self.proc = subprocess.Popen(
-            [*cmd, "--grpc-port", "0", *args],
+            [*cmd, "--grpc-port", "0", "--metrics-port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -757,13 +757,13 @@ def test_2000_concurrent_requests_are_batched_and_all_correct(server, bundles):
     with ThreadPoolExecutor(16) as ex:
         assert sum(ex.map(one, jobs)) == offset
     after = server.metrics()
-    ok = 'jaxnitro_requests_total{protocol="http",endpoint="infer",model="tiny",code="200"}'
+    ok = 'jaxnitro_requests_total{code="200",endpoint="infer",model="tiny",protocol="http"}'
     assert after[ok] - before.get(ok, 0) == 2000
     calls = 'jaxnitro_batch_rows_count{model="tiny"}'
     rows = 'jaxnitro_batch_rows_sum{model="tiny"}'
     assert after[rows] - before[rows] == offset
     assert after[calls] - before[calls] < 2000  # merged
-    assert after['jaxnitro_batch_rows_bucket{model="tiny",le="16"}'] == after[calls]  # cap
+    assert after['jaxnitro_batch_rows_bucket{le="16.0",model="tiny"}'] == after[calls]  # cap
     assert after['jaxnitro_compiled_batch_sizes{model="tiny"}'] == 5  # 1..16: no new compile
     assert server.status("GET", "/v2/health/live") == 200
 

@@ -138,6 +138,7 @@ def test_limit_options_are_checked_and_the_cli_defaults_agree(tmp_path):
     assert command.MAX_CONNECTIONS == connections.MAX_CONNECTIONS
     assert command.DRAIN_TIMEOUT_S == server.DRAIN_TIMEOUT_S
     assert command.EXIT_CUT == server.EXIT_CUT
+    assert command.REPOSITORY_POLL_SECS == server.REPOSITORY_POLL_SECS
     bad = [
         ({"header_timeout": 0}, "header_timeout must be a number of seconds > 0, got 0"),
         ({"drain_timeout": float("inf")}, "drain_timeout must be a number of seconds > 0"),
@@ -393,7 +394,7 @@ def test_sigterm_cuts_a_client_that_never_reads_its_response(tiny):
         head = f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
         head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
         sock.sendall(head.encode() + body)
-        ok = 'jaxnitro_requests_total{protocol="http",endpoint="infer",model="tiny",code="200"}'
+        ok = 'jaxnitro_requests_total{code="200",endpoint="infer",model="tiny",protocol="http"}'
         deadline = time.monotonic() + 60
         while s.metrics().get(ok, 0) < 1:  # answered; the response waits for the client
             assert time.monotonic() < deadline, s.output

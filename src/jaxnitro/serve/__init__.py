@@ -10,16 +10,20 @@ The modules, in the order a request meets them:
   bytes in flight across requests;
 - `codec`: REST JSON + binary tensor framing <-> `InferRequest` / response bytes;
   `tensors`: datatype names and element decoding;
-- `registry`: the models by name, metadata, and the checks that run before queueing;
-- `batcher`: the per-model queue that merges concurrent requests into one bundle call;
-- `runtime`: registry + batchers + metrics, and their life cycle;
+- `registry`: the models by name and version, metadata and configuration, the version a
+  request gets and the lease it holds, and the checks that run before queueing;
+- `batcher`: the per-version queue that merges concurrent requests into one bundle call;
+- `runtime`: registry + batchers + metrics, their life cycle, and version swaps;
+- `repository`: a model repository (``DIR/<model>/<version>/``), control modes, policies;
 - `rest` (Starlette) and `grpc_service` (grpc.aio): the two protocols;
-- `metrics`: Prometheus text; `server`: `serve` and `build_app`; `command`: the CLI.
+- `stats`: Triton's statistics per version; `metrics`: prometheus_client, a registry per
+  server; `server`: `serve` and `build_app`; `command`: the CLI.
 
 Example:
     >>> jn.export_model(n, "bundles/tiny")
     >>> from jaxnitro.serve import serve
     >>> serve(["bundles/tiny"], port=8000, grpc_port=8001, max_batch_size=32)
+    >>> serve(model_repository="models", model_control_mode="poll", grpc_port=8001)
 """
 
 from typing import TYPE_CHECKING, Any

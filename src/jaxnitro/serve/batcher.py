@@ -53,7 +53,8 @@ class Batcher:
         max_batch_size: most rows per call; None: no merging.
         max_delay_s: how long the oldest request may wait for others to join it.
         max_queue_size: most requests waiting; more are refused with 503.
-        on_batch: called with (rows, seconds) after each call, for metrics.
+        on_batch: called with (rows, seconds, waits) after each call, for metrics: waits
+            are the queue seconds of each request whose first rows the call ran.
     """
 
     def __init__(
@@ -63,7 +64,7 @@ class Batcher:
         max_batch_size: int | None,
         max_delay_s: float,
         max_queue_size: int,
-        on_batch: Callable[[int, float], None] = lambda rows, seconds: None,
+        on_batch: Callable[[int, float, list[float]], None] = lambda rows, seconds, waits: None,
     ):
         self.model = model
         self.max_batch_size = max_batch_size
@@ -133,8 +134,11 @@ class Batcher:
         self._alone += 1
         self._alone_rows += rows
         self._idle.clear()
+        arrived = time.perf_counter()
         try:
-            out, seconds = await loop.run_in_executor(self.model.executor, self._timed, inputs)
+            out, seconds, started = await loop.run_in_executor(
+                self.model.executor, self._timed, inputs
+            )
         except ServeError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to this request alone
@@ -144,24 +148,24 @@ class Batcher:
             self._alone_rows -= rows
             if not self._alone:
                 self._idle.set()
-        self.on_batch(rows, seconds)
+        self.on_batch(rows, seconds, [started - arrived])
         return out
 
     def _inline(self, inputs: dict[str, np.ndarray], rows: int) -> dict:
         """A quick call run here, on the event loop (see `INLINE_MAX_S`)."""
         try:
-            out, seconds = self._timed(inputs)
+            out, seconds, _ = self._timed(inputs)
         except ServeError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to this request alone
             raise _internal(self.model.name, e) from e
-        self.on_batch(rows, seconds)
+        self.on_batch(rows, seconds, [0.0])
         return out
 
-    def _timed(self, inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+    def _timed(self, inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float, float]:
         started = time.perf_counter()
         out = self.model.run(inputs)
-        return out, time.perf_counter() - started
+        return out, time.perf_counter() - started, started
 
     # -- the dispatcher --------------------------------------------------------------------
     async def _dispatch(self) -> None:
@@ -234,11 +238,15 @@ class Batcher:
             }
         rows = sum(stop - start for _, start, stop in batch)
         inline = self.model.quick(rows)
+        now = loop.time()
+        waits = [now - i.arrived for i, start, _ in batch if start == 0]
         try:
             if inline:
-                out, seconds = self._timed(merged)
+                out, seconds, _ = self._timed(merged)
             else:
-                out, seconds = await loop.run_in_executor(self.model.executor, self._timed, merged)
+                out, seconds, _ = await loop.run_in_executor(
+                    self.model.executor, self._timed, merged
+                )
         except Exception as e:  # noqa: BLE001 - every request of the call gets the error
             error = e if isinstance(e, ServeError) else _internal(self.model.name, e)
             for item, _, _ in batch:
@@ -246,7 +254,7 @@ class Batcher:
                     item.future.set_exception(error)
                 self._discard(item)
             return inline
-        self.on_batch(rows, seconds)
+        self.on_batch(rows, seconds, waits)
         offset = 0
         for item, start, stop in batch:
             n = stop - start

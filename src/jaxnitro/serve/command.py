@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -16,15 +17,52 @@ HEADER_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 1000
 DRAIN_TIMEOUT_S = 30.0
 EXIT_CUT = 3
+REPOSITORY_POLL_SECS = 15.0
+#: Triton's default ports for gRPC and metrics.
+GRPC_PORT = 8001
+METRICS_PORT = 8002
 
 
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument(
     "dirs",
     nargs=-1,
-    required=True,
     type=click.Path(exists=True, file_okay=False, path_type=Path),
-    metavar="DIR [DIR ...]",
+    metavar="[DIR ...]",
+)
+@click.option(
+    "--model-repository",
+    default=None,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Serve DIR/<model>/<version>/ (a bundle per version) instead of bundle DIRs.",
+)
+@click.option(
+    "--model-control-mode",
+    default="none",
+    show_default=True,
+    type=click.Choice(["none", "poll", "explicit"]),
+    help="none: load all at start; poll: rescan, load added and unload removed versions; "
+    "explicit: load --load-model and what the load API asks for.",
+)
+@click.option(
+    "--repository-poll-secs",
+    default=REPOSITORY_POLL_SECS,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds between rescans of the repository (poll mode).",
+)
+@click.option(
+    "--load-model",
+    multiple=True,
+    metavar="NAME",
+    help="A model explicit mode loads at start (repeat for several).",
+)
+@click.option(
+    "--version-policy",
+    default=None,
+    metavar="POLICY",
+    help="Versions served of a model without policy.json: latest:N, all, specific:1,3. "
+    "[default: latest:1]",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
@@ -36,10 +74,20 @@ EXIT_CUT = 3
 )
 @click.option(
     "--grpc-port",
-    default=None,
+    default=GRPC_PORT,
+    show_default=True,
     type=click.IntRange(0, 65535),
-    help="Also serve gRPC (inference.GRPCInferenceService) on this port.",
+    help="gRPC (inference.GRPCInferenceService) port (0: a free one).",
 )
+@click.option("--no-grpc", is_flag=True, help="Serve no gRPC.")
+@click.option(
+    "--metrics-port",
+    default=METRICS_PORT,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Also serve /metrics on this port (0: a free one); always on the REST port too.",
+)
+@click.option("--no-metrics-port", is_flag=True, help="Serve /metrics on the REST port only.")
 @click.option(
     "--max-batch-size",
     default=None,
@@ -98,9 +146,17 @@ EXIT_CUT = 3
 @click.option("--log-requests", is_flag=True, help="Log one line per request.")
 def serve_command(
     dirs: tuple[Path, ...],
+    model_repository: Path | None,
+    model_control_mode: str,
+    repository_poll_secs: float,
+    load_model: tuple[str, ...],
+    version_policy: str | None,
     host: str,
     port: int,
-    grpc_port: int | None,
+    grpc_port: int,
+    no_grpc: bool,
+    metrics_port: int,
+    no_metrics_port: bool,
     max_batch_size: int | None,
     max_batch_delay_ms: float,
     max_body_bytes: int,
@@ -114,21 +170,40 @@ def serve_command(
     """Serve exported bundles over the Open Inference Protocol (KServe V2).
 
     Each DIR is a bundle written by jn.export_model, served under its manifest name at
-    /v2/models/<name>. Standard clients work unchanged (tritonclient.http / .grpc).
+    /v2/models/<name>; or --model-repository DIR serves DIR/<model>/<version>/, with
+    version swaps that fail no request. Standard clients work unchanged (tritonclient.http
+    / .grpc), Triton's config, statistics and repository calls included.
     Ready (/v2/health/ready) once every model has compiled its batch sizes; SIGTERM
     finishes the requests in flight, then exits 0 (3 when the drain timeout cut some).
 
     \b
     Example:
         jaxnitro serve bundles/mnist --port 8000 --grpc-port 8001 --max-batch-size 32
+        jaxnitro serve --model-repository models --model-control-mode poll
     """
+    if bool(dirs) == (model_repository is not None):
+        raise click.UsageError(
+            "give bundle directories (jaxnitro serve DIR ...) or --model-repository DIR, "
+            "one of the two."
+        )
     from jaxnitro.serve.server import serve  # starlette, uvicorn, grpcio: only when serving
 
+    repository: dict[str, Any] = {}
+    if model_repository is not None:
+        repository = dict(
+            model_repository=model_repository,
+            model_control_mode=model_control_mode,
+            repository_poll_secs=repository_poll_secs,
+            load_model=load_model,
+            version_policy=version_policy,
+        )
     cut = serve(
         list(dirs),
+        **repository,
         host=host,
         port=port,
-        grpc_port=grpc_port,
+        grpc_port=None if no_grpc else grpc_port,
+        metrics_port=None if no_metrics_port else metrics_port,
         max_batch_size=max_batch_size,
         max_batch_delay_ms=max_batch_delay_ms,
         max_body_bytes=max_body_bytes,

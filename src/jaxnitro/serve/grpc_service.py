@@ -1,6 +1,7 @@
 """The gRPC side of the Open Inference Protocol: ``inference.GRPCInferenceService`` with
-the six core RPCs, on grpc.aio in the same event loop (and through the same batchers) as
-the REST app. Outputs always go back as ``raw_output_contents``, the only form
+the six core RPCs and Triton's ``ModelConfig``, ``ModelStatistics`` and ``Repository*``
+extensions, on grpc.aio in the same event loop (and through the same batchers) as the REST
+app. Outputs always go back as ``raw_output_contents``, the only form
 tritonclient.grpc reads; inputs may be raw or typed ``contents``. A `ServeError` becomes its
 status code (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE)."""
 
@@ -15,7 +16,7 @@ import grpc
 import numpy as np
 
 from jaxnitro.serve.codec import InferRequest, OutputWanted, TensorIn, parse_shape
-from jaxnitro.serve.errors import InvalidRequest, ServeError
+from jaxnitro.serve.errors import InvalidRequest, NotFound, ServeError
 from jaxnitro.serve.proto import grpc_service_pb2 as pb
 from jaxnitro.serve.proto import grpc_service_pb2_grpc as pb_grpc
 from jaxnitro.serve.registry import ServedModel
@@ -58,10 +59,21 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self.runtime.registry.ready)
+        return pb.ServerReadyResponse(ready=self.runtime.ready)
 
     async def ModelReady(self, request, context):
-        model = await self._model(request.name, request.version, context, "ready")
+        # a model or version not loaded is not ready (as over HTTP, where tritonclient reads
+        # any status but 200 as False), not an error: a client polls this while it loads
+        try:
+            model = self.runtime.registry.get(request.name, request.version or None)
+        except NotFound:
+            self.runtime.metrics.request(
+                protocol="grpc", endpoint="ready", model="", code=404, seconds=None
+            )
+            return pb.ModelReadyResponse(ready=False)
+        self.runtime.metrics.request(
+            protocol="grpc", endpoint="ready", model=model.name, code=200, seconds=None
+        )
         return pb.ModelReadyResponse(ready=model.ready)
 
     async def ServerMetadata(self, request, context):
@@ -81,18 +93,25 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         runtime = self.runtime
         started = time.perf_counter()
-        found, rows, code = "", 0, "OK"
+        found, rows, code, model = "", 0, "OK", None
+        input_s = output_s = 0.0
         runtime.metrics.inflight += 1
         share = runtime.inflight_bytes.share()
         try:
             share.take(request.ByteSize())
-            model = runtime.registry.get(request.model_name, request.model_version or None)
+            # held until answered: a version being swapped out waits for this request
+            model = runtime.registry.acquire(request.model_name, request.model_version or None)
             found = model.name
+            decoding = time.perf_counter()
             parsed = _parse(request)
             prepared = model.prepare(parsed)
+            input_s = time.perf_counter() - decoding
             rows = prepared.rows
             outputs = await runtime.run(model, prepared)
-            return _response(model.name, model.version, request.id, outputs)
+            encoding = time.perf_counter()
+            response = _response(model.name, model.version, request.id, outputs)
+            output_s = time.perf_counter() - encoding
+            return response
         except asyncio.CancelledError:  # the server stops, and its drain timeout has passed
             runtime.grpc_cut += 1
             code = "CANCELLED"
@@ -117,6 +136,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 code=_STATUS.get(code, 500),
                 seconds=seconds,
             )
+            if model is not None:
+                runtime.registry.release(model)
+                model.stats.request(
+                    ok=code == "OK", seconds=seconds, rows=rows, input_s=input_s, output_s=output_s
+                )
             if runtime.log_requests:
                 log.info(
                     'grpc "ModelInfer %s" %s %.1fms rows=%d',
@@ -125,6 +149,50 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     seconds * 1e3,
                     rows,
                 )
+
+    async def ModelConfig(self, request, context):
+        model = await self._model(request.name, request.version, context, "config")
+        return pb.ModelConfigResponse(config=_message(pb.ModelConfig(), model.config()))
+
+    async def ModelStatistics(self, request, context):
+        stats = await self._answer(
+            context, "stats", lambda: self.runtime.statistics(request.name, request.version)
+        )
+        return pb.ModelStatisticsResponse(
+            model_stats=[_message(pb.ModelStatistics(), s) for s in stats]
+        )
+
+    async def RepositoryIndex(self, request, context):
+        index = await self._answer(
+            context, "repository_index", lambda: self.runtime.index(ready_only=request.ready)
+        )
+        entry = pb.RepositoryIndexResponse.ModelIndex
+        return pb.RepositoryIndexResponse(models=[entry(**e) for e in index])
+
+    async def RepositoryModelLoad(self, request, context):
+        await self._answer(context, "load", lambda: self.runtime.load(request.model_name))
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        await self._answer(context, "unload", lambda: self.runtime.unload(request.model_name))
+        return pb.RepositoryModelUnloadResponse()
+
+    async def _answer(self, context, endpoint: str, call) -> Any:
+        """``call()`` (awaited if it is a coroutine), or its `ServeError` as a status."""
+        try:
+            result = call()
+            if asyncio.iscoroutine(result):
+                result = await result
+        except ServeError as e:
+            self.runtime.metrics.request(
+                protocol="grpc", endpoint=endpoint, model="", code=e.status, seconds=None
+            )
+            await context.abort(getattr(grpc.StatusCode, e.grpc_code), str(e))
+            raise  # abort raises; this line is never reached
+        self.runtime.metrics.request(
+            protocol="grpc", endpoint=endpoint, model="", code=200, seconds=None
+        )
+        return result
 
     async def _model(self, name: str, version: str, context, endpoint: str) -> ServedModel:
         try:
@@ -171,6 +239,13 @@ def _parse(request: Any) -> InferRequest:
         inputs.append(TensorIn(t.name, t.datatype, shape, data=values, may_hold_bools=bools))
     outputs = tuple(OutputWanted(o.name) for o in request.outputs) or None
     return InferRequest(inputs=tuple(inputs), outputs=outputs, id=request.id or None)
+
+
+def _message(message: Any, doc: dict) -> Any:
+    """``message`` filled from the JSON form Triton's REST API writes of it."""
+    from google.protobuf import json_format
+
+    return json_format.ParseDict(doc, message)
 
 
 def _response(name: str, version: str, request_id: str, outputs: dict[str, np.ndarray]):

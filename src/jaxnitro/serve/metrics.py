@@ -1,8 +1,8 @@
-"""Prometheus metrics in the text exposition format (version 0.0.4), written by hand: a
-few counters and histograms need no client library, and the server then has no global
-registry for tests or a second server in the same process to collide in.
+"""Prometheus metrics through ``prometheus_client``, in a `CollectorRegistry` of the server's
+own (never the library's global one), so two servers in one process, or in tests, never
+share or collide on a metric.
 
-Exposed (``GET /metrics``):
+Exposed (``GET /metrics`` on the REST port, and on ``--metrics-port``):
 
 - ``jaxnitro_requests_total{protocol, endpoint, model, code}``: every API request, by HTTP
   status (gRPC codes counted as the status they map to); ``model`` is empty unless the
@@ -14,14 +14,22 @@ Exposed (``GET /metrics``):
 - ``jaxnitro_queue_depth{model}`` / ``jaxnitro_queue_rows{model}``: requests / rows waiting.
 - ``jaxnitro_inflight_requests``, ``jaxnitro_model_ready{model}``,
   ``jaxnitro_compiled_batch_sizes{model}`` (programs compiled: fixed after warm-up).
+- Triton's names, per ``model`` and ``version``, read at scrape time from each version's
+  `ModelStats`: ``nv_inference_request_success``, ``nv_inference_request_failure``,
+  ``nv_inference_count``, ``nv_inference_exec_count``, ``nv_inference_request_duration_us``,
+  ``nv_inference_queue_duration_us``, ``nv_inference_compute_infer_duration_us``: counters
+  in meaning, written under Triton's exact names (no ``_total`` suffix, so typed
+  ``untyped``), which its dashboards query.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (
@@ -41,139 +49,168 @@ LATENCY_BUCKETS = (
     10.0,
 )
 
-Labels = tuple[tuple[str, str], ...]
 #: (name, help, [(labels, value)]) of a gauge read at scrape time.
 Gauge = tuple[str, str, list[tuple[dict[str, str], float]]]
+#: (model, version, stats snapshot) of every loaded version, read at scrape time.
+Snapshots = Callable[[], Iterable[dict]]
 
-
-class _Histogram:
-    def __init__(self, bounds: Sequence[float]):
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+#: Triton's counter name -> (help, how to read it from a stats snapshot).
+_TRITON: dict[str, tuple[str, Callable[[dict], float]]] = {
+    "nv_inference_request_success": (
+        "Number of successful inference requests, all batch sizes",
+        lambda s: s["inference_stats"]["success"]["count"],
+    ),
+    "nv_inference_request_failure": (
+        "Number of failed inference requests, all batch sizes",
+        lambda s: s["inference_stats"]["fail"]["count"],
+    ),
+    "nv_inference_count": (
+        "Number of inferences performed (rows of batched requests)",
+        lambda s: s["inference_count"],
+    ),
+    "nv_inference_exec_count": (
+        "Number of model executions performed (merged requests run once)",
+        lambda s: s["execution_count"],
+    ),
+    "nv_inference_request_duration_us": (
+        "Cumulative inference request duration in microseconds",
+        lambda s: (
+            (s["inference_stats"]["success"]["ns"] + s["inference_stats"]["fail"]["ns"]) / 1e3
+        ),
+    ),
+    "nv_inference_queue_duration_us": (
+        "Cumulative inference queuing duration in microseconds",
+        lambda s: s["inference_stats"]["queue"]["ns"] / 1e3,
+    ),
+    "nv_inference_compute_infer_duration_us": (
+        "Cumulative compute inference duration in microseconds",
+        lambda s: s["inference_stats"]["compute_infer"]["ns"] / 1e3,
+    ),
+}
 
 
 class Metrics:
-    """The server's counters and histograms; safe to update from any thread."""
+    """The server's counters and histograms (thread-safe, as prometheus_client's are).
 
-    def __init__(self, *, batch_buckets: Sequence[float] = (1, 2, 4, 8, 16, 32, 64, 128, 256)):
-        self._lock = threading.Lock()
-        self._requests: dict[Labels, int] = {}
-        self._errors: dict[Labels, int] = {}
-        self._latency: dict[Labels, _Histogram] = {}
-        self._batch_rows: dict[Labels, _Histogram] = {}
-        self._batch_seconds: dict[Labels, _Histogram] = {}
-        self._batch_buckets = tuple(sorted(batch_buckets))
+    Args:
+        batch_buckets: the histogram buckets of rows per call (the padded sizes).
+        gauges: called at scrape time for the gauges of the moment.
+        snapshots: called at scrape time for each loaded version's statistics.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_buckets: Sequence[float] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+        gauges: Callable[[], Iterable[Gauge]] = list,
+        snapshots: Snapshots = list,
+    ):
+        self.registry = CollectorRegistry(auto_describe=False)
         self.inflight = 0
+        r = self.registry
+        self._requests = Counter(
+            "jaxnitro_requests",
+            "API requests by status code.",
+            ["protocol", "endpoint", "model", "code"],
+            registry=r,
+        )
+        self._errors = Counter(
+            "jaxnitro_request_errors",
+            "Requests answered with an error.",
+            ["protocol", "code"],
+            registry=r,
+        )
+        self._latency = Histogram(
+            "jaxnitro_request_duration_seconds",
+            "Inference request latency.",
+            ["protocol", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._batch_rows = Histogram(
+            "jaxnitro_batch_rows",
+            "Rows per model call (before padding).",
+            ["model"],
+            buckets=sorted(batch_buckets),
+            registry=r,
+        )
+        self._batch_seconds = Histogram(
+            "jaxnitro_batch_duration_seconds",
+            "Seconds per model call.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._children: dict[tuple, tuple] = {}
+        self._batch_children: dict[str, tuple] = {}
+        r.register(_ScrapeTime(self, gauges, snapshots))
 
     def request(
         self, *, protocol: str, endpoint: str, model: str, code: int, seconds: float | None
     ) -> None:
-        with self._lock:
-            key = (
-                ("protocol", protocol),
-                ("endpoint", endpoint),
-                ("model", model),
-                ("code", str(code)),
+        # the labelled children, looked up once per label set: `labels()` costs more than
+        # the increment (a dict read here; the label sets are few and bounded)
+        key = (protocol, endpoint, model, code)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self._requests.labels(protocol, endpoint, model, str(code)),
+                self._errors.labels(protocol, str(code)) if code >= 400 else None,
+                self._latency.labels(protocol, model) if endpoint == "infer" else None,
             )
-            self._requests[key] = self._requests.get(key, 0) + 1
-            if code >= 400:
-                err = (("protocol", protocol), ("code", str(code)))
-                self._errors[err] = self._errors.get(err, 0) + 1
-            if seconds is not None and endpoint == "infer":
-                lat = (("protocol", protocol), ("model", model))
-                self._latency.setdefault(lat, _Histogram(LATENCY_BUCKETS)).observe(seconds)
+        requests, errors, latency = children
+        requests.inc()
+        if errors is not None:
+            errors.inc()
+        if seconds is not None and latency is not None:
+            latency.observe(seconds)
 
     def batch(self, model: str, rows: int, seconds: float) -> None:
-        with self._lock:
-            key = (("model", model),)
-            self._batch_rows.setdefault(key, _Histogram(self._batch_buckets)).observe(rows)
-            self._batch_seconds.setdefault(key, _Histogram(LATENCY_BUCKETS)).observe(seconds)
-
-    def render(self, gauges: Iterable[Gauge] = ()) -> str:
-        """The exposition text, with ``gauges`` (read by the caller now) appended."""
-        out: list[str] = []
-        with self._lock:
-            _counter(out, "jaxnitro_requests_total", "API requests by status code.", self._requests)
-            _counter(
-                out,
-                "jaxnitro_request_errors_total",
-                "Requests answered with an error.",
-                self._errors,
+        children = self._batch_children.get(model)
+        if children is None:
+            children = self._batch_children[model] = (
+                self._batch_rows.labels(model),
+                self._batch_seconds.labels(model),
             )
-            _histogram(
-                out,
-                "jaxnitro_request_duration_seconds",
-                "Inference request latency.",
-                self._latency,
-            )
-            _histogram(
-                out,
-                "jaxnitro_batch_rows",
-                "Rows per model call (before padding).",
-                self._batch_rows,
-            )
-            _histogram(
-                out,
-                "jaxnitro_batch_duration_seconds",
-                "Seconds per model call.",
-                self._batch_seconds,
-            )
-            inflight = self.inflight
-        _gauge(out, "jaxnitro_inflight_requests", "Requests being answered.", [({}, inflight)])
-        for name, text, samples in gauges:
-            _gauge(out, name, text, samples)
-        return "\n".join(out) + "\n"
+        children[0].observe(rows)
+        children[1].observe(seconds)
+
+    def render(self) -> bytes:
+        """The exposition text (format 0.0.4)."""
+        return generate_latest(self.registry)
 
 
-def _label_text(labels: Iterable[tuple[str, str]]) -> str:
-    parts = [f'{k}="{_escape(v)}"' for k, v in labels]
-    return "{" + ",".join(parts) + "}" if parts else ""
+class _ScrapeTime(Collector):
+    """What is read when scraped: the gauges and Triton's per-version counters."""
 
+    def __init__(self, metrics: Metrics, gauges: Callable, snapshots: Snapshots):
+        self.metrics, self.gauges, self.snapshots = metrics, gauges, snapshots
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
-def _counter(out: list[str], name: str, text: str, values: dict[Labels, int]) -> None:
-    out += [f"# HELP {name} {text}", f"# TYPE {name} counter"]
-    out += [f"{name}{_label_text(k)} {v}" for k, v in sorted(values.items())]
-
-
-def _histogram(out: list[str], name: str, text: str, values: dict[Labels, _Histogram]) -> None:
-    out += [f"# HELP {name} {text}", f"# TYPE {name} histogram"]
-    for labels, h in sorted(values.items()):
-        running = 0
-        for bound, count in zip((*h.bounds, math.inf), h.counts, strict=True):
-            running += count
-            le = _label_text((*labels, ("le", _number(bound))))
-            out.append(f"{name}_bucket{le} {running}")
-        out.append(f"{name}_sum{_label_text(labels)} {_number(h.sum)}")
-        out.append(f"{name}_count{_label_text(labels)} {running}")
-
-
-def _gauge(
-    out: list[str], name: str, text: str, samples: list[tuple[dict[str, str], float]]
-) -> None:
-    out += [f"# HELP {name} {text}", f"# TYPE {name} gauge"]
-    out += [f"{name}{_label_text(sorted(lab.items()))} {_number(v)}" for lab, v in samples]
+    def collect(self) -> Iterable[Metric]:
+        inflight = GaugeMetricFamily("jaxnitro_inflight_requests", "Requests being answered.")
+        inflight.add_metric([], self.metrics.inflight)
+        yield inflight
+        for name, text, samples in self.gauges():
+            keys = sorted({k for labels, _ in samples for k in labels})
+            family = GaugeMetricFamily(name, text, labels=keys)
+            for labels, value in samples:
+                family.add_metric([labels.get(k, "") for k in keys], value)
+            yield family
+        snapshots = list(self.snapshots())
+        for name, (text, read) in _TRITON.items():
+            # "counter" would add "_total" to the name; Triton's dashboards query it bare
+            triton = Metric(name, text, "unknown")
+            for s in snapshots:
+                triton.add_sample(name, {"model": s["name"], "version": s["version"]}, read(s))
+            yield triton
 
 
 def parse(text: str) -> dict[str, float]:
-    """``{'name{labels}': value}`` of an exposition text (for tests and benchmarks)."""
+    """``{'name{labels}': value}`` of an exposition text, read by prometheus_client's parser
+    (for tests and benchmarks); labels in the order the text gives them."""
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out

@@ -5,6 +5,7 @@ never takes a batch down with it."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import math
@@ -21,6 +22,7 @@ from jaxnitro.export import load_bundle
 from jaxnitro.serve import tensors
 from jaxnitro.serve.codec import InferRequest, TensorIn
 from jaxnitro.serve.errors import InvalidRequest, NotFound, Unavailable
+from jaxnitro.serve.stats import ModelStats
 
 #: The largest batch one compiled program takes when dynamic batching is off (the bundle's
 #: own default); a larger request runs in pieces of this size.
@@ -63,10 +65,31 @@ class ServedModel:
         max_tensor_bytes: the most bytes one decoded input may take.
     """
 
-    def __init__(self, bundle: Servable, *, bucket_cap: int, max_tensor_bytes: int):
+    def __init__(
+        self,
+        bundle: Servable,
+        *,
+        bucket_cap: int,
+        max_tensor_bytes: int,
+        name: str | None = None,
+        version: str | None = None,
+        max_batch_delay_ms: float = 0.0,
+        batching: bool = False,
+        version_policy: dict | None = None,
+    ):
         self.bundle = bundle
-        self.name = str(bundle.name)
-        self.version = _version(bundle)
+        self.name = name or str(bundle.name)
+        #: None: a bundle served alone (its manifest version, also answering to "1").
+        self.repository_version = version
+        self.version = version or _version(bundle)
+        self.max_batch_delay_ms = max_batch_delay_ms
+        self.batching = batching
+        self.version_policy = version_policy or {"latest": {"num_versions": 1}}
+        self.stats = ModelStats()
+        #: Requests holding this version (`Registry.acquire`): it is unloaded at 0.
+        self.leases = 0
+        self.drained: asyncio.Event | None = None
+        self.batcher: Any = None  # the runtime's Batcher, once started
         self.inputs = dict(bundle.inputs)
         self.outputs = dict(bundle.outputs)
         self.bucket_cap = bucket_cap
@@ -84,13 +107,15 @@ class ServedModel:
                         f"). Export with export_inputs/export_postprocess converting to one."
                     )
         self.executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"jaxnitro-serve-{self.name}"
+            max_workers=1, thread_name_prefix=f"jaxnitro-serve-{self.name}-{self.version}"
         )
 
     # -- what the protocol says about it -----------------------------------------------------
     @property
     def versions(self) -> tuple[str, ...]:
-        return ("1",) if self.version == "1" else ("1", self.version)
+        if self.repository_version is not None or self.version == "1":
+            return (self.version,)
+        return ("1", self.version)
 
     def check_version(self, version: str | None) -> None:
         if version and version not in self.versions:
@@ -107,6 +132,32 @@ class ServedModel:
             "inputs": [self._tensor(k, v) for k, v in self.inputs.items()],
             "outputs": [self._tensor(k, v) for k, v in self.outputs.items()],
         }
+
+    def config(self) -> dict:
+        """Triton's model configuration (as its REST JSON writes it): dims without the
+        batch dimension, the compiled bucket sizes as preferred batch sizes."""
+
+        def tensor(key: str, spec: Any) -> dict:
+            datatype = tensors.datatype_of(spec.dtype)
+            # the configuration's type names: TYPE_ + the API's, but BYTES is TYPE_STRING
+            kind = "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+            return {"name": key, "data_type": kind, "dims": list(spec.shape)}
+
+        doc = {
+            "name": self.name,
+            "platform": PLATFORM,
+            "backend": PLATFORM,
+            "version_policy": self.version_policy,
+            "max_batch_size": self.bucket_cap,
+            "input": [tensor(k, v) for k, v in self.inputs.items()],
+            "output": [tensor(k, v) for k, v in self.outputs.items()],
+        }
+        if self.batching:
+            doc["dynamic_batching"] = {
+                "preferred_batch_size": self.bucket_sizes(),
+                "max_queue_delay_microseconds": int(self.max_batch_delay_ms * 1e3),
+            }
+        return doc
 
     @staticmethod
     def _tensor(name: str, spec: Any) -> dict:
@@ -269,31 +320,67 @@ def _version(bundle: Servable) -> str:
 
 
 class Registry:
-    """The served models by name, and whether all of them are ready."""
+    """The served models by name and version, the version a request gets, and the leases
+    that keep a version alive while a request holds it.
 
-    def __init__(self, models: Sequence[ServedModel]):
-        self.models: dict[str, ServedModel] = {}
+    Everything here runs on the event loop (no lock): a version is added before it warms
+    up (not ready: no request without a version is routed to it), and removed from the
+    table before it is drained, so no new request can reach a version being unloaded.
+    """
+
+    def __init__(self, models: Sequence[ServedModel] = ()):
+        self.table: dict[str, dict[str, ServedModel]] = {}
         for model in models:
-            if model.name in self.models:
+            if model.name in self.table:
                 raise ConfigError(
                     f"two bundles are named {model.name!r}; a server serves each name once. "
                     f"Export one with jn.export_model(..., name='other-name')."
                 )
-            self.models[model.name] = model
+            self.add(model)
+
+    def add(self, model: ServedModel) -> None:
+        self.table.setdefault(model.name, {})[model.version] = model
+
+    def remove(self, model: ServedModel) -> None:
+        versions = self.table.get(model.name, {})
+        if versions.get(model.version) is model:
+            del versions[model.version]
+        if not versions:
+            self.table.pop(model.name, None)
+
+    @property
+    def models(self) -> dict[str, ServedModel]:
+        """The version of each model a request without a version gets."""
+        return {name: self.get(name) for name in self.table}
+
+    def all(self) -> list[ServedModel]:
+        """Every loaded version of every model."""
+        return [m for versions in self.table.values() for m in versions.values()]
 
     @property
     def ready(self) -> bool:
-        return all(m.ready for m in self.models.values())
+        return all(any(m.ready for m in v.values()) for v in self.table.values())
 
     def get(self, name: str, version: str | None = None) -> ServedModel:
-        model = self.models.get(name)
-        if model is None:
+        versions = self.table.get(name)
+        if not versions:
             raise NotFound(
-                f"unknown model {name!r:.100}; this server has {sorted(self.models)}."
-                f"{did_you_mean(name, self.models)}"
+                f"unknown model {name!r:.100}; this server has {sorted(self.table)}."
+                f"{did_you_mean(name, self.table)}"
             )
-        model.check_version(version)
-        return model
+        if version:
+            model = versions.get(version) or next(
+                (m for m in versions.values() if version in m.versions), None
+            )
+            if model is None:
+                have = sorted({v for m in versions.values() for v in m.versions}, key=_order)
+                raise NotFound(
+                    f"model {name!r} has no version {version!r:.40}; this server has {have} "
+                    f"(or leave the version out for the newest)."
+                )
+            return model
+        ready = [m for m in versions.values() if m.ready]
+        return max(ready or versions.values(), key=lambda m: _order(m.version))
 
     def get_ready(self, name: str, version: str | None = None) -> ServedModel:
         model = self.get(name, version)
@@ -301,9 +388,26 @@ class Registry:
             raise Unavailable(f"model {name!r} is loading or warming up; retry shortly.")
         return model
 
+    def acquire(self, name: str, version: str | None = None) -> ServedModel:
+        """`get`, and hold the version until `release`: it is not unloaded meanwhile."""
+        model = self.get(name, version)
+        model.leases += 1
+        return model
+
+    @staticmethod
+    def release(model: ServedModel) -> None:
+        model.leases -= 1
+        if model.leases == 0 and model.drained is not None:
+            model.drained.set()
+
     def close(self) -> None:
-        for model in self.models.values():
+        for model in self.all():
             model.executor.shutdown(wait=True)
+
+
+def _order(version: str) -> tuple[int, str]:
+    """Versions by number (a repository's are positive integers), then by text."""
+    return (int(version), "") if version.isdigit() else (0, version)
 
 
 def load_models(
@@ -311,6 +415,7 @@ def load_models(
     *,
     bucket_cap: int | None,
     max_tensor_bytes: int,
+    max_batch_delay_ms: float = 0.0,
 ) -> list[ServedModel]:
     """A `ServedModel` per bundle directory (or already loaded bundle)."""
     if isinstance(sources, (str, os.PathLike)):
@@ -324,5 +429,13 @@ def load_models(
             bundle: Servable = load_bundle(Path(source), max_batch_size=cap)
         else:
             bundle = source
-        models.append(ServedModel(bundle, bucket_cap=cap, max_tensor_bytes=max_tensor_bytes))
+        models.append(
+            ServedModel(
+                bundle,
+                bucket_cap=cap,
+                max_tensor_bytes=max_tensor_bytes,
+                batching=bucket_cap is not None,
+                max_batch_delay_ms=max_batch_delay_ms,
+            )
+        )
     return models

@@ -2,9 +2,11 @@
 
 Routes: ``GET /v2`` (server metadata), ``GET /v2/health/live``, ``GET /v2/health/ready``,
 ``GET /v2/models/{name}[/versions/{v}]`` (model metadata), ``GET .../ready``,
-``POST .../infer``, and ``GET /metrics``. Every error, the router's 404 and 405 included, is
-``{"error": "<message>"}``; the infer route reads the raw body (tritonclient sends no
-Content-Type), so no request is ever answered 422.
+``POST .../infer``, Triton's extensions ``GET .../config``, ``GET /v2/models[/{name}
+[/versions/{v}]]/stats``, ``POST /v2/repository/index``, ``POST
+/v2/repository/models/{name}/load|unload``, and ``GET /metrics``. Every error, the
+router's 404 and 405 included, is ``{"error": "<message>"}``; the infer route reads the
+raw body (tritonclient sends no Content-Type), so no request is ever answered 422.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxnitro.serve import body, codec
-from jaxnitro.serve.errors import ServeError
+from jaxnitro.serve.errors import InvalidRequest, ServeError
 from jaxnitro.serve.metrics import CONTENT_TYPE
 from jaxnitro.serve.runtime import OFFLOAD_BYTES, Runtime, server_metadata
 
@@ -53,6 +55,10 @@ def create_app(runtime: Runtime, *, lifespan=None) -> Starlette:
     prefixes = ("/v2/models/{name}", "/v2/models/{name}/versions/{version}")
     routes = [Route(prefix + "/infer", api.infer, methods=["POST"]) for prefix in prefixes]
     routes += [
+        Route("/v2/models/stats", api.statistics, methods=["GET"]),
+        Route("/v2/repository/index", api.repository_index, methods=["POST"]),
+        Route("/v2/repository/models/{name}/load", api.load, methods=["POST"]),
+        Route("/v2/repository/models/{name}/unload", api.unload, methods=["POST"]),
         Route("/v2", api.server_metadata, methods=["GET"]),
         Route("/v2/health/live", api.live, methods=["GET"]),
         Route("/v2/health/ready", api.ready, methods=["GET"]),
@@ -61,6 +67,8 @@ def create_app(runtime: Runtime, *, lifespan=None) -> Starlette:
         routes += [
             Route(prefix, api.model_metadata, methods=["GET"]),
             Route(prefix + "/ready", api.model_ready, methods=["GET"]),
+            Route(prefix + "/config", api.model_config, methods=["GET"]),
+            Route(prefix + "/stats", api.statistics, methods=["GET"]),
         ]
     routes.append(Route("/metrics", api.metrics, methods=["GET"]))
     return Starlette(
@@ -68,6 +76,18 @@ def create_app(runtime: Runtime, *, lifespan=None) -> Starlette:
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
         middleware=[Middleware(_AccessLog)] if runtime.log_requests else [],
         lifespan=lifespan,
+    )
+
+
+def create_metrics_app(runtime: Runtime) -> Starlette:
+    """``GET /metrics`` alone (the ``--metrics-port`` server)."""
+
+    async def metrics(request: Request) -> Response:
+        return Response(runtime.render_metrics(), media_type=CONTENT_TYPE)
+
+    return Starlette(
+        routes=[Route("/metrics", metrics, methods=["GET"])],
+        exception_handlers={HTTPException: _http_error},
     )
 
 
@@ -120,7 +140,7 @@ class _Api:
         return _json({"live": True})
 
     async def ready(self, request: Request) -> Response:
-        ok = self.registry.ready
+        ok = self.runtime.ready
         return _json({"ready": ok}, 200 if ok else 503)
 
     async def model_metadata(self, request: Request) -> Response:
@@ -131,6 +151,50 @@ class _Api:
             return _json({"name": m.name, "ready": m.ready}, 200 if m.ready else 503)
 
         return self._about_model(request, "ready", answer)
+
+    async def model_config(self, request: Request) -> Response:
+        return self._about_model(request, "config", lambda m: _json(m.config()))
+
+    async def statistics(self, request: Request) -> Response:
+        name = request.path_params.get("name", "")
+        try:
+            doc = {"model_stats": self.runtime.statistics(name, _version(request) or "")}
+            response = _json(doc)
+        except ServeError as e:
+            response = error_response(e)
+        found = name if response.status_code == 200 else ""
+        self._count("stats", found, response.status_code)
+        return response
+
+    async def repository_index(self, request: Request) -> Response:
+        try:
+            doc = await _small_json(request)
+            response = _json(self.runtime.index(ready_only=bool(doc.get("ready"))))
+        except ServeError as e:
+            response = error_response(e)
+        self._count("repository_index", "", response.status_code)
+        return response
+
+    async def load(self, request: Request) -> Response:
+        return await self._repository(request, "load", self.runtime.load)
+
+    async def unload(self, request: Request) -> Response:
+        return await self._repository(request, "unload", self.runtime.unload)
+
+    async def _repository(self, request: Request, endpoint: str, action) -> Response:
+        try:
+            await _small_json(request)
+            await action(request.path_params["name"])
+            response = _json({})
+        except ServeError as e:
+            response = error_response(e)
+        self._count(endpoint, "", response.status_code)
+        return response
+
+    def _count(self, endpoint: str, model: str, code: int) -> None:
+        self.runtime.metrics.request(
+            protocol="http", endpoint=endpoint, model=model, code=code, seconds=None
+        )
 
     def _about_model(self, request: Request, endpoint: str, answer) -> Response:
         found = ""
@@ -151,27 +215,33 @@ class _Api:
     async def infer(self, request: Request) -> Response:
         runtime = self.runtime
         started = time.perf_counter()
-        found, rows = "", 0
+        found, rows, model = "", 0, None
+        input_s = output_s = 0.0
         runtime.metrics.inflight += 1
         share = runtime.inflight_bytes.share()
         try:
-            model = self.registry.get(request.path_params["name"], _version(request))
+            # held until answered: a version being swapped out waits for this request
+            model = self.registry.acquire(request.path_params["name"], _version(request))
             found = model.name
             data = await body.read_body(
                 request.headers, request.stream(), limit=runtime.max_body_bytes, share=share
             )
             header_length = request.headers.get(codec.HEADER_LENGTH)
+            served = model
 
             def decode():
                 parsed = codec.parse_request(data, header_length)
-                return parsed, model.prepare(parsed)
+                return parsed, served.prepare(parsed)
 
+            decoding = time.perf_counter()
             if len(data) < OFFLOAD_BYTES:
                 parsed, prepared = decode()
             else:
                 parsed, prepared = await asyncio.to_thread(decode)
+            input_s = time.perf_counter() - decoding
             rows = prepared.rows
             outputs = await runtime.run(model, prepared)
+            encoding = time.perf_counter()
             content, headers = codec.encode_response(
                 model=model.name,
                 version=model.version,
@@ -180,19 +250,23 @@ class _Api:
                 binary=codec.binary_choice(parsed, list(outputs), model_dtypes(model)),
             )
             response = _compressed(content, headers, request.headers.get("accept-encoding"))
+            output_s = time.perf_counter() - encoding
         except ServeError as e:
             response = error_response(e)
         finally:
             runtime.metrics.inflight -= 1
             share.release()
+            if model is not None:
+                self.registry.release(model)
         seconds = time.perf_counter() - started
+        code = response.status_code
         runtime.metrics.request(
-            protocol="http",
-            endpoint="infer",
-            model=found,
-            code=response.status_code,
-            seconds=seconds,
+            protocol="http", endpoint="infer", model=found, code=code, seconds=seconds
         )
+        if model is not None:
+            model.stats.request(
+                ok=code == 200, seconds=seconds, rows=rows, input_s=input_s, output_s=output_s
+            )
         request.state.rows = rows  # for the access log
         return response
 
@@ -202,6 +276,22 @@ class _Api:
 
 def _version(request: Request) -> str | None:
     return request.path_params.get("version")
+
+
+async def _small_json(request: Request) -> dict:
+    """The JSON object of a repository request's body (empty: ``{}``)."""
+    data = await request.body()
+    if len(data) > 1 << 20:
+        raise InvalidRequest("a repository request body is over 1 MiB; send a small JSON object.")
+    if not data.strip():
+        return {}
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise InvalidRequest(f"the request body is not JSON ({e}); send a JSON object.") from None
+    if not isinstance(doc, dict):
+        raise InvalidRequest(f"the request body is JSON {type(doc).__name__}; send an object.")
+    return doc
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -23,16 +23,21 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 try:
+    import prometheus_client  # noqa: F401
     import starlette  # noqa: F401
     import uvicorn
 except ImportError as e:  # pragma: no cover - the `serve` extra is missing
     raise ImportError(
-        f"jaxnitro serve needs starlette and uvicorn ({e}); pip install 'jaxnitro[serve]'."
+        f"jaxnitro serve needs starlette, uvicorn and prometheus_client ({e}); pip install "
+        f"'jaxnitro[serve]'."
     ) from e
 
 from jaxnitro.core.errors import ConfigError, check_int
+from jaxnitro.export import load_bundle
 from jaxnitro.serve.batcher import MAX_QUEUE_SIZE
 from jaxnitro.serve.body import MAX_BODY_BYTES
 from jaxnitro.serve.connections import (
@@ -42,12 +47,21 @@ from jaxnitro.serve.connections import (
     ConnectionLimits,
     protocol_class,
 )
-from jaxnitro.serve.registry import Registry, Servable, load_models
-from jaxnitro.serve.rest import create_app
+from jaxnitro.serve.registry import (
+    DEFAULT_BUCKET_CAP,
+    Registry,
+    Servable,
+    ServedModel,
+    load_models,
+)
+from jaxnitro.serve.repository import Repository, describe, parse_policy
+from jaxnitro.serve.rest import create_app, create_metrics_app
 from jaxnitro.serve.runtime import Runtime
 
 #: Seconds the requests in progress get to finish after SIGTERM (REST and gRPC).
 DRAIN_TIMEOUT_S = 30.0
+#: Seconds between rescans of a model repository in ``poll`` mode.
+REPOSITORY_POLL_SECS = 15.0
 #: The exit status of `jaxnitro serve` when the drain timeout cut requests.
 EXIT_CUT = 3
 #: File descriptors kept for the server's own files, gRPC, and refused connections that
@@ -59,7 +73,7 @@ Sources = Sequence[str | os.PathLike | Servable] | str | os.PathLike
 
 
 def build_app(
-    dirs: Sources,
+    dirs: Sources = (),
     *,
     max_batch_size: int | None = None,
     max_batch_delay_ms: float = 0.0,
@@ -67,6 +81,7 @@ def build_app(
     max_queue_size: int = MAX_QUEUE_SIZE,
     max_inflight_bytes: int | None = None,
     log_requests: bool = False,
+    **repository: Any,
 ):
     """The Starlette app serving the bundles in ``dirs`` (REST only; no ports, no signals).
 
@@ -85,6 +100,8 @@ def build_app(
         max_inflight_bytes: the request bytes answered at once (bodies, and what they
             decompress to) before new requests get 503; None: 4 x max_body_bytes.
         log_requests: log one line per request (logger ``jaxnitro.serve``).
+        repository: ``model_repository``, ``model_control_mode``, ``repository_poll_secs``,
+            ``load_model`` and ``version_policy``, as in `serve` (in place of ``dirs``).
 
     Example:
         >>> from starlette.testclient import TestClient
@@ -100,12 +117,13 @@ def build_app(
         max_queue_size=max_queue_size,
         max_inflight_bytes=max_inflight_bytes,
         log_requests=log_requests,
+        **repository,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         runtime.start()
-        await runtime.warm_up()
+        await _load(runtime)
         try:
             yield
         finally:
@@ -117,11 +135,17 @@ def build_app(
 
 
 def serve(
-    dirs: Sources,
+    dirs: Sources = (),
     *,
+    model_repository: str | os.PathLike | None = None,
+    model_control_mode: str = "none",
+    repository_poll_secs: float = REPOSITORY_POLL_SECS,
+    load_model: Sequence[str] = (),
+    version_policy: str | dict | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
     grpc_port: int | None = None,
+    metrics_port: int | None = None,
     max_batch_size: int | None = None,
     max_batch_delay_ms: float = 0.0,
     max_body_bytes: int = MAX_BODY_BYTES,
@@ -140,10 +164,21 @@ def serve(
     every batch size it can be padded to. Port 0 picks a free port (printed at start-up).
 
     Args:
-        dirs: bundle directories (or loaded `jn.Bundle` objects).
+        dirs: bundle directories (or loaded `jn.Bundle` objects); or instead:
+        model_repository: a directory laid out as ``<model>/<version>/`` (a bundle in each
+            version directory, versions positive integers), served under those names.
+        model_control_mode: ``none`` (load every model at start), ``poll`` (rescan every
+            ``repository_poll_secs``: load added versions, unload removed ones) or
+            ``explicit`` (load ``load_model`` and what the load API asks for).
+        repository_poll_secs: seconds between rescans in ``poll`` mode.
+        load_model: the models ``explicit`` mode loads at start.
+        version_policy: the versions served of a model without a ``policy.json``:
+            ``latest:N`` (default ``latest:1``), ``all``, ``specific:1,3``, or Triton's
+            JSON form.
         host: the address to listen on (both protocols).
         port: the REST port.
         grpc_port: the gRPC port; None: no gRPC.
+        metrics_port: also serve ``/metrics`` on this port; None: only on the REST port.
         max_batch_size, max_batch_delay_ms, max_body_bytes, max_queue_size,
             max_inflight_bytes, log_requests: as in `build_app`.
         header_timeout: seconds a REST connection gets to send a request line and headers
@@ -159,13 +194,19 @@ def serve(
     Example:
         >>> jn.serve.serve(["bundles/mnist"], port=8000, grpc_port=8001, max_batch_size=32)
     """
-    for name, value in (("port", port), ("grpc_port", grpc_port)):
+    for name, value in (("port", port), ("grpc_port", grpc_port), ("metrics_port", metrics_port)):
         if value is not None and not (
             isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535
         ):
             raise ConfigError(f"{name} must be an int in [0, 65535], got {value!r}.")
-    if grpc_port is not None and grpc_port == port != 0:
-        raise ConfigError(f"port and grpc_port are both {port}; give gRPC its own port.")
+    ports = [("port", port), ("grpc_port", grpc_port), ("metrics_port", metrics_port)]
+    taken = [(k, v) for k, v in ports if v]
+    for i, (name, value) in enumerate(taken):
+        for other, same in taken[:i]:
+            if value == same:
+                raise ConfigError(
+                    f"{other} and {name} are both {value}; give each protocol its own port."
+                )
     for name, seconds in (("header_timeout", header_timeout), ("drain_timeout", drain_timeout)):
         if isinstance(seconds, bool) or not (
             isinstance(seconds, (int, float)) and 0 < seconds < math.inf
@@ -180,13 +221,20 @@ def serve(
         max_queue_size=max_queue_size,
         max_inflight_bytes=max_inflight_bytes,
         log_requests=log_requests,
+        model_repository=model_repository,
+        model_control_mode=model_control_mode,
+        repository_poll_secs=repository_poll_secs,
+        load_model=load_model,
+        version_policy=version_policy,
     )
     _configure_logging()
     limits = ConnectionLimits(
         header_timeout=float(header_timeout), max_connections=_fit_connections(max_connections)
     )
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(_serve(runtime, host, port, grpc_port, limits, float(drain_timeout)))
+        return runner.run(
+            _serve(runtime, host, port, grpc_port, metrics_port, limits, float(drain_timeout))
+        )
 
 
 def _loop_factory():
@@ -207,6 +255,11 @@ def _runtime(
     max_queue_size: int,
     max_inflight_bytes: int | None,
     log_requests: bool,
+    model_repository: str | os.PathLike | None = None,
+    model_control_mode: str = "none",
+    repository_poll_secs: float = REPOSITORY_POLL_SECS,
+    load_model: Sequence[str] = (),
+    version_policy: str | dict | None = None,
 ) -> Runtime:
     if max_batch_size is not None:
         check_int("max_batch_size", max_batch_size, fix="pass e.g. 32, or None for no batching")
@@ -227,8 +280,26 @@ def _runtime(
                 f"({max_body_bytes}), so the largest request could never be answered; raise "
                 f"it to at least {max_body_bytes}, or leave it out (4 x max_body_bytes)."
             )
-    models = load_models(dirs, bucket_cap=max_batch_size, max_tensor_bytes=max_body_bytes)
-    return Runtime(
+    if model_repository is None:
+        if load_model or model_control_mode != "none" or version_policy is not None:
+            raise ConfigError(
+                "load_model, model_control_mode and version_policy apply to a model "
+                "repository; add model_repository=DIR (--model-repository DIR)."
+            )
+        models = load_models(
+            dirs,
+            bucket_cap=max_batch_size,
+            max_tensor_bytes=max_body_bytes,
+            max_batch_delay_ms=float(max_batch_delay_ms),
+        )
+    elif isinstance(dirs, (str, os.PathLike)) or dirs:
+        raise ConfigError(
+            "serve takes bundle directories or a model repository, not both; put the bundles "
+            "in the repository as <model>/<version>/, or serve them without one."
+        )
+    else:
+        models = []
+    runtime = Runtime(
         Registry(models),
         max_batch_size=max_batch_size,
         max_batch_delay_ms=float(max_batch_delay_ms),
@@ -237,6 +308,53 @@ def _runtime(
         max_inflight_bytes=max_inflight_bytes,
         log_requests=log_requests,
     )
+    if model_repository is not None:
+        if isinstance(repository_poll_secs, bool) or not (
+            isinstance(repository_poll_secs, (int, float)) and 0 < repository_poll_secs < math.inf
+        ):
+            raise ConfigError(
+                f"repository_poll_secs must be a number of seconds > 0, got "
+                f"{repository_poll_secs!r}; e.g. 15."
+            )
+        cap = max_batch_size or DEFAULT_BUCKET_CAP
+
+        def make_model(name: str, version: str, path: Path, policy: dict) -> ServedModel:
+            return ServedModel(
+                load_bundle(path, max_batch_size=cap),
+                name=name,
+                version=version,
+                bucket_cap=cap,
+                max_tensor_bytes=max_body_bytes,
+                batching=max_batch_size is not None,
+                max_batch_delay_ms=float(max_batch_delay_ms),
+                version_policy=policy,
+            )
+
+        policy = None
+        if version_policy is not None:
+            policy = parse_policy(version_policy, where="--version-policy")
+        runtime.repository = Repository(
+            Path(model_repository),
+            runtime=runtime,
+            make_model=make_model,
+            mode=model_control_mode,
+            poll_secs=float(repository_poll_secs),
+            load=tuple(load_model),
+            policy=policy,
+        )
+        runtime.starting = True
+    return runtime
+
+
+async def _load(runtime: Runtime) -> None:
+    """Warm up the bundles given, or load what the repository serves at start."""
+    if runtime.repository is None:
+        await _warm_up(runtime)
+        return
+    try:
+        await runtime.repository.start()
+    finally:
+        runtime.starting = False
 
 
 def _fit_connections(wanted: int) -> int:
@@ -286,6 +404,7 @@ async def _serve(
     host: str,
     port: int,
     grpc_port: int | None,
+    metrics_port: int | None,
     limits: ConnectionLimits,
     drain_timeout: float,
 ) -> int:
@@ -311,6 +430,7 @@ async def _serve(
     http = _Uvicorn(config)
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     grpc_server = None
+    metrics_server: uvicorn.Server | None = None
     try:
         while not http.started and not http_task.done():
             await asyncio.sleep(0.01)
@@ -330,17 +450,39 @@ async def _serve(
             try:
                 grpc_server, grpc_bound = await start_grpc(runtime, host, grpc_port)
             except OSError as e:
-                raise ConfigError(f"{e}; choose another --grpc-port.") from None
-        _banner(runtime, host, rest_port, grpc_bound)
+                raise ConfigError(
+                    f"{e}: is another server using port {grpc_port}? Choose another one with "
+                    f"--grpc-port (0 picks a free one), or turn gRPC off with --no-grpc."
+                ) from None
+        metrics_bound = None
+        if metrics_port is not None:
+            metrics_sock = _bind(host, metrics_port, flag="--metrics-port")
+            metrics_server = _Uvicorn(
+                uvicorn.Config(create_metrics_app(runtime), lifespan="off", log_level="warning")
+            )
+            metrics_task = asyncio.create_task(metrics_server.serve(sockets=[metrics_sock]))
+            while not metrics_server.started and not metrics_task.done():
+                await asyncio.sleep(0.01)
+            if metrics_task.done():
+                metrics_task.result()
+            metrics_bound = metrics_sock.getsockname()[1]
+        _banner(runtime, host, rest_port, grpc_bound, metrics_bound)
         started = time.perf_counter()
-        warm = asyncio.create_task(_warm_up(runtime))
+        warm = asyncio.create_task(_load(runtime))
         waiting = {warm, http_task, asyncio.create_task(stop.wait())}
         done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if warm in done:
             warm.result()
             _say(f"ready: every model warmed up in {time.perf_counter() - started:.1f}s")
+            for entry in runtime.index() if runtime.repository is not None else ():
+                version = f" version {entry['version']}" if entry["version"] else ""
+                state = "serving" if entry["state"] == "READY" else "not serving"
+                reason = f": {entry['reason']}" if entry.get("reason") else ""
+                _say(f"  {state} {entry['name']}{version}{reason}")
             await asyncio.wait({http_task, *waiting - {warm}}, return_when="FIRST_COMPLETED")
     finally:
+        if metrics_server is not None:
+            metrics_server.should_exit = True
         cut = await _shut_down(runtime, http, http_task, grpc_server, drain_timeout)
     return cut
 
@@ -350,7 +492,7 @@ async def _warm_up(runtime: Runtime) -> None:
     terminal, a line per step (about ten at most) in a log."""
     from jaxnitro.observe.display import Display
 
-    total = sum(len(m.bucket_sizes()) for m in runtime.registry.models.values())
+    total = sum(len(m.bucket_sizes()) for m in runtime.registry.all())
     lock = threading.Lock()  # the models warm up on their own worker threads
     with Display(None).bar("warming up", total, lines=True) as advance:
 
@@ -426,7 +568,7 @@ def _handle_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> lis
     return received
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, flag: str = "--port") -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
     # without it every response waits ~40 ms for the client's delayed ACK (Nagle).
@@ -437,22 +579,36 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ConfigError(
-            f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port "
+            f"cannot listen on {host}:{port} ({e.strerror or e}); choose another {flag} "
             f"(0 picks a free one)."
         ) from None
     sock.set_inheritable(True)
     return sock
 
 
-def _banner(runtime: Runtime, host: str, rest_port: int, grpc_port: int | None) -> None:
+def _banner(
+    runtime: Runtime, host: str, rest_port: int, grpc_port: int | None, metrics_port: int | None
+) -> None:
     shown = f"[{host}]" if ":" in host else host
-    models = runtime.registry.models
-    _say(f"jaxnitro serve: {len(models)} model(s)")
-    for model in models.values():
-        meta = model.metadata()
-        ins = ", ".join(f"{t['name']} {t['datatype']}{t['shape']}" for t in meta["inputs"])
-        outs = ", ".join(f"{t['name']} {t['datatype']}{t['shape']}" for t in meta["outputs"])
-        _say(f"  {model.name} (version {model.version}): {ins} -> {outs}")
+    repository = runtime.repository
+    if repository is None:
+        models = runtime.registry.models
+        _say(f"jaxnitro serve: {len(models)} model(s)")
+        for model in models.values():
+            meta = model.metadata()
+            ins = ", ".join(f"{t['name']} {t['datatype']}{t['shape']}" for t in meta["inputs"])
+            outs = ", ".join(f"{t['name']} {t['datatype']}{t['shape']}" for t in meta["outputs"])
+            _say(f"  {model.name} (version {model.version}): {ins} -> {outs}")
+    else:
+        poll = f", rescanned every {repository.poll_secs:g}s" if repository.mode == "poll" else ""
+        _say(
+            f"jaxnitro serve: model repository {repository.root} (control mode "
+            f"{repository.mode}{poll})"
+        )
+        for line in describe(repository.root):
+            _say(line)
+        wanted = sorted(repository.wanted)
+        _say(f"loading: {', '.join(wanted) if wanted else '(nothing: use the load API)'}")
     if runtime.max_batch_size:
         batching = (
             f"dynamic batching: up to {runtime.max_batch_size} rows, "
@@ -463,8 +619,12 @@ def _banner(runtime: Runtime, host: str, rest_port: int, grpc_port: int | None) 
     _say(batching)
     base = f"http://{shown}:{rest_port}"
     _say(f"REST:    {base}/v2  (POST {base}/v2/models/<name>/infer)")
+    _say(f"         GET .../<name>/config, .../stats; POST {base}/v2/repository/index")
     if grpc_port is not None:
         _say(f"gRPC:    {shown}:{grpc_port}")
     _say(f"metrics: {base}/metrics")
-    sizes = {len(m.bucket_sizes()) for m in models.values()}
-    _say(f"warming up: {max(sizes)} batch sizes per model (not ready until done)")
+    if metrics_port is not None:
+        _say(f"metrics: http://{shown}:{metrics_port}/metrics")
+    sizes = {len(m.bucket_sizes()) for m in runtime.registry.all()}
+    if sizes:
+        _say(f"warming up: {max(sizes)} batch sizes per model (not ready until done)")
