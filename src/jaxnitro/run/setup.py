@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxnitro.checkpoint.runlock import FollowerLock, RunLock
 from jaxnitro.checkpoint.store import TopKCheckpointer, load_checkpoint, validate_int
-from jaxnitro.checkpoint.store import _read_meta as checkpoint_meta
+from jaxnitro.checkpoint.record import _read_meta as checkpoint_meta
 from jaxnitro.core.errors import (
     CheckpointError,
     ConfigError,
