@@ -1,6 +1,6 @@
 """`RunSpec`: everything setup decides about a run, frozen.
 
-Setup (`run/setup.py`) builds one; the program builders (`compile/programs.py`), the feed, the loop
+Setup (`run/setup/`) builds one; the program builders (`compile/programs.py`), the feed, the loop
 and the checkpoint writer read it and never change it. Only `max_epochs` (a handle setting a
 user may raise to train further) and the Device values of `jn.set_device` change after setup,
 each by replacing the part that holds them.
