@@ -353,7 +353,7 @@ def member(n, i: int):
         rng=ts.rng[i],
         ema=population.take(ts.ema, i),  # (each member keeps its own average)
     )
-    m._commit(state=mine, progress=n.progress)
+    m._commit(state=mine, progress=n.progress.replace(early_stop=None))  # it has no rule
     return m
 
 

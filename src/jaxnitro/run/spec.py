@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxnitro.train.early_stop import EarlyStopConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,7 @@ class RunSpec:
     val_every: int | None = None
     checkpoint_every: int | None = None
     checkpoint_every_minutes: float | None = None
-    early_stop: Any = None
+    early_stop: EarlyStopConfig | None = None  # the rule; its counters are in `Progress`
     show_curves: bool = False  # the curves shown inline when train returns (a notebook)
     resume_path: Path | None = None
     weights_path: Path | None = None  # checkpoint=: the weights were loaded from there

@@ -149,10 +149,10 @@ def _members(n) -> list[dict] | None:
         {k[: -len(f"/{i}")]: v for k, v in last.items() if k.endswith(f"/{i}")}
         for i in range(pop.size)
     ]
-    es = n.spec.early_stop
-    if isinstance(es, population.MemberStopping):
+    states = n.progress.early_stop
+    if isinstance(states, tuple):  # per-member early stopping
         for i, row in enumerate(per):
-            row["stopped_epoch"] = es.members[i].stopped_epoch
+            row["stopped_epoch"] = states[i].stopped_epoch
     metric = getattr(n.checkpointer, "metric", None)
     return population.ranked(pop, per, metric=metric, mode=getattr(n.checkpointer, "mode", "min"))
 
@@ -648,10 +648,14 @@ def _end_epoch(
     reason = "completed"
     finished = n.progress.batch_in_epoch == 0  # the epoch ran to its end
     es = n.spec.early_stop
-    if es is not None and finished and not control.requested and es.update(epoch + 1, row):
-        reason = "early_stop"
-    if isinstance(es, population.MemberStopping):  # members that stopped train no more
-        _members_stopped(n, es, epoch + 1)
+    if es is not None and n.progress.early_stop is not None:
+        if finished and not control.requested:
+            state, stop = es.advance(n.progress.early_stop, epoch + 1, row)
+            n._commit(progress=n.progress.replace(early_stop=state))
+            if stop:
+                reason = "early_stop"
+        if isinstance(n.progress.early_stop, tuple):  # members that stopped train no more
+            _members_stopped(n, es, n.progress.early_stop, epoch + 1)
     if control.requested:
         reason = "preempted" if control.preempted else "requested"
     set_phase(n, "Checkpointing")
@@ -677,12 +681,12 @@ def _member_row(values: dict) -> dict[str, float]:
     return row
 
 
-def _members_stopped(n, es, epoch: int) -> None:
+def _members_stopped(n, es, states, epoch: int) -> None:
     """Freeze the members whose early stopping fired this epoch, and say so."""
     was = np.asarray(jax.device_get(n.device.active))
-    now = es.active()
+    now = es.active(states)
     for i in np.flatnonzero(was & ~now):
-        best = es.members[i]
+        best = states[i]
         n.logger.log_other(
             {"member_stopped": int(i), "epoch": epoch, f"best_{es.metric}": best.best}
         )
@@ -764,7 +768,11 @@ def _checkpoint(n, row: dict, *, stop_reason: str | None = None, validated: bool
         "history": jsonable([dict(r) for r in progress.history]),
         "skipped_steps": progress.skipped_steps,
         "stop_reason": stop_reason,
-        "early_stop": spec.early_stop.state_dict() if spec.early_stop is not None else None,
+        "early_stop": (
+            spec.early_stop.to_json(progress.early_stop)
+            if spec.early_stop is not None and progress.early_stop is not None
+            else None
+        ),
         "loggers": _logger_state(n),
     }
     trees = {"params": ts.params, "model_state": ts.state, "opt_state": ts.opt_state}

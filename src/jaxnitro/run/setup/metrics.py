@@ -39,9 +39,4 @@ def check_metrics(spec: RunSpec, ts, device, svc: Services, named: bool) -> None
         svc.checkpointer.metric = names[0] if names else metric
     es = spec.early_stop
     if es is not None:
-        if not (hasattr(es, "update") and hasattr(es, "check_metric")):
-            raise ConfigError(
-                f"early_stop must be a jn.EarlyStopping, got {type(es).__name__}; pass "
-                f"jn.EarlyStopping(metric='val_loss', patience=3)."
-            )
         es.check_metric(["train_loss", *names], has_val=has_val)

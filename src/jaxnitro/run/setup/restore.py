@@ -23,6 +23,7 @@ from jaxnitro.run.setup.rundir import read_meta
 from jaxnitro.run.spec import RunSpec
 from jaxnitro.steps import ema as ema_mod
 from jaxnitro.steps.state import TrainState
+from jaxnitro.train.early_stop import StopState
 
 _TREES = {
     "params": "the model structure (layers, widths, parameter names)",
@@ -134,7 +135,7 @@ def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Prog
         ),
         skipped_steps=validate_int(meta, "skipped_steps", path, default=0),
         history=tuple(history),
-        early_stop=meta.get("early_stop"),
+        early_stop=early_stop_start(spec, meta.get("early_stop")),
         data_state=_data_state(meta, path),
         epoch_loss=_epoch_loss(meta, path),
     )
@@ -228,3 +229,12 @@ def warn_horizon(spec: RunSpec, progress: Progress, horizon) -> None:
             f"to the new length, so from step {progress.step} on the scheduled values differ "
             f"from the original run's.",
         )
+
+
+def early_stop_start(spec: RunSpec, saved: Any = None) -> StopState | None:
+    """Early stopping's counters at the start: those a checkpoint `saved`, else fresh (one per
+    member of a population); None without early stopping."""
+    if spec.early_stop is None:
+        return None
+    members = spec.population.size if spec.population is not None else None
+    return spec.early_stop.start(saved, members=members)

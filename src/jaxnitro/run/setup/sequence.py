@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxnitro.core.errors import ConfigError
 from jaxnitro.data import loader as data_mod
@@ -43,14 +44,19 @@ from jaxnitro.run.setup.model import (
 )
 from jaxnitro.run.setup.population import member_device_values, member_trees, population_of
 from jaxnitro.run.setup.resident import resident_data
-from jaxnitro.run.setup.restore import restore, resume_position, warn_horizon, warn_replay
+from jaxnitro.run.setup.restore import (
+    early_stop_start,
+    restore,
+    resume_position,
+    warn_horizon,
+    warn_replay,
+)
 from jaxnitro.run.setup.rundir import identity, restore_loggers, shared_resume_record
 from jaxnitro.run.setup.weights import load_weights, weights_path
 from jaxnitro.run.spec import DeviceValues, RunSpec
 from jaxnitro.steps import ema as ema_mod
-from jaxnitro.steps import population as population_mod
 from jaxnitro.steps.state import TrainState
-from jaxnitro.train.early_stop import EarlyStopping
+from jaxnitro.train.early_stop import EarlyStopConfig, EarlyStopping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +112,7 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         "population": pop,
         "schedules": schedules,
         "ema": ema_mod.setting(s.ema, s.ema_warmup, s.ema_every, s.ema_state, s.ema_eval),
+        "early_stop": early_stop_rule(s.early_stop),
     }
     spec = RunSpec(
         experiment=exp,
@@ -140,10 +147,8 @@ def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
         device = member_device_values(pop, layout, optimizer, values, rep)
         params, mstate, rng = member_trees(exp, pop, rep, (params, mstate, rng))
         ts = initial_state(model, params, mstate, optimizer.tx, rng, rep, members=pop.size)
-        if isinstance(spec.early_stop, EarlyStopping):  # each member stops on its own metric
-            stopping = population_mod.MemberStopping(spec.early_stop, pop.size)
-            spec = spec.replace(early_stop=stopping)
-            active = sharding_mod.to_sharding(stopping.active(), rep)
+        if spec.early_stop is not None:  # each member stops on its own metric
+            active = sharding_mod.to_sharding(np.ones(pop.size, bool), rep)
             device = dataclasses.replace(device, active=active)
     if spec.ema is not None:  # placed and sharded as the params (their copy, in f32)
         ts = ts.replace(ema=ema_mod.init(spec.ema, ts.params, ts.state, ts.step))
@@ -164,7 +169,7 @@ def _options(s: Settings, decided: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _restored(spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings) -> Built:
-    progress = Progress()
+    progress = Progress(early_stop=early_stop_start(spec))
     if spec.resume_path is not None:
         ts, progress, horizon = restore(spec, ts, spec.resume_path)
         spec = spec.replace(resumed_total_steps=horizon)
@@ -173,9 +178,21 @@ def _restored(spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings) 
         path = weights_path(Path(s.checkpoint).absolute())
         ts = load_weights(spec, ts, path, s.weights)
         spec = spec.replace(weights_path=path)
-    if spec.early_stop is not None and progress.early_stop is not None:
-        spec.early_stop.load_state_dict(progress.early_stop)
-        if device.active is not None:  # the members that had stopped stay frozen
-            active = sharding_mod.to_sharding(spec.early_stop.active(), spec.replicated)
-            device = dataclasses.replace(device, active=active)
+    if spec.early_stop is not None and isinstance(progress.early_stop, tuple):
+        # the members that had stopped stay frozen
+        active = spec.early_stop.active(progress.early_stop)
+        rep = spec.replicated
+        device = dataclasses.replace(device, active=sharding_mod.to_sharding(active, rep))
     return Built(spec, ts, progress, device)
+
+
+def early_stop_rule(value: Any) -> EarlyStopConfig | None:
+    """The frozen rule of the `early_stop=` option (a `jn.EarlyStopping`, or None)."""
+    if value is None or isinstance(value, EarlyStopConfig):
+        return value
+    if not isinstance(value, EarlyStopping):
+        raise ConfigError(
+            f"early_stop must be a jn.EarlyStopping, got {type(value).__name__}; pass "
+            f"jn.EarlyStopping(metric='val_loss', patience=3)."
+        )
+    return value.config
