@@ -21,7 +21,7 @@ class _Staged:
 
     __slots__ = ("array", "spec")
 
-    def __init__(self, array: np.ndarray, spec: dict):
+    def __init__(self, array: np.ndarray, spec: dict) -> None:
         self.array, self.spec = array, spec
 
 
@@ -29,7 +29,7 @@ def stage(trees: dict[str, Any]) -> dict[str, Any]:
     """The trees with every leaf copied to host memory now (their device buffers may be
     donated to the next train step while a background write still runs)."""
 
-    def copy(kp, leaf, name):
+    def copy(kp: Any, leaf: Any, name: Any) -> _Staged:
         arr, spec = _to_host(f"{name}{jax.tree_util.keystr(kp)}", leaf)
         return _Staged(np.array(arr, copy=True), spec)
 

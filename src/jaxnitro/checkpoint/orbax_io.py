@@ -8,7 +8,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +26,14 @@ from jaxnitro.checkpoint.messages import _short
 from jaxnitro.checkpoint.quiet import _quiet_closed_loop
 from jaxnitro.core.errors import CheckpointError
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
 _GLOB = frozenset("[]*?\\{}")  # Orbax/TensorStore treat these as patterns in the paths they get
 
 
 @contextlib.contextmanager
-def _orbax_path(directory: Path):
+def _orbax_path(directory: Path) -> Iterator[Path]:
     """`directory`, or a glob-free symlink to it: Orbax globs paths (merging OCDBT files), so
     '[', '*', '?', '\\' or '{' in a run name would break the write or the restore."""
     if not _GLOB & set(str(directory)):
@@ -52,7 +55,7 @@ def _orbax_path(directory: Path):
             os.rmdir(safe)
 
 
-def _orbax():
+def _orbax() -> tuple[Any, Any, Any]:
     import orbax.checkpoint as ocp  # deferred: importing Orbax is slow
 
     only = _this_process(ocp)

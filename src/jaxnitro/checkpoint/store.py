@@ -329,7 +329,9 @@ class TopKCheckpointer:
         distributed.decided_by_process_zero("checkpoint-commit", commit)
         return target
 
-    def _prepare(self, *, epoch: int, step: int, metrics: dict[str, float], meta: dict):
+    def _prepare(
+        self, *, epoch: int, step: int, metrics: dict[str, float], meta: dict
+    ) -> tuple[str, dict]:
         """(name, record) of a new checkpoint, checked before anything is written."""
         root = self._root()
         if not self._writer:

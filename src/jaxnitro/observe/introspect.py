@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import html
+from typing import TYPE_CHECKING
 
 from jaxnitro.compile import memory, plan, report
 from jaxnitro.compile.programs import check_stale
 from jaxnitro.core.units import format_bytes
 from jaxnitro.experiment.markers import fields
 
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
 
-def compile(n) -> dict:  # noqa: A001 - the public name
+
+def compile(n: Nitro) -> dict:  # noqa: A001 - the public name
     """Compile (or fetch from the cache) every program the run will use; no training.
 
     Example:
@@ -29,7 +33,7 @@ def compile(n) -> dict:  # noqa: A001 - the public name
     return plan.planned(n.spec, n.programs, n.train_state, n.device, epoch=n.epoch, step=n.step)
 
 
-def compile_report(n) -> report.CompileReport:
+def compile_report(n: Nitro) -> report.CompileReport:
     """One record per program this Nitro compiled: seconds, op counts, constants, memory.
 
     Example:
@@ -39,7 +43,7 @@ def compile_report(n) -> report.CompileReport:
     return report.CompileReport(p.record for p in n.programs.compiled if p.record is not None)
 
 
-def explain(n) -> list[dict]:
+def explain(n: Nitro) -> list[dict]:
     """Why each program this Nitro compiled differs from the closest one compiled before.
 
     Example:
@@ -53,7 +57,7 @@ def explain(n) -> list[dict]:
     ]
 
 
-def memory_plan(n, *, prefetch_depth: int = 2) -> memory.MemoryPlan:
+def memory_plan(n: Nitro, *, prefetch_depth: int = 2) -> memory.MemoryPlan:
     """Where the bytes go, from the compiled programs' memory analysis, against capacity.
 
     Example:
@@ -125,7 +129,7 @@ class Inspection:
         return str(self)
 
 
-def inspect(n, *, show: bool = True) -> Inspection:
+def inspect(n: Nitro, *, show: bool = True) -> Inspection:
     """Print the binding report, parameter groups, compile report and memory plan.
 
     Prints once: the returned report, printed again (`print(jn.inspect(n))`), is only a
@@ -154,7 +158,7 @@ def inspect(n, *, show: bool = True) -> Inspection:
     return result
 
 
-def _binding(n) -> str:
+def _binding(n: Nitro) -> str:
     rows = [f"{'field':<16} {'marker':<11} value"]
     for f in fields(n.experiment):
         rows.append(f"{f.name:<16} {f.marker:<11} {getattr(n.experiment, f.name)!r:.40}")
@@ -197,7 +201,7 @@ def data_source(src) -> str:
     return f"{type(src).__name__} (iterated in-process)"
 
 
-def _groups(n) -> str:
+def _groups(n: Nitro) -> str:
     opt = n.optimizer
     rows = [f"{'group':<12} {'rule':<24} {'rate':>10} {'decay':>8} {'params':>12}"]
     for g, spec in sorted(opt.groups.items()):
@@ -210,17 +214,17 @@ def _groups(n) -> str:
             f"{g:<12} {rule:<24} {spec.rate:>10.3g} {spec.weight_decay:>8.3g} {spec.count:>12,}"
         )
     extra = [f"clip global norm {opt.clip:g}" if opt.clip else "no clipping"]
-    spec = n.spec
-    if spec.schedules.fns:
-        extra.append("schedules: " + ", ".join(sorted(spec.schedules.fns)))
+    run = n.spec
+    if run.schedules.fns:
+        extra.append("schedules: " + ", ".join(sorted(run.schedules.fns)))
     extra.append(
-        f"accum {spec.accum}, steps_per_call {spec.steps_per_call}, precision {spec.precision}, "
-        f"{spec.total_steps} optimizer steps planned"
+        f"accum {run.accum}, steps_per_call {run.steps_per_call}, precision {run.precision}, "
+        f"{run.total_steps} optimizer steps planned"
     )
     return "parameter groups\n" + "\n".join(rows + extra)
 
 
-def _sharding(n) -> str:
+def _sharding(n: Nitro) -> str:
     """Each parameter's spec and bytes per device, on this run's mesh."""
     from jaxnitro.dist.sharding import describe
 
@@ -246,7 +250,7 @@ def _sharding(n) -> str:
     return "\n".join(lines)
 
 
-def peak_memory(n) -> int | None:
+def peak_memory(n: Nitro) -> int | None:
     """Peak bytes in use on the first device of the mesh, where the backend reports it."""
     try:
         stats = n.mesh.devices.flat[0].memory_stats()

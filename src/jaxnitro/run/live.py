@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import numpy as np
 
@@ -11,8 +13,13 @@ from jaxnitro.experiment.markers import DEVICE, GRAPH, fields, replace
 from jaxnitro.run.setup import device_array
 from jaxnitro.train.history import History
 
+if TYPE_CHECKING:
+    from typing import Any
 
-def set_device(n, **values) -> None:
+    from jaxnitro.run.nitro import Nitro
+
+
+def set_device(n: Nitro, **values: Any) -> None:
     """Change Device fields of a live handle; no recompile.
 
     Example:
@@ -68,7 +75,7 @@ def set_device(n, **values) -> None:
     n._set_device(new, replace(n.experiment, **values))
 
 
-def device_value(n, name: str):
+def device_value(n: Nitro, name: str) -> Any:
     """The current host value of a Device field.
 
     Example:
@@ -85,7 +92,7 @@ def device_value(n, name: str):
     return arr.item() if arr.ndim == 0 else arr
 
 
-def request_stop(n) -> None:
+def request_stop(n: Nitro) -> None:
     """Ask a running `train` to stop after the current step (validates and checkpoints).
 
     Example:
@@ -94,7 +101,7 @@ def request_stop(n) -> None:
     n.services.control.request()
 
 
-def history(n) -> History:
+def history(n: Nitro) -> History:
     """A row per validation (epoch, step, val metrics; at an epoch's end also train_loss),
     best row by the checkpointer's metric.
 

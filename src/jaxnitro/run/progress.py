@@ -43,7 +43,7 @@ class Progress:
     #: mid-epoch reports the whole epoch's mean, not only the steps after it
     epoch_loss: tuple[float, int] = (0.0, 0)
 
-    def replace(self, **changes) -> Progress:
+    def replace(self, **changes: Any) -> Progress:
         return dataclasses.replace(self, **changes)
 
     def advance(self, *, steps: int, batches: int) -> Progress:

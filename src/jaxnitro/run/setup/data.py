@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -18,6 +18,12 @@ from jaxnitro.dist import sharding as sharding_mod
 from jaxnitro.experiment import hooks
 from jaxnitro.experiment.markers import replace
 from jaxnitro.run.spec import SplitSpec
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh, NamedSharding
+
+    from jaxnitro.core.types import Experiment, Source
+    from jaxnitro.experiment.hooks import Route
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +53,7 @@ class Dist:
     data_count: int = 1
 
 
-def data_share(mesh, process: int) -> tuple[int, int]:
+def data_share(mesh: Mesh, process: int) -> tuple[int, int]:
     """(index, count) of the share of each batch `process` feeds: its devices' positions
     along the `data` axis, as one block of the axis (the feed builds global arrays so)."""
     if "data" not in mesh.axis_names:
@@ -96,7 +102,7 @@ def check_processes_agree(splits: Mapping, split_specs: Mapping[str, SplitSpec])
             )
 
 
-def build_data(exp, data, dist: Dist, seed: int) -> dict[str, Any]:
+def build_data(exp: Experiment, data: Any, dist: Dist, seed: int) -> dict[str, Any]:
     """The splits: `Nitro(data=...)` or `build_data(self, dist)`, checked as re-iterables."""
     splits = data if data is not None else exp.build_data(dist)
     if not isinstance(splits, Mapping):
@@ -123,7 +129,7 @@ def build_data(exp, data, dist: Dist, seed: int) -> dict[str, Any]:
     return splits
 
 
-def derive(exp, splits):
+def derive(exp: Experiment, splits: Mapping[str, Source]) -> Experiment:
     """`derive(self, splits)` -> field updates (e.g. class weights), applied to the experiment."""
     fn = getattr(type(exp), "derive", None)
     if fn is None:
@@ -137,7 +143,7 @@ def derive(exp, splits):
     return replace(exp, **updates)
 
 
-def device_array(name: str, value, rep) -> jax.Array:
+def device_array(name: str, value: Any, rep: NamedSharding) -> jax.Array:
     """A Device field's value as a strongly typed replicated array (a Python float would be
     weakly typed and could retrace on a change of type)."""
     arr = np.asarray(value)
@@ -154,7 +160,7 @@ def device_array(name: str, value, rep) -> jax.Array:
 
 
 def check_splits(
-    splits: Mapping, routes, n_devices: int, position: tuple = (0, 0, None)
+    splits: Mapping, routes: Mapping[str, Route], n_devices: int, position: tuple = (0, 0, None)
 ) -> dict[str, SplitSpec]:
     """Route every split's first batch through the hooks; check sizes and devices. The
     train split's batch is the one at `position` (a resume's)."""
@@ -169,7 +175,7 @@ def check_splits(
     return info
 
 
-def _peek(split: str, src, position: tuple | None = None) -> dict:
+def _peek(split: str, src: Any, position: tuple | None = None) -> dict:
     """The first batch, iterating the source once (every later use reads the SplitSpec).
     A DataLoader or a grain split reads the batch at `position` (epoch, batch, state) alone."""
     epoch, start, state = position or (0, 0, None)
@@ -199,7 +205,9 @@ def _peek(split: str, src, position: tuple | None = None) -> dict:
     return first
 
 
-def _split_spec(split: str, src, routes, n_devices: int, position=None) -> SplitSpec:
+def _split_spec(
+    split: str, src: Any, routes: Mapping[str, Route], n_devices: int, position: Any = None
+) -> SplitSpec:
     first = _peek(split, src, position)
     bs = data_mod.check_batch(first, split)
     train = split == "train"

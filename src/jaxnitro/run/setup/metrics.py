@@ -3,13 +3,18 @@ stopping's monitor among them), before anything is trained."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jaxnitro.core.errors import ConfigError, did_you_mean
 from jaxnitro.run.services import Services
 from jaxnitro.run.spec import DeviceValues, RunSpec
 from jaxnitro.steps.state import TrainState
 
+if TYPE_CHECKING:
+    from typing import Any
 
-def eval_metric_names(spec: RunSpec, ts: TrainState, device: DeviceValues, split: str):
+
+def eval_metric_names(spec: RunSpec, ts: TrainState, device: DeviceValues, split: str) -> list[str]:
     """The metric names validation produces (traced abstractly; nothing compiles)."""
     from jaxnitro.compile.programs import eval_metric_shapes
 
@@ -19,7 +24,7 @@ def eval_metric_names(spec: RunSpec, ts: TrainState, device: DeviceValues, split
     return sorted(names)
 
 
-def check_metrics(spec: RunSpec, ts, device, svc: Services, named: bool) -> None:
+def check_metrics(spec: RunSpec, ts: TrainState, device: Any, svc: Services, named: bool) -> None:
     """The checkpointer's and early stopping's metrics are produced by this run."""
     metric = svc.checkpointer.metric
     has_val = "val" in spec.splits

@@ -3,7 +3,7 @@ optimizer's schedules and grad-norm setting, and the initial `TrainState`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -17,8 +17,18 @@ from jaxnitro.run.settings import Settings
 from jaxnitro.run.spec import RunSpec
 from jaxnitro.steps.state import TrainState
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
-def build_model(exp, seed: int, rep) -> tuple[Any, Any, Any, jax.Array]:
+    import optax
+    from jax.sharding import NamedSharding
+
+    from jaxnitro.core.types import Experiment, Model, PyTree
+    from jaxnitro.experiment.hooks import Route
+    from jaxnitro.optim.groups import Optimizer, Schedules
+
+
+def build_model(exp: Experiment, seed: int, rep: NamedSharding) -> tuple[Any, Any, Any, jax.Array]:
     """(model, params, model state, the run's RNG key). The model state and key are
     replicated on the mesh; the params are placed once, by their shardings, in
     `initial_state` (a replicated copy first would hold every parameter twice)."""
@@ -34,7 +44,7 @@ def build_model(exp, seed: int, rep) -> tuple[Any, Any, Any, jax.Array]:
     return built[0], built[1], state, sharding_mod.to_sharding(rng, rep)
 
 
-def check_custom_step(s: Settings, routes) -> bool:
+def check_custom_step(s: Settings, routes: Mapping[str, Route]) -> bool:
     """A custom `train_step` is selected; the options that assume one loss are refused."""
     if "train_step" not in routes:
         return False
@@ -55,7 +65,7 @@ def check_custom_step(s: Settings, routes) -> bool:
     return True
 
 
-def grad_norm_setting(value, optimizer) -> bool:
+def grad_norm_setting(value: Any, optimizer: Optimizer) -> bool:
     """The gradient norm per step costs a pass over the gradients (~15% of a small MLP's step
     on CPU): logged when clipping computes it anyway, or when asked for."""
     if value not in (None, True, False):
@@ -66,7 +76,9 @@ def grad_norm_setting(value, optimizer) -> bool:
     return optimizer.clip > 0 if value is None else value
 
 
-def schedules_of(s: Settings, exp, optimizer, spe: int | None):
+def schedules_of(
+    s: Settings, exp: Experiment, optimizer: Optimizer, spe: int | None
+) -> tuple[Schedules, int]:
     """(resolved schedules, total steps): resolved against the run's optimizer steps."""
     total = (spe or 0) * s.max_epochs
     if s.schedules and not spe:
@@ -82,7 +94,15 @@ def schedules_of(s: Settings, exp, optimizer, spe: int | None):
 
 
 def initial_state(
-    model, params, state, tx, rng, rep, shardings=None, *, members: int | None = None
+    model: Model,
+    params: PyTree,
+    state: PyTree,
+    tx: optax.GradientTransformation,
+    rng: jax.Array,
+    rep: NamedSharding,
+    shardings: PyTree = None,
+    *,
+    members: int | None = None,
 ) -> TrainState:
     """Every leaf lives on the mesh as the train step returns it (parameters by their
     shardings, optimizer state after its parameter, the rest replicated), so the program's

@@ -4,6 +4,7 @@ their trees and their Device values, all in one program."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -17,8 +18,25 @@ from jaxnitro.run.setup.model import build_model
 from jaxnitro.run.spec import DeviceValues
 from jaxnitro.steps import population as population_mod
 
+if TYPE_CHECKING:
+    from typing import Any
 
-def population_of(s: Settings, exp, seed: int, optimizer, train, schedules):
+    from jax.sharding import NamedSharding
+
+    from jaxnitro.core.types import Experiment, PyTree, Source
+    from jaxnitro.optim.groups import Optimizer, Schedules
+    from jaxnitro.optim.hyper import HyperLayout
+    from jaxnitro.steps.population import Population
+
+
+def population_of(
+    s: Settings,
+    exp: Experiment,
+    seed: int,
+    optimizer: Optimizer,
+    train: Source,
+    schedules: Schedules,
+) -> Population | None:
     """`population=`: the members (seeds, per-member values and rates), or None."""
     if s.population is None:
         return None
@@ -35,7 +53,7 @@ def population_of(s: Settings, exp, seed: int, optimizer, train, schedules):
     return population_mod.with_run(pop, train, seed, schedules)
 
 
-def member_trees(exp, pop, rep, first: tuple) -> tuple:
+def member_trees(exp: Experiment, pop: Population, rep: NamedSharding, first: tuple) -> tuple:
     """(params, model state, RNG key) with a member axis: member i built from its seed (the
     first from the run's seed, as built already); one build repeated when seeds are equal."""
     if len(set(pop.seeds)) == 1:
@@ -46,7 +64,9 @@ def member_trees(exp, pop, rep, first: tuple) -> tuple:
     return jax.tree.map(lambda x: sharding_mod.to_sharding(x, rep), stacked)
 
 
-def member_device_values(pop, layout, optimizer, values: Mapping, rep) -> DeviceValues:
+def member_device_values(
+    pop: Population, layout: HyperLayout, optimizer: Optimizer, values: Mapping, rep: NamedSharding
+) -> DeviceValues:
     """Every Device value with a member axis (a population's own per member), and each
     member's unscheduled hyperparameters (its Device values and learning rates)."""
     per_member = []
@@ -72,7 +92,7 @@ def member_device_values(pop, layout, optimizer, values: Mapping, rep) -> Device
     return DeviceValues(stacked, population_mod.member_bases(pop, layout, optimizer, stacked))
 
 
-def on_targets(tree, like):
+def on_targets(tree: PyTree, like: Any) -> PyTree:
     """A restored host tree placed like `like` (this run's shardings: a checkpoint from
     another device count or sharding lands on this run's)."""
     return jax.tree.map(lambda x, t: sharding_mod.to_sharding(x, t.sharding), tree, like)

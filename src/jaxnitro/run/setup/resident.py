@@ -3,7 +3,7 @@ batches there once per epoch."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -12,6 +12,16 @@ from jaxnitro.data import loader as data_mod
 from jaxnitro.data.device_batches import DeviceBatches
 from jaxnitro.dist.devices import replicated
 from jaxnitro.run.settings import Settings
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from jax.sharding import Mesh
+
+    from jaxnitro.core.types import Source
+    from jaxnitro.run.setup.data import Dist
+    from jaxnitro.run.spec import SplitSpec
+    from jaxnitro.steps.population import Population
 
 #: The share of the device's capacity the train arrays may take to stay on it by default.
 RESIDENT_FRACTION = 0.25
@@ -25,7 +35,14 @@ RESIDENT_FRACTION = 0.25
 CUT_MIN_CALL_BYTES = 256 * 1024
 
 
-def resident_data(s: Settings, splits, split_specs, mesh, dist, pop) -> tuple[Any, Any]:
+def resident_data(
+    s: Settings,
+    splits: Mapping[str, Source],
+    split_specs: Mapping[str, SplitSpec],
+    mesh: Mesh,
+    dist: Dist,
+    pop: Population | None,
+) -> tuple[Any, Any]:
     """(the train arrays placed on the device whole, the train batches cut on the device),
     at most one of them set; (None, None): each batch is sent. By default when the train
     split is a `jn.DataLoader` over in-memory arrays, the run has one device and one process,
@@ -48,7 +65,14 @@ def resident_data(s: Settings, splits, split_specs, mesh, dist, pop) -> tuple[An
     return None, kept
 
 
-def _resident_arrays(s: Settings, splits, split_specs, mesh, dist, pop):
+def _resident_arrays(
+    s: Settings,
+    splits: Mapping[str, Source],
+    split_specs: Mapping[str, SplitSpec],
+    mesh: Mesh,
+    dist: Dist,
+    pop: Population | None,
+) -> Mapping[str, Any] | None:
     """The train split's host arrays when they can stay on the device, else None."""
     if s.data_on_device is False or "train" not in splits:
         return None

@@ -214,14 +214,15 @@ def _ema_template(ts: TrainState, path: Path) -> dict:
     return jax.eval_shape(lambda t: jax.tree.map(ema_mod.f32, t), averaged)
 
 
-def _restored_ema(spec: RunSpec, ts: TrainState, saved) -> dict:
+def _restored_ema(spec: RunSpec, ts: TrainState, saved: Mapping[str, Any] | None) -> dict:
+    assert spec.ema is not None  # (called for a run with an average only)
     fresh = ema_mod.init(spec.ema, ts.params, ts.state, ts.step)
     if saved is None:
         return fresh
     return {"decay": fresh["decay"], **{k: on_targets(saved[k], fresh[k]) for k in saved}}
 
 
-def warn_horizon(spec: RunSpec, progress: Progress, horizon) -> None:
+def warn_horizon(spec: RunSpec, progress: Progress, horizon: Any) -> None:
     if spec.schedules.fns and isinstance(horizon, int) and horizon != spec.total_steps:
         warn_user(
             f"resuming a run whose schedules spanned {horizon} steps into one of "

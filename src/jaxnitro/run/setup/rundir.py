@@ -7,6 +7,7 @@ import os
 import re
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -19,6 +20,11 @@ from jaxnitro.observe.display import Display
 from jaxnitro.observe.loggers import JSONLogger, make_logger
 from jaxnitro.run.services import Services, check_resumable, make_checkpointer
 from jaxnitro.run.settings import Settings
+
+if TYPE_CHECKING:
+    from typing import Any
+
+    from jaxnitro.observe.loggers.base import Logger
 
 
 def make_run_dir(path: Path) -> None:
@@ -50,11 +56,11 @@ def services(s: Settings) -> tuple[Services, bool]:
     return svc, named
 
 
-def logger_of(value):
+def logger_of(value: Any) -> Logger:
     return make_logger(value, JSONLogger)
 
 
-def resume_record(svc: Services, run_dir: Path, resume) -> Path | None:
+def resume_record(svc: Services, run_dir: Path, resume: Any) -> Path | None:
     """The checkpoint to resume from (None: a fresh run)."""
     if resume in (False, None):
         return None
@@ -88,7 +94,7 @@ def resume_record(svc: Services, run_dir: Path, resume) -> Path | None:
     return path
 
 
-def shared_resume_record(svc: Services, run_dir: Path, resume) -> Path | None:
+def shared_resume_record(svc: Services, run_dir: Path, resume: Any) -> Path | None:
     """`resume_record`, decided by process 0 alone (it may move a corrupted checkpoint
     aside) and the same on every process; one process: `resume_record` itself."""
     if jax.process_count() == 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -58,6 +58,10 @@ from jaxnitro.steps import ema as ema_mod
 from jaxnitro.steps.state import TrainState
 from jaxnitro.train.early_stop import EarlyStopConfig, EarlyStopping
 
+if TYPE_CHECKING:
+    from jaxnitro.core.types import Experiment
+    from jaxnitro.experiment.hooks import Route
+
 
 @dataclasses.dataclass(frozen=True)
 class Built:
@@ -69,7 +73,9 @@ class Built:
     device: DeviceValues
 
 
-def build(exp, s: Settings, svc: Services, named: bool, routes) -> Built:
+def build(
+    exp: Experiment, s: Settings, svc: Services, named: bool, routes: Mapping[str, Route]
+) -> Built:
     """Everything after the services, in the documented order."""
     resume_path = shared_resume_record(svc, s.run_dir, s.resume)
     run_id, seed = identity(resume_path, s.seed)
