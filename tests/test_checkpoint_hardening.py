@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxnitro.checkpoint import store as ckmod
+from jaxnitro.checkpoint import format as ckformat
+from jaxnitro.checkpoint import orbax_io, store
 from jaxnitro.checkpoint.store import (
     TopKCheckpointer,
     load_checkpoint,
@@ -95,9 +96,9 @@ def test_glob_characters_in_the_directory_round_trip(tmp_path, monkeypatch, name
 
 def test_a_write_that_does_not_read_back_is_refused_at_save(tmp_path, monkeypatch):
     ck = TopKCheckpointer(dir=tmp_path)
-    real = ckmod._orbax_layout
+    real = orbax_io._orbax_layout
     monkeypatch.setattr(
-        ckmod, "_orbax_layout", lambda handler, where: {t: {} for t in real(handler, where)}
+        orbax_io, "_orbax_layout", lambda handler, where: {t: {} for t in real(handler, where)}
     )
     with pytest.raises(
         CheckpointError,
@@ -181,7 +182,7 @@ def test_own_pid_entries_are_kept_while_written_and_cleaned_after(tmp_path):
     ck.bind(tmp_path)
     mine = tmp_path / f"epoch-0001-step-000010.tmp-{os.getpid()}"
     mine.mkdir()
-    with ckmod._writing(mine):  # a write in progress in this process
+    with ckformat.writing(mine):  # a write in progress in this process
         TopKCheckpointer(dir=tmp_path).bind(tmp_path)
         assert mine.is_dir()
     TopKCheckpointer(dir=tmp_path).bind(tmp_path)  # left by an earlier process with our pid
@@ -481,7 +482,7 @@ def test_interrupt_during_save_propagates_unchanged_and_cleans_up(tmp_path, monk
 def test_a_full_disk_at_the_json_writes_is_a_checkpoint_error(tmp_path, monkeypatch):
     ck = TopKCheckpointer(dir=tmp_path)
     ck.bind(tmp_path)
-    real, failing = ckmod._write_json, set()
+    real, failing = ckformat.write_json, set()
 
     def enospc(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -492,7 +493,8 @@ def test_a_full_disk_at_the_json_writes_is_a_checkpoint_error(tmp_path, monkeypa
                 m.setattr(os, "fsync", enospc)
             real(path, obj)
 
-    monkeypatch.setattr(ckmod, "_write_json", write_json)
+    for module in (orbax_io, store):  # meta.json is written by one, manifest.json by the other
+        monkeypatch.setattr(module, "_write_json", write_json)
     failing.add("meta.json")
     with pytest.raises(
         CheckpointError, match=r"cannot write checkpoint .*epoch-0001.*\(OSError: \[Errno 28\]"

@@ -100,9 +100,9 @@ def test_another_dataset_size_is_explained_as_the_arrays_on_the_device(tmp_path)
 @pytest.fixture
 def cut_any_batch(monkeypatch):
     """Tiny's batches (1 KiB) are far below the size from which an in-order split is cut."""
-    from jaxnitro.run import setup
+    from jaxnitro.run.setup import resident
 
-    monkeypatch.setattr(setup, "CUT_MIN_CALL_BYTES", 0)
+    monkeypatch.setattr(resident, "CUT_MIN_CALL_BYTES", 0)
 
 
 def _train_losses(run_dir) -> list:

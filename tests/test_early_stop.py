@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxnitro.core.errors import ConfigError, MetricsError
-from jaxnitro.train.early_stop import EarlyStopping
+from jaxnitro.train.early_stop import EarlyStopConfig, EarlyStopping, EarlyStopState
 
 
 def _run(es: EarlyStopping, values, metric: str | None = None) -> list[bool]:
@@ -271,3 +272,66 @@ def test_reset_and_repr():
     es.reset()
     assert es.best is None and es.bad_epochs == 0 and es.stopped_epoch is None
     assert es.update(1, {"val_loss": 5.0}) is False
+
+
+# -- the pure step: (state, epoch, metrics) -> (new state, stop) -------------------------------
+def test_the_rule_and_the_state_are_frozen_and_update_is_pure():
+    rule = EarlyStopConfig(metric="acc", mode="max", patience=2, min_delta=0)
+    start = EarlyStopState()
+    after, stop = rule.update(start, 1, {"acc": 0.5})
+    assert start == EarlyStopState()  # the state given is left as it was
+    assert (after.best, after.best_epoch, after.bad_epochs, after.last_epoch) == (0.5, 1, 0, 1)
+    assert stop is False
+    assert rule.update(start, 1, {"acc": 0.5}) == (after, False)  # same inputs, same result
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.bad_epochs = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rule.patience = 3  # type: ignore[misc]
+
+
+def test_the_pure_step_agrees_with_early_stopping_epoch_by_epoch():
+    values = [1.0, 0.8, 0.85, 0.9, 0.79, 0.81, 0.82, 0.83, 0.84]
+    es = EarlyStopping(patience=3, min_delta=0.005)
+    state = EarlyStopState()
+    for epoch, v in enumerate(values, start=1):
+        state, stop = es.config.update(state, epoch, {"val_loss": v})
+        assert stop == es.update(epoch, {"val_loss": v}) and state == es.state
+    assert es.config.to_json(state) == es.state_dict() and state.stopped_epoch == 8
+
+
+def test_the_rule_validates_like_early_stopping():
+    with pytest.raises(ConfigError, match=r"patience"):
+        EarlyStopConfig(patience=0)
+    with pytest.raises(ConfigError, match=r"Did you mean 'max'"):
+        EarlyStopConfig(mode="MAX")
+    assert isinstance(EarlyStopConfig(min_delta=1).min_delta, float)
+
+
+def test_members_stop_one_by_one_and_the_run_when_all_have():
+    rule = EarlyStopConfig(patience=1, min_delta=0)
+    states = (EarlyStopState(), EarlyStopState())
+    states, stop = rule.update_members(states, 1, {"val_loss/0": 1.0, "val_loss/1": 1.0})
+    states, stop = rule.update_members(states, 2, {"val_loss/0": 0.5, "val_loss/1": 2.0})
+    assert [s.stopped_epoch for s in states] == [None, 2] and stop is False
+    assert rule.active(states).tolist() == [True, False]
+    frozen = states[1]
+    states, stop = rule.update_members(states, 3, {"val_loss/0": 0.7, "val_loss/1": 0.1})
+    assert states[1] == frozen  # a stopped member is left as it is
+    assert stop is True and rule.advance(states, 4, {"val_loss/0": 0, "val_loss/1": 0})[1]
+
+
+def test_a_run_starts_fresh_or_from_the_saved_json():
+    rule = EarlyStopConfig(metric="acc", mode="max")
+    assert rule.start(None, members=None) == EarlyStopState()
+    assert rule.start(None, members=3) == (EarlyStopState(),) * 3
+    state = EarlyStopState(best=0.9, best_epoch=2, bad_epochs=1, last_epoch=3)
+    saved = json.loads(json.dumps(rule.to_json(state)))
+    assert rule.start(saved, members=None) == state
+    # the JSON a checkpoint holds is the one EarlyStopping.state_dict() has always written
+    es = EarlyStopping(metric="acc", mode="max")
+    es.load_state_dict(saved)
+    assert es.state_dict() == saved
+    both = json.loads(json.dumps(rule.to_json((state, EarlyStopState()))))
+    assert rule.start(both, members=2) == (state, EarlyStopState())
+    with pytest.raises(ConfigError, match=r"not written by a population of 3"):
+        rule.start(both, members=3)

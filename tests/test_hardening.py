@@ -167,7 +167,7 @@ def test_a_nan_validation_metric_is_logged_null_stored_and_never_best(run_dir):
     val = [ln for ln in lines(run_dir / "metrics.jsonl") if ln.get("context") == "validate"]
     assert len(val) == 3 and all(v["recall9"] is None for v in val)
     assert n.checkpointer.best() is None and result.best_checkpoint == n.checkpointer.latest()
-    assert es.best is None
+    assert n.progress.early_stop.best is None and n.progress.early_stop.bad_epochs == 3
     # and the run resumes from its checkpoint (the meta's NaN is stored as null)
     again = nitro(
         NoPositives(max_epochs=4),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -225,11 +226,17 @@ def test_early_stopping_ends_the_run_and_survives_resume(run_dir):
     finish = json.loads((run_dir / "a" / "metrics.jsonl").read_text().splitlines()[-1])
     assert finish["status"] == "early_stop"
     # Stopped after 2 epochs, then resumed: the bad-epoch count carries over.
-    b = nitro(Tiny(max_epochs=2), run_dir=run_dir / "b", early_stop=es())
+    given = es()
+    b = nitro(Tiny(max_epochs=2), run_dir=run_dir / "b", early_stop=given)
     jn.train(b)
-    assert b.spec.early_stop.bad_epochs == 1
+    assert b.progress.early_stop.bad_epochs == 1
+    # The counters live in the frozen Progress only: the spec keeps the frozen rule, and the
+    # EarlyStopping the user passed is left as it was.
+    assert b.spec.early_stop == given.config and given.bad_epochs == 0 and given.best is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        b.progress.early_stop.bad_epochs = 0  # type: ignore[misc]
     c = nitro(Tiny(max_epochs=10), run_dir=run_dir / "b", early_stop=es(), resume="auto")
-    assert c.spec.early_stop.bad_epochs == 1 and c.spec.early_stop.best_epoch == 1
+    assert c.progress.early_stop.bad_epochs == 1 and c.progress.early_stop.best_epoch == 1
     assert jn.train(c).stop_reason == "early_stop" and c.epoch == 3
     with pytest.raises(jn.ConfigError, match=r"'accuracy'.*Did you mean 'acc'"):
         nitro(Tiny(), run_dir=run_dir / "d", early_stop=jn.EarlyStopping(metric="accuracy"))

@@ -127,8 +127,7 @@ def test_each_member_stops_early_on_its_own(tmp_path):
     kw = dict(population={"learning_rate": [1e-2, 0.0]}, early_stop=es)
     n = nitro(Rated(max_epochs=5), run_dir=tmp_path / "a", **kw)
     result = jn.train(n)
-    stopping = n.spec.early_stop
-    assert [m.stopped_epoch for m in stopping.members] == [None, 3]
+    assert [m.stopped_epoch for m in n.progress.early_stop] == [None, 3]
     assert result.stop_reason == "completed" and n.epoch == 5  # member 0 trained on
     assert result.members[0]["member"] == 0
     assert [m["stopped_epoch"] for m in sorted(result.members, key=lambda m: m["member"])] == [
@@ -139,7 +138,6 @@ def test_each_member_stops_early_on_its_own(tmp_path):
     assert [r["member_stopped"] for r in lines if "member_stopped" in r] == [1]
     # resumed from epoch 4, the stopped member stays frozen and the run ends bitwise the same
     jn.train(nitro(Rated(max_epochs=4), run_dir=tmp_path / "b", **kw))
-    kw["early_stop"] = jn.EarlyStopping(metric="val_loss", patience=2, min_delta=0.0)
     resumed = nitro(Rated(max_epochs=5), run_dir=tmp_path / "b", resume="auto", **kw)
     jn.train(resumed)
     assert leaves_equal(resumed.state_leaves, n.state_leaves)

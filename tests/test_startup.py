@@ -25,7 +25,7 @@ from flax import nnx
 import jaxnitro as jn
 from jaxnitro.data import datasets
 from jaxnitro.dist.devices import make_mesh, replicated
-from jaxnitro.run import setup
+from jaxnitro.run.setup import model as setup
 
 TESTS = str(Path(__file__).parent)
 

@@ -13,11 +13,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 MANIFEST, META, ARRAYS, LOCK = "manifest.json", "meta.json", "arrays", ".jaxnitro.lock"
 TMP = ".tmp-"  # in-progress or abandoned entries are named "<name>.tmp-<pid>"
@@ -35,7 +38,7 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def writing(tmp: Path):
+def writing(tmp: Path) -> Iterator[Path]:
     """Mark `tmp` as being written by this process, so bind() here never removes it."""
     WRITING.add(str(tmp))
     try:

@@ -38,7 +38,7 @@ class RunLock:
         >>> lock.release()
     """
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike) -> None:
         self.path = Path(directory) / LOCK_NAME
         self._fd: int | None = None
         self._depth = 0

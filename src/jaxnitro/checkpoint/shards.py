@@ -35,7 +35,7 @@ from jaxnitro.core.errors import CheckpointError
 from jaxnitro.dist import distributed
 
 
-def _orbax_together():
+def _orbax_together() -> tuple[Any, Any, Any]:
     """Orbax for a save by every process, its barriers on the coordination service (with a
     timeout: listing the processes makes Orbax use it instead of an XLA all-gather)."""
     import orbax.checkpoint as ocp

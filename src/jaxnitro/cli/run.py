@@ -9,7 +9,7 @@ import itertools
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
@@ -27,6 +27,9 @@ from jaxnitro.cli.common import (
     run_options,
 )
 from jaxnitro.cli.fields import ExperimentCommand
+
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
 
 
 @click.command(cls=ExperimentCommand, context_settings=CONTEXT)
@@ -59,7 +62,7 @@ def train(ctx: click.Context, target: str | None, **_: Any) -> None:
     emit(summary, as_json=ctx.params["as_json"], text=lambda s: _train_text(s, n.display.mode))
 
 
-def train_summary(n, result) -> dict[str, Any]:
+def train_summary(n: Nitro, result) -> dict[str, Any]:
     """What a finished `jn.train` reports, as plain data (the JSON of `train --json`)."""
     curves = Path(n.run_dir) / "curves.png"
     return {

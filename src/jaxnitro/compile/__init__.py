@@ -3,5 +3,5 @@
 It also measures `steps_per_call="auto"` (`autotune`).
 
 It may import `core`, `experiment`, `optim`, `steps`, `data` (the feed's call layout) and
-`dist`.
+`dist`; and, in annotations only (under `TYPE_CHECKING`), `run`'s `RunSpec` and `Nitro`.
 """

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from jaxnitro.compile.programs import train_program
 from jaxnitro.data import feed
+
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
+    from jaxnitro.run.spec import RunSpec
 
 #: Fused steps per call tried: the largest divisor of the epoch's steps up to this (a divisor
 #: leaves no tail of single steps, which would need a program of its own).
@@ -56,7 +61,7 @@ class Choice:
         )
 
 
-def candidate(spec) -> int:
+def candidate(spec: RunSpec) -> int:
     """The K to try: the largest divisor of the epoch's optimizer steps up to `MAX_STEPS`."""
     spe = spec.steps_per_epoch
     if not spe or spe < 2:
@@ -64,7 +69,7 @@ def candidate(spec) -> int:
     return max(d for d in range(1, min(spe, MAX_STEPS) + 1) if spe % d == 0)
 
 
-def pick(n) -> Choice:
+def pick(n: Nitro) -> Choice:
     """Time one step per call against `candidate` steps per call on copies of the state."""
     spec = n.spec
     k = candidate(spec)
@@ -83,7 +88,9 @@ def pick(n) -> Choice:
     return Choice(steps, k, single, fused)
 
 
-def _per_step(n, spec, steps: int, *, calls: int, give_up: float | None = None) -> float:
+def _per_step(
+    n: Nitro, spec: RunSpec, steps: int, *, calls: int, give_up: float | None = None
+) -> float:
     """Best of `_REPEATS` timings of `calls` calls of the `steps`-per-call program, per step
     (one timed call alone when it is already over `give_up` per step: a long step is not
     timed for longer than it takes to see that)."""

@@ -17,12 +17,17 @@ import re
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from jaxnitro.compile import explain, report
 from jaxnitro.compile.fingerprint import fingerprint, fingerprint_value
+
+if TYPE_CHECKING:
+    import optax
+
+    from jaxnitro.core.types import PyTree
 
 
 @dataclasses.dataclass
@@ -40,7 +45,7 @@ class Program:
     reasons: tuple[str, ...] = ()  # why this was a miss, against the closest earlier program
     deps: tuple = ()  # (function name, fingerprint) of the user code traced into it
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> Any:
         return self.compiled(*args)
 
 
@@ -110,13 +115,13 @@ def on_reset(hook: Callable[[], Any]) -> None:
     _reset_hooks.append(hook)
 
 
-def avals(tree) -> tuple:
+def avals(tree: PyTree) -> tuple:
     """Hashable (treedef, per-leaf shape/dtype/weak_type/sharding) of program arguments."""
     leaves, treedef = jax.tree.flatten(tree)
     return (treedef, tuple(_aval(x) for x in leaves))
 
 
-def _aval(x):
+def _aval(x: Any) -> tuple[Any, ...]:
     if isinstance(x, jax.ShapeDtypeStruct):
         return (x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)), x.sharding)
     if isinstance(x, jax.Array):
@@ -126,7 +131,7 @@ def _aval(x):
     return (type(x).__name__, getattr(x, "shape", ()), str(getattr(x, "dtype", "")))
 
 
-def input_spec(x) -> tuple[tuple, str, bool]:
+def input_spec(x: Any) -> tuple[tuple, str, bool]:
     """(shape, dtype as the program sees it, weak_type) of one program input, for explaining
     a miss: numpy float64 reads as float32 (x64 off), a Python scalar as weakly typed."""
     import jax.numpy as jnp
@@ -147,7 +152,7 @@ def input_spec(x) -> tuple[tuple, str, bool]:
     return tuple(np.shape(x)), str(jax.dtypes.canonicalize_dtype(dtype)), False
 
 
-def freeze(obj) -> Hashable:
+def freeze(obj: Any) -> Hashable:
     """A hashable content key: callables by fingerprint, containers recursively."""
     if callable(obj) and not isinstance(obj, type) and _is_function_like(obj):
         return ("fn", fingerprint(obj))
@@ -163,7 +168,7 @@ def freeze(obj) -> Hashable:
         return ("value", fp if fp is not None else (type(obj).__qualname__, id(obj)))
 
 
-def _is_function_like(obj) -> bool:
+def _is_function_like(obj: Any) -> bool:
     import functools
     import types
 
@@ -173,7 +178,7 @@ def _is_function_like(obj) -> bool:
 _optimizer_keys: collections.OrderedDict = collections.OrderedDict()
 
 
-def optimizer_key(tx) -> Hashable:
+def optimizer_key(tx: optax.GradientTransformation) -> Hashable:
     """Structure of an optax transformation: its init/update functions and their closures.
 
     Fingerprinting optax's nested closures costs ~0.3 ms, more than a small train step, and
@@ -286,7 +291,7 @@ def _lower(lower: Callable[[], Any]) -> tuple[Any, float | None, float]:
 _CALLBACK_TARGET = re.compile(r"custom_call @\w*python\w*callback")
 
 
-def _host_callbacks(lowered, text: str) -> bool:
+def _host_callbacks(lowered: jax.stages.Lowered, text: str) -> bool:
     """Whether the program calls back into Python (`jax.pure_callback`, `jax.debug.print`,
     `io_callback`). The text names such a callback by an index into the lowering's own list of
     Python functions, so two programs with the same text may call different functions. The
@@ -297,7 +302,7 @@ def _host_callbacks(lowered, text: str) -> bool:
     return bool(_CALLBACK_TARGET.search(text))
 
 
-def _text_key(lowered, devices: tuple, compile_options: dict | None) -> str:
+def _text_key(lowered: jax.stages.Lowered, devices: tuple, compile_options: dict | None) -> str:
     """Same text, devices and pytree signature => the same executable is correct to share,
     unless it calls back into Python: then it is shared by its own key only."""
     text = lowered.as_text()
@@ -313,7 +318,7 @@ def _text_key(lowered, devices: tuple, compile_options: dict | None) -> str:
     return hashlib.sha256("\x00".join(ident).encode()).hexdigest()
 
 
-def _why(parts) -> tuple[str, ...]:
+def _why(parts: Any) -> tuple[str, ...]:
     """Reasons this program differs from the closest one already compiled (same kind first)."""
     if parts is None:
         return ()

@@ -67,7 +67,7 @@ class ProgramKey:
     deps: tuple[tuple[str, str], ...] = ()
     avals: Hashable = None
 
-    def option(self, name: str, default=None):
+    def option(self, name: str, default: Any = None) -> Any:
         return dict(self.options).get(name, default)
 
 
@@ -151,7 +151,7 @@ def closest(new: KeyParts, candidates: list[KeyParts]) -> KeyParts | None:
 # --- the parts of `reasons` ----------------------------------------------------------------
 
 
-def _optimizer_reasons(old, new) -> list[str]:
+def _optimizer_reasons(old: Any, new: Any) -> list[str]:
     """What changed in the optimizer, by name: ``gradient_clip_norm 1.0 → 2.0``."""
     if old == new:
         return []
@@ -180,7 +180,7 @@ def _optimizer_reasons(old, new) -> list[str]:
     return ["the optimizer changed (its type, param groups or static hyperparameters)"]
 
 
-def _root_sentence(root: str, a, b) -> str:
+def _root_sentence(root: str, a: Any, b: Any) -> str:
     """What changed in one traced root: a hook, a class value read as `self.NAME`, or a
     model class (``model:Qualname``, whose own digest covers its name, bases and the names
     of its attributes)."""
@@ -338,7 +338,7 @@ def _is_batch(path: str) -> bool:
     return path.lstrip("[\"'").startswith("batch")
 
 
-def _strip(path: str, rest, lead: int):
+def _strip(path: str, rest: Any, lead: int) -> tuple[Any, ...]:
     shape, *others = rest
     if lead and _is_batch(path) and len(shape) > lead:
         shape = tuple(shape)[lead:]
@@ -373,7 +373,7 @@ _repr = reprlib.Repr()  # keyword arguments need Python 3.12
 _repr.maxstring = _repr.maxother = 40
 
 
-def _changed(old, new) -> list[tuple[str, Any, Any]]:
+def _changed(old: Any, new: Any) -> list[tuple[str, Any, Any]]:
     """(name, old value, new value) for the names whose value differs; _MISSING if absent."""
     a, b = dict(old), dict(new)
     names = list(a) + [n for n in b if n not in a]
@@ -384,7 +384,7 @@ def _changed(old, new) -> list[tuple[str, Any, Any]]:
     ]
 
 
-def _equal(a, b) -> bool:
+def _equal(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
     except Exception:  # arrays and other values without a plain truth value
@@ -411,5 +411,5 @@ def _field(path: str) -> str:
     return tail or path
 
 
-def _show(value) -> str:
+def _show(value: Any) -> str:
     return "(absent)" if value is _MISSING else _repr.repr(value)

@@ -46,11 +46,16 @@ import types
 import typing
 import weakref
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from jaxnitro.core.errors import ConfigArgumentError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 __all__ = [
     "MAX_ARRAY_BYTES",
@@ -142,7 +147,7 @@ _CLASS_SKIP = frozenset(vars(_Plain)) | frozenset(
 _WRAPPER_SKIP = frozenset(functools.WRAPPER_ASSIGNMENTS) | {"__wrapped__", "__dict__"}
 
 
-def fingerprint(obj, *, depth: int = 2) -> str:
+def fingerprint(obj: Any, *, depth: int = 2) -> str:
     """Hex digest (sha256) of what a callable's behaviour depends on.
 
     `depth` is how many levels of helpers below `obj` have their code hashed: `obj`'s own
@@ -164,7 +169,7 @@ def fingerprint(obj, *, depth: int = 2) -> str:
     return _Hasher().callable_(obj, depth)
 
 
-def describe_reach(obj, *, depth: int = 2) -> dict[str, str]:
+def describe_reach(obj: Any, *, depth: int = 2) -> dict[str, str]:
     """name -> per-item digest of everything `fingerprint(obj, depth=depth)` covered.
 
     Functions appear under their qualname with a digest of their *own* code, defaults and
@@ -190,12 +195,12 @@ def describe_reach(obj, *, depth: int = 2) -> dict[str, str]:
 
 
 @typing.overload
-def fingerprint_value(value, *, strict: typing.Literal[True] = ...) -> str | None: ...
+def fingerprint_value(value: Any, *, strict: typing.Literal[True] = ...) -> str | None: ...
 @typing.overload
-def fingerprint_value(value, *, strict: typing.Literal[False]) -> str: ...
+def fingerprint_value(value: Any, *, strict: typing.Literal[False]) -> str: ...
 
 
-def fingerprint_value(value, *, strict: bool = True) -> str | None:
+def fingerprint_value(value: Any, *, strict: bool = True) -> str | None:
     """Digest of a plain value, or None when it cannot be fingerprinted by content.
 
     Covers scalars, str/bytes, tuples/lists/dicts/sets (recursively), numpy and jax arrays
@@ -234,7 +239,7 @@ class _Hasher:
 
     # -- callables ------------------------------------------------------------------------
 
-    def callable_(self, obj, depth: int) -> str:
+    def callable_(self, obj: Any, depth: int) -> str:
         """Digest of a callable of any kind: unwrap it, then hash the function underneath."""
         key = (id(obj), depth)
         if (hit := self._memo.get(key)) is not None:
@@ -249,7 +254,7 @@ class _Hasher:
         self._memo[key] = (obj, digest)  # holding obj keeps its id from being reused mid-call
         return digest
 
-    def _unwrap(self, obj, depth: int) -> str:
+    def _unwrap(self, obj: Any, depth: int) -> str:
         if isinstance(obj, functools.partial):
             args = self.value((obj.args, obj.keywords), depth - 1, strict=False)
             self._record(args, obj, f"partial:{_names(obj.func)[1]}")
@@ -283,7 +288,7 @@ class _Hasher:
             return self.class_(obj, depth + 1)  # a class as the hook: its methods at `depth`
         return self._by_name(obj)  # builtins, C-extension callables, library classes
 
-    def _wrapper(self, obj, depth: int) -> str:
+    def _wrapper(self, obj: Any, depth: int) -> str:
         """Digest of a wrapper object (not a function) around a callable: what it holds and
         what it calls, besides the callable it wraps.
 
@@ -343,7 +348,7 @@ class _Hasher:
             *self._path_parts(fn, cells, paths, depth),
         )
 
-    def _cell_parts(self, fn: types.FunctionType, cells: dict, bare, depth: int) -> list[str]:
+    def _cell_parts(self, fn: types.FunctionType, cells: dict, bare: Any, depth: int) -> list[str]:
         """Name and digest of each closure cell `fn` reads."""
         qualname = _names(fn)[1]
         parts = []
@@ -357,7 +362,7 @@ class _Hasher:
             parts += [name, self._read(contents, ("deref", name) in bare, depth, fn, *keys)]
         return parts
 
-    def _global_parts(self, fn: types.FunctionType, names, bare, depth: int) -> list[str]:
+    def _global_parts(self, fn: types.FunctionType, names: Any, bare: Any, depth: int) -> list[str]:
         """Name and digest of each module-level name `fn` loads as a global."""
         module = _names(fn)[0]
         globals_ = fn.__globals__
@@ -371,7 +376,13 @@ class _Hasher:
                 parts += [name, self._read(value, ("global", name) in bare, depth, globals_, *keys)]
         return parts
 
-    def _path_parts(self, fn: types.FunctionType, cells: dict, paths, depth: int) -> list[str]:
+    def _path_parts(
+        self,
+        fn: types.FunctionType,
+        cells: dict,
+        paths: frozenset[tuple[str, str, tuple[str, ...]]],
+        depth: int,
+    ) -> list[str]:
         """Digests of the attribute paths `fn` reads: `mod.attr`, `Cls.attr`, `super().attr`."""
         globals_ = fn.__globals__
         parts = []
@@ -392,7 +403,7 @@ class _Hasher:
                 parts += self._attributes(base, attrs, depth)
         return parts
 
-    def _read(self, value, bare: bool, depth: int, owner, *keys: str) -> str:
+    def _read(self, value: Any, bare: bool, depth: int, owner: Any, *keys: str) -> str:
         """Digest of a global or closure value a function at `depth` reads."""
         if not bare and isinstance(value, type) and not is_library_class(value):
             # Only read as `Cls.attr` (or through `super()`): those attributes are hashed as
@@ -403,7 +414,7 @@ class _Hasher:
             return digest
         return self._binding(value, depth - 1, owner, *keys)
 
-    def _attributes(self, obj, attrs: tuple[str, ...], depth: int) -> list[str]:
+    def _attributes(self, obj: Any, attrs: tuple[str, ...], depth: int) -> list[str]:
         """Digests of `obj.a`, `obj.a.b`, ... while the object read from is a user module,
         and of `Cls.a` for a user class (found along its MRO).
 
@@ -451,7 +462,7 @@ class _Hasher:
             return [path, _h("name", _qualified(owner), attr)]
         return [path, self._class_attribute(owner, attr, vars(owner)[attr], depth)]
 
-    def _binding(self, value, depth: int, owner, *keys: str) -> str:
+    def _binding(self, value: Any, depth: int, owner: Any, *keys: str) -> str:
         """Digest of a global or closure value; functions and user classes are recorded
         under their own names."""
         if _is_function_like(value):
@@ -503,7 +514,7 @@ class _Hasher:
         self._memo[key] = (cls, digest)
         return digest
 
-    def _class_attribute(self, cls: type, name: str, attr, depth: int) -> str:
+    def _class_attribute(self, cls: type, name: str, attr: str, depth: int) -> str:
         if isinstance(attr, property):
             return _h(
                 "property",
@@ -544,13 +555,13 @@ class _Hasher:
             )
         return digest
 
-    def _by_name(self, obj) -> str:
+    def _by_name(self, obj: Any) -> str:
         module, qualname = _names(obj)
         digest = _h("name", module, qualname)
         self._record(digest, obj, qualname, f"{module}.{qualname}", weak=True)
         return digest
 
-    def _record(self, digest: str, owner, *keys: str, weak: bool = False) -> None:
+    def _record(self, digest: str, owner: Any, *keys: str, weak: bool = False) -> None:
         """Enter `digest` in the reach table under the first of `keys` no other owner holds.
 
         A weak entry (a name-only digest) never replaces one already there, so a helper
@@ -566,11 +577,11 @@ class _Hasher:
     # -- values ---------------------------------------------------------------------------
 
     @typing.overload
-    def value(self, v, depth: int, *, strict: typing.Literal[False]) -> str: ...
+    def value(self, v: Any, depth: int, *, strict: typing.Literal[False]) -> str: ...
     @typing.overload
-    def value(self, v, depth: int, *, strict: bool) -> str | None: ...
+    def value(self, v: Any, depth: int, *, strict: bool) -> str | None: ...
 
-    def value(self, v, depth: int, *, strict: bool) -> str | None:
+    def value(self, v: Any, depth: int, *, strict: bool) -> str | None:
         """Digest of a value. Functions inside are hashed at `depth`. What cannot be hashed
         by content gives None when `strict`, else an identity digest (a new object, a new key)."""
         digest: str | None
@@ -614,7 +625,7 @@ class _Hasher:
                 digest = _h("identity", digest, self.class_(t, depth))
         return digest
 
-    def _items(self, v, items, depth: int, strict: bool) -> str | None:
+    def _items(self, v: Any, items: Any, depth: int, strict: bool) -> str | None:
         key = (id(v), depth, strict)
         if (hit := self._containers.get(key)) is not None:
             return hit[1]  # one container met twice (a class's field table and a closure)
@@ -658,7 +669,7 @@ _array_digests: dict[str, str] = {}  # identity token -> content digest of an im
 _tokens = itertools.count()
 
 
-def _identity(obj) -> str:
+def _identity(obj: Any) -> str:
     """A token for this very object. Unlike id(), a later object never gets the same one."""
     key = id(obj)
     entry = _identities.get(key)
@@ -681,7 +692,7 @@ def _forget(key: int, ref: weakref.ref) -> None:
         _array_digests.pop(entry[1], None)
 
 
-def _array_digest(a) -> str | None:
+def _array_digest(a: Any) -> str | None:
     """dtype + shape + bytes; dtype + shape + identity above MAX_ARRAY_BYTES."""
     if isinstance(a, _TRACER):
         return None  # abstract inside a trace: there are no bytes to hash
@@ -708,7 +719,7 @@ def _array_digest(a) -> str | None:
 _scalars: dict[tuple, str] = {}
 
 
-def _scalar_digest(t: type, v) -> str:
+def _scalar_digest(t: type, v: Any) -> str:
     # Floats by repr in the key: 0.0 == -0.0, and nan != nan, yet each traces differently.
     key = (t, v) if t is not float and t is not complex else (t, repr(v))
     try:
@@ -830,7 +841,7 @@ def _forget_code(key: int, ref: weakref.ref) -> None:
         del _codes[key]
 
 
-def _wrapped(obj):
+def _wrapped(obj: Any) -> Callable[..., Any] | None:
     """The callable a decorator wrapped (functools.wraps, jax.jit, custom_jvp), or None.
 
     Only the instance dict is read: `getattr` on an object with a permissive `__getattr__`
@@ -843,7 +854,7 @@ def _wrapped(obj):
     return inner if callable(inner) and inner is not obj else None
 
 
-def _is_function_like(v) -> bool:
+def _is_function_like(v: Any) -> bool:
     """Hashed through `callable_` when met as a value; other callables count as objects."""
     return not isinstance(v, type) and (
         isinstance(v, _FUNCTION_TYPES) or (callable(v) and _wrapped(v) is not None)
@@ -897,7 +908,7 @@ def is_library_class(cls: type) -> bool:
     return result
 
 
-def _names(obj) -> tuple[str, str]:
+def _names(obj: Any) -> tuple[str, str]:
     """(module, qualname), falling back on the type for objects without their own."""
     module = getattr(obj, "__module__", None) or ""
     qualname = (
@@ -912,5 +923,5 @@ def _qualified(t: type) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def _type_name(obj) -> str:
+def _type_name(obj: Any) -> str:
     return _qualified(type(obj))

@@ -18,12 +18,18 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from jaxnitro.core.errors import ConfigError, MemoryPlanError
 from jaxnitro.core.units import format_bytes
+
+if TYPE_CHECKING:
+    from typing import Any
+
+    from jaxnitro.core.types import PyTree
 
 __all__ = ["MemoryPlan", "ProgramMemory", "check", "device_capacity", "plan", "suggestions"]
 
@@ -48,7 +54,7 @@ class ProgramMemory:
     estimate: int
 
     @classmethod
-    def of(cls, name: str, compiled) -> ProgramMemory | None:
+    def of(cls, name: str, compiled: Any) -> ProgramMemory | None:
         """Read a compiled program's memory analysis; None where the backend has none."""
         try:
             m = compiled.memory_analysis()
@@ -170,7 +176,7 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def device_capacity(device=None, memory_budget: int | None = None) -> tuple[int, str]:
+def device_capacity(device: Any = None, memory_budget: int | None = None) -> tuple[int, str]:
     """(bytes, source) a training run may use on `device` (default: the first device).
 
     `memory_budget` wins when given. Otherwise the device's ``bytes_limit`` (on GPU about 75%
@@ -197,9 +203,9 @@ def device_capacity(device=None, memory_budget: int | None = None) -> tuple[int,
 def plan(
     compiled_programs: Mapping[str, object],
     *,
-    params,
-    opt_state,
-    model_state,
+    params: PyTree,
+    opt_state: PyTree,
+    model_state: PyTree,
     batch_bytes: int,
     batches_in_flight: int,
     checkpoint_staging_bytes: int,
@@ -376,7 +382,7 @@ def _verdict(plan: MemoryPlan, saved: int) -> str:
     return " (would fit)" if plan.total - saved <= plan.capacity else " (not enough alone)"
 
 
-def tree_bytes(tree) -> int:
+def tree_bytes(tree: PyTree) -> int:
     """Bytes on one device of a pytree of arrays or ``ShapeDtypeStruct``s (a sharded array
     counts its shard: the plan is per device).
 

@@ -7,12 +7,29 @@ run that will not fit, before it trains. Nothing here trains or writes the run's
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jaxnitro.compile import memory
 from jaxnitro.compile.programs import ProgramSet, eval_program, eval_totals, train_program
 from jaxnitro.data import feed
 
+if TYPE_CHECKING:
+    from typing import Any
 
-def planned(spec, ps: ProgramSet, ts, device, *, epoch: int, step: int, train: bool = True) -> dict:
+    from jaxnitro.run.spec import RunSpec
+    from jaxnitro.steps.state import TrainState
+
+
+def planned(
+    spec: RunSpec,
+    ps: ProgramSet,
+    ts: TrainState,
+    device: Any,
+    *,
+    epoch: int,
+    step: int,
+    train: bool = True,
+) -> dict:
     """Compile (or fetch) every program the run will use, from the first batches' shapes.
 
     The train step for the first dispatch unit, single steps for an epoch's tail that does not
@@ -41,7 +58,7 @@ def planned(spec, ps: ProgramSet, ts, device, *, epoch: int, step: int, train: b
     return out
 
 
-def _planned_eval(spec, ps: ProgramSet, ts, extras) -> dict:
+def _planned_eval(spec: RunSpec, ps: ProgramSet, ts: TrainState, extras: dict[str, Any]) -> dict:
     info = spec.split_specs["val"]
     dev, _ = feed.eval_prepare(spec, "val", info.batch_size)(info.first)
     totals = eval_totals(spec, ts, "val", extras)
@@ -53,7 +70,7 @@ def _planned_eval(spec, ps: ProgramSet, ts, extras) -> dict:
     return out
 
 
-def notes(spec, *, train: bool = True) -> list[str]:
+def notes(spec: RunSpec, *, train: bool = True) -> list[str]:
     """Every program the run will compile, and why: one line each (nothing compiles here).
 
     The extra programs are the ones a user can avoid: a tail of single steps when
@@ -90,7 +107,14 @@ def notes(spec, *, train: bool = True) -> list[str]:
 
 
 def memory_plan(
-    spec, ps: ProgramSet, ts, device, *, epoch: int, step: int, prefetch_depth: int = 2
+    spec: RunSpec,
+    ps: ProgramSet,
+    ts: TrainState,
+    device: Any,
+    *,
+    epoch: int,
+    step: int,
+    prefetch_depth: int = 2,
 ) -> memory.MemoryPlan:
     """Where the bytes go, from the compiled programs' memory analysis, against capacity."""
     train = "train" in spec.splits
@@ -121,7 +145,9 @@ def memory_plan(
     )
 
 
-def check_memory(spec, ps: ProgramSet, ts, device, *, epoch: int, step: int):
+def check_memory(
+    spec: RunSpec, ps: ProgramSet, ts: TrainState, device: Any, *, epoch: int, step: int
+) -> memory.MemoryPlan:
     """The plan, raising MemoryPlanError (with the table and what to change) if it won't fit."""
     plan = memory_plan(spec, ps, ts, device, epoch=epoch, step=step)
     bs = spec.split_specs["train"].batch_size if "train" in spec.split_specs else 0

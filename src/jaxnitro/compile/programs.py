@@ -14,8 +14,8 @@ import dataclasses
 import inspect as pyinspect
 import sys
 import types
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,12 @@ from jaxnitro.steps.step import (
     slice_rows,
 )
 
+if TYPE_CHECKING:
+    from jaxnitro.core.types import Batch, PyTree
+    from jaxnitro.run.spec import RunSpec
+    from jaxnitro.steps.state import TrainState
+    from jaxnitro.steps.step import StepFn
+
 _TRACED_HOOKS = ("forward", "loss", "metrics", "train_metrics", "train_step")
 # The hooks each kind of program traces: a program's key holds their fingerprints only, so
 # editing `metrics` never invalidates the train program.
@@ -51,7 +57,7 @@ _KIND_HOOKS = {
 }
 
 
-def _kind_hooks(spec, kind: str) -> tuple[str, ...]:
+def _kind_hooks(spec: RunSpec, kind: str) -> tuple[str, ...]:
     """The hooks a kind of program traces; a custom step's train program traces that hook
     (and what it reaches through `self`) instead of forward and loss."""
     if kind == "train" and "train_step" in spec.routes:
@@ -59,7 +65,7 @@ def _kind_hooks(spec, kind: str) -> tuple[str, ...]:
     return _KIND_HOOKS[kind]
 
 
-def _forward(spec, device, params, model_state, batch):
+def _forward(spec: RunSpec, device: Any, params: PyTree, model_state: PyTree, batch: Batch) -> Any:
     try:
         out = spec.cls.forward(
             CompileView(spec.experiment, device, "forward"),
@@ -82,13 +88,13 @@ def _forward(spec, device, params, model_state, batch):
     return out
 
 
-def _cast_floats(tree, dtype):
+def _cast_floats(tree: PyTree, dtype: Any) -> PyTree:
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, tree
     )
 
 
-def train_loss_fn(spec):
+def train_loss_fn(spec: RunSpec) -> Callable[..., Any]:
     """(params, model_state, batch, extras, rng) -> (loss, (new_model_state, train metrics)).
 
     With precision="bf16" the forward and backward run in bfloat16 on a bf16 copy of the
@@ -97,7 +103,9 @@ def train_loss_fn(spec):
     """
     bf16 = spec.precision == "bf16"
 
-    def loss_fn(params, model_state, batch, extras, rng):
+    def loss_fn(
+        params: PyTree, model_state: PyTree, batch: Batch, extras: dict[str, Any], rng: jax.Array
+    ) -> tuple[Any, tuple[Any, Any]]:
         device = extras["device"]
         if bf16:
             params, batch_in = _cast_floats(params, jnp.bfloat16), _cast_floats(batch, jnp.bfloat16)
@@ -137,12 +145,19 @@ def train_loss_fn(spec):
     return loss_fn
 
 
-def custom_step_fn(spec):
+def custom_step_fn(spec: RunSpec) -> Callable[..., Any]:
     """(params, opt_state, state, rng, batch, extras) -> what the experiment's `train_step`
     returns, called in training mode (dropout on; `jn.apply` draws from its own key)."""
     route = spec.routes["train_step"]
 
-    def user_step(params, opt_state, state, rng, batch, extras):
+    def user_step(
+        params: PyTree,
+        opt_state: PyTree,
+        state: PyTree,
+        rng: jax.Array,
+        batch: Batch,
+        extras: dict[str, Any],
+    ) -> Any:
         hook_rng, mode_rng = jax.random.split(rng)
         view = CompileView(spec.experiment, extras["device"], "train_step")
         try:
@@ -159,7 +174,7 @@ def custom_step_fn(spec):
     return user_step
 
 
-def _loss_context(spec, split: str, batch) -> tuple[str, str]:
+def _loss_context(spec: RunSpec, split: str, batch: Batch) -> tuple[str, str]:
     """(hook, where) for a loss error: the experiment's hook, the split and the batch rows
     (a micro-batch's with accum)."""
     rows = next((v.shape[0] for v in batch.values() if getattr(v, "ndim", 0)), None)
@@ -167,11 +182,13 @@ def _loss_context(spec, split: str, batch) -> tuple[str, str]:
     return f"{spec.cls.__name__}.loss", f" on a batch of the {split!r} split{size}"
 
 
-def eval_metrics_fn(spec, split: str):
+def eval_metrics_fn(spec: RunSpec, split: str) -> Callable[..., Any]:
     """(params, model_state, batch, extras, n_valid) -> {name: (sum, count)} for one batch."""
     has_loss = spec.split_specs[split].has_loss
 
-    def metrics_fn(params, model_state, batch, extras, n_valid):
+    def metrics_fn(
+        params: PyTree, model_state: PyTree, batch: Batch, extras: dict[str, Any], n_valid: int
+    ) -> PyTree:
         device = extras["device"]
         size = next(iter(batch.values())).shape[0]
         with models.mode(train=False):
@@ -206,7 +223,7 @@ def eval_metrics_fn(spec, split: str):
     return metrics_fn
 
 
-def _no_compile_context(kind: str, label: str):
+def _no_compile_context(kind: str, label: str) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
@@ -241,7 +258,7 @@ class ProgramSet:
         self.train = {}
 
 
-def _code_names(code) -> set[str]:
+def _code_names(code: Any) -> set[str]:
     names = set(code.co_names)
     for const in code.co_consts:
         if hasattr(const, "co_names"):
@@ -249,7 +266,7 @@ def _code_names(code) -> set[str]:
     return names
 
 
-def traced_functions(spec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
+def traced_functions(spec: RunSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
     """The traced `hooks`, plus the experiment's methods and properties they reach via `self`.
 
     `self.helper(...)` is an attribute load, invisible to a function fingerprint; following
@@ -281,7 +298,7 @@ class ClassValue:
     value: Any
 
 
-def class_values(spec, functions: dict[str, Any]) -> dict[str, ClassValue]:
+def class_values(spec: RunSpec, functions: dict[str, Any]) -> dict[str, ClassValue]:
     """``self.NAME`` -> the class-level value, for every name the traced `functions` load
     that the experiment's class (or a base) holds as a plain value or a callable that is not
     a Python function (a `jnp` function, a `functools.partial`, a wrapper object).
@@ -314,7 +331,7 @@ def class_values(spec, functions: dict[str, Any]) -> dict[str, ClassValue]:
 _ABSENT = object()
 
 
-def model_classes(spec) -> dict[str, type]:
+def model_classes(spec: RunSpec) -> dict[str, type]:
     """``model:Qualname`` -> every user class of the model (its modules), whose code the
     programs run: the model's key is its structure, which names the classes but not what
     their methods (and the helpers and module values those read) do."""
@@ -325,7 +342,7 @@ def model_classes(spec) -> dict[str, type]:
     }
 
 
-def traced_code(spec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
+def traced_code(spec: RunSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
     """Everything whose content a program built from `hooks` depends on beyond its key's
     other parts: the hooks and the methods they reach (`traced_functions`), the class-level
     values they read through `self` (`class_values`), and the model's classes
@@ -334,26 +351,26 @@ def traced_code(spec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
     return {**functions, **class_values(spec, functions), **model_classes(spec)}
 
 
-def code_print(obj) -> str:
+def code_print(obj: Any) -> str:
     """The fingerprint of one entry of `traced_code`."""
     if isinstance(obj, ClassValue):
         return fingerprint_value(obj.value, strict=False)
     return fingerprint(obj)
 
 
-def hook_prints(spec, kind: str | None = None) -> tuple:
+def hook_prints(spec: RunSpec, kind: str | None = None) -> tuple:
     """(name, fingerprint) of everything a `kind` of program traces (all kinds: None)."""
     hooks = _TRACED_HOOKS if kind is None else _kind_hooks(spec, kind)
     return tuple(sorted((name, code_print(obj)) for name, obj in traced_code(spec, hooks).items()))
 
 
-def _state_arrays(ts) -> tuple:
+def _state_arrays(ts: TrainState) -> tuple:
     """The arrays of a TrainState (its model and optimizer are in the key by structure)."""
     return (ts.params, ts.state, ts.opt_state, ts.step, ts.rng, ts.ema)
 
 
 def program_key(
-    spec,
+    spec: RunSpec,
     ps: ProgramSet,
     kind: str,
     split: str | None,
@@ -361,7 +378,7 @@ def program_key(
     options: dict,
     *,
     avals: tuple,
-    optimizer=None,
+    optimizer: Hashable = None,
 ) -> explain.ProgramKey:
     """The key of one program: every part that changes its graph, named for explanations."""
     if ps.prints is None:
@@ -422,7 +439,7 @@ def _bound_now(cls: type) -> object | None:
     return obj
 
 
-def check_rebound(spec, ps: ProgramSet) -> None:
+def check_rebound(spec: RunSpec, ps: ProgramSet) -> None:
     """Say once per class when the experiment's class (or a model class) is no longer the
     one its module binds under its name: a notebook cell re-run made a new class, and this
     handle still runs the old one's code (Python's semantics, but silent)."""
@@ -445,7 +462,7 @@ def check_rebound(spec, ps: ProgramSet) -> None:
         )
 
 
-def check_stale(spec, ps: ProgramSet) -> None:
+def check_stale(spec: RunSpec, ps: ProgramSet) -> None:
     """At an entry point: if a traced hook or helper was edited since this run compiled,
     drop the programs built from the old code and say so once, naming what changed. Also
     names a class re-defined since the handle was made (`check_rebound`)."""
@@ -459,7 +476,7 @@ def check_stale(spec, ps: ProgramSet) -> None:
     was, now = dict(old), dict(new)
     edited = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
 
-    def stale(p) -> bool:  # only programs that trace the edited code; the others stay valid
+    def stale(p: Any) -> bool:  # only programs that trace the edited code; the others stay valid
         return any(now.get(name) != digest for name, digest in p.deps)
 
     kinds = sorted({p.kind for p in ps.used.values() if stale(p)})
@@ -482,7 +499,13 @@ def check_stale(spec, ps: ProgramSet) -> None:
 
 
 def _acquire(
-    spec, ps: ProgramSet, key: explain.ProgramKey, lower, *, label: str, bucket=None
+    spec: RunSpec,
+    ps: ProgramSet,
+    key: explain.ProgramKey,
+    lower: Any,
+    *,
+    label: str,
+    bucket: int | None = None,
 ) -> cache.Program:
     """get_or_compile, plus this run's bookkeeping: reports, logs, recompile warnings."""
     kind = key.kind
@@ -532,7 +555,15 @@ def _compile_line(prog: cache.Program) -> dict:
     }
 
 
-def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) -> cache.Program:
+def train_program(
+    spec: RunSpec,
+    ps: ProgramSet,
+    ts: TrainState,
+    batch: Batch,
+    extras: dict[str, Any],
+    hyper: Any,
+    steps: int,
+) -> cache.Program:
     """The fused train step for these shapes: `(state leaves, batch, extras, hyper) ->
     (state leaves, outputs)`, compiled once per process."""
     options = {
@@ -564,11 +595,13 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
     step = _train_step(spec, steps, gathered=spec.resident is not None)
     leaves, treedef = jax.tree.flatten(ts)
 
-    def flat_step(leaves, batch, extras, hyper):  # the state travels as a flat list
+    def flat_step(
+        leaves: Any, batch: Batch, extras: dict[str, Any], hyper: Any
+    ) -> tuple[list[Any], Any]:  # the state travels as a flat list
         new, out = step(jax.tree.unflatten(treedef, leaves), batch, extras, hyper)
         return jax.tree.leaves(new), out
 
-    def lower():
+    def lower() -> jax.stages.Traced:
         with remat.applied(spec.remat):  # named blocks recompute in the backward pass
             return jax.jit(
                 flat_step,
@@ -581,14 +614,14 @@ def train_program(spec, ps: ProgramSet, ts, batch, extras, hyper, steps: int) ->
     return _acquire(spec, ps, key, lower, label=label)
 
 
-def _train_step(spec, steps: int, *, gathered: bool = False):
+def _train_step(spec: RunSpec, steps: int, *, gathered: bool = False) -> StepFn:
     """The built-in step (forward, loss, one gradient and update) or the experiment's own;
     for a population, that step under `vmap` over the members; `steps` of it per call,
     each on its batch gathered from the arrays on the device when `gathered`."""
     if "train_step" in spec.routes:
         one = custom.make_custom_step(
             custom_step_fn(spec),
-            custom.Tools(spec.optimizer.labels, spec.optimizer.parts),
+            custom.Tools(spec.optimizer.labels, spec.optimizer.parts or {}),
             write_hyper=spec.hyper.write,
             unpack_hyper=spec.hyper.unpack,
             skip_nonfinite=spec.on_nonfinite == "skip",
@@ -613,16 +646,20 @@ def _train_step(spec, steps: int, *, gathered: bool = False):
     return _gathering(one, steps) if gathered else fuse(one, steps)
 
 
-def _gathering(one, steps: int):
+def _gathering(one: Any, steps: int) -> StepFn:
     """`steps` of `one` per call, each on its batch gathered from the arrays kept on the
     device: the payload is {"rows": indices (steps, micro-batches, batch), "data": {field:
     array}}. Each step gathers its own rows (inside the loop of a fused call), so a call
     holds one step's batch at a time, not all of them."""
 
-    def gathered(ts, batch, extras, hyper):
+    def gathered(
+        ts: TrainState, batch: Batch, extras: dict[str, Any], hyper: Any
+    ) -> tuple[TrainState, Any]:
         data = batch["data"]
 
-        def on_rows(ts, b, extras, h):
+        def on_rows(
+            ts: TrainState, b: Any, extras: dict[str, Any], h: Any
+        ) -> tuple[TrainState, Any]:
             got = {f: jnp.take(a, b["rows"], axis=0, mode="clip") for f, a in data.items()}
             return one(ts, got, extras, h)
 
@@ -631,17 +668,19 @@ def _gathering(one, steps: int):
     return gathered
 
 
-def _frozen_when_stopped(one):
+def _frozen_when_stopped(one: Any) -> StepFn:
     """A member's step whose update is dropped once the member stopped early (`active`)."""
 
-    def step(ts, batch, extras, hyper):
+    def step(
+        ts: TrainState, batch: Batch, extras: dict[str, Any], hyper: Any
+    ) -> tuple[TrainState, Any]:
         new, out = one(ts, batch, extras, hyper)
         return kept_if(extras["active"], new, ts), out  # (its step counter runs on)
 
     return step
 
 
-def eval_metric_shapes(spec, ts, split: str, extras) -> dict:
+def eval_metric_shapes(spec: RunSpec, ts: TrainState, split: str, extras: dict[str, Any]) -> dict:
     """Abstract {name: (sum, count)} of the eval step on the split's first batch."""
     info = spec.split_specs[split]
     batch = {
@@ -657,16 +696,24 @@ def eval_metric_shapes(spec, ts, split: str, extras) -> dict:
     return jax.eval_shape(lambda p, s, b, e: fn(p, s, b, e, None), params, state, batch, extras)
 
 
-def eval_totals(spec, ts, split: str, extras):
+def eval_totals(spec: RunSpec, ts: TrainState, split: str, extras: dict[str, Any]) -> PyTree:
     """Zero running totals of the eval step, on the mesh (one set per population member)."""
     zeros = metrics_mod.zeros_like_totals(eval_metric_shapes(spec, ts, split, extras))
     if spec.population is not None:
-        zeros = jax.tree.map(lambda z: jnp.broadcast_to(z, (spec.population.size, *z.shape)), zeros)
+        size = spec.population.size
+        zeros = jax.tree.map(lambda z: jnp.broadcast_to(z, (size, *z.shape)), zeros)
     return jax.tree.map(lambda x: to_sharding(x, spec.replicated), zeros)
 
 
 def eval_program(
-    spec, ps: ProgramSet, ts, split: str, batch, extras, totals, n_valid: int | None
+    spec: RunSpec,
+    ps: ProgramSet,
+    ts: TrainState,
+    split: str,
+    batch: Batch,
+    extras: dict[str, Any],
+    totals: Any,
+    n_valid: int | None,
 ) -> cache.Program:
     """Forward + metrics added into running totals; one program per ragged width."""
     args = (ts.params, ts.state, batch, extras, totals)
@@ -697,10 +744,14 @@ def eval_program(
     )
 
 
-def predict_program(spec, ps: ProgramSet, ts, batch, extras) -> cache.Program:
+def predict_program(
+    spec: RunSpec, ps: ProgramSet, ts: TrainState, batch: Batch, extras: dict[str, Any]
+) -> cache.Program:
     """Forward in inference mode, on a batch padded to a bucket (the host slices padding)."""
 
-    def predict_step(params, model_state, batch, extras):
+    def predict_step(
+        params: PyTree, model_state: PyTree, batch: Batch, extras: dict[str, Any]
+    ) -> Any:
         with models.mode(train=False):
             outputs, _ = _forward(spec, extras["device"], params, model_state, batch)
         return outputs

@@ -24,11 +24,15 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxnitro.compile.memory import ProgramMemory
 from jaxnitro.core.units import format_bytes
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["CompileRecord", "Flag", "Thresholds", "format_table", "record"]
 
@@ -109,8 +113,8 @@ class CompileRecord:
 def record(
     kind: str,
     label: str,
-    lowered,
-    compiled,
+    lowered: jax.stages.Lowered,
+    compiled: jax.stages.Compiled,
     *,
     lower_seconds: float,
     compile_seconds: float,
@@ -163,7 +167,7 @@ def record(
     )
 
 
-def _memory(kind: str, compiled) -> dict | None:
+def _memory(kind: str, compiled: jax.stages.Compiled) -> dict | None:
     """The program's memory analysis as a dict without its name, or None if unavailable."""
     program_memory = ProgramMemory.of(kind, compiled)
     if program_memory is None:
@@ -404,7 +408,7 @@ def _tensor_bytes(spec: str) -> int:
     return math.prod(int(d) for d in dims) * itemsize
 
 
-def _hlo_ops(compiled) -> int:
+def _hlo_ops(compiled: jax.stages.Compiled) -> int:
     """Instructions in the optimized HLO text."""
     try:
         text = compiled.as_text() or ""
@@ -413,7 +417,7 @@ def _hlo_ops(compiled) -> int:
     return sum(1 for line in text.splitlines() if re.match(r"\s*(ROOT\s+)?%?[\w.\-]+\s*=\s", line))
 
 
-def _flops(compiled) -> float | None:
+def _flops(compiled: jax.stages.Compiled) -> float | None:
     """XLA's FLOP estimate: `cost_analysis()` is a dict in jax 0.10, a list of dicts in older
     versions, and None or an error where the backend has no cost model."""
     try:

@@ -1,4 +1,5 @@
-"""The core: errors, byte sizes, the JSON sanitiser and the version.
+"""The core: errors, byte sizes, the JSON sanitiser, the version, and the aliases that name
+what a user passes (`types`: `PyTree`, `Experiment`, `Model`, `Batch`, `Source`).
 
 Imported by every other part; it imports nothing of ours.
 """

@@ -2,7 +2,7 @@
 runs it without the model's code. The format is in `format.py`; see docs/export.md.
 
 It may import `core`, `experiment`, `optim`, `steps`, `compile` and `train` (a
-bundle is checked against the predict program).
+bundle is checked against the predict program); `run`'s `Nitro` in annotations only.
 """
 
 from jaxnitro.core.errors import BundleError, BundleInputError, ExportError

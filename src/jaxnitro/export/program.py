@@ -12,7 +12,7 @@ running statistics, no dropout). The batch dimension is symbolic: one program, a
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,9 @@ from jaxnitro.experiment.markers import CompileView
 from jaxnitro.export.format import BATCH, TensorSpec
 from jaxnitro.export.weights import Weights
 
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
+
 #: Primitives that call back into Python, with the call a user writes.
 _CALLBACKS = {
     "debug_print": "jax.debug.print",
@@ -37,7 +40,7 @@ _HOOKS = "forward, export_preprocess, export_postprocess"
 
 
 # -- the wire inputs -------------------------------------------------------------------------
-def wire_inputs(n) -> dict[str, TensorSpec]:
+def wire_inputs(n: Nitro) -> dict[str, TensorSpec]:
     """`export_inputs()` if the experiment has it, else the fields `forward` takes, with the
     dtypes and per-example shapes of the first train batch."""
     spec = n.spec
@@ -116,7 +119,7 @@ def _check_batch(cls_name: str, batch: Any, needs: tuple, preprocessed: bool) ->
     )
 
 
-def serving_function(n, weights: Weights, order: list) -> Callable:
+def serving_function(n: Nitro, weights: Weights, order: list) -> Callable:
     """``(weights, inputs) -> {name: array}``: preprocess, forward, postprocess in inference
     mode with the Device values of now. ``order`` receives the output names as declared."""
     spec = n.spec

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -15,8 +16,11 @@ from jaxnitro.experiment.markers import GRAPH, field_values
 from jaxnitro.export import compat
 from jaxnitro.export.gitstate import git_state
 
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
 
-def provenance(n, exported) -> dict:
+
+def provenance(n: Nitro, exported) -> dict:
     """The manifest's ``provenance``: what made the bundle, enough to rebuild or audit it."""
     spec = n.spec
     versions = compat.versions()
@@ -41,7 +45,7 @@ def provenance(n, exported) -> dict:
     }
 
 
-def source_checkpoint(n) -> dict | None:
+def source_checkpoint(n: Nitro) -> dict | None:
     """The run's checkpoint holding exactly these weights (its step is the handle's), or None."""
     try:
         rows = n.checkpointer.records()
@@ -55,9 +59,10 @@ def source_checkpoint(n) -> dict | None:
     ]
     if not mine:
         return None
-    row = mine[-1]
+    row, where = mine[-1], n.checkpointer.dir
+    assert where is not None  # the rows were read from it
     return {
-        "path": str(Path(n.checkpointer.dir) / row["path"]),
+        "path": str(where / row["path"]),
         "step": row["step"],
         "epoch": row.get("epoch"),
         "metrics": jsonable(row.get("metrics", {})),

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,9 @@ from jaxnitro.experiment import models
 from jaxnitro.export.format import TensorSpec
 from jaxnitro.export.program import _hook, _named_outputs
 from jaxnitro.train.prediction import predict
+
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
 
 #: Rows of the sample batch: odd, so the bundle's padding to a bucket is exercised.
 SAMPLE_ROWS = 3
@@ -44,7 +48,7 @@ stn.save_file({k: np.asarray(v, order="C") for k, v in out.items()}, sys.argv[3]
 """
 
 
-def sample_inputs(n, wire: dict[str, TensorSpec]) -> dict[str, np.ndarray]:
+def sample_inputs(n: Nitro, wire: dict[str, TensorSpec]) -> dict[str, np.ndarray]:
     """Rows of the first train batch when the wire inputs are batch fields, else random
     values of each input's dtype and shape (seeded by the run's seed)."""
     first = n.spec.split_specs["train"].first
@@ -72,7 +76,7 @@ def sample_inputs(n, wire: dict[str, TensorSpec]) -> dict[str, np.ndarray]:
 
 
 def reference_outputs(
-    n, sample: dict[str, np.ndarray], weights: str | None = None
+    n: Nitro, sample: dict[str, np.ndarray], weights: str | None = None
 ) -> dict[str, np.ndarray]:
     """What the bundle must return: export_preprocess → `jn.predict` → export_postprocess."""
     spec, device = n.spec, dict(n.device.values)
@@ -170,7 +174,7 @@ def compare(expected: dict, got: dict) -> dict[str, float]:
 
 
 def check_servable(
-    n, root: Path, wire: dict[str, TensorSpec], platform: str, weights: str | None = None
+    n: Nitro, root: Path, wire: dict[str, TensorSpec], platform: str, weights: str | None = None
 ) -> dict:
     """Run the check (against `jn.predict` with the exported `weights`); the manifest's
     record of it."""

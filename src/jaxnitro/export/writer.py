@@ -15,6 +15,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,11 +44,14 @@ from jaxnitro.export.servable import check_servable
 from jaxnitro.export.weights import flatten_weights
 from jaxnitro.steps import ema, population
 
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
+
 _EXPORT_HOOKS = ("export_inputs", "export_preprocess", "export_postprocess")
 
 
 def export_model(
-    n,
+    n: Nitro,
     dir: str | os.PathLike,
     *,
     name: str | None = None,
@@ -119,7 +123,7 @@ def export_model(
 
 
 def _write_checked(
-    n,
+    n: Nitro,
     staging: Path,
     manifest: dict,
     files: dict,
@@ -149,7 +153,11 @@ def _write_checked(
 
 
 def _build(
-    n, name: str, platforms: tuple[str, ...], allow: tuple[str, ...], which: str | None = None
+    n: Nitro,
+    name: str,
+    platforms: tuple[str, ...],
+    allow: tuple[str, ...],
+    which: str | None = None,
 ):
     """(manifest without files' check, {file name: bytes}, wire input specs)."""
     import safetensors.numpy

@@ -3,5 +3,6 @@ curves (`plot`), per-sample pictures and heatmaps (`render`), `jn.inspect`, `jn.
 `jn.memory_plan` (`introspect`), the runs under a directory (`runs`), phases, step events and
 signals (`events`), and the loggers (`loggers`).
 
-It may import every part but `run`, `cli`, `export` and `serve`.
+It may import every part but `run`, `cli`, `export` and `serve` (`run`'s `Nitro` in annotations
+only, under `TYPE_CHECKING`).
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import html
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxnitro.compile import memory, plan, report
 from jaxnitro.compile.programs import check_stale
@@ -20,8 +21,11 @@ from jaxnitro.experiment.markers import fields
 from jaxnitro.observe import timing
 from jaxnitro.observe.runs import run_rows
 
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
 
-def compile(n) -> dict:  # noqa: A001 - the public name
+
+def compile(n: Nitro) -> dict:  # noqa: A001 - the public name
     """Compile (or fetch from the cache) every program the run will use; no training.
 
     Example:
@@ -32,7 +36,7 @@ def compile(n) -> dict:  # noqa: A001 - the public name
     return plan.planned(n.spec, n.programs, n.train_state, n.device, epoch=n.epoch, step=n.step)
 
 
-def compile_report(n) -> report.CompileReport:
+def compile_report(n: Nitro) -> report.CompileReport:
     """One record per program this Nitro compiled: seconds, op counts, constants, memory.
 
     Example:
@@ -42,7 +46,7 @@ def compile_report(n) -> report.CompileReport:
     return report.CompileReport(p.record for p in n.programs.compiled if p.record is not None)
 
 
-def explain(n) -> list[dict]:
+def explain(n: Nitro) -> list[dict]:
     """Why each program this Nitro compiled differs from the closest one compiled before.
 
     Example:
@@ -56,7 +60,7 @@ def explain(n) -> list[dict]:
     ]
 
 
-def memory_plan(n, *, prefetch_depth: int = 2) -> memory.MemoryPlan:
+def memory_plan(n: Nitro, *, prefetch_depth: int = 2) -> memory.MemoryPlan:
     """Where the bytes go, from the compiled programs' memory analysis, against capacity.
 
     Example:
@@ -130,7 +134,7 @@ class Inspection:
         return str(self)
 
 
-def inspect(n, *, show: bool = True) -> Inspection:
+def inspect(n: Nitro, *, show: bool = True) -> Inspection:
     """Print the binding report, parameter groups, compile report and memory plan.
 
     Prints once: the returned report, printed again (`print(jn.inspect(n))`), is only a
@@ -160,14 +164,14 @@ def inspect(n, *, show: bool = True) -> Inspection:
     return result
 
 
-def _time_split(n) -> str:
+def _time_split(n: Nitro) -> str:
     """The last epoch's time split from the run's log ('' before a train)."""
     log = Path(n.run_dir) / "metrics.jsonl"
     split = timing.last_split(run_rows(log)) if log.is_file() else None
     return "" if split is None else f"time (last epoch): {timing.format_split(split)}"
 
 
-def _binding(n) -> str:
+def _binding(n: Nitro) -> str:
     rows = [f"{'field':<16} {'marker':<11} value"]
     for f in fields(n.experiment):
         rows.append(f"{f.name:<16} {f.marker:<11} {getattr(n.experiment, f.name)!r:.40}")
@@ -210,7 +214,7 @@ def data_source(src) -> str:
     return f"{type(src).__name__} (iterated in-process)"
 
 
-def _groups(n) -> str:
+def _groups(n: Nitro) -> str:
     opt = n.optimizer
     rows = [f"{'group':<12} {'rule':<24} {'rate':>10} {'decay':>8} {'params':>12}"]
     for g, spec in sorted(opt.groups.items()):
@@ -223,17 +227,17 @@ def _groups(n) -> str:
             f"{g:<12} {rule:<24} {spec.rate:>10.3g} {spec.weight_decay:>8.3g} {spec.count:>12,}"
         )
     extra = [f"clip global norm {opt.clip:g}" if opt.clip else "no clipping"]
-    spec = n.spec
-    if spec.schedules.fns:
-        extra.append("schedules: " + ", ".join(sorted(spec.schedules.fns)))
+    run = n.spec
+    if run.schedules.fns:
+        extra.append("schedules: " + ", ".join(sorted(run.schedules.fns)))
     extra.append(
-        f"accum {spec.accum}, steps_per_call {spec.steps_per_call}, precision {spec.precision}, "
-        f"{spec.total_steps} optimizer steps planned"
+        f"accum {run.accum}, steps_per_call {run.steps_per_call}, precision {run.precision}, "
+        f"{run.total_steps} optimizer steps planned"
     )
     return "parameter groups\n" + "\n".join(rows + extra)
 
 
-def _sharding(n) -> str:
+def _sharding(n: Nitro) -> str:
     """Each parameter's spec and bytes per device, on this run's mesh."""
     from jaxnitro.dist.sharding import describe
 
@@ -259,7 +263,7 @@ def _sharding(n) -> str:
     return "\n".join(lines)
 
 
-def peak_memory(n) -> int | None:
+def peak_memory(n: Nitro) -> int | None:
     """Peak bytes in use on the first device of the mesh, where the backend reports it."""
     try:
         stats = n.mesh.devices.flat[0].memory_stats()

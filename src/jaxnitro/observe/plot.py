@@ -21,13 +21,16 @@ import sys
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path, PosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxnitro.core.errors import ConfigError, did_you_mean, warn_user
 from jaxnitro.observe.display import Display, each
 from jaxnitro.observe.runs import LOG_NAME, run_rows
+
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
 
 _MAX_POINTS = 2000  # a long run's per-step curve is averaged into this many bins
 # train-line keys shown only when asked for (the throughput: observe/throughput.py)
@@ -115,7 +118,7 @@ def _import_matplotlib() -> None:
         import matplotlib.ticker  # noqa: F401
 
 
-def write_curves(n) -> Path | None:
+def write_curves(n: Nitro) -> Path | None:
     """`run_dir/curves.png` at the end of `jn.train`, while the run holds its lock.
 
     Skipped when `JAXNITRO_NO_PLOT=1`, without matplotlib, or with no JSONL log; a failure
@@ -157,7 +160,7 @@ def _log_path(run) -> Path:
     return log
 
 
-def _handle_log(n) -> Path | None:
+def _handle_log(n: Nitro) -> Path | None:
     """The JSONL log a handle writes (a `JSONLogger`, alone or in a fan-out)."""
     from jaxnitro.observe.loggers.jsonl import JSONLogger
 

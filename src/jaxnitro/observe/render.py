@@ -18,12 +18,15 @@ import contextlib
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from jaxnitro.core.errors import ConfigError, HookError, did_you_mean, warn_user
+
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
 
 _SAMPLES = 16
 
@@ -33,7 +36,7 @@ class RenderWarning(UserWarning):
 
 
 def render(
-    n, split: str = "val", batches: int = 1, out_dir=None, *, max_samples: int = _SAMPLES
+    n: Nitro, split: str = "val", batches: int = 1, out_dir=None, *, max_samples: int = _SAMPLES
 ) -> list[Path]:
     """Write one PNG per sample of the first `batches` batches of `split`, drawn by the
     experiment's `visualize(self, outputs, **batch)` hook; returns the paths.
@@ -121,7 +124,7 @@ def heatmap(matrix, title: str, path: Path) -> Path:
     return save(fig, path)
 
 
-def matrices(n, row: dict[str, Any]) -> list[Path]:
+def matrices(n: Nitro, row: dict[str, Any]) -> list[Path]:
     """Heatmaps of the matrix metrics of a validation row, sent to the loggers; a failure
     (or no matplotlib) only warns once per handle and never costs the run."""
     found = {k: v for k, v in row.items() if np.ndim(v) == 2 and np.size(v) > 0}
@@ -144,7 +147,7 @@ def matrices(n, row: dict[str, Any]) -> list[Path]:
         return []
 
 
-def _send(n, images: dict[str, Path]) -> None:
+def _send(n: Nitro, images: dict[str, Path]) -> None:
     """To the loggers that take images (`log_images(images, step=...)`): inside `jn.train`'s
     writing session, or in one of its own when the run dir is free (a reader only draws)."""
     log = getattr(n.logger, "log_images", None)

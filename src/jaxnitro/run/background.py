@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxnitro.core.errors import ConfigError
 from jaxnitro.observe.display import Display, html_table
@@ -27,11 +27,14 @@ from jaxnitro.observe.runs import LOG_NAME
 from jaxnitro.run import commands
 from jaxnitro.train.driver import TrainResult, train
 
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
+
 _handles: list[RunHandle] = []
 _lock = threading.Lock()
 
 
-def run_id(n) -> str:
+def run_id(n: Nitro) -> str:
     """A run's id: `<Experiment>-<run id>` (the run id its logs and checkpoints carry)."""
     return f"{n.spec.cls.__name__}-{n.spec.run_id or format(id(n), 'x')}"
 
@@ -53,7 +56,7 @@ class RunHandle:
         'requested'
     """
 
-    def __init__(self, n) -> None:
+    def __init__(self, n: Nitro) -> None:
         self.nitro = n
         self.id = run_id(n)
         self._future: Future = Future()
@@ -162,7 +165,7 @@ class RunHandle:
         return f"RunHandle({self.id}, {s['phase']}, epoch {s['epoch']}, step {s['step']})"
 
 
-def start(n) -> RunHandle:
+def start(n: Nitro) -> RunHandle:
     """Train `n` in the background; returns a `jn.RunHandle` at once.
 
     Ctrl-C and SIGTERM keep their meaning only for a foreground `jn.train`: a background run
@@ -285,7 +288,7 @@ def _last_train(log: Path) -> dict[str, Any] | None:
     return {k: v for k, v in rows[-1].items() if k not in skip}
 
 
-def _last_validation(n) -> dict[str, Any] | None:
+def _last_validation(n: Nitro) -> dict[str, Any] | None:
     history = n.progress.history
     if not history:
         return None

@@ -14,11 +14,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxnitro.data.feed import Call, HyperFeed
 from jaxnitro.experiment.markers import replace
 from jaxnitro.run.live import checked_device
+
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
 
 _queues: dict[int, Commands] = {}  # id(n.services) -> the queue of the run a handle drives
 _registry_lock = threading.Lock()
@@ -35,7 +38,7 @@ class Commands:
         self.closed = False  # the run ended (no boundary will take a request)
         self.repack: tuple[Any, HyperFeed] | None = None  # (epoch, its hyperparameters' feed)
 
-    def set_device(self, n, values: dict[str, Any]) -> None:
+    def set_device(self, n: Nitro, values: dict[str, Any]) -> None:
         """Check `values` now (a ConfigError names the problem); apply at the next boundary."""
         arrays = checked_device(n, values)
         with self._lock:
@@ -69,13 +72,13 @@ class Commands:
             future.cancel()
 
 
-def register(n) -> Commands:
+def register(n: Nitro) -> Commands:
     """The queue of `n`'s run (one per handle; a second `jn.start` of it reuses it)."""
     with _registry_lock:
         return _queues.setdefault(id(n.services), Commands())
 
 
-def unregister(n) -> None:
+def unregister(n: Nitro) -> None:
     with _registry_lock:
         queue = _queues.pop(id(n.services), None)
     if queue is not None:
@@ -106,7 +109,7 @@ def at_boundary(epoch: Any, checkpoint: Callable[..., None], call: Call) -> Any:
     return hyper
 
 
-def _apply(queue: Commands, epoch, checkpoint: Callable[..., None]) -> None:
+def _apply(queue: Commands, epoch: Any, checkpoint: Callable[..., None]) -> None:
     n = epoch.n
     values, futures = queue.take()
     if values:

@@ -17,7 +17,7 @@ import tomllib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tomli_w
@@ -25,6 +25,9 @@ import tomli_w
 from jaxnitro.core.errors import ConfigError, did_you_mean
 from jaxnitro.experiment.markers import fields
 from jaxnitro.run import options
+
+if TYPE_CHECKING:
+    from jaxnitro.core.types import Experiment
 
 KEYS = ("target", "preset", "jaxnitro_version", "fields", "options")
 _SKIP = object()
@@ -62,7 +65,7 @@ def toml_value(value: Any) -> Any:
     return _SKIP
 
 
-def run_config(exp, given: Mapping[str, Any]) -> dict[str, Any]:
+def run_config(exp: Experiment, given: Mapping[str, Any]) -> dict[str, Any]:
     """The resolved config of `jn.Nitro(exp, **given)`: target, every field, every value
     option (keyword > field > default); values TOML cannot hold go to `not_written`."""
     raw = options.resolve(exp, given)

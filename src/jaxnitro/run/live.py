@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import numpy as np
 
@@ -11,8 +13,13 @@ from jaxnitro.experiment.markers import DEVICE, GRAPH, fields, replace
 from jaxnitro.run.setup import device_array
 from jaxnitro.train.history import History
 
+if TYPE_CHECKING:
+    from typing import Any
 
-def set_device(n, **values) -> None:
+    from jaxnitro.run.nitro import Nitro
+
+
+def set_device(n: Nitro, **values: Any) -> None:
     """Change Device fields of a live handle; no recompile.
 
     Example:
@@ -21,7 +28,7 @@ def set_device(n, **values) -> None:
     n._set_device(checked_device(n, values), replace(n.experiment, **values))
 
 
-def checked_device(n, values: dict) -> dict:
+def checked_device(n: Nitro, values: dict) -> dict:
     """The new Device values as the programs take them (arrays of the old shapes and dtypes);
     a ConfigError for a name that is no Device field or a value that would need a recompile.
     Changes nothing (`jn.RunHandle.set_device` checks at once and applies at a step boundary).
@@ -76,7 +83,7 @@ def checked_device(n, values: dict) -> dict:
     return new
 
 
-def device_value(n, name: str):
+def device_value(n: Nitro, name: str) -> Any:
     """The current host value of a Device field.
 
     Example:
@@ -93,7 +100,7 @@ def device_value(n, name: str):
     return arr.item() if arr.ndim == 0 else arr
 
 
-def request_stop(n) -> None:
+def request_stop(n: Nitro) -> None:
     """Ask a running `train` to stop after the current step (validates and checkpoints).
 
     Example:
@@ -102,7 +109,7 @@ def request_stop(n) -> None:
     n.services.control.request()
 
 
-def history(n) -> History:
+def history(n: Nitro) -> History:
     """A row per validation (epoch, step, val metrics; at an epoch's end also train_loss),
     best row by the checkpointer's metric.
 

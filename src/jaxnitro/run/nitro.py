@@ -1,6 +1,6 @@
 """`Nitro(exp, ...)`: the handle of one run, made of a few typed parts.
 
-- `spec` (`RunSpec`, frozen): everything setup decided (`run/setup.py` builds it).
+- `spec` (`RunSpec`, frozen): everything setup decided (`run/setup/` builds it).
 - the `TrainState` (params, model state, optimizer state, step, RNG), kept as its flat leaves
   because the train program takes them so;
 - `progress` (`Progress`, frozen): epoch, batch, step, history; the loop returns new ones;
@@ -19,7 +19,7 @@ import inspect
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -45,6 +45,18 @@ from jaxnitro.schedules import constant
 from jaxnitro.steps import population
 from jaxnitro.steps.state import TrainState
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from jax.sharding import Mesh
+
+    from jaxnitro.core.types import Experiment, Model, PyTree
+    from jaxnitro.observe.display import Display
+    from jaxnitro.observe.loggers.base import Logger
+    from jaxnitro.optim.groups import Optimizer
+    from jaxnitro.run.services import Checkpointer, Services
+    from jaxnitro.run.settings import Settings
+
 
 class Nitro:
     """The handle of one run. `Nitro(exp, ...)` runs setup only; see `jn.train`.
@@ -67,7 +79,7 @@ class Nitro:
         "_config",
     )
 
-    def __init__(self, exp, **given: Any):
+    def __init__(self, exp: Experiment, **given: Any) -> None:
         _check_arguments(exp, given)
         routes = hooks.check_hooks(type(exp))
         s = settings_mod.settings(exp, given)
@@ -118,16 +130,16 @@ class Nitro:
 
     # -- read-only views ------------------------------------------------------------------
     @property
-    def params(self):
+    def params(self) -> PyTree:
         return self.train_state.params
 
     @property
-    def state(self):
+    def state(self) -> PyTree:
         """The model state (batch statistics, RNG streams)."""
         return self.train_state.state
 
     @property
-    def opt_state(self):
+    def opt_state(self) -> PyTree:
         return self.train_state.opt_state
 
     @property
@@ -145,16 +157,16 @@ class Nitro:
         return self._spec.run_dir
 
     @property
-    def experiment(self):
+    def experiment(self) -> Experiment:
         """The experiment, with the current Device values."""
         return self._experiment
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> Optimizer:
         return self._spec.optimizer
 
     @property
-    def model(self):
+    def model(self) -> Model:
         return self._spec.model
 
     @property
@@ -164,7 +176,7 @@ class Nitro:
         return MappingProxyType(dict(self._spec.splits))
 
     @property
-    def mesh(self):
+    def mesh(self) -> Mesh:
         return self._spec.mesh
 
     @property
@@ -176,15 +188,15 @@ class Nitro:
         return self._spec.total_steps
 
     @property
-    def checkpointer(self):
+    def checkpointer(self) -> Checkpointer:
         return self.services.checkpointer
 
     @property
-    def logger(self):
+    def logger(self) -> Logger:
         return self.services.logger
 
     @property
-    def display(self):
+    def display(self) -> Display:
         return self.services.display
 
     @property
@@ -228,10 +240,11 @@ class Nitro:
         if progress is not None:
             self._progress = progress
 
-    def _set_device(self, values: dict[str, Any], experiment) -> None:
+    def _set_device(self, values: dict[str, Any], experiment: Experiment) -> None:
         """New Device values (checked by `jn.set_device`), and the experiment showing them."""
         merged = {**self._device.values, **values}
         spec = self._spec
+        base: Mapping[str, Any] | tuple[Mapping[str, Any], ...]
         if spec.population is None:
             base = spec.hyper.base(spec.optimizer, merged)
         else:  # (the values carry a member axis)
@@ -243,13 +256,13 @@ class Nitro:
         """steps_per_call="auto", measured: the steps per dispatch from now on."""
         self._spec = self._spec.replace(steps_per_call=steps, autotune=False)
 
-    def _set_active(self, active) -> None:
+    def _set_active(self, active: np.ndarray) -> None:
         """A population's members that still train (per-member early stopping)."""
         rep = self._spec.replicated
         self._device = dataclasses.replace(self._device, active=to_sharding(active, rep))
 
     @contextlib.contextmanager
-    def _compiling(self, kind: str, label: str):
+    def _compiling(self, kind: str, label: str) -> Iterator[Any]:
         """The Compiling phase (and the display) while XLA compiles; the phase before, after."""
         previous = self.phase
         set_phase(self, "Compiling", info={"program": kind, "label": label})
@@ -262,7 +275,7 @@ class Nitro:
                 set_phase(self, previous)
 
 
-def _check_arguments(exp, given: dict) -> None:
+def _check_arguments(exp: Experiment, given: dict) -> None:
     if not is_experiment(exp) or isinstance(exp, type):
         what = f"the class {exp.__name__}" if isinstance(exp, type) else type(exp).__name__
         raise ConfigError(
@@ -278,7 +291,7 @@ def _check_arguments(exp, given: dict) -> None:
         )
 
 
-def _log_terminated(services, s) -> None:
+def _log_terminated(services: Services | None, s: Settings) -> None:
     """SIGTERM during setup: a `finish` line (status preempted) if the run dir is free."""
     with contextlib.suppress(Exception):
         log = services.logger if services is not None else setup_mod.logger_of(s.logger)
@@ -305,7 +318,7 @@ Nitro.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
 Nitro.__doc__ = f"{Nitro.__doc__}\n{options.docstring()}\n"
 
 
-def member(n, i: int):
+def member(n: Nitro, i: int) -> Nitro:
     """A normal handle for member `i` of a population: its parameters, model and optimizer
     state, its seed and values; to predict, evaluate, export or serve (or train further).
 
@@ -327,7 +340,7 @@ def member(n, i: int):
         raise ConfigError(f"member {i!r}: the population has members 0..{pop.size - 1}.")
     spec = n.spec
     splits = dict(spec.splits)
-    if pop.own_data:
+    if pop.loaders is not None:  # own_data: each member's own train loader
         splits["train"] = pop.loaders[i]
     m = Nitro(
         replace(n.experiment, **pop.member_values(i)),
@@ -353,11 +366,13 @@ def member(n, i: int):
         rng=ts.rng[i],
         ema=population.take(ts.ema, i),  # (each member keeps its own average)
     )
-    m._commit(state=mine, progress=n.progress)
+    m._commit(state=mine, progress=n.progress.replace(early_stop=None))  # it has no rule
     return m
 
 
-def _member_schedules(spec, pop: population.Population, i: int, constant) -> dict:
+def _member_schedules(
+    spec: RunSpec, pop: population.Population, i: int, constant: Callable[..., Any]
+) -> dict:
     """The run's schedules as member i follows them (its own rates as constant multipliers
     of the group's rate), for a handle that trains on like the member."""
     out: dict[str, Any] = {}

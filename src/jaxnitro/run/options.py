@@ -17,12 +17,16 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxnitro.core.errors import MODES, ConfigError, check_int, did_you_mean
 from jaxnitro.core.units import parse_bytes
+
+if TYPE_CHECKING:
+    from jaxnitro.core.types import Experiment
+    from jaxnitro.dist.sharding.rules import Sharding
 
 
 def _same(value: Any) -> Any:
@@ -73,7 +77,7 @@ class Option:
 
 # -- checks ---------------------------------------------------------------------------------
 def _int(name: str, minimum: int) -> Callable[[Any], int]:
-    def check(value):
+    def check(value: Any) -> int:
         return check_int(
             name, value, minimum=minimum, fix=f"pass a whole number, e.g. {name}={max(minimum, 1)}"
         )
@@ -87,7 +91,7 @@ def _optional_int(name: str) -> Callable[[Any], int | None]:
 
 
 def _choice(name: str, options: dict[str, str]) -> Callable[[Any], str]:
-    def check(value):
+    def check(value: Any) -> Any:
         if value not in options:
             listed = " or ".join(f"{k!r} ({why})" for k, why in options.items())
             raise ConfigError(
@@ -99,7 +103,7 @@ def _choice(name: str, options: dict[str, str]) -> Callable[[Any], str]:
 
 
 def _path(name: str, *, optional: bool) -> Callable[[Any], Any]:
-    def check(value):
+    def check(value: Any) -> Path | None:
         if value is None and optional:
             return None
         if not isinstance(value, (str, os.PathLike)):
@@ -118,7 +122,7 @@ def _path(name: str, *, optional: bool) -> Callable[[Any], Any]:
 
 
 def _bool_or_none(name: str) -> Callable[[Any], bool | None]:
-    def check(value):
+    def check(value: Any) -> Any:
         if value is not None and not isinstance(value, bool):
             raise ConfigError(f"{name}={value!r}; use True, False or None (the default).")
         return value
@@ -126,7 +130,7 @@ def _bool_or_none(name: str) -> Callable[[Any], bool | None]:
     return check
 
 
-def _ema_decay(value) -> float | None:
+def _ema_decay(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
@@ -137,7 +141,7 @@ def _ema_decay(value) -> float | None:
     return float(value)
 
 
-def _ema_every(value) -> int:
+def _ema_every(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(
             f"ema_every={value!r}; pass a whole number of optimizer steps >= 1 between "
@@ -147,7 +151,7 @@ def _ema_every(value) -> int:
 
 
 def _strict_bool(name: str) -> Callable[[Any], bool]:
-    def check(value):
+    def check(value: Any) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{name}={value!r}; use True or False.")
         return value
@@ -155,7 +159,7 @@ def _strict_bool(name: str) -> Callable[[Any], bool]:
     return check
 
 
-def _ema_eval(value) -> bool | str:
+def _ema_eval(value: Any) -> bool | str:
     if value not in (True, False, "both") or (value != "both" and not isinstance(value, bool)):
         raise ConfigError(
             f"ema_eval={value!r}; use True (validate with the EMA weights), False (the raw "
@@ -168,13 +172,13 @@ def _ema_eval_text(text: str) -> bool | str:
     return "both" if text.strip().lower() == "both" else _bool(text)
 
 
-def _weights(value) -> str | None:
+def _weights(value: Any) -> str | None:
     from jaxnitro.steps.ema import weights_setting
 
     return weights_setting(value)
 
 
-def _show_curves(value) -> bool:
+def _show_curves(value: Any) -> bool:
     if value is None:
         from jaxnitro.observe.display import in_notebook
 
@@ -187,7 +191,7 @@ def _show_curves(value) -> bool:
     return value
 
 
-def _steps_per_call(value) -> int | str:
+def _steps_per_call(value: Any) -> int | str:
     if value == "auto":
         return value
     if isinstance(value, str):
@@ -198,12 +202,12 @@ def _steps_per_call(value) -> int | str:
     return _int("steps_per_call", 1)(value)
 
 
-def _bytes(value) -> int | None:
+def _bytes(value: Any) -> int | None:
     """Bytes as an int, or a string such as "1GB", "512MiB", "1.5 GiB"."""
     return None if value is None else parse_bytes("memory_budget", value, error=ConfigError)
 
 
-def _minutes(value) -> float | None:
+def _minutes(value: Any) -> float | None:
     if value is not None and (
         isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
     ):
@@ -214,7 +218,7 @@ def _minutes(value) -> float | None:
     return value
 
 
-def _peak_tflops(value) -> float | None:
+def _peak_tflops(value: Any) -> float | None:
     if value is not None and (
         isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
     ):
@@ -225,7 +229,7 @@ def _peak_tflops(value) -> float | None:
     return None if value is None else float(value)
 
 
-def _profile(value) -> tuple[int, int] | None:
+def _profile(value: Any) -> tuple[int, int] | None:
     """`profile=`: None, (start_step, end_step) or the text 'START:END'."""
     if value is None:
         return None
@@ -244,7 +248,7 @@ def _profile(value) -> tuple[int, int] | None:
     return start, end
 
 
-def _progress(value):
+def _progress(value: Any) -> Any:
     if not (value is None or isinstance(value, bool) or value in ("rich", "plain", "off")):
         raise ConfigError(
             f"progress={value!r}; use True (a live display on a terminal, plain lines "
@@ -254,7 +258,7 @@ def _progress(value):
     return value
 
 
-def _compile_options(value) -> dict:
+def _compile_options(value: Any) -> dict:
     if value is not None and not isinstance(value, Mapping):
         raise ConfigError(
             f"compile_options must be a dict of XLA options, got {type(value).__name__}; e.g. "
@@ -270,25 +274,25 @@ def _compile_options(value) -> dict:
     return options
 
 
-def _sharding(value):
+def _sharding(value: Any) -> Sharding:
     from jaxnitro.dist.sharding import resolve
 
     return resolve(value)
 
 
-def _remat(value):
+def _remat(value: Any) -> Any:
     from jaxnitro.experiment.remat import check
 
     return check(value, "full")[0]
 
 
-def _remat_policy(value):
+def _remat_policy(value: Any) -> Any:
     from jaxnitro.experiment.remat import check
 
     return check(None, value)[1]
 
 
-def _population(value) -> int | dict | None:
+def _population(value: Any) -> int | dict | None:
     """`population=`: None, a member count >= 1, or {field: [values]} (checked at setup)."""
     if value is None:
         return None
@@ -306,7 +310,7 @@ def _population(value) -> int | dict | None:
     return int(value)
 
 
-def _data_on_device(value):
+def _data_on_device(value: Any) -> Any:
     if value is not None and not isinstance(value, bool):
         raise ConfigError(
             f"data_on_device={value!r}; use None (the default: keep the train arrays on the "
@@ -315,7 +319,7 @@ def _data_on_device(value):
     return value
 
 
-def _resume(value):
+def _resume(value: Any) -> Any:
     if value is None:
         return False
     if isinstance(value, bool) or value == "auto":
@@ -338,7 +342,7 @@ LOGGERS = {
 }
 
 
-def _logger(value):
+def _logger(value: Any) -> Any:
     """A string or list of names ("jsonl,csv") becomes those loggers; any other value is
     checked at setup (None: the default JSONLogger, False: none, a logger or list of them)."""
     if isinstance(value, str):
@@ -363,7 +367,7 @@ def _logger(value):
     return value
 
 
-def _early_stop(value):
+def _early_stop(value: Any) -> Any:
     """ "METRIC:PATIENCE[:min|max]" becomes a `jn.EarlyStopping`; other values pass."""
     if not isinstance(value, str):
         return value
@@ -773,7 +777,7 @@ def lookup(name: str, *, where: str) -> Option:
         ) from None
 
 
-def resolve(exp, given: Mapping[str, Any]) -> dict[str, Any]:
+def resolve(exp: Experiment, given: Mapping[str, Any]) -> dict[str, Any]:
     """Each option as given: keyword > experiment field of the same name > default (a keyword
     of None counts as not given)."""
     out = {}
@@ -785,7 +789,7 @@ def resolve(exp, given: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def checked(exp, given: Mapping[str, Any]) -> dict[str, Any]:
+def checked(exp: Experiment, given: Mapping[str, Any]) -> dict[str, Any]:
     """The resolved options, each checked; a bad field value names the field."""
     raw, out = resolve(exp, given), {}
     for o in OPTIONS:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxnitro.train.early_stop import StopState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +33,9 @@ class Progress:
     step: int = 0
     skipped_steps: int = 0
     history: tuple[Mapping[str, Any], ...] = ()
-    early_stop: Mapping[str, Any] | None = None
+    #: early stopping's counters (one per member of a population; `EarlyStopConfig.advance`
+    #: steps them), or None when the run has no early stopping
+    early_stop: StopState | None = None
     first_epoch_batches: int | None = None
     #: a stream's iterator state after the last batch trained on (grain; JSON), or None
     data_state: Mapping[str, Any] | None = None
@@ -38,7 +43,7 @@ class Progress:
     #: mid-epoch reports the whole epoch's mean, not only the steps after it
     epoch_loss: tuple[float, int] = (0.0, 0)
 
-    def replace(self, **changes) -> Progress:
+    def replace(self, **changes: Any) -> Progress:
         return dataclasses.replace(self, **changes)
 
     def advance(self, *, steps: int, batches: int) -> Progress:

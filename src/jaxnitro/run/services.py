@@ -6,33 +6,74 @@ takes the lock, opens the logger, logs the params line once per handle and a res
 once, and closes the logger when the outermost session ends. Setup writes nothing.
 
 `checkpointer=False` gives a `NoCheckpointer` and `logger=False` a `NullLogger`: the driver
-calls them as it would the real ones.
+calls them as it would the real ones. What the run calls on them is written down as
+`typing.Protocol`s: `Checkpointer` here, `jn.Logger` in `observe/loggers/base.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from jaxnitro.checkpoint.runlock import RunLock
 from jaxnitro.core.errors import CheckpointError, warn_user
 from jaxnitro.observe.events.phases import PhaseTracker
 from jaxnitro.observe.events.signals import StopControl
+from jaxnitro.observe.loggers.base import Logger
+
+if TYPE_CHECKING:
+    from jaxnitro.observe.display import Display
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    """What a run calls on its checkpointer: `jn.TopKCheckpointer`, or `NoCheckpointer`
+    (`checkpointer=False`).
+
+    `metric` and `mode` rank the checkpoints (setup may pick the metric when the user named
+    none); `dir` is None until `bind` picks one; `for_run` limits retention to one run's
+    checkpoints.
+    """
+
+    metric: str
+    mode: str
+    k: int
+    dir: Path | None
+    run_id: str | None
+
+    def bind(self, run_dir: str | os.PathLike, *, writer: bool = True) -> None: ...
+    def for_run(self, run_id: str | None) -> None: ...
+    def save(
+        self,
+        *,
+        epoch: int,
+        step: int,
+        metrics: dict[str, float],
+        trees: dict[str, Any],
+        meta: dict,
+        background: bool = False,
+    ) -> Path | None: ...
+    def wait(self) -> None: ...
+    def records(self) -> list[dict]: ...
+    def latest(self) -> Path | None: ...
+    def latest_valid(self, *, quarantine: bool = True) -> Path | None: ...
+    def best(self) -> Path | None: ...
 
 
 class NoCheckpointer:
     """`checkpointer=False`: no checkpoint is written; nothing can be resumed from one."""
 
-    def __init__(self, metric: str = "val_loss", mode: str = "min"):
+    def __init__(self, metric: str = "val_loss", mode: str = "min") -> None:
         self.metric, self.mode, self.k = metric, mode, 0
         self.dir: Path | None = None
         self.run_id: str | None = None
 
-    def bind(self, run_dir, *, writer: bool = True) -> None:
+    def bind(self, run_dir: str | os.PathLike, *, writer: bool = True) -> None:
         pass
 
     def for_run(self, run_id: str | None) -> None:
@@ -40,6 +81,9 @@ class NoCheckpointer:
 
     def save(self, **_: Any) -> None:
         return None
+
+    def wait(self) -> None:
+        pass
 
     def records(self) -> list[dict]:
         return []
@@ -64,9 +108,9 @@ class Services:
         resume_path: the checkpoint the run resumed from (a marker line is logged once).
     """
 
-    logger: Any
-    checkpointer: Any
-    display: Any
+    logger: Logger
+    checkpointer: Checkpointer
+    display: Display
     lock: RunLock
     run_dir: Path
     params_line: dict
@@ -142,7 +186,9 @@ class Services:
             self.logger.log_other(values)
 
 
-def make_checkpointer(value, *, default) -> tuple[Any, bool]:
+def make_checkpointer(
+    value: Any, *, default: Callable[[], Checkpointer]
+) -> tuple[Checkpointer, bool]:
     """(checkpointer, named by the user): None → `default()`, False → a `NoCheckpointer`."""
     from jaxnitro.checkpoint.store import TopKCheckpointer
     from jaxnitro.core.errors import ConfigError
@@ -159,7 +205,7 @@ def make_checkpointer(value, *, default) -> tuple[Any, bool]:
     return value, True
 
 
-def check_resumable(checkpointer, resume) -> None:
+def check_resumable(checkpointer: Checkpointer, resume: Any) -> None:
     if isinstance(checkpointer, NoCheckpointer) and resume in (True, "auto"):
         raise CheckpointError(
             f"resume={resume!r} needs checkpoints, but checkpointer=False writes none. Pass a "

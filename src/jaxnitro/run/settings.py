@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxnitro.run import options
+
+if TYPE_CHECKING:
+    from jaxnitro.core.types import Experiment
 
 
 class Settings:
@@ -23,7 +26,7 @@ class Settings:
 
     __slots__ = ("_values",)
 
-    def __init__(self, values: Mapping[str, Any]):
+    def __init__(self, values: Mapping[str, Any]) -> None:
         object.__setattr__(self, "_values", MappingProxyType(dict(values)))
 
     def __getattr__(self, name: str) -> Any:
@@ -39,7 +42,7 @@ class Settings:
         return dict(self._values)
 
 
-def settings(exp, given: Mapping[str, Any]) -> Settings:
+def settings(exp: Experiment, given: Mapping[str, Any]) -> Settings:
     """Validate the keywords of `jn.Nitro(exp, **given)` against the experiment's fields."""
     cls = type(exp)
     values = options.checked(exp, given)
@@ -51,6 +54,6 @@ def settings(exp, given: Mapping[str, Any]) -> Settings:
     return Settings(values)
 
 
-def max_epochs(value) -> int:
+def max_epochs(value: Any) -> int:
     """A new `max_epochs` for a live handle (to train further)."""
     return options.BY_NAME["max_epochs"].check(value)

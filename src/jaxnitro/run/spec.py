@@ -1,6 +1,6 @@
 """`RunSpec`: everything setup decides about a run, frozen.
 
-Setup (`run/setup.py`) builds one; the program builders (`compile/programs.py`), the feed, the loop
+Setup (`run/setup/`) builds one; the program builders (`compile/programs.py`), the feed, the loop
 and the checkpoint writer read it and never change it. Only `max_epochs` (a handle setting a
 user may raise to train further) and the Device values of `jn.set_device` change after setup,
 each by replacing the part that holds them.
@@ -11,7 +11,25 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from jaxnitro.core.types import Experiment, Model, Source
+
+if TYPE_CHECKING:
+    from jaxnitro.data.device_batches import DeviceBatches
+    from jaxnitro.dist.sharding.rules import Sharding
+    from jaxnitro.experiment.hooks import Route
+    from jaxnitro.experiment.remat import RematPlan
+    from jaxnitro.optim.groups import Optimizer, Schedules
+    from jaxnitro.optim.hyper import HyperLayout
+    from jaxnitro.run.setup.data import Dist
+    from jaxnitro.steps.ema import Ema
+    from jaxnitro.steps.population import Population
+    from jaxnitro.train.early_stop import EarlyStopConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,23 +63,23 @@ class RunSpec:
     """
 
     # the experiment and its routing
-    experiment: Any  # after `derive`; Device values live in the handle's `DeviceValues`
-    cls: type
-    routes: Mapping[str, Any]
+    experiment: Experiment  # after `derive`; Device values live in the handle's `DeviceValues`
+    cls: type[Experiment]
+    routes: Mapping[str, Route]
     # data
-    splits: Mapping[str, Any]
+    splits: Mapping[str, Source]
     split_specs: Mapping[str, SplitSpec]
-    dist: Any
+    dist: Dist
     # the model and where it runs
-    model: Any
-    mesh: Any
-    replicated: Any
-    batch_sharding: Any
+    model: Model
+    mesh: Mesh
+    replicated: NamedSharding
+    batch_sharding: NamedSharding
     direct_feed: bool  # one CPU device: programs take numpy batches (no transfer)
     # optimization
-    optimizer: Any  # optim.Optimizer
-    hyper: Any  # hyper.HyperLayout
-    schedules: Any  # optim.Schedules
+    optimizer: Optimizer
+    hyper: HyperLayout
+    schedules: Schedules
     steps_per_epoch: int | None
     total_steps: int
     # options
@@ -77,36 +95,36 @@ class RunSpec:
     log_grad_norm: bool = False
     compile_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     memory_budget: int | None = None
-    sharding: Any = None  # sharding.Sharding: the mesh axes, rules, FSDP
-    remat: Any = None  # remat.RematPlan: blocks recomputed in the backward pass
+    sharding: Sharding | None = None  # the mesh axes, rules, FSDP
+    remat: RematPlan | None = None  # blocks recomputed in the backward pass
     val_every: int | None = None
     checkpoint_every: int | None = None
     checkpoint_every_minutes: float | None = None
     peak_tflops: float | None = None  # the device's peak for mfu (None: the known table's)
     profile: tuple[int, int] | None = None  # steps traced by jax.profiler (observe/profile.py)
-    early_stop: Any = None
+    early_stop: EarlyStopConfig | None = None  # the rule; its counters are in `Progress`
     show_curves: bool = False  # the curves shown inline when train returns (a notebook)
     resume_path: Path | None = None
     weights_path: Path | None = None  # checkpoint=: the weights were loaded from there
     resumed_total_steps: int | None = None
-    population: Any = None  # population.Population: members trained in one program
-    ema: Any = None  # ema.Ema: the weight average kept in TrainState.ema, or None (off)
+    population: Population | None = None  # members trained in one program
+    ema: Ema | None = None  # the weight average kept in TrainState.ema, or None (off)
     # The train split's arrays on the device ({field: array}); the train program gathers each
     # batch's rows from them (only the row indices are sent per step). None: batches are sent.
-    resident: Mapping[str, Any] | None = None
+    resident: Mapping[str, jax.Array] | None = None
     # An in-order train split's batches, cut once and kept on the device (device_batches.py):
     # the program takes each as it is. None: gathered (`resident`) or sent.
-    device_batches: Any = None
+    device_batches: DeviceBatches | None = None
 
     @property
     def n_devices(self) -> int:
         return int(self.mesh.size)
 
     @property
-    def tx(self):
+    def tx(self) -> optax.GradientTransformation:
         return self.optimizer.tx
 
-    def replace(self, **changes) -> RunSpec:
+    def replace(self, **changes: Any) -> RunSpec:
         return dataclasses.replace(self, **changes)
 
 
@@ -116,9 +134,10 @@ class DeviceValues:
     program) and the unscheduled per-step hyperparameters packed from them and the optimizer.
     `jn.set_device` replaces it; nothing recompiles."""
 
-    values: Mapping[str, Any]
-    hyper_base: Any  # {slot: value}; for a population, a tuple of one such dict per member
-    active: Any = None  # a population with early stopping: which members still train
+    values: Mapping[str, jax.Array]
+    # {slot: value}; for a population, a tuple of one such dict per member
+    hyper_base: Mapping[str, Any] | tuple[Mapping[str, Any], ...]
+    active: jax.Array | None = None  # a population with early stopping: which members still train
 
     @property
     def extras(self) -> dict:

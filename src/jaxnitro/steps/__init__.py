@@ -4,5 +4,6 @@ helpers (`custom`), populations under `vmap` (`population`), exact (sum, count) 
 (`metrics`).
 
 It may import `core`, `experiment`, `compile` (the low-level step's program cache) and `data`
-(a population's per-member loaders).
+(a population's per-member loaders); and, in annotations only (under `TYPE_CHECKING`), `run`'s
+`Nitro` and `RunSpec`.
 """

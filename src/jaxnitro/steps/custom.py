@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,11 @@ import optax
 
 from jaxnitro.core.errors import HookError, did_you_mean
 from jaxnitro.steps.step import kept_if, step_inputs
+
+if TYPE_CHECKING:
+    from jaxnitro.core.types import Batch, PyTree
+    from jaxnitro.steps.state import TrainState
+    from jaxnitro.steps.step import StepFn
 
 __all__ = ["group_grad", "optimizer_step"]
 
@@ -79,7 +84,7 @@ def _tools(helper: str, group: str) -> Tools:
     return tools
 
 
-def _in_group(labels, group: str, tree, other: Callable[[Any], Any]):
+def _in_group(labels: Any, group: str, tree: PyTree, other: Callable[[Any], Any]) -> PyTree:
     """`tree` with the leaves outside `group` replaced by `other(leaf)` (a static choice, so
     XLA drops the work that produced them)."""
     try:
@@ -91,7 +96,9 @@ def _in_group(labels, group: str, tree, other: Callable[[Any], Any]):
         ) from e
 
 
-def group_grad(fn: Callable[..., Any], params, group: str, *args, has_aux: bool = False):
+def group_grad(
+    fn: Callable[..., Any], params: PyTree, group: str, *args: Any, has_aux: bool = False
+) -> tuple[Any, PyTree]:
     """`fn(params, *args)` and its gradient with respect to the parameters of one group.
 
     The other groups' parameters are constants of the differentiation (their entries in the
@@ -115,7 +122,7 @@ def group_grad(fn: Callable[..., Any], params, group: str, *args, has_aux: bool 
     tools = _tools("group_grad", group)
     frozen = _in_group(tools.labels, group, params, jax.lax.stop_gradient)
 
-    def of_group(p):
+    def of_group(p: Any) -> Any:
         whole = jax.tree.map(
             lambda lab, own, fixed: own if lab == group else fixed, tools.labels, p, frozen
         )
@@ -125,7 +132,9 @@ def group_grad(fn: Callable[..., Any], params, group: str, *args, has_aux: bool 
     return value, _in_group(tools.labels, group, grads, jnp.zeros_like)
 
 
-def optimizer_step(group: str, params, opt_state: Mapping[str, Any], grads):
+def optimizer_step(
+    group: str, params: PyTree, opt_state: Mapping[str, Any], grads: Any
+) -> tuple[PyTree, dict[str, Any]]:
     """Apply one group's optimizer to that group's parameters; the others are untouched.
 
     Args:
@@ -155,12 +164,12 @@ def optimizer_step(group: str, params, opt_state: Mapping[str, Any], grads):
 
 
 # -- the step built around the hook ---------------------------------------------------------
-def _short(treedef, limit: int = 300) -> str:
+def _short(treedef: jax.tree_util.PyTreeDef, limit: int = 300) -> str:
     text = str(treedef)
     return text if len(text) <= limit else text[:limit] + " …"
 
 
-def _same(what: str, got, like, others: Mapping[str, Any]) -> None:
+def _same(what: str, got: Any, like: Any, others: Mapping[str, Any]) -> None:
     """`got` has the structure, shapes and dtypes of `like` (a step changes values only);
     `others` are the other trees received, to name a result returned in the wrong place."""
     treedef: Any = jax.tree.structure(got)  # (PyTreeDef's == is untyped in jaxlib's stubs)
@@ -188,7 +197,7 @@ def _same(what: str, got, like, others: Mapping[str, Any]) -> None:
             )
 
 
-def _metrics(got) -> dict[str, jax.Array]:
+def _metrics(got: Any) -> dict[str, jax.Array]:
     if not isinstance(got, Mapping) or not all(isinstance(k, str) for k in got):
         raise HookError(
             f"train_step's fourth result must be a dict name -> scalar metric (e.g. "
@@ -211,7 +220,9 @@ def _metrics(got) -> dict[str, jax.Array]:
     return out
 
 
-def checked(result, params, opt_state, state):
+def checked(
+    result: Any, params: PyTree, opt_state: PyTree, state: PyTree
+) -> tuple[PyTree, PyTree, PyTree, dict[str, Any]]:
     """The hook's result as (params, opt_state, state, metrics), or an error naming what is
     missing or misshapen."""
     names = "(params, opt_state, state, metrics)"
@@ -233,10 +244,10 @@ def make_custom_step(
     user_step: Callable,
     tools: Tools,
     *,
-    write_hyper=None,
-    unpack_hyper=None,
+    write_hyper: Callable[..., Any] | None = None,
+    unpack_hyper: Callable[..., Any] | None = None,
     skip_nonfinite: bool = False,
-):
+) -> StepFn:
     """One optimizer step of a custom `train_step`: `(ts, batch, extras, hyper) -> (ts, out)`.
 
     `user_step(params, opt_state, state, rng, batch, extras)` calls the hook. Scheduled
@@ -244,7 +255,9 @@ def make_custom_step(
     `skip_nonfinite`, a step whose metrics are not all finite leaves the state untouched.
     """
 
-    def one_step(ts, batch, extras, hyper):
+    def one_step(
+        ts: TrainState, batch: Batch, extras: dict[str, Any], hyper: Any
+    ) -> tuple[TrainState, Any]:
         rng, extras, opt_state = step_inputs(ts, extras, hyper, unpack_hyper, write_hyper)
         with active(tools):
             result = user_step(ts.params, opt_state, ts.state, rng, batch, extras)

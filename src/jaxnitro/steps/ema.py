@@ -10,12 +10,18 @@ the ramp, the cadence and whether model state is averaged are part of the progra
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxnitro.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jaxnitro.core.types import Batch, PyTree
+    from jaxnitro.run.nitro import Nitro
+    from jaxnitro.steps.state import TrainState
+    from jaxnitro.steps.step import StepFn
 
 WEIGHTS = ("ema", "raw")
 
@@ -60,7 +66,7 @@ class Ema:
         return "raw" if self.eval is False else "ema"
 
 
-def setting(decay, warmup, every, state, eval_) -> Ema | None:
+def setting(decay: Any, warmup: Any, every: Any, state: PyTree, eval_: Any) -> Ema | None:
     """Validate `Nitro(ema=..., ema_warmup=..., ema_every=..., ema_state=..., ema_eval=...)`."""
     if decay is None:
         given = {
@@ -103,7 +109,7 @@ def setting(decay, warmup, every, state, eval_) -> Ema | None:
     )
 
 
-def weights_setting(value) -> str | None:
+def weights_setting(value: Any) -> str | None:
     """`weights=` of predict, evaluate, export_model and `Nitro(checkpoint=...)`."""
     if value not in (None, *WEIGHTS):
         raise ConfigError(
@@ -113,11 +119,11 @@ def weights_setting(value) -> str | None:
     return value
 
 
-def f32(x):
+def f32(x: Any) -> Any:
     return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
-def init(ema: Ema, params, state, step) -> dict:
+def init(ema: Ema, params: PyTree, state: PyTree, step: Any) -> dict:
     """A fresh average: f32 copies of the params (and the model state when it is averaged),
     on the same devices and shardings, and the decay (one per member: the step's shape)."""
     trees = {"params": params, **({"state": state} if ema.state else {})}
@@ -133,12 +139,14 @@ def with_decay(tree: dict, ema: Ema) -> dict:
     return {**tree, "decay": jax.device_put(jnp.full(d.shape, ema.decay, jnp.float32), d.sharding)}
 
 
-def averaging(one, ema: Ema):
+def averaging(one: Any, ema: Ema) -> StepFn:
     """Wrap one optimizer step `(ts, batch, extras, hyper) -> (ts, out)` so it updates the
     average from the step's new params: built-in and custom steps alike. A skipped step
     (`on_nonfinite="skip"`) leaves the average as it was."""
 
-    def step(ts, batch, extras, hyper):
+    def step(
+        ts: TrainState, batch: Batch, extras: dict[str, Any], hyper: Any
+    ) -> tuple[TrainState, Any]:
         new, out = one(ts, batch, extras, hyper)
         avg = ts.ema
         decay = avg["decay"]
@@ -162,8 +170,8 @@ def averaging(one, ema: Ema):
     return step
 
 
-def _moved(avg, current, decay, keep):
-    def one(a, x):
+def _moved(avg: Any, current: Any, decay: Any, keep: Any) -> PyTree:
+    def one(a: Any, x: Any) -> jax.Array:
         if not jnp.issubdtype(a.dtype, jnp.floating):  # counters and the like: copied
             nxt = x.astype(a.dtype)
         else:
@@ -173,7 +181,7 @@ def _moved(avg, current, decay, keep):
     return jax.tree.map(one, avg, current)
 
 
-def pick(n, weights: str | None) -> tuple[Any, Any]:
+def pick(n: Nitro, weights: str | None) -> tuple[Any, Any]:
     """(params, model state) of the run for `weights` ("ema", "raw", or None: what
     validation used), cast back to the params' dtypes for the eval and predict programs."""
     weights = weights_setting(weights)
@@ -191,7 +199,7 @@ def pick(n, weights: str | None) -> tuple[Any, Any]:
     return as_model(ts.ema, ts.params, ts.state)
 
 
-def as_model(avg: dict, params, state) -> tuple[Any, Any]:
+def as_model(avg: dict, params: PyTree, state: PyTree) -> tuple[Any, Any]:
     """The average as (params, model state) in the dtypes of the model's own trees."""
     p = jax.tree.map(lambda a, x: a.astype(x.dtype), avg["params"], params)
     s = state

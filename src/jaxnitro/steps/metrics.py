@@ -7,7 +7,7 @@ inside the compiled eval step, so a whole split costs one read-back.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +15,11 @@ import numpy as np
 
 from jaxnitro.core.errors import MetricsError
 
+if TYPE_CHECKING:
+    from jaxnitro.core.types import Batch, PyTree
 
-def _describe(value) -> str:
+
+def _describe(value: Any) -> str:
     """'an array of shape (32,) (float32)' for arrays and tracers, else the type name."""
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
     if shape is not None and dtype is not None:
@@ -24,7 +27,7 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
-def _numeric(hook: str, name: str, part: str, value):
+def _numeric(hook: str, name: str, part: str, value: Any) -> jax.Array:
     try:
         arr = jnp.asarray(value)
     except (TypeError, ValueError):
@@ -37,7 +40,7 @@ def _numeric(hook: str, name: str, part: str, value):
     return arr
 
 
-def normalize(out, hook: str = "metrics") -> dict[str, tuple[Any, Any]]:
+def normalize(out: Any, hook: str = "metrics") -> dict[str, tuple[Any, Any]]:
     """Check a metrics hook's result and return {name: (sum, count or None)} as arrays."""
     if not isinstance(out, Mapping):
         raise MetricsError(
@@ -76,19 +79,19 @@ def normalize(out, hook: str = "metrics") -> dict[str, tuple[Any, Any]]:
     return result
 
 
-def _widen(x):
+def _widen(x: Any) -> jax.Array:
     # Sums over a whole split: integers in int32 stay exact; floats accumulate in float32.
     if jnp.issubdtype(x.dtype, jnp.bool_):
         return x.astype(jnp.int32)
     return x
 
 
-def zeros_like_totals(shapes) -> dict:
+def zeros_like_totals(shapes: Any) -> dict:
     """Zero totals with the structure of `normalize`'s output (from `jax.eval_shape`)."""
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def add(totals, batch):
+def add(totals: Any, batch: Batch) -> PyTree:
     """Add one batch's (sum, count) pairs into running totals, inside the compiled step."""
     return jax.tree.map(lambda a, b: a + b.astype(a.dtype), totals, batch)
 
@@ -111,6 +114,6 @@ def finalize(totals: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
     return values
 
 
-def _scalar(x):
+def _scalar(x: Any) -> Any:
     x = np.asarray(x)
     return float(x) if x.ndim == 0 else x

@@ -20,7 +20,7 @@ import copy
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,12 @@ import numpy as np
 
 from jaxnitro.core.errors import ConfigError, did_you_mean
 from jaxnitro.experiment.markers import DEVICE
+
+if TYPE_CHECKING:
+    from jaxnitro.core.types import PyTree, Source
+    from jaxnitro.optim.groups import Optimizer, Schedules
+    from jaxnitro.optim.hyper import HyperLayout
+    from jaxnitro.run.nitro import Nitro
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +74,9 @@ class Population:
         return (self.size, self.own_data)
 
 
-def resolve(setting, *, seed: int, device_fields: Mapping[str, str], rate_keys) -> Population:
+def resolve(
+    setting: Any, *, seed: int, device_fields: Mapping[str, str], rate_keys: Any
+) -> Population:
     """The members of `setting` (as `options` checked it) for a run with this seed.
 
     Args:
@@ -124,22 +132,22 @@ def resolve(setting, *, seed: int, device_fields: Mapping[str, str], rate_keys) 
 
 
 # -- trees with a member axis ----------------------------------------------------------------
-def stack(trees: Sequence[Any]):
+def stack(trees: Sequence[Any]) -> PyTree:
     """One tree whose leaves stack the members' leaves on a new leading axis."""
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def broadcast(tree, size: int):
+def broadcast(tree: PyTree, size: int) -> PyTree:
     """`tree` repeated for `size` members (a leading axis)."""
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (size, *jnp.shape(x))), tree)
 
 
-def take(tree, i: int):
+def take(tree: PyTree, i: int) -> PyTree:
     """Member i's slice of a tree with a member axis."""
     return jax.tree.map(lambda x: x[i], tree)
 
 
-def with_run(pop: Population, loader, run_seed: int, schedules) -> Population:
+def with_run(pop: Population, loader: Source, run_seed: int, schedules: Schedules) -> Population:
     """`pop` with each member's train loader and schedules.
 
     Members draw their own train order when their seeds differ and the train split is a
@@ -186,7 +194,9 @@ def with_run(pop: Population, loader, run_seed: int, schedules) -> Population:
     )
 
 
-def member_bases(pop: Population, layout, optimizer, stacked: Mapping[str, Any]) -> tuple:
+def member_bases(
+    pop: Population, layout: HyperLayout, optimizer: Optimizer, stacked: Mapping[str, Any]
+) -> tuple:
     """Each member's unscheduled per-step hyperparameters: from its Device values (`stacked`
     holds them with a member axis) and its learning rates."""
     bases = []
@@ -198,7 +208,7 @@ def member_bases(pop: Population, layout, optimizer, stacked: Mapping[str, Any])
 
 
 # -- metrics of the members --------------------------------------------------------------
-def member_metrics(values: Sequence[Mapping[str, Any]], *, metric: str | None, mode: str):
+def member_metrics(values: Sequence[Mapping[str, Any]], *, metric: str | None, mode: str) -> Any:
     """Every member's scalar metrics as `name/i`, and the best member's under their names
     (best by `metric` and `mode`; a member without a finite value never wins)."""
     best = best_member(values, metric=metric, mode=mode)
@@ -228,12 +238,14 @@ def best_member(values: Sequence[Mapping[str, Any]], *, metric: str | None, mode
     return (min(scored) if mode == "min" else max(scored, key=lambda s: (s[0], -s[1])))[1]
 
 
-def ranked(pop: Population, rows: Sequence[Mapping[str, Any]], *, metric, mode):
+def ranked(
+    pop: Population, rows: Sequence[Mapping[str, Any]], *, metric: Any, mode: Any
+) -> list[dict[str, Any]]:
     """The members best first (by the checkpointer's metric), each with its values."""
     out = [{**pop.describe(i), **dict(rows[i])} for i in range(pop.size)]
     key_metric = metric if metric is not None else "val_loss"
 
-    def score(row):
+    def score(row: Any) -> float:
         v = row.get(key_metric)
         if not isinstance(v, (int, float)) or not math.isfinite(float(v)):
             return math.inf
@@ -243,7 +255,7 @@ def ranked(pop: Population, rows: Sequence[Mapping[str, Any]], *, metric, mode):
 
 
 # -- one member as a normal handle ----------------------------------------------------------
-def refuse(n, what: str) -> None:
+def refuse(n: Nitro, what: str) -> None:
     """`what` works on one model: a population handle says how to pick a member."""
     pop = n.spec.population
     if pop is not None:
@@ -252,49 +264,3 @@ def refuse(n, what: str) -> None:
             f"Pick a member: jn.{what.removeprefix('jn.')}(jn.member(n, i), ...) (jn.train(n)"
             f".members ranks them, best first)."
         )
-
-
-# -- early stopping per member --------------------------------------------------------------
-class MemberStopping:
-    """Early stopping for each member: a member whose metric stops improving is frozen (its
-    updates are dropped in the program; the others train on), and the run stops when every
-    member has stopped. It has `jn.EarlyStopping`'s interface, so the loop treats it as one.
-    """
-
-    def __init__(self, template, size: int):
-        self.template = template
-        self.metric, self.mode = template.metric, template.mode
-        self.members = [copy.deepcopy(template) for _ in range(size)]
-        for es in self.members:
-            es.reset()
-
-    def check_metric(self, available, *, has_val: bool = True) -> None:
-        self.template.check_metric(available, has_val=has_val)
-
-    def active(self) -> np.ndarray:
-        """Which members still train (a (members,) bool vector, an input of the program)."""
-        return np.array([not es.should_stop for es in self.members])
-
-    def update(self, epoch: int, metrics: Mapping[str, Any]) -> bool:
-        """Each member's epoch from its `name/i` metrics; True once every member stopped."""
-        for i, es in enumerate(self.members):
-            if es.should_stop:
-                continue
-            es.update(epoch, {**metrics, self.metric: metrics.get(f"{self.metric}/{i}")})
-        return bool(all(es.should_stop for es in self.members))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"members": [es.state_dict() for es in self.members]}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        saved = state.get("members") if isinstance(state, Mapping) else None
-        if not isinstance(saved, list) or len(saved) != len(self.members):
-            raise ConfigError(
-                f"cannot restore per-member early stopping from {state!r}: the checkpoint was "
-                f"not written by a population of {len(self.members)} with early stopping."
-            )
-        for es, s in zip(self.members, saved, strict=True):
-            es.load_state_dict(s)
-
-    def __repr__(self) -> str:
-        return f"MemberStopping({self.template!r}, members={len(self.members)})"

@@ -21,6 +21,12 @@ from jaxnitro.core.errors import ConfigArgumentError, HookError
 from jaxnitro.experiment import models
 from jaxnitro.steps.step import make_train_step, scalar_loss
 
+if TYPE_CHECKING:
+    import types
+    from collections.abc import Callable
+
+    from jaxnitro.core.types import Batch, Model, PyTree
+
 
 def default_optimizer(learning_rate: float = 1e-3) -> optax.GradientTransformation:
     """RAdam with its learning rate held in the optimizer state (a traced, strong f32)."""
@@ -50,9 +56,9 @@ class TrainState:
     @classmethod
     def create(
         cls,
-        model,
-        params,
-        state=None,
+        model: Model,
+        params: PyTree,
+        state: PyTree = None,
         tx: optax.GradientTransformation | None = None,
         *,
         seed: int = 0,
@@ -75,7 +81,7 @@ class TrainState:
             tx=tx,
         )
 
-    def replace(self, **changes) -> TrainState:
+    def replace(self, **changes: Any) -> TrainState:
         return dataclasses.replace(self, **changes)
 
     def __getstate__(self) -> dict:
@@ -105,7 +111,13 @@ _ARRAY_FIELDS = ("params", "state", "opt_state", "step", "rng")
 _materializing = threading.Lock()
 
 
-def _unread_state(model, tx, leaves, treedef, program: _Fast) -> TrainState:
+def _unread_state(
+    model: Model,
+    tx: optax.GradientTransformation,
+    leaves: Any,
+    treedef: jax.tree_util.PyTreeDef,
+    program: _Fast,
+) -> TrainState:
     """A `TrainState` that holds its leaves unflattened until a field is first read.
 
     A training loop passes each returned state straight back to `train_step` and reads a
@@ -120,7 +132,7 @@ def _unread_state(model, tx, leaves, treedef, program: _Fast) -> TrainState:
     return ts
 
 
-def _split_loss_output(out):
+def _split_loss_output(out: Any) -> tuple[Any, Any, Any]:
     """loss | (loss, new_state) | (loss, new_state, aux) -> (loss, new_state or None, aux)."""
     if isinstance(out, tuple) and len(out) in (2, 3):
         loss, new_state, *rest = out
@@ -133,7 +145,9 @@ def _split_loss_output(out):
     return out, None, {}
 
 
-def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array, dict]:
+def train_step(
+    loss_fn: Callable[..., Any], state: TrainState, batch: Batch
+) -> tuple[TrainState, jax.Array, dict]:
     """One fused, compiled optimizer step: `(state, batch) -> (state, loss, aux)`.
 
     `loss_fn(model, params, model_state, batch)` returns `loss`, `(loss, new_model_state)` or
@@ -188,7 +202,16 @@ def train_step(loss_fn, state: TrainState, batch) -> tuple[TrainState, jax.Array
 
 
 def _lookup(
-    loss_fn, state, leaves, treedef, batch, state_sig, batch_def, batch_sig, *, unread: bool
+    loss_fn: Callable[..., Any],
+    state: PyTree,
+    leaves: Any,
+    treedef: jax.tree_util.PyTreeDef,
+    batch: Batch,
+    state_sig: Any,
+    batch_def: Any,
+    batch_sig: Any,
+    *,
+    unread: bool,
 ) -> _Fast:
     """The program for these inputs: from the table of the fast path, else the full path.
 
@@ -211,12 +234,12 @@ def _lookup(
     return hit
 
 
-def _code(fn):
+def _code(fn: Any) -> types.CodeType | None:
     """The code object of a plain function (None for other callables and model objects)."""
     return getattr(fn, "__code__", None)
 
 
-def _input_sig(x):
+def _input_sig(x: Any) -> Any:
     """What the compiled call checks of one input: a JAX array's aval (shape, dtype, weak
     type); for anything else its type, shape and dtype (a numpy array, a Python scalar)."""
     if type(x) is np.ndarray:
@@ -227,7 +250,7 @@ def _input_sig(x):
     return (type(x), np.shape(x), getattr(x, "dtype", None))
 
 
-def _state_sig(leaves) -> tuple:
+def _state_sig(leaves: Any) -> tuple:
     try:
         return tuple([x.aval for x in leaves])
     except AttributeError:  # a numpy or Python leaf (e.g. parameters built with numpy)
@@ -251,7 +274,7 @@ class _Fast:
     loops: bool = False  # its returned state is a valid input of its own (same signature)
     live: bool = True  # False once `jn.cache_reset()` dropped it
 
-    def fits(self, loss_fn, model) -> bool:
+    def fits(self, loss_fn: Callable[..., Any], model: Model) -> bool:
         """Still this function's and model's program: alive, and their code unchanged."""
         return (
             self.live
@@ -263,7 +286,7 @@ class _Fast:
     def returned(self, out_sig: tuple) -> None:
         self.out_sig, self.loops = out_sig, out_sig == self.state_sig
 
-    def takes_back(self, loss_fn, model) -> bool:
+    def takes_back(self, loss_fn: Callable[..., Any], model: Model) -> bool:
         """Whether a state this program returned goes back into it (the usual loop: the
         same function and model every step; the compiled call itself checks the batch)."""
         return (
@@ -289,14 +312,20 @@ def _reset_fast() -> None:
 cache.on_reset(_reset_fast)
 
 
-def _remember(key, entry: _Fast) -> None:
+def _remember(key: Any, entry: _Fast) -> None:
     _fast[key] = entry
     _fast.move_to_end(key)
     while len(_fast) > _FAST_ENTRIES:
         _fast.popitem(last=False)
 
 
-def _program(loss_fn, state: TrainState, leaves, treedef, batch) -> cache.Program:
+def _program(
+    loss_fn: Callable[..., Any],
+    state: TrainState,
+    leaves: Any,
+    treedef: jax.tree_util.PyTreeDef,
+    batch: Batch,
+) -> cache.Program:
     """The train-step program, from the process-wide cache (keyed by fingerprints).
 
     It takes the state's leaves (a flat list: the call flattens it in C++, where an NNX
@@ -305,7 +334,9 @@ def _program(loss_fn, state: TrainState, leaves, treedef, batch) -> cache.Progra
     """
     model, tx = state.model, state.tx
 
-    def inner(params, model_state, batch, extras, rng):
+    def inner(
+        params: PyTree, model_state: PyTree, batch: Batch, extras: dict[str, Any], rng: jax.Array
+    ) -> tuple[Any, Any]:
         with models.mode(train=True, rng=rng):
             loss, new_state, aux = _split_loss_output(loss_fn(model, params, model_state, batch))
         return scalar_loss(loss, "loss_fn"), (model_state if new_state is None else new_state, aux)
@@ -319,7 +350,9 @@ def _program(loss_fn, state: TrainState, leaves, treedef, batch) -> cache.Progra
     )
     step_fn = make_train_step(inner, tx)
 
-    def flat_step(leaves, batch):  # model and tx are static: only leaves travel
+    def flat_step(
+        leaves: Any, batch: Batch
+    ) -> tuple[list[Any], Any]:  # model and tx are static: only leaves travel
         new, out = step_fn(jax.tree.unflatten(treedef, leaves), batch, {}, {})
         return jax.tree.leaves(new), out
 

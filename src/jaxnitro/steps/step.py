@@ -8,7 +8,7 @@ in-graph; the predict step runs forward in inference mode. Nothing here touches 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +17,19 @@ import optax
 from jaxnitro.core.errors import HookError
 from jaxnitro.steps import metrics as metrics_mod
 
+if TYPE_CHECKING:
+    from jaxnitro.core.types import Batch, PyTree
+    from jaxnitro.steps.state import TrainState
+
+#: A step: `(state, batch, extras, hyper) -> (state, outputs)`, pure, traced into a program.
+StepFn: TypeAlias = "Callable[[TrainState, Batch, dict[str, Any], Any], tuple[TrainState, Any]]"
+
 #: loss_fn(params, model_state, batch, extras, rng) -> (loss, (new_model_state, aux)), where
 #: `loss` is a scalar or a (sum, count) pair (a count-weighted mean).
 LossFn = Callable[..., tuple[Any, tuple[Any, dict]]]
 
 
-def scalar_loss(value, hook: str = "loss", where: str = "") -> jax.Array:
+def scalar_loss(value: Any, hook: str = "loss", where: str = "") -> jax.Array:
     """Check a loss is a floating scalar; a (sum, count) pair becomes sum / count.
 
     `hook` names the function in errors, `where` what it ran on (e.g. " on a batch of the
@@ -47,7 +54,7 @@ def scalar_loss(value, hook: str = "loss", where: str = "") -> jax.Array:
     return value
 
 
-def loss_parts(value, hook: str = "loss", where: str = "") -> tuple[jax.Array, jax.Array]:
+def loss_parts(value: Any, hook: str = "loss", where: str = "") -> tuple[jax.Array, jax.Array]:
     """(numerator, count) of a loss: a scalar mean counts 1; (sum, count) is weighted by count."""
     if isinstance(value, (tuple, list)) and len(value) == 2:
         total, count = scalar_loss(value[0], hook, where), jnp.asarray(value[1])
@@ -61,12 +68,14 @@ def loss_parts(value, hook: str = "loss", where: str = "") -> tuple[jax.Array, j
     return value, jnp.ones((), value.dtype)
 
 
-def _gradients(loss_fn: LossFn, accum: int):
+def _gradients(loss_fn: LossFn, accum: int) -> Callable[..., Any]:
     """(params, model_state, batch, extras, rng) -> (grads, loss, new model state, aux): the
     gradient of the count-weighted mean loss, over `accum` micro-batches in a `lax.scan`."""
 
-    def grads_of(params, model_state, batch, extras, rng):
-        def objective(p, ms, b, r):
+    def grads_of(
+        params: PyTree, model_state: PyTree, batch: Batch, extras: dict[str, Any], rng: jax.Array
+    ) -> tuple[Any, ...]:
+        def objective(p: Any, ms: Any, b: Any, r: Any) -> tuple[Any, Any]:
             value, (ms, aux) = loss_fn(p, ms, b, extras, r)
             num, count = loss_parts(value)
             return num, (count, ms, aux)
@@ -76,7 +85,7 @@ def _gradients(loss_fn: LossFn, accum: int):
             (num, (count, model_state, aux)), grads = grad_fn(params, model_state, batch, rng)
             return jax.tree.map(lambda g: g / count, grads), num / count, model_state, aux
 
-        def micro(acc, xs):
+        def micro(acc: Any, xs: Any) -> tuple[Any, Any]:
             g_sum, n_sum, c_sum, ms = acc
             b, i = xs
             (num, (count, ms, aux)), g = grad_fn(params, ms, b, jax.random.fold_in(rng, i))
@@ -99,11 +108,11 @@ def make_train_step(
     *,
     accum: int = 1,
     steps_per_call: int = 1,
-    write_hyper=None,
-    unpack_hyper=None,
+    write_hyper: Callable[..., Any] | None = None,
+    unpack_hyper: Callable[..., Any] | None = None,
     skip_nonfinite: bool = False,
     grad_norm: bool = False,
-):
+) -> StepFn:
     """Build the fused train step: gradient (accumulated in-graph), one optimizer update.
 
     With `accum=k` the batch arrives stacked as (k, micro_batch, ...) and the k micro-batches
@@ -116,7 +125,9 @@ def make_train_step(
 
     grads_of = _gradients(loss_fn, accum)
 
-    def one_step(ts, batch, extras, hyper):
+    def one_step(
+        ts: TrainState, batch: Batch, extras: dict[str, Any], hyper: Any
+    ) -> tuple[TrainState, Any]:
         rng, extras, opt_state = step_inputs(ts, extras, hyper, unpack_hyper, write_hyper)
         grads, loss, model_state, aux = grads_of(ts.params, ts.state, batch, extras, rng)
         updates, opt_state = tx.update(grads, opt_state, ts.params)
@@ -133,7 +144,13 @@ def make_train_step(
     return fuse(one_step, steps_per_call)
 
 
-def step_inputs(ts, extras, hyper, unpack_hyper=None, write_hyper=None):
+def step_inputs(
+    ts: TrainState,
+    extras: dict[str, Any],
+    hyper: Any,
+    unpack_hyper: Callable[..., Any] | None = None,
+    write_hyper: Callable[..., Any] | None = None,
+) -> tuple[jax.Array, dict[str, Any], PyTree]:
     """(this step's key, extras with the step's Device values, the optimizer state with the
     step's hyperparameters written in) of a train step."""
     rng = jax.random.fold_in(ts.rng, ts.step)
@@ -145,7 +162,7 @@ def step_inputs(ts, extras, hyper, unpack_hyper=None, write_hyper=None):
     return rng, extras, opt_state
 
 
-def kept_if(ok, new, old):
+def kept_if(ok: Any, new: Any, old: Any) -> TrainState:
     """`new` where `ok`, else `old`'s params, model state, optimizer state and weight
     average (the step counter runs on): a skipped step, or a population member that stopped
     early."""
@@ -156,14 +173,16 @@ def kept_if(ok, new, old):
     return new.replace(**keep)
 
 
-def fuse(one_step, steps_per_call: int):
+def fuse(one_step: Any, steps_per_call: int) -> StepFn:
     """`steps_per_call` optimizer steps in one dispatch (a `lax.scan` over a leading axis of
     the batch and the per-step hyperparameters); one step is returned as it is."""
     if steps_per_call == 1:
         return one_step
 
-    def fused(ts, batches, extras, hyper):
-        def body(c, xs):
+    def fused(
+        ts: TrainState, batches: Any, extras: dict[str, Any], hyper: Any
+    ) -> tuple[TrainState, Any]:
+        def body(c: Any, xs: Any) -> tuple[TrainState, Any]:
             b, h = xs
             return one_step(c, b, extras, h)
 
@@ -172,7 +191,7 @@ def fuse(one_step, steps_per_call: int):
     return fused
 
 
-def make_eval_step(metrics_fn, n_valid: int | None):
+def make_eval_step(metrics_fn: Any, n_valid: int | None) -> Callable[..., Any]:
     """Build the eval step: forward + metrics on the first `n_valid` rows, added to totals.
 
     metrics_fn(params, model_state, batch, extras, n_valid) -> {name: (sum, count)}. A ragged
@@ -180,13 +199,15 @@ def make_eval_step(metrics_fn, n_valid: int | None):
     metrics run, so padding never reaches the totals.
     """
 
-    def eval_step(params, model_state, batch, extras, totals):
+    def eval_step(
+        params: PyTree, model_state: PyTree, batch: Batch, extras: dict[str, Any], totals: Any
+    ) -> PyTree:
         return metrics_mod.add(totals, metrics_fn(params, model_state, batch, extras, n_valid))
 
     return eval_step
 
 
-def slice_rows(tree, n_valid: int | None, batch_size: int):
+def slice_rows(tree: PyTree, n_valid: int | None, batch_size: int) -> PyTree:
     """Keep the first n_valid rows of every leaf whose leading dimension is the batch."""
     if n_valid is None or n_valid == batch_size:
         return tree

@@ -1,6 +1,7 @@
 """The driver: `jn.train` (`driver`), `jn.validate` and `jn.evaluate`
 (`evaluation`), `jn.predict` (`prediction`), `jn.lr_find` (`lr_find`), early stopping
-(`early_stop`) and the history (`history`).
+(`early_stop`: the frozen rule and state, and the pure step between them) and the history
+(`history`).
 
 It may import every part but `cli`, `export` and `serve`.
 """

@@ -42,11 +42,15 @@ def save_checkpoint(
         "history": jsonable([dict(r) for r in progress.history]),
         "skipped_steps": progress.skipped_steps,
         "stop_reason": stop_reason,
-        "early_stop": spec.early_stop.state_dict() if spec.early_stop is not None else None,
+        "early_stop": (
+            spec.early_stop.to_json(progress.early_stop)
+            if spec.early_stop is not None and progress.early_stop is not None
+            else None
+        ),
         "loggers": logger_state(n),
     }
     trees = {"params": ts.params, "model_state": ts.state, "opt_state": ts.opt_state}
-    if ts.ema is not None:  # the average (its decay is the run's setting, not saved)
+    if ts.ema is not None and spec.ema is not None:  # the average (not its decay: a setting)
         trees["ema"] = {k: v for k, v in ts.ema.items() if k != "decay"}
         meta["weights"] = spec.ema.validates  # what `checkpoint=` loads by default
     ck = n.checkpointer

@@ -38,6 +38,7 @@ from jaxnitro.train.history import History
 
 if TYPE_CHECKING:
     from jaxnitro.run.nitro import Nitro
+    from jaxnitro.train.early_stop import EarlyStopConfig, EarlyStopState
 
 
 @dataclasses.dataclass
@@ -149,10 +150,10 @@ def _members(n: Nitro) -> list[dict] | None:
         {k[: -len(f"/{i}")]: v for k, v in last.items() if k.endswith(f"/{i}")}
         for i in range(pop.size)
     ]
-    es = n.spec.early_stop
-    if isinstance(es, population.MemberStopping):
+    states = n.progress.early_stop
+    if isinstance(states, tuple):  # per-member early stopping
         for i, row in enumerate(per):
-            row["stopped_epoch"] = es.members[i].stopped_epoch
+            row["stopped_epoch"] = states[i].stopped_epoch
     metric = getattr(n.checkpointer, "metric", None)
     return population.ranked(pop, per, metric=metric, mode=getattr(n.checkpointer, "mode", "min"))
 
@@ -311,10 +312,14 @@ def _end_epoch(n: Nitro, epoch: int, done: EpochResult) -> str:
     reason = "completed"
     finished = n.progress.batch_in_epoch == 0  # the epoch ran to its end
     es = n.spec.early_stop
-    if es is not None and finished and not control.requested and es.update(epoch + 1, row):
-        reason = "early_stop"
-    if isinstance(es, population.MemberStopping):  # members that stopped train no more
-        _members_stopped(n, es, epoch + 1)
+    if es is not None and n.progress.early_stop is not None:
+        if finished and not control.requested:
+            state, stop = es.advance(n.progress.early_stop, epoch + 1, row)
+            n._commit(progress=n.progress.replace(early_stop=state))
+            if stop:
+                reason = "early_stop"
+        if isinstance(n.progress.early_stop, tuple):  # members that stopped train no more
+            _members_stopped(n, es, n.progress.early_stop, epoch + 1)
     if control.requested:
         reason = "preempted" if control.preempted else "requested"
     set_phase(n, "Checkpointing")
@@ -342,12 +347,14 @@ def _log_epoch_time(n: Nitro, epoch: int, done: EpochResult) -> dict[str, float]
     return split
 
 
-def _members_stopped(n: Nitro, es: population.MemberStopping, epoch: int) -> None:
+def _members_stopped(
+    n: Nitro, es: EarlyStopConfig, states: tuple[EarlyStopState, ...], epoch: int
+) -> None:
     """Freeze the members whose early stopping fired this epoch, and say so."""
     was = np.asarray(jax.device_get(n.device.active))
-    now = es.active()
+    now = es.active(states)
     for i in np.flatnonzero(was & ~now):
-        best = es.members[i]
+        best = states[i]
         n.logger.log_other(
             {"member_stopped": int(i), "epoch": epoch, f"best_{es.metric}": best.best}
         )

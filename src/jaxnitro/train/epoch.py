@@ -473,6 +473,7 @@ def _lr_reader(spec: RunSpec, device: Any) -> Callable[[int], dict[str, float]]:
     def at(t: int) -> dict[str, float]:
         if pop is not None:
             out = {}
+            assert pop.schedules is not None  # with_run resolved each member's
             for m, (sched, b) in enumerate(zip(pop.schedules, base, strict=True)):
                 vec = spec.hyper.pack(t, sched, b)
                 out.update(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -22,8 +22,11 @@ from jaxnitro.observe.events.phases import set_phase
 from jaxnitro.steps import ema, population
 from jaxnitro.steps import metrics as metrics_mod
 
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
 
-def check_split(n, split: str) -> None:
+
+def check_split(n: Nitro, split: str) -> None:
     splits = n.spec.splits
     if split not in splits:
         raise DataError(
@@ -31,7 +34,7 @@ def check_split(n, split: str) -> None:
         )
 
 
-def run_eval(n, split: str, weights: str | None = None) -> dict[str, Any]:
+def run_eval(n: Nitro, split: str, weights: str | None = None) -> dict[str, Any]:
     """The metrics of `split` (no logging): totals on the device, divided once. `weights`:
     "ema", "raw" or None (those validation uses)."""
     check_split(n, split)
@@ -83,7 +86,7 @@ def run_eval(n, split: str, weights: str | None = None) -> dict[str, Any]:
     return population.member_metrics(rows, metric=metric, mode=mode)
 
 
-def _finalize(n, split: str, values: dict) -> dict[str, Any]:
+def _finalize(n: Nitro, split: str, values: dict) -> dict[str, Any]:
     if split != "val" and "val_loss" in values:  # the loss is named after its split
         values[f"{split}_loss"] = values.pop("val_loss")
     fin = getattr(n.spec.cls, "finalize_metrics", None)
@@ -98,18 +101,18 @@ def _finalize(n, split: str, values: dict) -> dict[str, Any]:
     return {k: _host_value(v) for k, v in out.items()}
 
 
-def _host_value(v):
+def _host_value(v: Any) -> Any:
     """0-d numpy/jax values become Python floats (logged, compared, JSON-safe)."""
     if hasattr(v, "shape") and getattr(v, "shape", None) == ():
         return float(np.asarray(v))
     return v
 
 
-def is_scalar(v) -> bool:
+def is_scalar(v: Any) -> bool:
     return isinstance(v, (int, float)) or v is None
 
 
-def validation(n) -> dict[str, Any]:
+def validation(n: Nitro) -> dict[str, Any]:
     """The training loop's validation row: the metrics of the weights validation uses (the
     checkpointer ranks by these); with `ema_eval="both"` also the raw weights' as
     `val_raw_<name>` (`acc` -> `val_raw_acc`, `val_loss` -> `val_raw_loss`)."""
@@ -121,7 +124,7 @@ def validation(n) -> dict[str, Any]:
     return row
 
 
-def validate(n, *, weights: str | None = None) -> dict[str, Any]:
+def validate(n: Nitro, *, weights: str | None = None) -> dict[str, Any]:
     """Evaluate the 'val' split; returns {metric: value} (exact: totals divided once).
 
     Example:
@@ -131,7 +134,7 @@ def validate(n, *, weights: str | None = None) -> dict[str, Any]:
     return evaluate(n, split="val", weights=weights)
 
 
-def evaluate(n, split: str = "test", *, weights: str | None = None) -> dict[str, Any]:
+def evaluate(n: Nitro, split: str = "test", *, weights: str | None = None) -> dict[str, Any]:
     """Evaluate any split with the eval program; returns {metric: value}, and logs it when
     the run dir is free to write.
 

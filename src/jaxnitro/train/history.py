@@ -6,8 +6,12 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from jaxnitro.core.errors import check_mode
+
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class History:
@@ -26,7 +30,7 @@ class History:
         (2, [0.8, 0.9], 2)
     """
 
-    def __init__(self, rows: list[dict], *, metric: str | None, mode: str = "min"):
+    def __init__(self, rows: list[dict], *, metric: str | None, mode: str = "min") -> None:
         self.rows, self.metric, self.mode = rows, metric, check_mode("History mode", mode)
 
     def __len__(self) -> int:
@@ -35,7 +39,7 @@ class History:
     def __iter__(self) -> Iterator[dict]:
         return iter(self.rows)
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: Any) -> Any:
         if isinstance(key, str):  # a column
             return [row.get(key) for row in self.rows]
         if isinstance(key, slice):
@@ -65,7 +69,7 @@ class History:
         i = self.best_index
         return None if i is None else self.rows[i]
 
-    def to_pandas(self):
+    def to_pandas(self) -> Any:
         """A DataFrame with a boolean `best` column (needs pandas).
 
         Example:
@@ -93,7 +97,7 @@ class History:
         return f"History({len(self.rows)} rows, best by {self.metric}={self.best_index})"
 
 
-def _score(value) -> float | None:
+def _score(value: Any) -> float | None:
     """A finite real scalar as a float (numpy/jax scalars included, e.g. from
     `finalize_metrics`), else None."""
     if isinstance(value, bool) or value is None:

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,15 @@ from jaxnitro.compile.programs import check_stale, train_program
 from jaxnitro.core.errors import ConfigError, DataError
 from jaxnitro.data import feed
 from jaxnitro.steps import population
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any
+
+    from jaxnitro.compile.cache import Program
+    from jaxnitro.core.types import Batch
+    from jaxnitro.run.nitro import Nitro
+    from jaxnitro.run.spec import RunSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +67,7 @@ class LRFindResult:
 
 
 def lr_find(
-    n,
+    n: Nitro,
     min_lr: float = 1e-7,
     max_lr: float = 1.0,
     steps: int = 100,
@@ -103,6 +113,7 @@ def lr_find(
     ramp = np.geomspace(min_lr, max_lr, steps)
     lr_slots = spec.hyper.learning_rates()
     base = n.device.hyper_base
+    assert not isinstance(base, tuple)  # one model's: a population was refused above
     top = max(float(base[spec.hyper.slots[i][1]]) for i, _ in lr_slots) or 1.0
     ratio = {i: float(base[spec.hyper.slots[i][1]]) / top for i, _ in lr_slots}
     leaves = [jnp.copy(x) for x in n.state_leaves]  # the handle's buffers are never donated
@@ -138,7 +149,7 @@ def lr_find(
     return dataclasses.replace(result, plot=_plot(n, result))
 
 
-def _check(spec, min_lr, max_lr, steps) -> None:
+def _check(spec: RunSpec, min_lr: Any, max_lr: Any, steps: Any) -> None:
     if "train" not in spec.splits:
         raise DataError("jn.lr_find needs a 'train' split; return one from build_data.")
     if not (0 < min_lr < max_lr) or not math.isfinite(max_lr):
@@ -161,7 +172,7 @@ def _check(spec, min_lr, max_lr, steps) -> None:
         )
 
 
-def _payloads(spec, n, steps: int):
+def _payloads(spec: RunSpec, n: Nitro, steps: int) -> Iterator[Any]:
     """(device batch, packed hyperparameters, steps) for `steps` optimizer steps, over as
     many epochs of the train split as that takes (a copy of the shuffle: epochs 0, 1, ...)."""
     loader = spec.splits["train"]
@@ -180,7 +191,7 @@ def _payloads(spec, n, steps: int):
             return
 
 
-def _program(spec, n, batch, vec):
+def _program(spec: RunSpec, n: Nitro, batch: Batch, vec: Any) -> Program:
     return train_program(spec, n.programs, n.train_state, batch, n.device.extras, vec, 1)
 
 
@@ -197,7 +208,7 @@ def _suggest(rates: list[float], smoothed: list[float]) -> float | None:
     return float(rates[start + int(np.argmin(grad))])
 
 
-def _plot(n, r: LRFindResult) -> Path | None:
+def _plot(n: Nitro, r: LRFindResult) -> Path | None:
     try:
         from matplotlib.figure import Figure
     except ImportError:

@@ -8,6 +8,7 @@ sliced away on the host, so the number of real rows is never part of a program.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -18,8 +19,15 @@ from jaxnitro.data import feed
 from jaxnitro.data import loader as data_mod
 from jaxnitro.steps import ema, population
 
+if TYPE_CHECKING:
+    from typing import Any
 
-def predict(n, batch_or_loader, *, weights: str | None = None):
+    from jaxnitro.core.types import Batch, Source
+    from jaxnitro.run.nitro import Nitro
+    from jaxnitro.run.spec import RunSpec
+
+
+def predict(n: Nitro, batch_or_loader: Any, *, weights: str | None = None) -> Any:
     """Run `forward` in inference mode; host outputs with any padding sliced away.
 
     A dict batch returns the outputs for it; a loader (any re-iterable of dict batches)
@@ -51,7 +59,7 @@ def predict(n, batch_or_loader, *, weights: str | None = None):
     return _predict_lazy(n, batch_or_loader, weights)
 
 
-def _predict_lazy(n, loader, weights: str | None) -> Iterator:
+def _predict_lazy(n: Nitro, loader: Source, weights: str | None) -> Iterator:
     pad_to = getattr(loader, "batch_size", None)
     total = len(loader) if hasattr(loader, "__len__") else None
     with n.display.bar("predicting", total) as advance:  # closed with the iterator
@@ -61,7 +69,7 @@ def _predict_lazy(n, loader, weights: str | None) -> Iterator:
             yield out
 
 
-def _fields(n, batch) -> list[str]:
+def _fields(n: Nitro, batch: Batch) -> list[str]:
     """The batch fields `forward` takes (a missing one is named, with a rename hint)."""
     route = n.spec.routes["forward"]
     missing = [f for f in route.required if f not in batch]
@@ -75,7 +83,9 @@ def _fields(n, batch) -> list[str]:
     return [f for f in batch if route.takes_all or f in route.required or f in route.optional]
 
 
-def _predict_batch(n, batch, *, pad_to: int | None, weights: str | None = None):
+def _predict_batch(
+    n: Nitro, batch: Batch, *, pad_to: int | None, weights: str | None = None
+) -> Any:
     spec = n.spec
     fields = _fields(n, batch)
     size = data_mod.check_batch({f: batch[f] for f in fields}, "predict")
@@ -113,7 +123,7 @@ def _predict_batch(n, batch, *, pad_to: int | None, weights: str | None = None):
     )
 
 
-def _predict_cap(spec) -> int:
+def _predict_cap(spec: RunSpec) -> int:
     """The largest predict bucket: the train batch size (else the largest batch seen)."""
     sizes = [info.batch_size for info in spec.split_specs.values()]
     train = spec.split_specs["train"].batch_size if "train" in spec.split_specs else None

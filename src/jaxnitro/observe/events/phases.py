@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from jaxnitro.core.errors import ConfigArgumentError, warn_user
+
+if TYPE_CHECKING:
+    from jaxnitro.run.nitro import Nitro
 
 _global_monitors: list[Callable] = []
 
@@ -59,7 +63,7 @@ class PhaseTracker:
                     )
 
 
-def set_phase(n, phase: str, *, info: dict | None = None, force: bool = False) -> None:
+def set_phase(n: Nitro, phase: str, *, info: dict | None = None, force: bool = False) -> None:
     """Enter `phase` on a handle's tracker: its monitors see the step, epoch and the handle."""
     n.services.phases.enter(
         phase, step=n.step, epoch=n.epoch, info={"nitro": n, **(info or {})}, force=force

@@ -1,0 +1,74 @@
+"""Setup of `Nitro(exp, checkpoint=...)`: which checkpoint a path names and loading its
+weights (raw or EMA) into a fresh run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxnitro.checkpoint.record import _read_meta as checkpoint_meta
+from jaxnitro.checkpoint.store import TopKCheckpointer
+from jaxnitro.core.errors import CheckpointError
+from jaxnitro.run.setup.population import on_targets
+from jaxnitro.run.setup.restore import check_members, load_trees
+from jaxnitro.run.spec import RunSpec
+from jaxnitro.steps import ema as ema_mod
+from jaxnitro.steps.state import TrainState
+
+
+def weights_path(path: Path) -> Path:
+    """`checkpoint=`: a checkpoint directory, or a run (or checkpoints) directory, whose best
+    checkpoint (by its checkpointer's metric; else the newest) is used."""
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint={str(path)!r} does not exist; pass a checkpoint directory or a run "
+            f"directory (its best checkpoint), e.g. checkpoint='runs/MyExp'."
+        )
+    if (path / "meta.json").is_file() or not path.is_dir():
+        return path  # a checkpoint; anything else is reported by the load
+    from jaxnitro.observe.runs import checkpoint_metric
+
+    ck_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    run_dir = ck_dir.parent if ck_dir != path else path
+    metric, mode = checkpoint_metric(run_dir, None)
+    ck = TopKCheckpointer(metric=metric, mode=mode, dir=ck_dir)
+    ck.bind(run_dir, writer=False)
+    found = ck.best() or ck.latest()
+    if found is None:
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no meta.json), nor a directory holding "
+            f"checkpoints; pass a path returned by TopKCheckpointer.save(), latest() or best(), "
+            f"or a run directory."
+        )
+    return found
+
+
+def load_weights(
+    spec: RunSpec, ts: TrainState, path: Path, weights: str | None = None
+) -> TrainState:
+    """`checkpoint=path`: the weights (params and model state) only; a fresh optimizer.
+    `weights="ema"` loads the checkpoint's weight average (None: the weights its validation
+    used); an averaging run starts its own average from what was loaded."""
+    check_members(spec, path, resume=False)
+    meta = checkpoint_meta(path)
+    has_ema = "ema" in meta["trees"]
+    if weights is None:
+        weights = meta["meta"].get("weights", "raw") if has_ema else "raw"
+    if weights == "ema" and not has_ema:
+        raise CheckpointError(
+            f"weights='ema', but checkpoint {path} holds no weight average (its run trained "
+            f"without ema=); pass weights='raw' (or leave it out), or a checkpoint of a run "
+            f"with Nitro(ema=0.999)."
+        )
+    trees, _ = load_trees(ts, path, full=False, ema=weights == "ema")
+    ts = ts.replace(
+        params=on_targets(trees["params"], ts.params),
+        state=on_targets(trees["model_state"], ts.state),
+    )
+    if weights == "ema":
+        avg = {"params": trees["ema"]["params"], **({"state": trees["ema"]["state"]}
+               if "state" in trees["ema"] else {})}  # fmt: skip
+        params, state = ema_mod.as_model(avg, ts.params, ts.state)
+        ts = ts.replace(params=on_targets(params, ts.params), state=on_targets(state, ts.state))
+    if spec.ema is not None:
+        ts = ts.replace(ema=ema_mod.init(spec.ema, ts.params, ts.state, ts.step))
+    return ts
