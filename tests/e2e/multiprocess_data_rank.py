@@ -16,7 +16,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import TinyMLP, make_data  # noqa: E402
 
 warnings.simplefilter("ignore")

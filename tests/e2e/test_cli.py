@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.paths import SRC
 
 import jaxnitro as jn
 from jaxnitro.checkpoint.runlock import RunLock
 from jaxnitro.observe.runs import list_runs
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 EXPERIMENT = """

@@ -25,13 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import Tiny, nitro
+from helpers.paths import TESTS
 
 import jaxnitro as jn
 from jaxnitro.checkpoint.store import TopKCheckpointer, verify_checkpoint
 from jaxnitro.core.errors import CheckpointError, CheckpointWarning
 from jaxnitro.observe.loggers import JSONLogger, read_jsonl
-
-TESTS = Path(__file__).resolve().parent
 
 CHILD = r"""
 import os, sys

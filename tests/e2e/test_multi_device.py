@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+from helpers.paths import TESTS
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -41,7 +42,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.multi_device
 def test_four_fake_devices_match_one(tmp_path):
     script = tmp_path / "md.py"
-    script.write_text(SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp_path)))
+    script.write_text(SCRIPT.format(tests=str(TESTS), tmp=str(tmp_path)))
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",

@@ -12,13 +12,13 @@ import textwrap
 import time
 
 import pytest
+from helpers.paths import SRC
 
 import jaxnitro as jn
 from jaxnitro.dist import launcher
 from jaxnitro.distributed import resolve_args
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-TESTS = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # ---------------------------------------------------------------- arguments, no processes
@@ -196,7 +196,7 @@ def test_launch_forwards_sigterm_to_every_rank(tmp_path):
 
 
 # ---------------------------------------------------------------- 2 processes × 2 devices
-RANK = os.path.join(TESTS, "multiprocess_rank.py")
+RANK = os.path.join(HERE, "multiprocess_rank.py")
 
 
 def _launch(out, mode: str, *, nproc: int = 2, timeout: float = 120):

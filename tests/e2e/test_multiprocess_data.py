@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.paths import SRC
 
 pytest.importorskip("grain")
 HERE = Path(__file__).parent
-SRC = str(HERE.parent / "src")
 
 
 @pytest.mark.slow

@@ -13,11 +13,11 @@ import textwrap
 import time
 
 import pytest
+from helpers.paths import SRC
 
 from jaxnitro.checkpoint.runlock import RunLock
 from jaxnitro.dist import launcher
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 STACK_TRACE = "Check failure stack trace"
 
 # Rank 0 cannot take the run directory's lock (the test holds it) while rank 1 already waits

@@ -4,16 +4,12 @@ and the curves show as an inline image."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from helpers.paths import SRC, TESTS
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
-
-SRC = Path(__file__).resolve().parents[1] / "src"
-TESTS = Path(__file__).resolve().parent
 
 
 class _Recording(nbclient.NotebookClient):

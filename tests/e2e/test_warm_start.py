@@ -15,12 +15,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.paths import TESTS
 
 import jaxnitro as jn
 from jaxnitro.compile import persistent
 from jaxnitro.dist.devices import cache_dir_choice, default_cache_dir
-
-TESTS = str(Path(__file__).parent)
 
 RUN = """
 import json, os, sys
@@ -41,7 +40,7 @@ def run(tmp_path: Path, name: str, cache, *, before: str = "", env: dict | None 
     script = tmp_path / f"{name}.py"
     script.write_text(
         RUN.format(
-            tests=TESTS,
+            tests=str(TESTS),
             before=textwrap.dedent(before),
             run_dir=str(tmp_path / name),
             fields=fields,

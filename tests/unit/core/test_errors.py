@@ -21,13 +21,13 @@ import numpy as np
 import optax
 import pytest
 from conftest import Tiny, make_data, nitro
+from helpers.paths import TESTS
 
 import jaxnitro as jn
 from jaxnitro.core.errors import ConfigArgumentError, JaxnitroError
 from jaxnitro.train.early_stop import EarlyStopping
 
 SRC = Path(jn.__file__).resolve().parent
-TESTS = Path(__file__).resolve().parent
 
 
 def check(excinfo, *patterns: str) -> str:

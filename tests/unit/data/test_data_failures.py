@@ -12,15 +12,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import make_data
+from helpers.paths import SRC
 
 import jaxnitro as jn
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "JAXNITRO_NO_PLOT": "1", "JAX_PLATFORMS": "cpu"}
 
 

@@ -9,16 +9,15 @@ import sys
 import time
 import tracemalloc
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import Tiny, leaves_equal, make_data, nitro
+from helpers.paths import SRC
 
 import jaxnitro as jn
 from jaxnitro.data import tables
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 N_TRAIN, BS, AT = 64, 8, 3  # 8 steps an epoch; the mid-epoch checkpoint is at step 3
 
 

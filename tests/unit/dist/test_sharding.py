@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxnitro as jn
 from jaxnitro.dist.sharding import param_specs, resolve, spec_for
+from helpers.paths import TESTS
 
 MIB = 2**20
 
@@ -115,7 +116,7 @@ SCRIPT = textwrap.dedent("""
 def eight(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharding")
     script = tmp / "sh.py"
-    script.write_text(SCRIPT.format(tests=os.path.dirname(__file__), tmp=str(tmp)))
+    script.write_text(SCRIPT.format(tests=str(TESTS), tmp=str(tmp)))
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",

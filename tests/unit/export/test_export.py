@@ -18,6 +18,7 @@ import pytest
 import safetensors.numpy
 from conftest import Tiny, make_data, nitro
 from flax import nnx
+from helpers.paths import TESTS
 
 import jaxnitro as jn
 from jaxnitro.core.errors import BundleError, BundleInputError, ExportError, HookError
@@ -78,7 +79,7 @@ def test_bundle_in_a_fresh_process_matches_predict(trained, tmp_path):
             str(path),
             str(tmp_path / "x.st"),
             str(tmp_path / "o.st"),
-            str(Path(__file__).parent),
+            str(TESTS),
         ],
         cwd=tmp_path,
         capture_output=True,

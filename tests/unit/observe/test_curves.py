@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 from conftest import Tiny, nitro
+from helpers.paths import SRC, TESTS
 
 import jaxnitro as jn
 
 plot = importlib.import_module("jaxnitro.observe.plot")  # the module, not jn.plot
 
 PNG = b"\x89PNG\r\n\x1a\n"
-SRC = Path(__file__).resolve().parents[1] / "src"
-TESTS = Path(__file__).resolve().parent
 
 
 def _fresh_process(script: str, *, draw: bool) -> dict:

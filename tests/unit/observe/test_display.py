@@ -14,18 +14,16 @@ import sys
 import termios
 import textwrap
 import time
-from pathlib import Path
 
 import pyte
 import pytest
 from conftest import Tiny
+from helpers.paths import SRC, TESTS
 from rich.console import Console
 
 import jaxnitro as jn
 from jaxnitro.observe.display import Display, in_notebook
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-TESTS = Path(__file__).resolve().parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 
 # 40 train batches of 32 and 5 val batches of 20 per epoch, two epochs.

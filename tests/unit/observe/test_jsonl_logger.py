@@ -16,6 +16,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.paths import TESTS
 
 from jaxnitro.core.errors import ConfigError, JaxnitroError
 from jaxnitro.observe.loggers import JSONLogger, LogWarning, LogWriteError, read_jsonl
@@ -669,7 +670,7 @@ _KILL_CHILD = textwrap.dedent("""
 
 def _train_child(run_dir: Path, kill_at: int) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", _KILL_CHILD, str(run_dir), str(kill_at), str(Path(__file__).parent)],
+        [sys.executable, "-c", _KILL_CHILD, str(run_dir), str(kill_at), str(TESTS)],
         capture_output=True,
         text=True,
         timeout=300,

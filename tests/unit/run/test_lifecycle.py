@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from conftest import Tiny, leaves_equal, make_data, nitro
+from helpers.paths import TESTS
 
 import jaxnitro as jn
 from jaxnitro.optim import groups as optim
@@ -155,7 +156,7 @@ EPOCHS = 20  # long enough (seconds) that the signal lands mid-run on a fast mac
 
 def _child(tmp_path, run, epochs):
     script = tmp_path / f"child_{epochs}.py"
-    script.write_text(CHILD.format(tests=os.path.dirname(__file__), run=str(run), epochs=epochs))
+    script.write_text(CHILD.format(tests=str(TESTS), run=str(run), epochs=epochs))
     return subprocess.Popen(
         [sys.executable, str(script)],
         stdout=subprocess.PIPE,

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import Tiny
+from helpers.paths import ROOT
 
 import jaxnitro as jn
 from jaxnitro.cli import cli
 from jaxnitro.run import config, options, settings
-
-ROOT = Path(__file__).resolve().parents[1]
 
 #: A good value per value option, other than its default (a new option needs one here).
 GOOD = {

@@ -12,6 +12,7 @@ import optax
 import pytest
 from conftest import host_copy, leaves_equal, nitro
 from flax import nnx
+from helpers.paths import ROOT
 
 import jaxnitro as jn
 
@@ -263,9 +264,8 @@ def test_apply_method_names_a_part_or_says_what_exists():
 @pytest.mark.slow
 def test_the_gan_example_covers_all_eight_modes(tmp_path):
     import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).parent.parent / "examples" / "gan.py"
+    path = ROOT / "examples" / "gan.py"
     spec = importlib.util.spec_from_file_location("gan_example", path)
     gan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gan)

@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 from conftest import Tiny, host_copy, leaves_equal, make_data, nitro
 from flax import nnx
+from helpers.paths import TESTS
 
 import jaxnitro as jn
 from jaxnitro.core.errors import CheckpointError, ConfigError
 from jaxnitro.steps.ema import pick
-
-TESTS = Path(__file__).resolve().parent
 
 
 def _checkpoints(run_dir: Path) -> dict[int, dict]:
