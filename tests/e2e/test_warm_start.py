@@ -186,3 +186,38 @@ def test_the_cache_command_shows_and_clears(tmp_path):
     )
     assert got.returncode == 0 and "removed 1" in got.stdout
     assert sorted(p.name for p in cache.iterdir()) == ["keep.txt"]
+
+
+PERSIST = textwrap.dedent("""
+    import sys, jax
+    sys.path.insert(0, {tests!r})
+    import jaxnitro as jn
+from helpers.paths import TESTS
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda name, **kw: hits.append(name) if "cache_hits" in name else None)
+    jn.setup_devices(backend="cpu", compilation_cache={cache!r})
+    from conftest import Tiny, nitro
+    jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir={run!r}))
+    print("HITS", len(hits))
+""")
+
+
+@pytest.mark.slow
+def test_persistent_compilation_cache_is_reused_by_a_second_process(tmp_path):
+    cache = tmp_path / "xla-cache"
+    script = tmp_path / "run.py"
+    script.write_text(PERSIST.format(tests=str(TESTS), cache=str(cache), run=str(tmp_path / "run")))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    outs = [
+        subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+        )
+        for _ in range(2)
+    ]
+    for o in outs:
+        assert o.returncode == 0, o.stderr[-2000:]
+    first = int(outs[0].stdout.split("HITS")[-1])
+    second = int(outs[1].stdout.split("HITS")[-1])
+    assert first == 0 and second >= 1
+    assert any(cache.iterdir())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import jax
@@ -11,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import Tiny, nitro
 from flax import nnx
 
+import jaxnitro as jn
 from jaxnitro.checkpoint.store import TopKCheckpointer, load_checkpoint, read_manifest
 from jaxnitro.core.errors import CheckpointError, ConfigError
 
@@ -236,3 +239,32 @@ def test_saving_is_quiet(tmp_path, caplog):
     assert not [r for r in caplog.records if "orbax" in r.pathname]
     logging.getLogger("absl").info("user message")  # other absl logging still gets through
     assert any(r.getMessage() == "user message" for r in caplog.records)
+
+
+def test_a_relative_checkpoint_path_loads(run_dir, monkeypatch):
+    jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir))
+    latest = jn.TopKCheckpointer(dir=run_dir / "checkpoints").latest()
+    monkeypatch.chdir(run_dir.parent)
+    relative = os.path.relpath(latest, run_dir.parent)
+    n = nitro(Tiny(), run_dir="other", checkpoint=relative)
+    assert 0 <= jn.validate(n)["acc"] <= 1
+    resumed = nitro(Tiny(max_epochs=2), run_dir="other2", resume=relative)
+    assert resumed.step == 8
+
+
+def test_save_same_step_twice_keeps_both(tmp_path):
+    ck = jn.TopKCheckpointer(k=5, metric="acc", mode="max", dir=tmp_path)
+    trees = {"params": {"w": np.ones(2)}}
+    first = ck.save(epoch=1, step=10, metrics={"acc": 0.5}, trees=trees, meta={})
+    second = ck.save(epoch=1, step=10, metrics={"acc": 0.5}, trees=trees, meta={})
+    assert second.name == first.name + "-1"
+    loaded, meta = jn.load_checkpoint(second, {"params": {"w": np.zeros(2)}})
+    np.testing.assert_array_equal(loaded["params"]["w"], np.ones(2))
+    assert meta["step"] == 10
+
+
+@pytest.mark.parametrize(("epoch", "step"), [(-1, 0), ("x", 3), (None, 1)])
+def test_save_refuses_bad_counters(tmp_path, epoch, step):
+    ck = jn.TopKCheckpointer(dir=tmp_path)
+    with pytest.raises(jn.CheckpointError, match="ints >= 0; pass the run's counters"):
+        ck.save(epoch=epoch, step=step, metrics={}, trees={}, meta={})

@@ -10,6 +10,7 @@ eagerly on the same parameters) and how many programs compiled, and what the exp
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import textwrap
 import types
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import Tiny, make_data
+from conftest import Tiny, make_data, nitro
 from flax import nnx
 
 import jaxnitro as jn
@@ -493,3 +494,104 @@ def test_a_copied_experiment_edited_later_is_explained(tmp_path):
     n = handle(Copy, tmp_path / "c")
     assert jn.train(n).programs_compiled == 1
     assert "hook `loss` was edited" in reasons(n)
+
+
+def test_live_nitro_warns_once_when_a_hook_is_edited(run_dir):
+    @jn.experiment
+    class Live(Tiny):
+        pass
+
+    n = nitro(Live(max_epochs=1, n_val=0), run_dir=run_dir)
+    jn.train(n)
+    misses = jn.cache_stats()["misses"]
+
+    def loss(self, logits, *, y):
+        return 3.0 * Tiny.loss(self, logits, y=y)
+
+    Live.loss = loss
+    n.max_epochs = 2
+    with pytest.warns(UserWarning, match=r"`loss` changed since this Nitro compiled"):
+        jn.train(n)
+    assert jn.cache_stats()["misses"] == misses + 1
+
+
+def test_helper_method_edit_is_seen(run_dir):
+    @jn.experiment
+    class WithHelper(Tiny):
+        def scale(self):
+            return 1.0
+
+        def loss(self, logits, *, y):
+            return self.scale() * Tiny.loss(self, logits, y=y)
+
+    jn.train(nitro(WithHelper(max_epochs=1, n_val=0), run_dir=run_dir / "a"))
+    misses = jn.cache_stats()["misses"]
+    WithHelper.scale = lambda self: 2.0
+    n = nitro(WithHelper(max_epochs=1, n_val=0), run_dir=run_dir / "b")
+    jn.train(n)
+    assert jn.cache_stats()["misses"] == misses + 1
+
+
+MODULE = """
+import jax, optax
+import jaxnitro as jn
+from helpers.paths import TESTS
+from conftest import Tiny
+
+SCALE = {scale}
+
+def penalty(logits):
+    return {penalty} * (logits ** 2).mean()
+
+@jn.experiment
+class Reloadable(Tiny):
+    def loss(self, logits, *, y):
+        return SCALE * Tiny.loss(self, logits, y=y) + penalty(logits)
+"""
+
+
+@pytest.mark.parametrize("edit", ["helper", "constant", "unchanged"])
+def test_reload_of_an_edited_module(tmp_path, run_dir, monkeypatch, edit):
+    name = f"reloadable_{edit}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(MODULE.format(scale=1.0, penalty=0.0))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module(name)
+    jn.train(nitro(mod.Reloadable(max_epochs=1, n_val=0), run_dir=run_dir / "a"))
+    misses = jn.cache_stats()["misses"]
+    if edit == "helper":
+        path.write_text(MODULE.format(scale=1.0, penalty=0.5))
+    elif edit == "constant":
+        path.write_text(MODULE.format(scale=2.0, penalty=0.0))
+    else:
+        path.write_text(MODULE.format(scale=1.0, penalty=0.0) + "\n\n# a comment\n")
+    os.utime(path, (0, 1e9 + 10))  # a new mtime, whatever the clock resolution
+    mod = importlib.reload(mod)
+    n = nitro(mod.Reloadable(max_epochs=1, n_val=0), run_dir=run_dir / "b")
+    jn.train(n)
+    assert jn.cache_stats()["misses"] == misses + (0 if edit == "unchanged" else 1)
+    if edit == "helper":
+        assert any("penalty" in r for w in jn.explain(n) for r in w["reasons"])
+
+
+def test_documented_hole_mutated_global_array_and_the_escape_hatch(run_dir):
+    """docs/recompilation.md: an array mutated in place inside a global object is not seen."""
+    import conftest
+
+    conftest.TABLE = {"w": np.ones(4, np.float32)}
+
+    @jn.experiment
+    class Hole(Tiny):
+        def loss(self, logits, *, y):
+            import conftest as c
+
+            return (jnp.asarray(c.TABLE["w"]) * logits).mean() + Tiny.loss(self, logits, y=y)
+
+    jn.train(nitro(Hole(max_epochs=1, n_val=0), run_dir=run_dir / "a"))
+    misses = jn.cache_stats()["misses"]
+    conftest.TABLE["w"][:] = 5.0  # in place, inside a module attribute: invisible to the key
+    jn.train(nitro(Hole(max_epochs=1, n_val=0), run_dir=run_dir / "b"))
+    assert jn.cache_stats()["misses"] == misses  # the documented hole: the stale program ran
+    jn.cache_reset()
+    jn.train(nitro(Hole(max_epochs=1, n_val=0), run_dir=run_dir / "c"))
+    assert jn.cache_stats()["misses"] == 1  # the escape hatch recompiles

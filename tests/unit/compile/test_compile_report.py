@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import jax
@@ -9,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import Tiny, nitro
 
+import jaxnitro as jn
 from jaxnitro.compile import report
 
 
@@ -167,3 +170,38 @@ def test_format_table_lists_every_program_and_flag(mlp_step_record):
     assert any(line.startswith("train ") for line in lines)
     assert any(line.startswith("eval ") for line in lines)
     assert any(line.startswith("! program 'eval'") for line in lines)
+
+
+@pytest.mark.slow
+def test_unrolled_loop_and_baked_array_are_flagged_clean_model_is_not(run_dir):
+    big = np.random.default_rng(0).normal(size=(1 << 20,)).astype(np.float32)  # 4 MB
+
+    @jn.experiment
+    class Loop(Tiny):
+        def forward(self, model, params, state, *, x):
+            out, state = jn.apply(model, params, state, x)
+            for _ in range(200):
+                out = jnp.tanh(out) * 0.99
+            return out, state
+
+    @jn.experiment
+    class Baked(Tiny):
+        def forward(self, model, params, state, *, x):
+            out, state = jn.apply(model, params, state, x)
+            return out + jnp.asarray(big).mean(), state
+
+    with pytest.warns(UserWarning, match="jax.lax.scan"):
+        n = nitro(Loop(max_epochs=1, n_val=0), run_dir=run_dir / "loop")
+        jn.train(n)
+    assert any(f.kind == "op_count" for r in jn.compile_report(n) for f in r.flags)
+    with pytest.warns(UserWarning, match="Pass it as a jn.Device field or a batch field"):
+        jn.train(nitro(Baked(max_epochs=1, n_val=0), run_dir=run_dir / "baked"))
+    jn.cache_reset()
+    clean = nitro(Tiny(max_epochs=1), run_dir=run_dir / "clean")
+    jn.train(clean)
+    records = jn.compile_report(clean)
+    assert len(records) == 2 and not any(r.flags for r in records)
+    assert all(r.hlo_ops > 0 and r.compile_seconds > 0 for r in records)
+    lines = [json.loads(s) for s in (run_dir / "clean" / "metrics.jsonl").read_text().splitlines()]
+    compiles = [ln["compile"] for ln in lines if ln["type"] == "other" and "compile" in ln]
+    assert [c["kind"] for c in compiles] == ["train", "eval"]

@@ -413,3 +413,38 @@ def test_programs_that_call_back_into_python_are_not_shared_by_their_text(run_di
         jn.train(n)
         assert set(seen) == {tap}, seen
         seen.clear()
+
+
+def test_graphconst_change_is_explained(run_dir):
+    jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "a"))
+    n = nitro(Tiny(max_epochs=1, n_val=0, width=24), run_dir=run_dir / "b")
+    jn.train(n)
+    why = jn.explain(n)
+    assert why and any("GraphConst `width` changed 16 → 24" in r for r in why[0]["reasons"])
+
+
+def test_predict_bucket_compile_is_explained_with_the_shape(run_dir):
+    jn.cache_reset()  # other tests predict with Tiny too: make these two real compiles
+    n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir)
+    x, _ = make_data(12)
+    jn.predict(n, {"x": x[:8]})
+    jn.predict(n, {"x": x[:3]})  # padded to the next bucket, 4 rows: planned, no warning
+    why = [r for row in jn.explain(n) if row["kind"] == "predict" for r in row["reasons"]]
+    assert any("(8, 8) → (4, 8)" in r for r in why), why
+    assert not any("drop_last" in r for r in why)  # predict pads to buckets: not a short batch
+    assert any("another predict bucket" in r for r in why)
+
+
+def test_compile_options_reach_xla_and_the_key(run_dir):
+    jn.cache_reset()
+    jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "a"))
+    n = nitro(
+        Tiny(max_epochs=1, n_val=0),
+        run_dir=run_dir / "b",
+        compile_options={"xla_embed_ir_in_executable": True},
+    )
+    jn.train(n)
+    assert jn.cache_stats()["misses"] == 2  # a new program for the new options
+    assert any("compile option" in r for w in jn.explain(n) for r in w["reasons"])
+    with pytest.raises(jn.ConfigError, match="compile_options maps XLA option names"):
+        nitro(Tiny(), run_dir=run_dir / "c", compile_options={"x": [1]})

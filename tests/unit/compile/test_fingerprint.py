@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxnitro.compile import fingerprint as fp
 from jaxnitro.compile.fingerprint import describe_reach, fingerprint, fingerprint_value
 
 HOOK = """
@@ -395,3 +396,17 @@ def test_fingerprint_value_refuses_arbitrary_objects():
     assert fingerprint_value(cyclic) is None
     with pytest.raises(TypeError):
         fingerprint(3)
+
+
+def test_class_bookkeeping_entries_are_skipped():
+    # the instance-namespace descriptor of every plain class is machinery, not behaviour
+    assert {"__dict__", "__weakref__", "__module__", "__doc__"} <= fp._CLASS_SKIP
+
+    class A:
+        x = 1
+
+    class B:
+        x = 1
+
+    B.__qualname__ = A.__qualname__
+    assert fp.fingerprint_value(A) == fp.fingerprint_value(B)

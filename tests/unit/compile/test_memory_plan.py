@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from conftest import Tiny, nitro
 
+import jaxnitro as jn
 from jaxnitro.compile import memory
 from jaxnitro.core.errors import MemoryPlanError
 
@@ -167,3 +169,14 @@ def test_device_capacity_on_cpu_is_host_ram():
 
 def test_memory_budget_wins():
     assert memory.device_capacity(memory_budget=123) == (123, "memory_budget")
+
+
+def test_memory_plan_refuses_before_step_one(run_dir):
+    n = nitro(Tiny(max_epochs=1), run_dir=run_dir, memory_budget=2048)
+    with pytest.raises(jn.MemoryPlanError) as e:
+        jn.train(n)
+    msg = str(e.value)
+    assert "params" in msg and "optimizer state" in msg and "temporaries" in msg
+    assert n.step == 0 and n.checkpointer.latest() is None
+    plan = jn.memory_plan(nitro(Tiny(), run_dir=run_dir / "b"))
+    assert plan.fits and plan.total > plan.params_bytes > 0

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import jax
@@ -20,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import Tiny, make_data, nitro
+from conftest import Tiny, leaves_equal, make_data, nitro
 from helpers.paths import TESTS
 
 import jaxnitro as jn
+from jaxnitro.checkpoint.runlock import LOCK_NAME as RUN_LOCK
+from jaxnitro.checkpoint.runlock import RunLockedError
 from jaxnitro.core.errors import ConfigArgumentError, JaxnitroError
 from jaxnitro.train.early_stop import EarlyStopping
 
@@ -1221,7 +1224,6 @@ def test_preset_override_typo_names_the_override():
 
 
 def test_run_dir_in_use_by_another_handle(run_dir):
-    from jaxnitro.checkpoint.runlock import RunLockedError
 
     other = jn.Nitro(Tiny(max_epochs=1), run_dir=run_dir, progress=False)
     other.services.lock.acquire("train", what="x")
@@ -1263,3 +1265,97 @@ def test_damaged_checkpoint_epoch_loss(run_dir, value):
     with pytest.raises(jn.CheckpointError) as e:
         nitro(Tiny(max_epochs=2), run_dir=run_dir, resume=str(latest))
     check(e, r"'epoch_loss' must be \[sum, count\]", r"Resume from another checkpoint")
+
+
+def test_predict_names_a_misnamed_field_and_a_wrong_width(run_dir):
+    n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir)
+    with pytest.raises(
+        jn.DataError,
+        match=r"needs field\(s\) \['x'\]; the batch has \['xx'\]\. "
+        r"Rename 'xx' to 'x'\.",
+    ):
+        jn.predict(n, {"xx": np.zeros((3, 8), np.float32)})
+    with pytest.raises(jn.DataError, match=r"field 'x' has per-sample shape \(5,\)"):
+        jn.predict(n, {"x": np.zeros((3, 5), np.float32)})
+
+
+def test_new_user_mistakes_from_the_trial_are_named(run_dir, tmp_path):
+    # An uncalled logger class is refused at setup (it used to disable all logging quietly).
+    with pytest.raises(jn.ConfigError, match=r"logger=JSONLogger is the class; pass an instance"):
+        nitro(Tiny(), run_dir=run_dir / "a", logger=jn.JSONLogger)
+    with pytest.raises(jn.ConfigError, match=r"is the class"):
+        nitro(Tiny(), run_dir=run_dir / "b", logger=[jn.JSONLogger(), jn.JSONLogger])
+    # checkpoint= takes a run directory (its best checkpoint), as the CLI does.
+    first = nitro(Tiny(max_epochs=1), run_dir=run_dir / "trained")
+    jn.train(first)
+    again = nitro(Tiny(max_epochs=1), run_dir=run_dir / "eval", checkpoint=run_dir / "trained")
+    assert leaves_equal(again.params, first.params)
+    with pytest.raises(jn.CheckpointError, match=r"does not exist; pass a checkpoint directory"):
+        nitro(Tiny(), run_dir=run_dir / "c", checkpoint=tmp_path / "nope")
+
+
+@pytest.mark.parametrize(("n_val", "split", "rows"), [(100, "val", 20), (0, "train", 32)])
+def test_a_per_example_loss_names_its_split_hook_and_shape(run_dir, n_val, split, rows):
+    @jn.experiment
+    class PerExample(Tiny):
+        def loss(self, logits, *, y):
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+    with pytest.raises(jn.HookError) as e:
+        jn.train(nitro(PerExample(n_val=n_val), run_dir=run_dir))
+    assert (
+        f"PerExample.loss() returned an array of shape ({rows},) on a batch of the {split!r} "
+        f"split ({rows} rows); it must return a scalar" in str(e.value)
+    )
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (it printed its pid, then ended)."""
+    code = "import os; print(os.getpid())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(proc.stdout)
+
+
+def test_warnings_under_public_calls_point_at_the_callers_line(tmp_path):
+    here = str(Path(__file__).resolve())
+    x = np.random.default_rng(0).normal(size=(64, 8))  # float64
+    y = np.zeros(64, np.int32)
+    float64 = {"train": jn.DataLoader({"x": x, "y": y}, batch_size=32, drop_last=True)}
+    table = {"opt.learning_rate": lambda total: lambda s: 1 - s / total}
+
+    def boom(phase, step, epoch, info):
+        raise RuntimeError("a broken monitor")
+
+    caught = {}
+
+    def record(name, call):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            result = call()
+        assert got, f"{name}: no warning"
+        caught[name] = {w.filename for w in got}
+        return result
+
+    # jn.Nitro called here (conftest's nitro() would be the caller's line)
+    kw = dict(run_dir=tmp_path / "a", progress=False)
+    n = record(
+        "float64 data",
+        lambda: jn.Nitro(Tiny(max_epochs=1), **kw, data=float64, schedules=table),
+    )
+    jn.on_phase(boom, nitro=n)
+    record("a failing phase monitor", lambda: jn.train(n))
+    n.max_epochs = 2
+    record("schedules past their horizon", lambda: jn.train(n))
+    record("trained already", lambda: jn.train(n))
+    record(
+        "a resume with another seed",
+        lambda: jn.Nitro(Tiny(max_epochs=1), **kw, resume="auto", seed=7),
+    )
+    # through contextlib: jn.train's writing session takes over a dead writer's lock
+    stale = tmp_path / "b"
+    stale.mkdir()
+    (stale / RUN_LOCK).write_text(json.dumps({"pid": dead_pid(), "host": "here"}))
+    b = jn.Nitro(Tiny(max_epochs=1), run_dir=stale, progress=False)
+    record("a dead writer's lock", lambda: jn.train(b))
+    assert len(caught) == 6
+    assert all(files == {here} for files in caught.values()), caught

@@ -2,10 +2,12 @@
 
 import threading
 import time
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import Tiny, make_data, nitro
 
 import jaxnitro as jn
 from jaxnitro.data.loader import DataLoader, Prefetcher, check_batch, pad_batch, skip
@@ -368,3 +370,33 @@ def test_prefetcher_records_wait_time():
     p = Prefetcher(slow(), identity_prepare)
     call_with_timeout(lambda: list(p))
     assert p.wait_seconds > 0.05
+
+
+def test_a_float64_split_warns_once(run_dir):
+    x, y = make_data(256)
+    data = {"train": jn.DataLoader({"x": x.astype(np.float64), "y": y}, 32, drop_last=True)}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir, data=data)
+        jn.train(n)
+    msgs = [str(m.message) for m in w if "float64" in str(m.message)]
+    assert len(msgs) == 1 and "'x'" in msgs[0] and "astype(np.float32)" in msgs[0]
+
+
+def test_a_val_split_with_other_features_is_named_at_setup(run_dir):
+    x, y = make_data(356)
+
+    @jn.experiment
+    class Narrow(Tiny):
+        def build_data(self, dist):
+            return {
+                "train": jn.DataLoader({"x": x[:256], "y": y[:256]}, 32, drop_last=True),
+                "val": jn.DataLoader({"x": x[256:, :7], "y": y[256:]}, 20),
+            }
+
+    with pytest.raises(
+        jn.DataError,
+        match=r"split 'val': field 'x' has per-sample shape \(7,\).*"
+        r"'train' split has \(8,\)",
+    ):
+        nitro(Narrow(), run_dir=run_dir)

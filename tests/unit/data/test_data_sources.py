@@ -532,3 +532,58 @@ def test_workers_of_a_killed_training_process_end(tmp_path):
         proc.kill()
         proc.wait(timeout=30)
     assert _gone(pids), "transform workers outlived a SIGKILLed training process"
+
+
+def _batches(n=8, bs=32):
+    x, y = make_data(n * bs)
+    return [{"x": x[i * bs : (i + 1) * bs], "y": y[i * bs : (i + 1) * bs]} for i in range(n)]
+
+
+def test_a_source_that_returns_the_same_iterator_is_refused_at_setup(run_dir):
+    class SameIterator:
+        def __init__(self):
+            self._it = iter(_batches())
+
+        def __iter__(self):
+            return self._it
+
+    with pytest.raises(jn.DataError, match=r"'train'.*same iterator.*jn.DataLoader"):
+        nitro(Tiny(n_val=0), run_dir=run_dir, data={"train": SameIterator()})
+
+
+def test_setup_iterates_a_source_once_and_a_short_epoch_warns(run_dir):
+    shared = iter(_batches(16))
+
+    class Shared:  # a new generator per pass, over one shared iterator: runs dry
+        passes = 0
+
+        def __iter__(self):
+            Shared.passes += 1
+            for _, b in zip(range(8), shared, strict=False):
+                yield b
+
+        def __len__(self):
+            return 8
+
+    n = nitro(Tiny(max_epochs=3, n_val=0), run_dir=run_dir, data={"train": Shared()})
+    assert Shared.passes == 1
+    with pytest.warns(
+        UserWarning, match=r"epoch 2 yielded 7 train batches, but the split's len\(\) is 8"
+    ):
+        jn.train(n)
+
+
+def test_a_later_batch_with_other_features_names_split_batch_and_field(run_dir):
+    good = _batches(8)
+    bad = [dict(b) for b in good]
+    bad[5] = {"x": np.zeros((32, 9), np.float32), "y": bad[5]["y"]}
+    with pytest.raises(
+        jn.DataError,
+        match=r"batch 5 of split 'train': field 'x' has per-sample "
+        r"shape \(9,\).*first batch had \(8,\)",
+    ):
+        jn.train(nitro(Tiny(n_val=0), run_dir=run_dir / "a", data={"train": bad}))
+    val = [dict(b) for b in good]
+    val[2] = {"x": val[2]["x"].astype(np.int32), "y": val[2]["y"]}
+    with pytest.raises(jn.DataError, match=r"batch 2 of split 'val': field 'x'.*int32.*float32"):
+        jn.train(nitro(Tiny(), run_dir=run_dir / "b", data={"train": good, "val": val}))

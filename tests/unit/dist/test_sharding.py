@@ -10,11 +10,11 @@ import textwrap
 
 import numpy as np
 import pytest
+from helpers.paths import TESTS
 from jax.sharding import PartitionSpec as P
 
 import jaxnitro as jn
 from jaxnitro.dist.sharding import param_specs, resolve, spec_for
-from helpers.paths import TESTS
 
 MIB = 2**20
 

@@ -16,8 +16,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import Tiny, nitro
 from helpers.paths import TESTS
 
+import jaxnitro as jn
 from jaxnitro.core.errors import ConfigError, JaxnitroError
 from jaxnitro.observe.loggers import JSONLogger, LogWarning, LogWriteError, read_jsonl
 from jaxnitro.train.history import History
@@ -716,3 +718,34 @@ def test_a_kill_after_a_checkpoint_loses_no_metric_of_any_logger(tmp_path, monke
 
     wrong = {k: sorted(set(everything) - set(v)) for k, v in steps.items() if v != everything}
     assert not wrong, f"steps missing after kill + resume: {wrong}"
+
+
+def test_a_resume_writes_a_marker_and_dedupe_keeps_the_last_record(run_dir):
+    jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir))
+    log = run_dir / "metrics.jsonl"
+    with open(log, "a") as fh:  # what a kill after step 11 leaves: 3 steps never checkpointed
+        for step in (9, 10, 11):
+            fh.write(
+                json.dumps(
+                    {"type": "metrics", "context": "train", "epoch": 2, "step": step, "loss": 9.0}
+                )
+                + "\n"
+            )
+    jn.train(nitro(Tiny(max_epochs=2), run_dir=run_dir, resume="auto"))
+    raw = jn.read_jsonl(log)
+    marker = [ln for ln in raw if ln.get("key") == "resumed"]
+    assert len(marker) == 1 and marker[0]["from_step"] == 8
+    train = [ln for ln in jn.read_jsonl(log, dedupe=True) if ln.get("context") == "train"]
+    assert [ln["step"] for ln in train] == list(range(1, 17))
+    assert all(ln["loss"] != 9.0 for ln in train)
+
+
+def test_the_log_file_is_closed_when_train_ends(run_dir):
+    n = nitro(Tiny(max_epochs=1), run_dir=run_dir)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        jn.train(n)
+        jn.validate(n)
+        gc.collect()
+    assert not [m for m in w if issubclass(m.category, ResourceWarning)]
+    assert getattr(n.logger, "_fh", None) is None and not n.services.lock.held

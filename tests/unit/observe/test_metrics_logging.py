@@ -6,6 +6,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import Tiny, nitro
+from helpers.logs import lines
 
 import jaxnitro as jn
 from jaxnitro.observe.loggers import JSONLogger, read_jsonl
@@ -106,10 +108,6 @@ def test_add_keeps_confusion_matrix_summing():
 
 
 # ---------------------------------------------------------------- JSONLogger
-
-
-def lines(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_json_logger_line_types(tmp_path):
@@ -356,3 +354,28 @@ def test_mnist_npz_without_expected_arrays(tmp_path, no_env):
     with pytest.raises(jn.DataError, match="x_train") as ei:
         jn.datasets.mnist(path)
     assert "images" in str(ei.value)
+
+
+def test_learning_rates_and_gradient_norm_are_logged_per_step(run_dir):
+    table = {"opt.learning_rate": jn.schedules.linear(1.0, 0.0)}
+    jn.train(
+        nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir, schedules=table, log_grad_norm=True)
+    )
+    train = [ln for ln in lines(run_dir / "metrics.jsonl") if ln.get("context") == "train"]
+    rates = [ln["lr"] for ln in train]
+    assert rates[0] == pytest.approx(1e-2) and rates == sorted(rates, reverse=True)
+    assert all(ln["grad_norm"] > 0 for ln in train)
+
+
+def test_grad_norm_is_logged_with_clipping_and_off_by_default(run_dir):
+    @jn.experiment
+    class Clipped(Tiny):
+        def gradient_clip_norm(self):
+            return 1.0
+
+    jn.train(nitro(Clipped(max_epochs=1, n_val=0), run_dir=run_dir / "a"))
+    jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "b"))
+    a = [ln for ln in lines(run_dir / "a" / "metrics.jsonl") if ln.get("context") == "train"]
+    b = [ln for ln in lines(run_dir / "b" / "metrics.jsonl") if ln.get("context") == "train"]
+    assert all("grad_norm" in ln for ln in a) and not any("grad_norm" in ln for ln in b)
+    assert all("lr" in ln for ln in b)

@@ -10,10 +10,12 @@ import sys
 import textwrap
 import time
 
+import jax
 import numpy as np
 import pytest
 from conftest import Tiny, leaves_equal, make_data, nitro
-from helpers.paths import TESTS
+from helpers.logs import lines
+from helpers.paths import SRC, TESTS
 
 import jaxnitro as jn
 from jaxnitro.optim import groups as optim
@@ -318,3 +320,222 @@ def test_the_epoch_train_loss_after_a_stop_mid_epoch_covers_the_whole_epoch(tmp_
     assert [row["train_loss"] for row in jn.history(later).rows] == want
     losses = [r["loss"] for r in jn.read_jsonl(tmp_path / "a" / "metrics.jsonl") if "loss" in r]
     assert want[0] == pytest.approx(np.mean(losses[:8]), rel=1e-12)
+
+
+def test_on_nonfinite_skip_end_to_end(run_dir):
+    x, y = make_data(256)
+    x[40:45] = np.nan  # one poisoned batch per epoch (batch 1)
+
+    @jn.experiment
+    class Poisoned(Tiny):
+        def build_data(self, dist):
+            vx, vy = make_data(60, seed=3)
+            vx[0] = np.nan  # and a NaN in the val data: val_loss is NaN
+            return {
+                "train": jn.DataLoader({"x": x, "y": y}, 32, drop_last=True),
+                "val": jn.DataLoader({"x": vx, "y": vy}, 20),
+            }
+
+    n = nitro(Poisoned(max_epochs=2), run_dir=run_dir, on_nonfinite="skip")
+    result = jn.train(n)
+    assert result.stop_reason == "completed" and n.progress.skipped_steps == 2
+    assert np.isnan(result.history[-1]["val_loss"])
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(n.params))
+    finish = lines(run_dir / "metrics.jsonl")[-1]
+    assert finish["status"] == "completed" and finish["skipped_steps"] == 2
+
+
+def test_nonfinite_loss_before_any_checkpoint_says_so(run_dir):
+    x, y = make_data(256)
+    x[0] = np.inf
+
+    @jn.experiment
+    class Bad(Tiny):
+        def build_data(self, dist):
+            return {"train": jn.DataLoader({"x": x, "y": y}, 32, drop_last=True)}
+
+    with pytest.raises(jn.NonFiniteLossError, match="no checkpoint yet") as e:
+        jn.train(nitro(Bad(max_epochs=1), run_dir=run_dir))
+    assert "None" not in str(e.value)
+
+
+def test_training_a_finished_handle_says_how_to_extend_it(run_dir):
+    n = nitro(Tiny(max_epochs=1), run_dir=run_dir)
+    jn.train(n)
+    before = (run_dir / "metrics.jsonl").read_text()
+    with pytest.warns(
+        UserWarning, match=r"already trained to max_epochs=1.*resume='auto', max_epochs=2"
+    ):
+        result = jn.train(n)
+    assert result.stop_reason == "completed" and n.step == 8
+    assert (run_dir / "metrics.jsonl").read_text() == before  # nothing logged
+
+
+def test_extending_a_scheduled_run_warns_about_the_horizon(run_dir):
+    table = (
+        {"opt.learning_rate": jn.schedules.warmup_cosine(warmup=2)}
+        if hasattr(jn.schedules, "warmup_cosine")
+        else {"opt.learning_rate": lambda total: lambda s: 1 - s / total}
+    )
+    n = nitro(Tiny(max_epochs=1), run_dir=run_dir, schedules=table)
+    jn.train(n)
+    n.max_epochs = 2
+    with pytest.warns(
+        UserWarning, match=r"resolved at setup for 8 steps.*resume='auto', max_epochs=2"
+    ):
+        jn.train(n)
+    with pytest.warns(UserWarning, match=r"schedules spanned 8 steps into one of 24"):
+        nitro(Tiny(max_epochs=3), run_dir=run_dir, schedules=table, resume="auto")
+
+
+SETUP_CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    import jaxnitro as jn
+from helpers.paths import TESTS
+from helpers.logs import lines
+    from conftest import Tiny
+
+    @jn.experiment
+    class Slow(Tiny):
+        def build_data(self, dist):
+            print("BUILDING", flush=True)
+            time.sleep(30)
+            return Tiny.build_data(self, dist)
+
+    jn.Nitro(Slow(), run_dir={run!r}, progress=False)
+    print("NOT REACHED", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_sigterm_during_setup_exits_143_with_a_finish_line(tmp_path):
+    run = tmp_path / "run"
+    script = tmp_path / "child.py"
+    script.write_text(SETUP_CHILD.format(tests=str(TESTS), run=str(run)))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.stdout.readline().strip() == "BUILDING"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    finish = lines(run / "metrics.jsonl")[-1]
+    assert finish["type"] == "finish" and finish["status"] == "preempted"
+    assert finish["phase"] == "setup"
+
+
+COMPILE_CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import jax
+    import jaxnitro as jn
+from helpers.paths import TESTS
+from helpers.logs import lines
+    from conftest import Tiny
+
+    @jn.experiment
+    class SlowCompile(Tiny):
+        def forward(self, model, params, state, *, x):
+            out, state = jn.apply(model, params, state, x)
+            for i in range(3000):  # a Python loop: a long compile
+                out = out + jax.numpy.sin(out) * 1e-6
+            return out, state
+
+    jn.on_phase(lambda phase, step, epoch, info: print("PHASE", phase, flush=True))
+    r = jn.train(jn.Nitro(SlowCompile(max_epochs=1), run_dir={run!r}, progress=False))
+    print("END", r.stop_reason, flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_compile_aborts(tmp_path):
+    run = tmp_path / "run"
+    script = tmp_path / "child.py"
+    script.write_text(COMPILE_CHILD.format(tests=str(TESTS), run=str(run)))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    for line in proc.stdout:
+        if line.startswith("PHASE Compiling"):
+            break
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, (out, err[-2000:])
+    assert "END" not in out
+    assert lines(run / "metrics.jsonl")[-1]["status"] == "error"
+
+
+def test_preempted_is_a_system_exit_with_status_143(run_dir):
+    n = nitro(Tiny(max_epochs=3), run_dir=run_dir)
+
+    def preempt(phase, step, epoch, info):
+        if phase == "Training" and step == 0:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    jn.on_phase(preempt, nitro=n)
+    with pytest.raises(jn.Preempted) as e:
+        jn.train(n)
+    assert isinstance(e.value, SystemExit) and e.value.code == 143
+    assert e.value.step == n.step and e.value.checkpoint == n.checkpointer.latest()
+    assert "resume='auto'" in str(e.value)
+
+
+SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import jaxnitro as jn
+from helpers.paths import ROOT, SRC, TESTS
+from conftest import Tiny
+
+resume = sys.argv[1] if len(sys.argv) > 1 else False
+n = jn.Nitro(Tiny(max_epochs=3), run_dir={run_dir!r}, resume=resume, progress="plain")
+if not resume:  # a real SIGTERM to this process after step 3 (mid-epoch 1)
+    jn.every(3, lambda r: os.kill(os.getpid(), signal.SIGTERM) if r.step == 3 else None, nitro=n)
+jn.train(n)
+print("finished at step", n.step)
+"""
+
+
+@pytest.mark.slow  # two processes, each importing jax and compiling
+def test_a_preempted_script_names_its_checkpoint_and_the_resume_call_then_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=str(TESTS), run_dir=str(run_dir)))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    first = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert first.returncode == 143, first.stderr
+    last = first.stdout.strip().splitlines()[-1]
+    written = jn.TopKCheckpointer(dir=run_dir / "checkpoints").latest()
+    assert written is not None and f"wrote checkpoint {written}." in last
+    assert "preempted (SIGTERM) at epoch 1 at batch 3, step 3" in last
+    assert (
+        f"Resume from it with jn.Nitro(Tiny(max_epochs=3), run_dir='{run_dir}', resume='auto')"
+        in last
+    )
+    again = subprocess.run(
+        [sys.executable, str(script), "auto"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert again.returncode == 0, again.stderr
+    out = again.stdout.strip().splitlines()
+    assert out[0] == f"resumed from {written} (epoch 1 at batch 3, step 3)"
+    assert out[-1] == "finished at step 24"

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import Tiny, host_copy, leaves_equal, make_data, nitro
+from helpers.paths import ROOT
 
 import jaxnitro as jn
 
@@ -173,3 +174,28 @@ def test_a_checkpoint_of_another_member_count_says_so(tmp_path):
         nitro(Tiny(max_epochs=2), run_dir=tmp_path / "a", population=3, resume="auto")
     with pytest.raises(jn.CheckpointError, match=r"load the weights of .* this run trains one"):
         nitro(Tiny(), run_dir=tmp_path / "b", checkpoint=tmp_path / "a")
+
+
+def test_population_members_report_the_keys_the_user_gave(run_dir):
+    n = nitro(
+        Tiny(max_epochs=1, n_train=64),
+        run_dir=run_dir,
+        population={"smoothing": [0.0, 0.1], "learning_rate": [1e-3, 1e-2]},
+        checkpointer=jn.TopKCheckpointer(metric="acc", mode="max"),
+    )
+    members = jn.train(n).members
+    assert sorted(m["member"] for m in members) == [0, 1]
+    for m in members:
+        assert m["learning_rate"] == [1e-3, 1e-2][m["member"]]
+        assert not any(k.startswith("opt.") for k in m), m
+
+
+def test_the_documented_population_example_ranks_by_a_metric_it_does_not_change():
+    docs = (ROOT / "docs" / "beyond.md").read_text()
+    example = docs.split("## Population training")[1].split("```")[1]
+    assert '"smoothing"' in example  # the loss reads smoothing: val_loss cannot rank fairly
+    assert 'TopKCheckpointer(metric="acc", mode="max")' in example
+    assert "'learning_rate': " in example and "opt.default" not in example
+    readme = (ROOT / "README.md").read_text()
+    bullet = readme.split("- **Population training**")[1].split("\n- ")[0]
+    assert 'metric="acc"' in bullet

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+import jaxnitro as jn
 from jaxnitro.core.errors import ConfigError, MetricsError
 from jaxnitro.train.early_stop import EarlyStopping
 
@@ -271,3 +272,13 @@ def test_reset_and_repr():
     es.reset()
     assert es.best is None and es.bad_epochs == 0 and es.stopped_epoch is None
     assert es.update(1, {"val_loss": 5.0}) is False
+
+
+def test_check_metric_names_the_fix_and_the_missing_val_split():
+    es = jn.EarlyStopping(metric="acc")
+    with pytest.raises(jn.ConfigError) as e:
+        es.check_metric(["train_loss"], has_val=False)
+    msg = str(e.value)
+    assert "never produces; it produces ['train_loss']" in msg
+    assert "Pass EarlyStopping(metric=...)" in msg
+    assert msg.endswith("Add a 'val' split for validation metrics.")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import numpy as np
 import pytest
 from conftest import Tiny, host_copy, leaves_equal, nitro
@@ -37,3 +40,14 @@ def test_lr_find_says_what_is_wrong(run_dir):
     fused = nitro(Tiny(max_epochs=1), run_dir=run_dir / "f", steps_per_call=2)
     with pytest.raises(jn.ConfigError, match=r"steps_per_call=1"):
         jn.lr_find(fused)
+
+
+def test_lr_find_documents_every_result_field_and_its_example_uses_its_classs_fields():
+    names = [f.name for f in dataclasses.fields(jn.LRFindResult)]
+    for doc in (jn.lr_find.__doc__, jn.LRFindResult.__doc__):
+        assert all(f"`{name}`" in doc or f"{name}:" in doc for name in names), doc
+    # every keyword the example passes to its experiment is a field the example declares
+    example = jn.lr_find.__doc__.split("Example:")[1]
+    declared = set(re.findall(r"^\s*(?:\.\.\.|>>>)\s+(\w+): \w+ =", example, re.M))
+    passed = set(re.findall(r"Tuned\((\w+)=", example))
+    assert passed and passed <= declared

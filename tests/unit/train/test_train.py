@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import Tiny, leaves_equal, make_data, nitro
+from helpers.logs import lines
 
 import jaxnitro as jn
 
@@ -376,3 +379,213 @@ def test_a_stop_requested_by_a_step_callback_ends_after_that_step(run_dir):
     jn.every(11, lambda r: jn.request_stop(n), nitro=n)
     result = jn.train(n)
     assert result.stop_reason == "requested" and n.step == 11
+
+
+@jn.experiment
+class NoPositives(Tiny):
+    """A recall over a class the val split never has: 0/0 every epoch."""
+
+    def metrics(self, logits, *, y):
+        hit = ((logits.argmax(-1) == 9) & (y == 9)).sum()
+        return {
+            "acc": ((logits.argmax(-1) == y).sum(), y.shape[0]),
+            "recall9": (hit, (y == 9).sum()),
+        }
+
+
+def test_a_nan_validation_metric_is_logged_null_stored_and_never_best(run_dir):
+    es = jn.EarlyStopping(metric="recall9", mode="max", patience=5)
+    n = nitro(
+        NoPositives(max_epochs=3),
+        run_dir=run_dir,
+        early_stop=es,
+        checkpointer=jn.TopKCheckpointer(k=1, metric="recall9", mode="max"),
+    )
+    result = jn.train(n)
+    assert result.stop_reason == "completed" and np.isnan(result.history[-1]["recall9"])
+    val = [ln for ln in lines(run_dir / "metrics.jsonl") if ln.get("context") == "validate"]
+    assert len(val) == 3 and all(v["recall9"] is None for v in val)
+    assert n.checkpointer.best() is None and result.best_checkpoint == n.checkpointer.latest()
+    assert es.best is None
+    # and the run resumes from its checkpoint (the meta's NaN is stored as null)
+    again = nitro(
+        NoPositives(max_epochs=4),
+        run_dir=run_dir,
+        resume="auto",
+        early_stop=es,
+        checkpointer=jn.TopKCheckpointer(k=1, metric="recall9", mode="max"),
+    )
+    assert again.step == 24 and again.progress.history[-1]["recall9"] is None
+
+
+@jn.experiment
+class Weighted(Tiny):
+    """A token-weighted loss: samples with label 0 are masked out."""
+
+    def loss(self, logits, *, y):
+        per = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        mask = (y != 0).astype(jnp.float32)
+        return (per * mask).sum(), mask.sum()
+
+
+@pytest.mark.slow
+def test_a_sum_count_loss_is_exact_for_every_val_batch_size(run_dir):
+    n = nitro(Weighted(max_epochs=1), run_dir=run_dir)
+    jn.train(n)
+    x, y = make_data(356)
+    xv, yv = x[256:], y[256:]
+    logits, _ = jn.apply(n.model, n.params, n.state, jnp.asarray(xv))
+    per = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, yv))
+    truth = (per * (yv != 0)).sum() / (yv != 0).sum()
+    got = []
+    for bs in (100, 30, 16, 1):
+        data = {
+            "train": n.splits["train"],
+            "val": jn.DataLoader({"x": xv, "y": yv}, bs),
+            "test": jn.DataLoader({"x": xv, "y": yv}, bs),
+        }
+        m = nitro(
+            Weighted(), run_dir=run_dir / f"b{bs}", data=data, checkpoint=n.checkpointer.latest()
+        )
+        got.append(jn.validate(m)["val_loss"])
+        test = jn.evaluate(m, split="test")
+        assert "test_loss" in test and "val_loss" not in test
+        assert test["test_loss"] == pytest.approx(got[-1], rel=1e-6)
+    assert got == pytest.approx([truth] * 4, rel=1e-5)
+
+
+@jn.experiment
+class ValFails(Tiny):
+    fail_epoch: int = 2
+
+    def build_data(self, dist):
+        splits = Tiny.build_data(self, dist)
+        val, fail = splits["val"], self.fail_epoch
+        seen = {"n": 0}
+
+        class Flaky:
+            batch_size = val.batch_size
+
+            def __iter__(self):
+                seen["n"] += 1
+                if seen["n"] == fail + 2:  # setup peeks once and plans once
+                    raise OSError("val shard unreachable")
+                return iter(val)
+
+        splits["val"] = Flaky()
+        return splits
+
+
+def test_a_failing_validation_keeps_the_epochs_training(run_dir):
+    n = nitro(ValFails(max_epochs=3), run_dir=run_dir)
+    with pytest.raises(OSError, match="val shard unreachable"):
+        jn.train(n)
+    latest = n.checkpointer.latest()
+    _, meta = jn.load_checkpoint(latest)
+    assert meta["step"] == 16 and meta["validated"] is False
+    resumed = nitro(Tiny(max_epochs=3), run_dir=run_dir, resume="auto")
+    assert resumed.epoch == 2 and resumed.step == 16
+
+
+def test_every_calls_back_with_a_frozen_step_record(run_dir):
+    n = nitro(Tiny(max_epochs=2, n_val=0), run_dir=run_dir, log_grad_norm=True)
+    seen = []
+    jn.every(3, seen.append, nitro=n)
+    jn.train(n)
+    assert [r.step for r in seen] == [3, 6, 9, 12, 15]
+    r = seen[0]
+    assert r.epoch == 1 and np.isfinite(r.loss) and r.grad_norm > 0
+    assert r.learning_rates == {"default": pytest.approx(1e-2)} and r.step_seconds > 0
+    with pytest.raises(AttributeError):
+        r.step = 4  # frozen
+    with pytest.raises(jn.ConfigError, match="n_steps must be an int >= 1"):
+        jn.every(0, print)
+
+
+def test_validation_and_checkpoints_every_n_steps_resume_exactly(run_dir):
+    kw = dict(val_every=3, checkpoint_every=5)
+    n = nitro(
+        Tiny(max_epochs=2), run_dir=run_dir / "a", **kw, checkpointer=jn.TopKCheckpointer(k=20)
+    )
+    saves = []
+    jn.on_phase(
+        lambda phase, step, epoch, info: saves.append(step) if phase == "Checkpointing" else None,
+        nitro=n,
+    )
+    jn.train(n)
+    assert saves == [5, 8, 10, 15, 16]
+    val_steps = [
+        ln["step"]
+        for ln in lines(run_dir / "a" / "metrics.jsonl")
+        if ln.get("context") == "validate"
+    ]
+    assert val_steps == [3, 6, 8, 9, 12, 15, 16]  # every 3 steps, plus each epoch's end
+    # Top-K keeps the validated ones (8, 15, 16) plus the newest; the unvalidated step-5 and
+    # step-10 checkpoints were the newest only until the next save.
+    ckpt_steps = sorted(r["step"] for r in jn.read_manifest(run_dir / "a" / "checkpoints"))
+    assert ckpt_steps == [8, 15, 16]
+    # resume from the mid-epoch checkpoint at step 15 equals the straight run, bit for bit
+    mid = next(r for r in jn.read_manifest(run_dir / "a" / "checkpoints") if r["step"] == 15)
+    resumed = nitro(
+        Tiny(max_epochs=2),
+        run_dir=run_dir / "b",
+        resume=str(run_dir / "a" / "checkpoints" / mid["path"]),
+    )
+    assert resumed.step == 15 and resumed.progress.batch_in_epoch == 7
+    jn.train(resumed)
+    assert resumed.step == 16 and leaves_equal(resumed.params, n.params)
+
+
+def test_bad_cadence_options(run_dir):
+    with pytest.raises(jn.ConfigError, match="val_every must be an int >= 1"):
+        nitro(run_dir=run_dir, val_every=0)
+    with pytest.raises(jn.ConfigError, match="checkpoint_every_minutes must be a number > 0"):
+        nitro(run_dir=run_dir, checkpoint_every_minutes=-1)
+
+
+def test_history_best_and_best_metric_cover_mid_epoch_validations(run_dir, capsys):
+    # val_loss ranked "max": the first validation (step 3, mid-epoch) is the best one, which
+    # an epoch-end-only history (steps 8 and 16) never reports
+    ck = jn.TopKCheckpointer(k=1, metric="val_loss", mode="max")
+    n = nitro(Tiny(max_epochs=2), run_dir=run_dir, val_every=3, checkpoint_every=3, checkpointer=ck)
+    n.services.display.mode = "plain"
+    result = jn.train(n)
+    rows = result.history.rows
+    assert [r["step"] for r in rows] == [3, 6, 8, 9, 12, 15, 16]
+    assert [r["step"] for r in rows if "train_loss" in r] == [8, 16]  # the epochs' ends
+    assert result.history.best["step"] == 3
+    meta = json.loads((result.best_checkpoint / "meta.json").read_text())
+    assert meta["step"] == 3
+    assert result.best_metric == meta["metrics"]["val_loss"] == rows[0]["val_loss"]
+    assert jn.history(n).best == result.history.best
+    finish = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"best val_loss {result.best_metric:.4f}" in finish
+    assert result.best_checkpoint.name in finish and "not checkpointed" not in finish
+
+
+def test_best_metric_is_the_checkpoints_score_and_the_line_names_a_better_unsaved_one(
+    run_dir, capsys
+):
+    # validations every 3 steps, checkpoints only at epoch ends: the best validation (step 3)
+    # has no checkpoint, so best_metric is the best checkpoint's score, and the line says so
+    ck = jn.TopKCheckpointer(k=2, metric="val_loss", mode="max")
+    n = nitro(Tiny(max_epochs=2), run_dir=run_dir, val_every=3, checkpointer=ck)
+    n.services.display.mode = "plain"
+    result = jn.train(n)
+    meta = json.loads((result.best_checkpoint / "meta.json").read_text())
+    assert meta["step"] in (8, 16) and result.best_metric == meta["metrics"]["val_loss"]
+    assert result.history.best["step"] == 3
+    finish = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "(step 3 validated" in finish and "not checkpointed" in finish
+
+
+def test_a_stop_mid_epoch_then_the_rest_gives_the_straight_runs_history(tmp_path):
+    straight = nitro(Tiny(max_epochs=1), run_dir=tmp_path / "a", val_every=3)
+    jn.train(straight)
+    first = nitro(Tiny(max_epochs=1), run_dir=tmp_path / "b", val_every=3)
+    jn.every(4, lambda record: jn.request_stop(first) if record.step == 4 else None, nitro=first)
+    jn.train(first)
+    assert first.step == 4 and [r["step"] for r in jn.history(first)] == [3, 4]
+    jn.train(first)
+    assert [r["step"] for r in jn.history(first)] == [3, 6, 8]
+    assert jn.history(first)["val_loss"] == jn.history(straight)["val_loss"]
