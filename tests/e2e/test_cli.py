@@ -8,13 +8,12 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.paths import SRC
+from helpers import cli
 
 import jaxnitro as jn
 from jaxnitro.checkpoint.runlock import RunLock
@@ -86,21 +85,7 @@ class Tiny:
 
 
 def jaxnitro(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "COLUMNS": "80",  # help text wraps the same everywhere
-        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("JAXNITRO_NO_PLOT", None)
-    return subprocess.run(
-        [sys.executable, "-m", "jaxnitro", *map(str, args)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return cli.jaxnitro(*args, cwd=cwd, timeout=timeout, plot=True)  # runs draw curves.png
 
 
 def last_json(out: str):

@@ -14,6 +14,7 @@ import time
 
 import pytest
 from helpers.paths import SRC
+from helpers.procs import alive
 
 from jaxnitro.checkpoint.runlock import RunLock
 from jaxnitro.dist import launcher
@@ -195,14 +196,6 @@ def test_under_the_launcher_a_dead_coordinator_leaves_no_cxx_stack_trace(tmp_pat
 
 
 # ---------------------------------------------------------------- the launcher dies
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_ranks_die_with_a_killed_launcher(tmp_path):
     script = _script(
@@ -230,13 +223,13 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
         proc.send_signal(signal.SIGKILL)  # what the OOM killer does
         proc.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(p) for p in pids), "a rank outlived its launcher by 10 s"
+        assert not any(alive(p) for p in pids), "a rank outlived its launcher by 10 s"
     finally:
         proc.kill()
         for p in pids:
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
 
 

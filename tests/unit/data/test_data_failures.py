@@ -16,39 +16,11 @@ import time
 import numpy as np
 import pytest
 from conftest import make_data
-from helpers.paths import SRC
+from helpers.procs import child_env, gone, until
 
 import jaxnitro as jn
 
-ENV = {**os.environ, "PYTHONPATH": str(SRC), "JAXNITRO_NO_PLOT": "1", "JAX_PLATFORMS": "cpu"}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _gone(pids, seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _until(predicate, seconds: float = 60.0):
-    """Poll `predicate()` until it returns something truthy (returned), or fail."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"gave up after {seconds} s waiting for {predicate}")
+ENV = child_env()
 
 
 def _workers() -> dict[str, int]:
@@ -106,7 +78,7 @@ def test_a_hung_transform_fails_after_worker_timeout_naming_the_sample(tmp_path)
     assert "AGAIN 14" in p.stdout  # the next pass starts new workers
     pids = [int(m.name) for m in marks.iterdir()]
     assert len(pids) >= 3  # the probe (this process) and two workers, then two more
-    assert _gone(pids), "a transform worker outlived the script"
+    assert gone(pids), "a transform worker outlived the script"
 
 
 def test_worker_timeout_bounds_one_sample_not_a_whole_batch():
@@ -153,7 +125,7 @@ def test_a_worker_killed_mid_sample_names_itself_its_signal_and_the_sample(tmp_p
     killed: list[int] = []
 
     def kill_the_holder():
-        pid = int(_until(lambda: marker.exists() and marker.read_text()))
+        pid = int(until(lambda: marker.exists() and marker.read_text()))
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 
@@ -188,7 +160,7 @@ def test_a_worker_killed_while_idle_is_named_not_a_broken_pipe():
         msg = str(err.value)
         assert f"worker 1 (pid {victim.pid}) was killed by SIGKILL while idle" in msg
         assert "next pass starts new ones" in msg
-        assert _gone([sibling])
+        assert gone([sibling])
         again = list(loader)
         assert all(np.array_equal(a["x"], b["x"]) for a, b in zip(first, again, strict=True))
     finally:

@@ -3,17 +3,15 @@ processes, and what a resume reads from each (bitwise against a straight run).""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 import tracemalloc
 import warnings
 
 import numpy as np
 import pytest
 from conftest import Tiny, leaves_equal, make_data, nitro
-from helpers.paths import SRC
+from helpers.procs import alive, child_env, gone
 
 import jaxnitro as jn
 from jaxnitro.data import tables
@@ -481,30 +479,13 @@ finally:  # the loader is never closed: the user's script just ends
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _gone(pids, seconds: float = 15.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.mark.parametrize("mode", ["ok", "raise"])
 def test_a_script_that_never_closes_its_workers_exits_and_leaves_none(tmp_path, mode):
     """The workers inherit the run's SIGTERM handling and the parent's pipe ends: once they
     outlived the script (holding its stdout and run lock) or held its exit up."""
     script = tmp_path / "unclosed.py"
     script.write_text(_UNCLOSED)
-    env = {**os.environ, "PYTHONPATH": str(SRC), "JAXNITRO_NO_PLOT": "1", "JAX_PLATFORMS": "cpu"}
+    env = child_env()
     p = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "run"), mode],
         capture_output=True, text=True, timeout=120, env=env,
@@ -513,13 +494,13 @@ def test_a_script_that_never_closes_its_workers_exits_and_leaves_none(tmp_path, 
     if mode == "raise":
         assert "boom in worker" in p.stderr
     pids = [int(x) for x in p.stdout.split("PIDS")[1].split()]
-    assert len(pids) == 2 and _gone(pids), "transform workers outlived the script"
+    assert len(pids) == 2 and gone(pids), "transform workers outlived the script"
 
 
 def test_workers_of_a_killed_training_process_end(tmp_path):
     script = tmp_path / "unclosed.py"
     script.write_text(_UNCLOSED)
-    env = {**os.environ, "PYTHONPATH": str(SRC), "JAXNITRO_NO_PLOT": "1", "JAX_PLATFORMS": "cpu"}
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path / "run"), "hang"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
@@ -527,11 +508,11 @@ def test_workers_of_a_killed_training_process_end(tmp_path):
     try:
         line = proc.stdout.readline()
         pids = [int(x) for x in line.split("PIDS")[1].split()]
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
     finally:
         proc.kill()
         proc.wait(timeout=30)
-    assert _gone(pids), "transform workers outlived a SIGKILLed training process"
+    assert gone(pids), "transform workers outlived a SIGKILLed training process"
 
 
 def _batches(n=8, bs=32):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import tomllib
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import Tiny
+from helpers.cli import jaxnitro
 from helpers.paths import ROOT
 
 import jaxnitro as jn
@@ -362,19 +361,6 @@ def test_config_fields_preset_and_flags_over_the_file(work):
 
 
 # -- every run writes config.toml, and it repeats the run ------------------------------------
-def _jaxnitro(*args, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXNITRO_NO_PLOT": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-m", "jaxnitro", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def _history(run: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     keep = ("loss", "val_loss", "acc")
@@ -389,13 +375,13 @@ def _history(run: Path) -> list[dict]:
 def test_config_toml_repeats_the_run_bit_for_bit(work):
     args = ["exp.py:Small", "--smoothing", "0.05", "--max-epochs", "2", "--val-every", "2"]
     args += ["--seed", "3", "--logger", "jsonl,csv", "--progress", "off", "--run-dir", "runs/a"]
-    p = _jaxnitro("train", *args, cwd=work)
+    p = jaxnitro("train", *args, cwd=work)
     assert p.returncode == 0, p.stderr
     written = tomllib.loads((work / "runs/a/config.toml").read_text())
     assert written["target"] == "exp.py:Small" and written["fields"]["smoothing"] == 0.05
     assert written["options"]["val_every"] == 2 and written["options"]["logger"] == "jsonl,csv"
     assert written["jaxnitro_version"] == jn.__version__
-    p = _jaxnitro("train", "--config", "runs/a/config.toml", "--run-dir", "runs/b", cwd=work)
+    p = jaxnitro("train", "--config", "runs/a/config.toml", "--run-dir", "runs/b", cwd=work)
     assert p.returncode == 0, p.stderr
     first, again = _history(work / "runs/a"), _history(work / "runs/b")
     assert len(first) > 4 and first == again
@@ -445,7 +431,7 @@ def test_a_sweep_starts_from_a_config_file(work):
         "options": {"max_epochs": 1, "run_dir": "runs/sweepcfg", "val_every": 2},
     }
     _toml(work, "sweep.toml", body)
-    p = _jaxnitro("sweep", "--config", "sweep.toml", "--smoothing", "0.0,0.1", "--json", cwd=work)
+    p = jaxnitro("sweep", "--config", "sweep.toml", "--smoothing", "0.0,0.1", "--json", cwd=work)
     assert p.returncode == 0, p.stderr
     runs = sorted((work / "runs/sweepcfg").glob("sweep-*"))
     assert [r.name for r in runs] == ["sweep-0-smoothing=0.0", "sweep-1-smoothing=0.1"]
