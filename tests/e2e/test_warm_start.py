@@ -192,7 +192,6 @@ PERSIST = textwrap.dedent("""
     import sys, jax
     sys.path.insert(0, {tests!r})
     import jaxnitro as jn
-from helpers.paths import TESTS
     hits = []
     jax.monitoring.register_event_listener(
         lambda name, **kw: hits.append(name) if "cache_hits" in name else None)

@@ -67,8 +67,6 @@ TRAINER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
     import jaxnitro as jn
-from helpers.paths import TESTS
-from helpers.logs import lines
     from conftest import Tiny
     jn.on_phase(lambda phase, step, epoch, info: print("PHASE", phase, flush=True))
     # Keep every checkpoint: a reader then never races the trainer's retention (a checkpoint

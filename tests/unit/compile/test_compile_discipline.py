@@ -535,7 +535,6 @@ def test_helper_method_edit_is_seen(run_dir):
 MODULE = """
 import jax, optax
 import jaxnitro as jn
-from helpers.paths import TESTS
 from conftest import Tiny
 
 SCALE = {scale}

@@ -392,8 +392,6 @@ SETUP_CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     import jaxnitro as jn
-from helpers.paths import TESTS
-from helpers.logs import lines
     from conftest import Tiny
 
     @jn.experiment
@@ -434,8 +432,6 @@ COMPILE_CHILD = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import jax
     import jaxnitro as jn
-from helpers.paths import TESTS
-from helpers.logs import lines
     from conftest import Tiny
 
     @jn.experiment
@@ -499,7 +495,6 @@ SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import jaxnitro as jn
-from helpers.paths import ROOT, SRC, TESTS
 from conftest import Tiny
 
 resume = sys.argv[1] if len(sys.argv) > 1 else False
