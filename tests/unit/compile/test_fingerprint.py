@@ -325,10 +325,11 @@ def test_library_closures_are_hashed_by_content():
 def test_typical_hook_is_fast():
     ns = load(HOOK)
     fingerprint(ns["hook"])
-    t0 = time.perf_counter()
+    # CPU time of this process: what fingerprinting costs, not how other jobs share the cores
+    t0 = time.process_time()
     for _ in range(100):
         fingerprint(ns["hook"])
-    assert (time.perf_counter() - t0) / 100 < 2e-3  # budget is 1 ms; slack for loaded CI
+    assert (time.process_time() - t0) / 100 < 2e-3  # budget is 1 ms; slack for slow CPUs
 
 
 def test_reloaded_module(tmp_path, monkeypatch):

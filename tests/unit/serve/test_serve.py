@@ -460,7 +460,9 @@ def test_start_up_banner_access_log_and_no_nagle_delay(server):
         conn.getresponse().read()
         times.append(time.perf_counter() - started)
     conn.close()
-    assert np.median(times) < 0.02, times
+    # Nagle's delay would hold every response ~40 ms; a loaded machine delays only some, so
+    # the fastest quarter must be quick (the median was, on an idle machine)
+    assert sorted(times)[len(times) // 4] < 0.02, times
     deadline = time.monotonic() + 5
     while 'POST /v2/models/tiny/infer" 200' not in server.output:
         assert time.monotonic() < deadline, server.output[-2000:]
