@@ -149,7 +149,9 @@ def misplaced(tests: Path = TESTS) -> list[tuple[Path, str]]:
 def file_relative_paths(path: Path) -> list[str]:
     """Lines of `path` that build paths from `__file__` (they move with the file)."""
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    return [f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(lines, 1) if "__file__" in line]
+    return [
+        f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(lines, 1) if "__file__" in line
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
