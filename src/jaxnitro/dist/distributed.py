@@ -33,8 +33,8 @@ from typing import Any
 import jax
 from jax._src import distributed as _jd
 
-from jaxnitro.dist import peer_watch
 from jaxnitro.core.errors import ConfigError, JaxnitroError
+from jaxnitro.dist import peer_watch
 
 ENV_COORDINATOR = "JAXNITRO_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXNITRO_NUM_PROCESSES"

@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO
 
-from jaxnitro.dist.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from jaxnitro.core.errors import ConfigError
+from jaxnitro.dist.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from jaxnitro.dist.peer_watch import ENV_ERROR_FILE
 
 PREEMPTED = 143

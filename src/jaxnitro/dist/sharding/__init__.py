@@ -6,7 +6,16 @@
 Multi-process runs (`jax.distributed`) will plug in here too.
 """
 
-from jaxnitro.dist.sharding.placement import check_fsdp, describe, device_bytes, make_mesh, opt_state_shardings, param_shardings, place, to_sharding
+from jaxnitro.dist.sharding.placement import (
+    check_fsdp,
+    describe,
+    device_bytes,
+    make_mesh,
+    opt_state_shardings,
+    param_shardings,
+    place,
+    to_sharding,
+)
 from jaxnitro.dist.sharding.rules import Sharding, param_specs, resolve, spec_for
 
 __all__ = [

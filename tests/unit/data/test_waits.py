@@ -1,0 +1,185 @@
+"""data_wait_frac counts the time the device sat idle for want of the next batch, not the time
+the loop spent in the data source while the device was still running the previous step."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from conftest import nitro
+from flax import nnx
+
+import jaxnitro as jn
+from jaxnitro.data import waits
+from jaxnitro.data.loader import Prefetcher
+
+
+class FakeStep:
+    """A step's output that becomes ready when `finish()` is called (or after `seconds`)."""
+
+    def __init__(self, seconds: float | None = None):
+        self.done = threading.Event()
+        if seconds is not None:
+            threading.Timer(seconds, self.done.set).start()
+
+    def is_ready(self) -> bool:
+        return self.done.is_set()
+
+    def block_until_ready(self):
+        self.done.wait()
+        return self
+
+
+def test_no_step_in_flight_counts_the_whole_ask():
+    clock = waits.WaitClock(lambda: None)
+    took = _timed(clock, lambda: time.sleep(0.05))
+    assert 0.04 < clock.seconds <= took
+
+
+def test_a_batch_prepared_while_the_step_runs_is_no_wait():
+    step = FakeStep()
+    clock = waits.WaitClock(lambda: step)
+    clock.run(lambda: time.sleep(0.03))  # prepared in this thread; the step is still running
+    assert clock.seconds == 0.0
+    step.done.set()
+    clock.run(lambda: time.sleep(0.03))  # the step has ended: all of it is a wait
+    assert clock.seconds > 0.02
+
+
+def _timed(clock, fn, **kw) -> float:
+    t0 = time.perf_counter()
+    clock.run(fn, **kw)
+    return time.perf_counter() - t0
+
+
+def test_a_blocking_wait_counts_only_after_the_step_ends():
+    step = FakeStep(seconds=0.1)  # the step runs 0.1 s; the batch comes after 1 s
+    clock = waits.WaitClock(lambda: step)
+    # A watcher thread notes the step's end: on a loaded machine it may run late. The batch
+    # comes long after the step ends, so a late note still falls inside the ask.
+    took = _timed(clock, lambda: time.sleep(1.0), blocking=True)
+    # the first 0.1 s (the step still running) are not counted; the rest is
+    assert 0.05 < clock.seconds <= took - 0.09, (clock.seconds, took)
+
+
+def test_a_blocking_wait_that_ends_before_the_step_is_no_wait():
+    step = FakeStep(seconds=0.3)
+    clock = waits.WaitClock(lambda: step)
+    clock.run(lambda: time.sleep(0.05), blocking=True)
+    assert clock.seconds == 0.0
+    step.done.wait()
+
+
+def test_a_source_that_blocks_inside_the_work_is_timed_from_the_step_end():
+    """What a transform worker's reply does: it says when the work turns into a wait."""
+    step = FakeStep(seconds=0.1)
+    clock = waits.WaitClock(lambda: step)
+
+    def work():
+        time.sleep(0.02)  # work in this thread first (counted only after the step ends)
+        waits.blocking()
+        time.sleep(1.0)  # long after the step's end, so the watcher's note is in (see above)
+
+    took = _timed(clock, work)
+    assert 0.05 < clock.seconds <= took - 0.09, (clock.seconds, took)
+
+
+def test_the_prefetcher_counts_no_wait_while_the_step_runs():
+    step = FakeStep(seconds=1.0)
+
+    def slow():
+        for i in range(3):
+            time.sleep(0.05)
+            yield {"y": np.array([i])}
+
+    p = Prefetcher(slow(), lambda h: (h, 1), depth=1, in_flight=lambda: step)
+    assert len(list(p)) == 3
+    assert p.wait_seconds == 0.0  # every batch came before the step ended
+    p.close()
+    step.done.set()
+
+
+# -- in a run: a slow step fed by slower-looking but sufficient workers ----------------------
+def _sleep(x, seconds):
+    time.sleep(seconds)
+    return x
+
+
+class Lin(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+@jn.experiment
+class SlowStep:
+    """A train step that takes `step_s` on the device (a host callback inside the program)."""
+
+    step_s: jn.GraphConst[float] = 0.04
+    max_epochs: int = 1
+
+    def build_model(self, rng):
+        return jn.split_model(Lin(nnx.Rngs(rng)))
+
+    def build_data(self, dist):
+        raise NotImplementedError  # passed as Nitro(data=...)
+
+    def forward(self, model, params, state, *, x):
+        return jn.apply(model, params, state, x)
+
+    def loss(self, logits, *, y):
+        held = jax.pure_callback(
+            lambda v: _sleep(v, self.step_s),
+            jax.ShapeDtypeStruct((), jnp.float32),
+            jax.lax.stop_gradient(logits).sum(),
+        )
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return ce + 0.0 * held
+
+
+def _slow_transform(seconds):
+    def fn(example, rng):
+        time.sleep(seconds)
+        return example
+
+    return fn
+
+
+def _run(tmp_path, *, step_s, sample_s, workers):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype(np.float32)
+    y = rng.integers(0, 4, size=64).astype(np.int32)
+    loader = jn.DataLoader(
+        {"x": x, "y": y},
+        batch_size=4,
+        drop_last=True,
+        transform=_slow_transform(sample_s),
+        workers=workers,
+    )
+    n = nitro(SlowStep(step_s=step_s), data={"train": loader}, run_dir=tmp_path, checkpointer=False)
+    try:
+        jn.train(n)
+    finally:
+        loader.close()
+    (row,) = [r for r in jn.read_jsonl(tmp_path / "metrics.jsonl") if r.get("context") == "data"]
+    return row["data_wait_frac"]
+
+
+def test_workers_that_keep_up_with_the_step_report_almost_no_wait(tmp_path):
+    """Batches take 20 ms in a worker, steps 60 ms: the loop runs ahead and blocks on the
+    worker's reply while the device is busy. Measured as the loop's time in the source, that
+    was most of the run; the device never waited."""
+    frac = _run(tmp_path, step_s=0.06, sample_s=0.005, workers=1)
+    assert frac < 0.15, frac
+
+
+def test_workers_slower_than_the_step_report_the_wait(tmp_path):
+    """Batches take 60 ms in the worker, steps 5 ms: the device waits most of the time."""
+    frac = _run(tmp_path, step_s=0.005, sample_s=0.015, workers=1)
+    assert frac > 0.5, frac

@@ -1,0 +1,27 @@
+"""`jn.inspect`: what the report shows and how it prints."""
+
+from __future__ import annotations
+
+from conftest import Tiny, nitro
+
+import jaxnitro as jn
+
+
+def test_inspect_prints_binding_groups_programs_and_memory(run_dir, capsys):
+    n = nitro(Tiny(), run_dir=run_dir)
+    result = jn.inspect(n)
+    out = capsys.readouterr().out
+    assert "width" in out and "GraphConst" in out and "forward() receives: x" in out
+    assert "default" in out and "radam" in out
+    assert "train" in out and "eval" in out and "capacity" in out
+    assert result.memory
+
+
+def test_printing_what_inspect_returns_shows_the_report_once(run_dir, capsys):
+    n = nitro(Tiny(), run_dir=run_dir)
+    print(jn.inspect(n))
+    out = capsys.readouterr().out
+    assert out.count("forward() receives: x") == 1 and out.count("capacity") == 1
+    report = jn.inspect(n, show=False)
+    assert capsys.readouterr().out == ""
+    assert "forward() receives: x" in str(report) and str(report) == report.text()
