@@ -44,7 +44,7 @@ bench-serve: $(VENV)/.dev
 	$(PY) benchmarks/serve.py --out runs/bench/serve.json $(BENCH_ARGS)
 
 # ruff (lint and format) everywhere; the type checker on the package only.
-LINT_PATHS := src tests examples benchmarks
+LINT_PATHS := src tests tools examples benchmarks
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
