@@ -143,6 +143,11 @@ class TopKCheckpointer:
         self._pending: concurrent.futures.Future | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
+    def monitor(self, metric: str) -> None:
+        """Rank by `metric`: setup's choice when the user named none and the default
+        (`val_loss`) is not among what validation produces."""
+        self.metric = metric
+
     def for_run(self, run_id: str | None) -> None:
         """Manage only the checkpoints of run `run_id` (None: every checkpoint, as before).
 

@@ -48,6 +48,7 @@ class Checkpointer(Protocol):
 
     def bind(self, run_dir: str | os.PathLike, *, writer: bool = True) -> None: ...
     def for_run(self, run_id: str | None) -> None: ...
+    def monitor(self, metric: str) -> None: ...
     def save(
         self,
         *,
@@ -78,6 +79,9 @@ class NoCheckpointer:
 
     def for_run(self, run_id: str | None) -> None:
         self.run_id = run_id
+
+    def monitor(self, metric: str) -> None:
+        self.metric = metric
 
     def save(self, **_: Any) -> None:
         return None

@@ -41,7 +41,8 @@ def check_metrics(spec: RunSpec, ts: TrainState, device: Any, svc: Services, nam
                 f"the checkpointer monitors {metric!r}, which this run never produces; "
                 f"validation produces {names}." + did_you_mean(metric, names)
             )
-        svc.checkpointer.metric = names[0] if names else metric
+        if names:
+            svc.checkpointer.monitor(names[0])
     es = spec.early_stop
     if es is not None:
         es.check_metric(["train_loss", *names], has_val=has_val)
