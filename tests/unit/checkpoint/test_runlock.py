@@ -64,11 +64,20 @@ def test_stale_lock_of_a_killed_process_is_taken_over(run_dir):
 
 
 TRAINER = textwrap.dedent("""
-    import sys
+    import os, sys, time
     sys.path.insert(0, {tests!r})
     import jaxnitro as jn
     from conftest import Tiny
-    jn.on_phase(lambda phase, step, epoch, info: print("PHASE", phase, flush=True))
+    def hold(phase, step, epoch, info):
+        print("PHASE", phase, flush=True)
+        # From the third epoch on, train on only once the reader says it is done: the run
+        # (and its lock) outlives the reader's checks however slow the machine is.
+        deadline = time.time() + 300
+        while phase == "Training" and epoch >= 2 and not os.path.exists({release!r}):
+            if time.time() > deadline:
+                break
+            time.sleep(0.02)
+    jn.on_phase(hold)
     # Keep every checkpoint: a reader then never races the trainer's retention (a checkpoint
     # deleted while a reader loads it is a separate, reported failure).
     n = jn.Nitro(
@@ -86,7 +95,10 @@ TRAINER = textwrap.dedent("""
 def test_a_reader_evaluates_while_a_trainer_runs_and_never_disturbs_it(tmp_path):
     run = tmp_path / "run"
     script = tmp_path / "trainer.py"
-    script.write_text(TRAINER.format(tests=str(TESTS), run=str(run), epochs=40))
+    release = tmp_path / "release"
+    script.write_text(
+        TRAINER.format(tests=str(TESTS), run=str(run), epochs=4, release=str(release))
+    )
     proc = subprocess.Popen(
         [sys.executable, str(script)],
         stdout=subprocess.PIPE,
@@ -116,6 +128,7 @@ def test_a_reader_evaluates_while_a_trainer_runs_and_never_disturbs_it(tmp_path)
             done += 1
             with pytest.raises(RunLockedError, match=f"process {proc.pid}"):
                 jn.train(reader)
+        release.touch()
         out, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
