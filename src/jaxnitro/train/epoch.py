@@ -87,7 +87,9 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
             for call in payloads:
                 # What a `jn.start` handle asked since the last dispatch (new Device values, a
                 # checkpoint) is done here, before the next dispatch.
-                call = call._replace(hyper=commands.at_boundary(run, mid_epoch, call))
+                hyper = commands.at_boundary(run, mid_epoch, call)
+                if hyper is not call.hyper:  # new Device values: this call takes them
+                    call = call._replace(hyper=hyper)
                 run.dispatch(call)
                 sync.poll()
                 if unit.states is not None:  # the iterator state after the last batch trained
