@@ -6,12 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from conftest import nitro
-from flax import nnx
+from helpers.slow_step import SlowStep
 
 import jaxnitro as jn
 from jaxnitro.data import waits
@@ -104,45 +101,6 @@ def test_the_prefetcher_counts_no_wait_while_the_step_runs():
 
 
 # -- in a run: a slow step fed by slower-looking but sufficient workers ----------------------
-def _sleep(x, seconds):
-    time.sleep(seconds)
-    return x
-
-
-class Lin(nnx.Module):
-    def __init__(self, rngs):
-        self.lin = nnx.Linear(8, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.lin(x)
-
-
-@jn.experiment
-class SlowStep:
-    """A train step that takes `step_s` on the device (a host callback inside the program)."""
-
-    step_s: jn.GraphConst[float] = 0.04
-    max_epochs: int = 1
-
-    def build_model(self, rng):
-        return jn.split_model(Lin(nnx.Rngs(rng)))
-
-    def build_data(self, dist):
-        raise NotImplementedError  # passed as Nitro(data=...)
-
-    def forward(self, model, params, state, *, x):
-        return jn.apply(model, params, state, x)
-
-    def loss(self, logits, *, y):
-        held = jax.pure_callback(
-            lambda v: _sleep(v, self.step_s),
-            jax.ShapeDtypeStruct((), jnp.float32),
-            jax.lax.stop_gradient(logits).sum(),
-        )
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        return ce + 0.0 * held
-
-
 def _slow_transform(seconds):
     def fn(example, rng):
         time.sleep(seconds)
