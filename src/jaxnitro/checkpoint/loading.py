@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,9 +20,12 @@ from jaxnitro.core.errors import (
     did_you_mean,
 )
 
+if TYPE_CHECKING:
+    from jaxnitro.checkpoint.orbax_io import Bar
+
 
 def load_checkpoint(
-    path: str | os.PathLike, templates: dict[str, Any] | None = None
+    path: str | os.PathLike, templates: dict[str, Any] | None = None, *, bar: Bar | None = None
 ) -> tuple[dict[str, Any], dict]:
     """Load ``(trees, meta)`` from a checkpoint directory, verifying its checksums.
 
@@ -33,6 +36,8 @@ def load_checkpoint(
     ``meta`` is the user meta given to ``save`` plus "epoch", "step", "metrics" (user keys win).
     Templates are compared with meta.json before any array is read, and arrays are read only in
     the shapes meta.json records, so a mismatched or crafted checkpoint fails fast.
+    ``bar``: a progress bar factory such as a run's ``n.display.bar``; the arrays are then read
+    in parts (about 64 MiB or more each) and the bar counts them.
 
     Example:
         >>> trees, meta = jn.load_checkpoint(ck.best(), {"params": {"w": np.zeros(3)}})
@@ -44,7 +49,7 @@ def load_checkpoint(
     templates = templates or {}
     _check_templates(ckpt, info, templates)
     try:
-        arrays = _read_arrays(ckpt, info)
+        arrays = _read_arrays(ckpt, info, bar)
     except (KeyError, TypeError, ValueError) as exc:  # e.g. an unknown dtype or PRNG impl
         raise CheckpointError(
             f"checkpoint {ckpt} is corrupted (bad leaf spec in {META}: {_short(exc)}); use "

@@ -27,9 +27,17 @@ from jaxnitro.checkpoint.quiet import _quiet_closed_loop
 from jaxnitro.core.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
+    from contextlib import AbstractContextManager
 
-_GLOB = frozenset("[]*?\\{}")  # Orbax/TensorStore treat these as patterns in the paths they get
+    # `Display.bar`: (label, total, lines=...) -> a context yielding advance(k=1, note="")
+    Bar = Callable[..., AbstractContextManager[Callable[..., None]]]
+
+_GLOB = frozenset("[]*?\\{}")
+# A restore shown with a bar reads its arrays in parts of at least this many bytes (one Orbax
+# call each, at most _MAX_PARTS of them); a smaller checkpoint is one part.
+_PART_BYTES = 64 << 20
+_MAX_PARTS = 32  # Orbax/TensorStore treat these as patterns in the paths they get
 
 
 @contextlib.contextmanager
@@ -135,8 +143,9 @@ def _write_checkpoint(target: Path, trees: dict[str, Any], record: dict) -> None
     _write_json(target / META, {**info, "record_sha256": _record_hash(info)})
 
 
-def _read_arrays(ckpt: Path, info: dict) -> dict:
-    """Restore exactly the arrays meta.json describes, after Orbax's metadata agrees with it."""
+def _read_arrays(ckpt: Path, info: dict, bar: Bar | None = None) -> dict:
+    """Restore exactly the arrays meta.json describes, after Orbax's metadata agrees with it.
+    With `bar` (a display's bar), the arrays are read in parts and the bar counts them."""
     want = {
         f"t{t['index']}": {f"l{j}": _stored_layout(leaf) for j, leaf in enumerate(t["leaves"])}
         for t in info["trees"].values()
@@ -162,6 +171,8 @@ def _read_arrays(ckpt: Path, info: dict) -> dict:
                 t: {k: jax.ShapeDtypeStruct(s, jnp.dtype(d)) for k, (s, d) in leaves.items()}
                 for t, leaves in want.items()
             }  # ShapeDtypeStruct targets restore as numpy
+            if bar is not None:
+                return _read_in_parts(ocp, where / ARRAYS, target, bar, ckpt.name)
             if any(t.get("sharded") for t in info["trees"].values()):
                 return _read_as_numpy(ocp, where / ARRAYS, target)
             return ckptr.restore(where / ARRAYS, args=ocp.args.StandardRestore(target))
@@ -174,12 +185,62 @@ def _read_arrays(ckpt: Path, info: dict) -> dict:
         ) from exc
 
 
-def _read_as_numpy(ocp: Any, where: Path, target: dict) -> dict:
+def _read_as_numpy(ocp: Any, where: Path, target: dict, *, partial: bool = False) -> dict:
     """Whole arrays as numpy from a store written by several processes (Orbax refuses to
-    restore its sharded arrays onto targets without shardings)."""
+    restore its sharded arrays onto targets without shardings); with `partial`, only the
+    arrays `target` names."""
     only = _this_process(ocp)
     as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**only), **only) as reader:
         return reader.restore(
-            where, args=ocp.args.PyTreeRestore(item=target, restore_args=as_numpy)
+            where,
+            args=ocp.args.PyTreeRestore(
+                item=target, restore_args=as_numpy, partial_restore=partial
+            ),
         )
+
+
+def _nbytes(leaf: Any) -> int:
+    return int(np.prod(leaf.shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+
+
+def _parts(target: dict) -> list[dict]:
+    """`target`'s arrays ({tree: {leaf: ShapeDtypeStruct}}) in order, split into parts of
+    about the same size: at least `_PART_BYTES` each, at most `_MAX_PARTS` of them."""
+    leaves = [(t, k, v) for t, tree in target.items() for k, v in tree.items()]
+    total = sum(_nbytes(v) for _, _, v in leaves)
+    size = max(_PART_BYTES, -(-total // _MAX_PARTS))
+    parts: list[dict] = [{}]
+    filled = 0
+    for t, k, v in leaves:
+        if filled >= size:
+            parts.append({})
+            filled = 0
+        parts[-1].setdefault(t, {})[k] = v
+        filled += _nbytes(v)
+    return parts
+
+
+def _read_in_parts(ocp: Any, where: Path, target: dict, bar: Bar, name: str) -> dict:
+    """The arrays of `target`, one part per Orbax call, under a bar that counts the parts and
+    the bytes read (Orbax reads a whole restore in one call and reports nothing before it
+    returns). Plain lines only for a checkpoint of several parts."""
+    parts = _parts(target)
+    total = sum(_nbytes(v) for part in parts for tree in part.values() for v in tree.values())
+    out: dict = {}
+    done = 0
+    with bar(f"restoring {name}", len(parts), lines=len(parts) > 1) as advance:
+        for part in parts:
+            got = _read_as_numpy(ocp, where, part, partial=len(parts) > 1)
+            for t, tree in got.items():
+                out.setdefault(t, {}).update(tree)
+                done += sum(_nbytes(a) for a in tree.values())
+            advance(1, f"{_size(done)} of {_size(total)}")
+    return out
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

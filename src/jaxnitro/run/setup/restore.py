@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -24,6 +24,9 @@ from jaxnitro.run.spec import RunSpec
 from jaxnitro.steps import ema as ema_mod
 from jaxnitro.steps.state import TrainState
 from jaxnitro.train.early_stop import StopState
+
+if TYPE_CHECKING:
+    from jaxnitro.checkpoint.orbax_io import Bar
 
 _TREES = {
     "params": "the model structure (layers, widths, parameter names)",
@@ -74,16 +77,18 @@ def check_members(spec: RunSpec, path: Path, *, resume: bool) -> None:
     )
 
 
-def load_trees(ts: TrainState, path: Path, *, full: bool, ema: bool = False) -> tuple[dict, dict]:
+def load_trees(
+    ts: TrainState, path: Path, *, full: bool, ema: bool = False, bar: Bar | None = None
+) -> tuple[dict, dict]:
     """(trees, meta) of a checkpoint, restored onto this run's templates (with `ema`, the
-    weight average too, when the checkpoint holds one)."""
+    weight average too, when the checkpoint holds one), under the display's `bar`."""
     templates = {"params": ts.params, "model_state": ts.state}
     if full:
         templates["opt_state"] = ts.opt_state
     if ema and "ema" in checkpoint_meta(path)["trees"]:
         templates["ema"] = _ema_template(ts, path)
     try:
-        return load_checkpoint(path, templates)
+        return load_checkpoint(path, templates, bar=bar)
     except CheckpointError as e:
         tree = next((t for t in _TREES if f"tree '{t}' does not match" in str(e)), None)
         if tree is None:
@@ -104,11 +109,14 @@ def load_trees(ts: TrainState, path: Path, *, full: bool, ema: bool = False) -> 
         ) from e
 
 
-def restore(spec: RunSpec, ts: TrainState, path: Path) -> tuple[TrainState, Progress, Any]:
-    """Resume: the state, the progress and the schedules' horizon saved in the checkpoint."""
+def restore(
+    spec: RunSpec, ts: TrainState, path: Path, bar: Bar | None = None
+) -> tuple[TrainState, Progress, Any]:
+    """Resume: the state, the progress and the schedules' horizon saved in the checkpoint
+    (its arrays read under the display's `bar`)."""
     check_config(spec, path)
     check_members(spec, path, resume=True)
-    trees, meta = load_trees(ts, path, full=True, ema=spec.ema is not None)
+    trees, meta = load_trees(ts, path, full=True, ema=spec.ema is not None, bar=bar)
     step = validate_int(meta, "step", path)
     ts = ts.replace(
         params=on_targets(trees["params"], ts.params),

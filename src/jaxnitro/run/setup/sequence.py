@@ -160,7 +160,7 @@ def build(
         ts = ts.replace(ema=ema_mod.init(spec.ema, ts.params, ts.state, ts.step))
     sharding_mod.check_fsdp(ts.params, sharding, mesh.size)
     check_metrics(spec, ts, device, svc, named)
-    return _restored(spec, ts, device, s)
+    return _restored(spec, ts, device, s, svc)
 
 
 def _options(s: Settings, decided: Mapping[str, Any]) -> dict[str, Any]:
@@ -174,15 +174,17 @@ def _options(s: Settings, decided: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _restored(spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings) -> Built:
+def _restored(
+    spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings, svc: Services
+) -> Built:
     progress = Progress(early_stop=early_stop_start(spec))
     if spec.resume_path is not None:
-        ts, progress, horizon = restore(spec, ts, spec.resume_path)
+        ts, progress, horizon = restore(spec, ts, spec.resume_path, svc.display.bar)
         spec = spec.replace(resumed_total_steps=horizon)
         warn_horizon(spec, progress, horizon)
     elif s.checkpoint is not None:
         path = weights_path(Path(s.checkpoint).absolute())
-        ts = load_weights(spec, ts, path, s.weights)
+        ts = load_weights(spec, ts, path, s.weights, svc.display.bar)
         spec = spec.replace(weights_path=path)
     if spec.early_stop is not None and isinstance(progress.early_stop, tuple):
         # the members that had stopped stay frozen

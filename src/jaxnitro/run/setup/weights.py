@@ -4,6 +4,7 @@ weights (raw or EMA) into a fresh run."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxnitro.checkpoint.record import _read_meta as checkpoint_meta
 from jaxnitro.checkpoint.store import TopKCheckpointer
@@ -13,6 +14,9 @@ from jaxnitro.run.setup.restore import check_members, load_trees
 from jaxnitro.run.spec import RunSpec
 from jaxnitro.steps import ema as ema_mod
 from jaxnitro.steps.state import TrainState
+
+if TYPE_CHECKING:
+    from jaxnitro.checkpoint.orbax_io import Bar
 
 
 def weights_path(path: Path) -> Path:
@@ -43,7 +47,7 @@ def weights_path(path: Path) -> Path:
 
 
 def load_weights(
-    spec: RunSpec, ts: TrainState, path: Path, weights: str | None = None
+    spec: RunSpec, ts: TrainState, path: Path, weights: str | None = None, bar: Bar | None = None
 ) -> TrainState:
     """`checkpoint=path`: the weights (params and model state) only; a fresh optimizer.
     `weights="ema"` loads the checkpoint's weight average (None: the weights its validation
@@ -59,7 +63,7 @@ def load_weights(
             f"without ema=); pass weights='raw' (or leave it out), or a checkpoint of a run "
             f"with Nitro(ema=0.999)."
         )
-    trees, _ = load_trees(ts, path, full=False, ema=weights == "ema")
+    trees, _ = load_trees(ts, path, full=False, ema=weights == "ema", bar=bar)
     ts = ts.replace(
         params=on_targets(trees["params"], ts.params),
         state=on_targets(trees["model_state"], ts.state),
