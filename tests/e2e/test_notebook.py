@@ -42,6 +42,7 @@ n = jn.Nitro(Tiny(n_train=640, max_epochs=2), run_dir={str(tmp_path / "run")!r})
         "jn.compile_report(n)",
         "jn.history(n)",
         "jn.plot(n)",
+        "metrics = jn.validate(n)",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     client = _Recording(nb, timeout=300, kernel_name="python3")
@@ -69,3 +70,8 @@ n = jn.Nitro(Tiny(n_train=640, max_epochs=2), run_dir={str(tmp_path / "run")!r})
     assert "<table>" in hist and "train_loss" in hist and "<b>" in hist  # the best row
     res = [o for o in outs[5] if o.output_type == "execute_result"]
     assert res and "image/png" in res[0].data, outs[5]
+    # a later cell's work shows in that cell, not as an update of the training's output
+    later = [o for o in outs[6] if o.output_type == "display_data" and "text/html" in o.data]
+    assert len(later) == 1, outs[6]
+    assert "epoch 1/2" not in later[0].data["text/html"]
+    assert "<table>" in html_displays[0].data["text/html"]  # train's output is as it ended

@@ -322,6 +322,7 @@ class _Notebook:
     def __init__(self, show: Callable | None):
         self._show = show  # tests pass a recorder; in a kernel IPython.display.display
         self._handle: Any = None
+        self._cell: int | None = None  # the kernel's execution count when it was shown
         self._last = 0.0
         self._bar = ""
         self._sub = ""
@@ -371,8 +372,15 @@ class _Notebook:
         if not force and now - self._last < _NOTEBOOK_INTERVAL_S:
             return
         self._last = now
+        cell = _execution_count()
+        if self._handle is not None and cell != self._cell:
+            # a later cell (jn.validate, a second jn.train on the same handle): an output of
+            # its own there, never an update of the earlier cell's
+            self._handle = None
+            self._rows = []
         content = _Html(self.html())
         if self._handle is None:
+            self._cell = cell
             self._handle = self._display_fn()(content, display_id=True)
         else:
             self._handle.update(content)
@@ -383,6 +391,15 @@ class _Notebook:
 
             self._show = display
         return self._show
+
+
+def _execution_count() -> int | None:
+    """Which cell the kernel runs (IPython's execution count); None outside a kernel."""
+    ipython = sys.modules.get("IPython")
+    get = getattr(ipython, "get_ipython", None)
+    shell = get() if get is not None else None
+    count = getattr(shell, "execution_count", None)
+    return count if isinstance(count, int) else None
 
 
 class _Html:

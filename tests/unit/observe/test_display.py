@@ -189,6 +189,30 @@ def test_the_notebook_display_is_one_display_updated_in_place():
     assert "<progress" not in last  # the finished display keeps the summary table only
 
 
+def test_a_later_cell_gets_a_display_of_its_own(monkeypatch):
+    """`jn.train(n)` in one cell, `jn.validate(n)` in the next: the validation's bar is an
+    output of the second cell, and the first cell keeps its finished table."""
+    import types
+
+    shell = types.SimpleNamespace(execution_count=1)
+    ipython = types.SimpleNamespace(get_ipython=lambda: shell)
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    rec = _Recorder()
+    d = Display("notebook", file=io.StringIO(), show=rec)
+    d.start_epoch(0, 1, 2)
+    d.update(2, 0.5, 10.0)
+    d.end_train(2)
+    d.end_epoch("train_loss 0.5", {"epoch": 1})
+    updates_of_first = len(rec.updates)
+    shell.execution_count = 2  # the next cell
+    with d.bar("validating", 3) as advance:
+        advance(3)
+    assert len(rec.shown) == 2, rec.shown  # a second output, in the second cell
+    assert "validating" in rec.shown[1] and "epoch 1/1" not in rec.shown[1]
+    assert all("epoch 1/1" not in u for u in rec.updates[updates_of_first:])
+    assert "epoch 1/1" in (rec.updates[:updates_of_first] or rec.shown)[-1]
+
+
 def test_validation_prediction_and_lr_find_show_a_bar_over_their_batches(tmp_path):
     n = jn.Nitro(Tiny(), run_dir=tmp_path / "r", progress=False)
     rec = _Recorder()
