@@ -19,6 +19,7 @@ from pathlib import Path
 import pyte
 import pytest
 from conftest import Tiny
+from helpers.notebook import DisplayRecorder
 from helpers.paths import SRC, TESTS
 from rich.console import Console
 
@@ -154,23 +155,8 @@ def test_the_bar_fits_a_narrow_and_a_resized_console():
     assert "epoch 1/10: train_loss 0.5" in buf.getvalue()
 
 
-class _Recorder:
-    """IPython's `display` as the notebook display calls it: one display, then updates."""
-
-    def __init__(self):
-        self.shown: list[str] = []
-        self.updates: list[str] = []
-
-    def __call__(self, obj, display_id=None):
-        self.shown.append(obj._repr_html_())
-        return self
-
-    def update(self, obj):
-        self.updates.append(obj._repr_html_())
-
-
 def test_the_notebook_display_is_one_display_updated_in_place():
-    rec = _Recorder()
+    rec = DisplayRecorder()
     d = Display("notebook", file=io.StringIO(), show=rec)
     for epoch in range(2):
         d.start_epoch(epoch, 2, 4)
@@ -191,7 +177,7 @@ def test_the_notebook_display_is_one_display_updated_in_place():
 
 def test_validation_prediction_and_lr_find_show_a_bar_over_their_batches(tmp_path):
     n = jn.Nitro(Tiny(), run_dir=tmp_path / "r", progress=False)
-    rec = _Recorder()
+    rec = DisplayRecorder()
     n.services.display = Display("notebook", file=io.StringIO(), show=rec)
     jn.validate(n)
     list(jn.predict(n, n.spec.splits["val"]))
