@@ -34,20 +34,24 @@ import sys
 sys.path.insert(0, {tests!r})
 from conftest import Tiny
 import jaxnitro as jn
-n = jn.Nitro(Tiny(n_train=1280, max_epochs=2), run_dir={run_dir!r}, progress={progress!r})
+n = jn.Nitro(
+    Tiny(n_train=1280, max_epochs=2), run_dir={run_dir!r}, progress={progress!r}, {options}
+)
 jn.train(n)
 print("DONE")
 """
 
 
-def _run_on_pty(tmp_path, *, columns: int, term: str, progress=None) -> bytes:
+def _run_on_pty(tmp_path, *, columns: int, term: str, progress=None, options="") -> bytes:
     """Run a short training with its stdout on a real pseudo-terminal `columns` wide; the
-    bytes the terminal received."""
+    bytes the terminal received. `options`: more keywords of `jn.Nitro`, as code."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "NO_COLOR")}
     env.update(PYTHONPATH=str(SRC), JAX_PLATFORMS="cpu", TERM=term, JAXNITRO_NO_PLOT="1")
-    script = TRAIN.format(tests=str(TESTS), run_dir=str(tmp_path / "run"), progress=progress)
+    script = TRAIN.format(
+        tests=str(TESTS), run_dir=str(tmp_path / "run"), progress=progress, options=options
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script)],
         stdin=slave,
@@ -113,6 +117,21 @@ def test_a_real_terminal_shows_true_counts_transient_bars_and_summary_lines(tmp_
     assert not [line for line in screen if "━" in line or "/40" in line], screen  # none frozen
     summaries = [line for line in screen if re.match(r"epoch \d/2: ", line)]
     assert [s[:10] for s in summaries] == ["epoch 1/2:", "epoch 2/2:"], screen
+
+
+def test_a_population_on_a_real_terminal_shows_one_bar_and_readable_lines(tmp_path):
+    options = 'population={"smoothing": [0.0, 0.1, 0.2]}'
+    raw = _run_on_pty(tmp_path, columns=120, term="xterm-256color", options=options)
+    bars = [f for f in _frames(raw) if re.search(r"epoch \d/2 .*/40", f)]
+    assert bars and all("· 3 members" in f and "mean loss" in f for f in bars), bars
+    assert all(len(f.rstrip()) <= 120 for f in bars), bars
+    screen = _screen(raw, 120)
+    assert not [line for line in screen if "━" in line or "/40" in line], screen  # none frozen
+    text = "\n".join(screen)
+    summaries = re.findall(r"^epoch \d/2: .*$", text, re.M)
+    assert len(summaries) == 2 and all("best member" in s for s in summaries), screen
+    assert not re.search(r"(acc|val_loss)/\d", text), screen  # no member's name/i
+    assert text.count("members, best first by val_loss:") == 1, screen
 
 
 @pytest.mark.slow
