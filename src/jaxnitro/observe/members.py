@@ -42,10 +42,14 @@ def epoch_summary(
     metrics (the plain names in `row`), the spread of `metric` over the members.
 
     Example:
-        >>> epoch_summary({"train_loss": 0.97, "member": 1, "acc": 0.87, "acc/0": 0.86,
-        ...                "acc/1": 0.87}, size=2, metric="acc", rate=561.0)
-        'train_loss 0.9700 (mean of 2) · best member 1: acc 0.8700 · acc over members
-        0.8600–0.8700 · 561 steps/s'
+        >>> row = {"train_loss": 0.97, "member": 1, "acc": 0.87, "acc/0": 0.86, "acc/1": 0.87}
+        >>> line = epoch_summary(row, size=2, metric="acc", rate=561.0)
+        >>> for part in line.split(" · "):
+        ...     print(part)
+        train_loss 0.9700 (mean of 2)
+        best member 1: acc 0.8700
+        acc over members 0.8600–0.8700
+        561 steps/s
     """
     parts = []
     if row.get("train_loss") is not None:
