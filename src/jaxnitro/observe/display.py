@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -35,6 +36,8 @@ T = TypeVar("T")
 
 # Below this many columns the bar drops its rate and times (narrow terminals, 60 columns).
 _FULL_WIDTH = 100
+# A full row takes a population's note only where its bar keeps this many cells.
+_MIN_BAR = 10
 # The notebook display is redrawn at most this often (each redraw is a kernel message).
 _NOTEBOOK_INTERVAL_S = 0.25
 # A bar in plain mode (`bar(..., lines=True)`) prints about this many lines at most.
@@ -97,24 +100,45 @@ class _Bar(Progress):
 
     def __init__(self, console: Console, *, rate: bool):
         self._full = _columns(full=True, rate=rate)
+        self._noted = _columns(full=True, rate=rate, noted=True)
         self._compact = _columns(full=False, rate=rate)
         self._console = console
         super().__init__(*self._full, console=console, transient=True)
 
     def get_renderables(self):
-        wide = self._console.width >= _FULL_WIDTH  # read at each redraw: follows a resize
-        self.columns = self._full if wide else self._compact
+        width = self._console.width  # read at each redraw: follows a resize
+        self.columns = self._full if width >= _FULL_WIDTH else self._compact
+        if width >= _FULL_WIDTH and any(t.fields.get("note") for t in self.tasks):
+            if self._cells(self._noted) <= width:  # a population's note, where it fits
+                self.columns = self._noted
         yield self.make_tasks_table(self.tasks)
 
+    def _cells(self, columns: tuple[ProgressColumn, ...]) -> int:
+        """The cells the widest rows of `columns` take with a bar of `_MIN_BAR` cells."""
+        options = self._console.options
+        cells = len(columns) - 1  # a space between columns
+        for column in columns:
+            if isinstance(column, BarColumn):
+                cells += _MIN_BAR
+                continue
+            cells += max(
+                (Measurement.get(self._console, options, column(t)).maximum for t in self.tasks),
+                default=0,
+            )
+        return cells
 
-def _columns(*, full: bool, rate: bool) -> tuple[ProgressColumn, ...]:
+
+def _columns(*, full: bool, rate: bool, noted: bool = False) -> tuple[ProgressColumn, ...]:
+    # `noted`: a population's train row says " · 5/8 members training" after its label and
+    # "mean " before its loss (fields "" on other rows); only where the full row still fits.
     head: tuple[ProgressColumn, ...] = (
         SpinnerColumn(),
-        TextColumn("[bold]{task.description}"),
+        TextColumn("[bold]{task.description}" + ("{task.fields[note]}" if noted else "")),
         BarColumn(bar_width=None if full else 12),
         MofNCompleteColumn(),
     )
-    loss = TextColumn("{task.fields[loss]}")  # "loss 0.5472" on a train row, "" otherwise
+    # "loss 0.5472" on a train row, "" otherwise
+    loss = TextColumn(("{task.fields[mean]}" if noted else "") + "{task.fields[loss]}")
     if not full:
         return head + ((loss,) if rate else ())
     if rate:
@@ -144,6 +168,7 @@ class Display:
         self._progress: _Bar | None = None
         self._task: TaskID | None = None
         self._epoch_label = ""
+        self._note = self._mean = ""  # a population's train bar: its members, its mean loss
         self._notebook = _Notebook(show) if self.mode == "notebook" else None
 
     # -- lines -------------------------------------------------------------------------
@@ -185,17 +210,43 @@ class Display:
             self.line(f"compiled the {what} in {seconds:.2f}s")
 
     # -- epochs ------------------------------------------------------------------------
-    def start_epoch(self, epoch: int, max_epochs: int, total: int | None, done: int = 0) -> None:
+    def start_epoch(
+        self,
+        epoch: int,
+        max_epochs: int,
+        total: int | None,
+        done: int = 0,
+        *,
+        members: tuple[int, int] | None = None,
+    ) -> None:
+        """The epoch's train bar; for a population `members` is (members still training,
+        members): the bar says so (`epoch 2/10 · 5/8 members training`) and that its loss
+        is their mean."""
         self._epoch_t0 = time.perf_counter()
         self._epoch_label = f"epoch {epoch + 1}/{max_epochs}"
+        self._note = self._mean = ""
+        if members is not None:
+            training, size = members
+            self._note = (
+                f" · {size} members"
+                if training == size
+                else f" · {training}/{size} members training"
+            )
+            self._mean = "mean "
         if self._notebook is not None:
-            self._notebook.bar(self._epoch_label, done, total, "", force=True)
+            self._notebook.bar(self._epoch_label + self._note, done, total, "", force=True)
         if self.console is None:
             return
         self._progress = _Bar(self.console, rate=True)
         self._progress.start()
         self._task = self._progress.add_task(
-            self._epoch_label, total=total, completed=done, loss="loss –", rate="– steps/s"
+            self._epoch_label,
+            total=total,
+            completed=done,
+            loss="loss –",
+            rate="– steps/s",
+            note=self._note,
+            mean=self._mean,
         )
 
     def update(self, done: int, loss: float | None, rate: float | None) -> None:
@@ -205,7 +256,10 @@ class Display:
         rate_text = f"{rate:,.0f}" if rate else "–"
         if self._notebook is not None:
             self._notebook.bar(
-                self._epoch_label, done, None, f"loss {loss_text} · {rate_text} steps/s"
+                self._epoch_label + self._note,
+                done,
+                None,
+                f"{self._mean}loss {loss_text} · {rate_text} steps/s",
             )
         if self._progress is not None and self._task is not None:
             self._progress.update(
@@ -216,7 +270,8 @@ class Display:
         """The epoch's train steps are all read back: the bar shows the true count (the
         total too, for a split without len()), then leaves the screen."""
         if self._notebook is not None:
-            self._notebook.bar(self._epoch_label, done, done, "", force=True, final=True)
+            label = self._epoch_label + self._note
+            self._notebook.bar(label, done, done, "", force=True, final=True)
         if self._progress is not None and self._task is not None:
             task = self._progress.tasks[0]
             total = task.total if task.total is not None and task.total >= done else done
@@ -267,7 +322,7 @@ class Display:
         assert self.console is not None
         inner = self._progress  # a mid-epoch validation: a second row under the train bar
         progress = inner if inner is not None else _Bar(self.console, rate=False)
-        task = progress.add_task(label, total=total, loss="", rate="")
+        task = progress.add_task(label, total=total, loss="", rate="", note="", mean="")
         if inner is None:
             progress.start()
 
@@ -296,6 +351,14 @@ class Display:
             self._notebook.summary(self._epoch_label, row or {}, summary)
             return
         self.line(text)
+
+    def table(self, text: str, html_text: str) -> None:
+        """A table that stays (a population's members at the end of a run): `text` in a
+        terminal or a log, `html_text` in the notebook display, below the epochs' table."""
+        if self._notebook is not None:
+            self._notebook.block(html_text)
+        else:
+            self.line(text)
 
     def close(self) -> None:
         if self._progress is not None:
@@ -327,6 +390,7 @@ class _Notebook:
         self._bar = ""
         self._sub = ""
         self._rows: list[tuple[str, dict, str]] = []
+        self._blocks: list[str] = []  # tables that stay below the epochs' (Display.table)
         self._total: int | None = None
 
     def bar(self, label, done, total, extra, *, force=False, final=False) -> None:
@@ -357,6 +421,10 @@ class _Notebook:
         self._rows.append((label, row, text))
         self._draw(True)
 
+    def block(self, html_text: str) -> None:
+        self._blocks.append(html_text)
+        self._draw(True)
+
     def html(self) -> str:
         table = ""
         if self._rows:
@@ -365,7 +433,8 @@ class _Notebook:
                 for label, _, text in self._rows
             )
             table = f"<table><tr><th>epoch</th><th>summary</th></tr>{body}</table>"
-        return f"<div class='jaxnitro-run'>{table}{self._bar}{self._sub}</div>"
+        blocks = "".join(self._blocks)
+        return f"<div class='jaxnitro-run'>{table}{blocks}{self._bar}{self._sub}</div>"
 
     def _draw(self, force: bool) -> None:
         now = time.monotonic()

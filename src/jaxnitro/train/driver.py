@@ -22,6 +22,7 @@ from jaxnitro.compile import autotune, cache, plan, report
 from jaxnitro.compile.programs import check_stale
 from jaxnitro.core.errors import DataError, warn_user
 from jaxnitro.experiment.markers import fields
+from jaxnitro.observe import members as population_view
 from jaxnitro.observe import oom
 from jaxnitro.observe.display import show_image
 from jaxnitro.observe.events.phases import set_phase
@@ -203,6 +204,7 @@ def _train(n: Nitro) -> TrainResult:
         time={k: v for k, v in spent.items() if k != "goodput"},
     )
     _report(n, compiled, planned)
+    _members_table(n, result)
     curves = write_curves(n)  # run_dir/curves.png; JAXNITRO_NO_PLOT=1 skips, a failure warns
     if curves is not None and n.spec.show_curves:
         show_image(curves)  # inline in a notebook (Nitro(show_curves=...))
@@ -326,8 +328,30 @@ def _end_epoch(n: Nitro, epoch: int, done: EpochResult) -> str:
     stall = save_checkpoint(n, row, stop_reason=None if reason == "completed" else reason)
     done.clock.checkpoint_stall_s += stall
     rate = len(done.losses) / done.seconds if done.seconds else 0
-    n.display.end_epoch(_epoch_summary(row, rate, done.rates.get("mfu")), row)
+    pop, mfu = n.spec.population, done.rates.get("mfu")
+    if pop is None:
+        summary = _epoch_summary(row, rate, mfu)
+    else:  # the best member's metrics and the spread, never every member's `name/i`
+        summary = population_view.epoch_summary(
+            row, size=pop.size, metric=_ranking_metric(n), rate=rate, mfu=mfu
+        )
+    n.display.end_epoch(summary, row)
     return reason
+
+
+def _ranking_metric(n: Nitro) -> str:
+    """The metric that ranks a population's members (as validation picks the best one)."""
+    return getattr(n.checkpointer, "metric", None) or "val_loss"
+
+
+def _members_table(n: Nitro, r: TrainResult) -> None:
+    """A population's members, ranked, once at the end (the data of `r.members`)."""
+    pop = n.spec.population
+    if pop is None or not r.members:
+        return
+    shown = population_view.table(pop, r.members, metric=_ranking_metric(n))
+    if shown is not None:
+        n.display.table(*shown)
 
 
 def _log_epoch_time(n: Nitro, epoch: int, done: EpochResult) -> dict[str, float]:

@@ -30,6 +30,7 @@ from jaxnitro.observe.events import steps as step_events
 from jaxnitro.observe.events.phases import set_phase
 from jaxnitro.observe.events.signals import PreemptionSync
 from jaxnitro.observe.introspect import peak_memory
+from jaxnitro.observe.members import training as members_training
 from jaxnitro.observe.profile import ProfileWindow
 from jaxnitro.observe.timing import EpochClock
 from jaxnitro.run import commands
@@ -76,7 +77,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
         loader.set_epoch(epoch)
     total = len(loader) if hasattr(loader, "__len__") else None
     run = _Cursor(n, epoch)
-    n.display.start_epoch(epoch, n.max_epochs, total, run.batch)
+    n.display.start_epoch(epoch, n.max_epochs, total, run.batch, members=members_training(n))
     if feed.stage_train(spec, loader, run.batch):  # batches cut on the device ahead: their
         run.restart_clock()  # transfers are not the epoch's steps
     stream = _stream(n, run, loader)

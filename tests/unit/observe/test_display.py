@@ -19,6 +19,7 @@ from pathlib import Path
 import pyte
 import pytest
 from conftest import Tiny
+from helpers.notebook import DisplayRecorder
 from helpers.paths import SRC, TESTS
 from rich.console import Console
 
@@ -33,20 +34,24 @@ import sys
 sys.path.insert(0, {tests!r})
 from conftest import Tiny
 import jaxnitro as jn
-n = jn.Nitro(Tiny(n_train=1280, max_epochs=2), run_dir={run_dir!r}, progress={progress!r})
+n = jn.Nitro(
+    Tiny(n_train=1280, max_epochs=2), run_dir={run_dir!r}, progress={progress!r}, {options}
+)
 jn.train(n)
 print("DONE")
 """
 
 
-def _run_on_pty(tmp_path, *, columns: int, term: str, progress=None) -> bytes:
+def _run_on_pty(tmp_path, *, columns: int, term: str, progress=None, options="") -> bytes:
     """Run a short training with its stdout on a real pseudo-terminal `columns` wide; the
-    bytes the terminal received."""
+    bytes the terminal received. `options`: more keywords of `jn.Nitro`, as code."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "NO_COLOR")}
     env.update(PYTHONPATH=str(SRC), JAX_PLATFORMS="cpu", TERM=term, JAXNITRO_NO_PLOT="1")
-    script = TRAIN.format(tests=str(TESTS), run_dir=str(tmp_path / "run"), progress=progress)
+    script = TRAIN.format(
+        tests=str(TESTS), run_dir=str(tmp_path / "run"), progress=progress, options=options
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script)],
         stdin=slave,
@@ -114,6 +119,21 @@ def test_a_real_terminal_shows_true_counts_transient_bars_and_summary_lines(tmp_
     assert [s[:10] for s in summaries] == ["epoch 1/2:", "epoch 2/2:"], screen
 
 
+def test_a_population_on_a_real_terminal_shows_one_bar_and_readable_lines(tmp_path):
+    options = 'population={"smoothing": [0.0, 0.1, 0.2]}'
+    raw = _run_on_pty(tmp_path, columns=120, term="xterm-256color", options=options)
+    bars = [f for f in _frames(raw) if re.search(r"epoch \d/2 .*/40", f)]
+    assert bars and all("· 3 members" in f and "mean loss" in f for f in bars), bars
+    assert all(len(f.rstrip()) <= 120 for f in bars), bars
+    screen = _screen(raw, 120)
+    assert not [line for line in screen if "━" in line or "/40" in line], screen  # none frozen
+    text = "\n".join(screen)
+    summaries = re.findall(r"^epoch \d/2: .*$", text, re.M)
+    assert len(summaries) == 2 and all("best member" in s for s in summaries), screen
+    assert not re.search(r"(acc|val_loss)/\d", text), screen  # no member's name/i
+    assert text.count("members, best first by val_loss:") == 1, screen
+
+
 @pytest.mark.slow
 def test_term_dumb_gets_plain_lines_without_escape_codes(tmp_path):
     raw = _run_on_pty(tmp_path, columns=60, term="dumb")
@@ -154,23 +174,8 @@ def test_the_bar_fits_a_narrow_and_a_resized_console():
     assert "epoch 1/10: train_loss 0.5" in buf.getvalue()
 
 
-class _Recorder:
-    """IPython's `display` as the notebook display calls it: one display, then updates."""
-
-    def __init__(self):
-        self.shown: list[str] = []
-        self.updates: list[str] = []
-
-    def __call__(self, obj, display_id=None):
-        self.shown.append(obj._repr_html_())
-        return self
-
-    def update(self, obj):
-        self.updates.append(obj._repr_html_())
-
-
 def test_the_notebook_display_is_one_display_updated_in_place():
-    rec = _Recorder()
+    rec = DisplayRecorder()
     d = Display("notebook", file=io.StringIO(), show=rec)
     for epoch in range(2):
         d.start_epoch(epoch, 2, 4)
@@ -197,7 +202,7 @@ def test_a_later_cell_gets_a_display_of_its_own(monkeypatch):
     shell = types.SimpleNamespace(execution_count=1)
     ipython = types.SimpleNamespace(get_ipython=lambda: shell)
     monkeypatch.setitem(sys.modules, "IPython", ipython)
-    rec = _Recorder()
+    rec = DisplayRecorder()
     d = Display("notebook", file=io.StringIO(), show=rec)
     d.start_epoch(0, 1, 2)
     d.update(2, 0.5, 10.0)
@@ -215,7 +220,7 @@ def test_a_later_cell_gets_a_display_of_its_own(monkeypatch):
 
 def test_validation_prediction_and_lr_find_show_a_bar_over_their_batches(tmp_path):
     n = jn.Nitro(Tiny(), run_dir=tmp_path / "r", progress=False)
-    rec = _Recorder()
+    rec = DisplayRecorder()
     n.services.display = Display("notebook", file=io.StringIO(), show=rec)
     jn.validate(n)
     list(jn.predict(n, n.spec.splits["val"]))
