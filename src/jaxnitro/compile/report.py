@@ -254,8 +254,15 @@ def _table_rows(records: Sequence[CompileRecord]) -> tuple[tuple[str, ...], list
     return header, rows
 
 
-def format_table(records: Iterable[CompileRecord]) -> str:
+# Columns a narrow terminal loses first (`format_table(width=...)`), least telling first.
+_NARROW_DROPS = ("StableHLO ops", "constants", "text", "lower s", "HLO ops", "GFLOP", "label")
+
+
+def format_table(records: Iterable[CompileRecord], *, width: int | None = None) -> str:
     """A plain-text table of compile records, then their flags, for end-of-run printing.
+
+    With `width` (a terminal's columns), columns are left out, least telling first, until
+    every line fits, and a last line names them: a table the terminal wraps is unreadable.
 
     Example:
       >>> lowered = jax.jit(step).lower(params, batch)
@@ -266,17 +273,32 @@ def format_table(records: Iterable[CompileRecord]) -> str:
     records = list(records)
     header, body = _table_rows(records)
     rows: list[tuple] = [header, *body]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    keep = list(range(len(header)))
+    left_out: list[str] = []
+    for name in _NARROW_DROPS:
+        if width is None or _table_width(rows, keep) <= width:
+            break
+        keep.remove(header.index(name))
+        left_out.append(name)
+    rows = [tuple(row[i] for i in keep) for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(keep))]
+    first = 2 - sum(header.index(name) < 2 for name in left_out)  # the left-aligned ones
     lines = [
         "  ".join(
-            c.ljust(w) if i < 2 else c.rjust(w)
+            c.ljust(w) if i < first else c.rjust(w)
             for i, (c, w) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if left_out:
+        lines.append(f"(left out to fit: {', '.join(left_out)}; jn.compile_report(n) has them)")
     lines += [f"! {f.message}" for r in records for f in r.flags]
     return "\n".join(lines)
+
+
+def _table_width(rows: Sequence[tuple], keep: Sequence[int]) -> int:
+    return sum(max(len(row[i]) for row in rows) for i in keep) + 2 * (len(keep) - 1)
 
 
 # --- program text ------------------------------------------------------------------------

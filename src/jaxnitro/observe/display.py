@@ -171,6 +171,12 @@ class Display:
         self._note = self._mean = ""  # a population's train bar: its members, its mean loss
         self._notebook = _Notebook(show) if self.mode == "notebook" else None
 
+    @property
+    def width(self) -> int | None:
+        """The terminal's columns now (a resize included) in mode "rich"; None elsewhere
+        (a log or a notebook does not wrap lines)."""
+        return self.console.width if self.console is not None else None
+
     # -- lines -------------------------------------------------------------------------
     def line(self, text: str) -> None:
         if self.console is not None:  # mode "rich"

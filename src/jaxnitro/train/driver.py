@@ -269,7 +269,7 @@ def _epochs(n: Nitro, good: Goodput) -> tuple[str, int, float, int]:
 def _report(n: Nitro, compiled: int, planned: int) -> None:
     records = [p.record for p in n.programs.compiled[-compiled:] if compiled]
     if records:
-        n.display.line(report.format_table(records))
+        n.display.line(report.format_table(records, width=n.display.width))
     if compiled > planned:
         n.display.line(
             f"this run compiled {compiled} programs; its plan expected {planned}. "

@@ -172,6 +172,38 @@ def test_format_table_lists_every_program_and_flag(mlp_step_record):
     assert any(line.startswith("! program 'eval'") for line in lines)
 
 
+def test_a_narrow_terminal_gets_a_table_that_fits_and_names_what_it_left_out(mlp_step_record):
+    full = report.format_table([mlp_step_record])
+    widest = max(len(line) for line in full.splitlines())
+    assert widest > 80  # wider than the terminals below
+    assert report.format_table([mlp_step_record], width=widest) == full  # it fits: as is
+    for width in (widest - 1, 80, 60, 40):
+        lines = report.format_table([mlp_step_record], width=width).splitlines()
+        assert all(len(line) <= width for line in lines[:-1]), (width, lines)
+        assert "compile s" in lines[0] and "memory" in lines[0], lines  # what tells the most
+        assert lines[2].startswith("train ")
+        assert lines[-1].startswith("(left out to fit: StableHLO ops"), lines
+        assert "jn.compile_report(n)" in lines[-1]
+
+
+def test_the_run_prints_the_report_to_fit_the_terminal(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from jaxnitro.observe.display import Display
+
+    n = jn.Nitro(Tiny(max_epochs=1), run_dir=tmp_path / "r", progress=False)
+    buf = io.StringIO()
+    d = Display("rich", file=buf)
+    d.console = Console(file=buf, force_terminal=True, width=70, color_system=None)
+    n.services.display = d
+    jn.train(n)
+    table = [line for line in buf.getvalue().splitlines() if line.startswith(("program", "train "))]
+    assert table and all(len(line) <= 70 for line in table), table
+    assert "(left out to fit:" in buf.getvalue()
+
+
 @pytest.mark.slow
 def test_unrolled_loop_and_baked_array_are_flagged_clean_model_is_not(run_dir):
     big = np.random.default_rng(0).normal(size=(1 << 20,)).astype(np.float32)  # 4 MB
