@@ -25,6 +25,7 @@ from jaxnitro.checkpoint.leaves import _stored_layout, _to_host
 from jaxnitro.checkpoint.messages import _short
 from jaxnitro.checkpoint.quiet import _quiet_closed_loop
 from jaxnitro.core.errors import CheckpointError
+from jaxnitro.core.units import format_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -235,12 +236,5 @@ def _read_in_parts(ocp: Any, where: Path, target: dict, bar: Bar, name: str) -> 
             for t, tree in got.items():
                 out.setdefault(t, {}).update(tree)
                 done += sum(_nbytes(a) for a in tree.values())
-            advance(1, f"{_size(done)} of {_size(total)}")
+            advance(1, f"{format_bytes(done)} of {format_bytes(total)}")
     return out
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
