@@ -16,19 +16,12 @@ import optax
 import pytest
 from conftest import nitro
 from flax import nnx
+from helpers.slow_step import Lin
 
 import jaxnitro as jn
 from jaxnitro.observe import oom
 
 HUGE = 2**46  # float32 elements: 256 TiB
-
-
-class Lin(nnx.Module):
-    def __init__(self, rngs):
-        self.lin = nnx.Linear(8, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.lin(x)
 
 
 @jn.experiment

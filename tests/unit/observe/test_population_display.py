@@ -97,16 +97,21 @@ def test_a_big_population_shows_its_best_and_worst_and_where_the_rest_are():
     assert population_view.table(pop, [{"member": 0, "seed": 42}], metric="val_loss") is None
 
 
-def test_the_bar_says_how_many_members_still_train_and_the_notebook_keeps_the_table(tmp_path):
-    # member 1 learns at a rate of 0: its val_loss never improves, so it stops at epoch 2
+def _one_member_stops(tmp_path) -> jn.Nitro:
+    """Two members; member 1 learns at a rate of 0: its val_loss never improves, so it stops
+    at epoch 2 while member 0 trains on."""
     es = jn.EarlyStopping(metric="val_loss", patience=1, min_delta=0.0)
-    n = jn.Nitro(
+    return jn.Nitro(
         Tiny(max_epochs=3),
         run_dir=tmp_path / "run",
         progress=False,
         population={"learning_rate": [1e-2, 0.0]},
         early_stop=es,
     )
+
+
+def test_the_bar_says_how_many_members_still_train_and_the_notebook_keeps_the_table(tmp_path):
+    n = _one_member_stops(tmp_path)
     rec = DisplayRecorder()
     n.services.display = Display("notebook", file=io.StringIO(), show=rec)
     result = jn.train(n)
@@ -133,14 +138,7 @@ def test_the_bar_says_how_many_members_still_train_and_the_notebook_keeps_the_ta
 
 
 def test_progress_off_shows_nothing_of_a_population(tmp_path, capsys):
-    es = jn.EarlyStopping(metric="val_loss", patience=1, min_delta=0.0)
-    n = jn.Nitro(
-        Tiny(max_epochs=3),
-        run_dir=tmp_path / "run",
-        progress=False,
-        population={"learning_rate": [1e-2, 0.0]},
-        early_stop=es,
-    )
+    n = _one_member_stops(tmp_path)
     jn.train(n)
     assert capsys.readouterr().out == ""
 
