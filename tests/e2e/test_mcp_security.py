@@ -386,6 +386,8 @@ def test_logs_and_the_metrics_resource_refuse_links_out_of_the_root(tmp_path):
                     with pytest.raises(Exception) as caught:
                         await session.read_resource(f"jaxnitro://runs/{first['id']}/{name}")
                     assert "outside-content" not in str(caught.value)
+                listed = (await _call(session, "runs"))["runs"]
+                assert first["id"] not in {r["id"] for r in listed}  # its log is not read
                 # the run directory itself swapped for a link out after setup
                 second = await _call(session, "setup", target="exp.py:Small")
                 shutil.rmtree(second["run_dir"])

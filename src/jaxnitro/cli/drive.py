@@ -27,7 +27,7 @@ from jaxnitro.cli.confine import PathError, confine, open_inside, vet_module
 from jaxnitro.core.errors import ConfigError, clip, did_you_mean
 from jaxnitro.core.jsonable import jsonable
 from jaxnitro.experiment.markers import DEVICE, fields
-from jaxnitro.observe.runs import LOG_NAME, list_runs
+from jaxnitro.observe.runs import LOG_NAME, find_runs, run_info
 from jaxnitro.run import background
 from jaxnitro.run import options as opts
 
@@ -278,8 +278,11 @@ class Workspace:
     def runs(self, directory: str = "runs") -> dict[str, Any]:
         where = self.path(directory, what="runs directory")
         ids = {str(n.run_dir.resolve()): run_id for run_id, n in self._runs.items()}
+        found = find_runs(where) if where.is_dir() else []
+        # A run whose log is a link out of the root is not read (nor listed).
+        inside = [d for d in found if (d / LOG_NAME).resolve().is_relative_to(self.root)]
         rows = []
-        for info in list_runs(where) if where.is_dir() else []:
+        for info in sorted(map(run_info, inside), key=lambda r: r.updated, reverse=True):
             row = info.to_dict()
             row["id"] = ids.get(str(Path(info.run_dir).resolve()))
             rows.append(row)

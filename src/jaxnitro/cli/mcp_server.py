@@ -59,10 +59,13 @@ def build_server(workspace: Workspace, *, token: str | None = None, port: int = 
     auth: dict[str, Any] = {}
     if token is not None:
         from mcp.server.auth.settings import AuthSettings
+        from pydantic import AnyHttpUrl
 
         auth = {
             "token_verifier": _TokenVerifier(token),
-            "auth": AuthSettings(issuer_url=f"http://127.0.0.1:{port}", resource_server_url=None),
+            "auth": AuthSettings(
+                issuer_url=AnyHttpUrl(f"http://127.0.0.1:{port}"), resource_server_url=None
+            ),
         }
     server = MCPServer(
         **auth,
@@ -314,7 +317,9 @@ def _read_token(path: Path) -> str:
             )
         token = f.read().strip()
     if not token:
-        raise click.BadParameter(f"{path} is empty; write the token into it.", "--token-file")
+        raise click.BadParameter(
+            f"{path} is empty; write the token into it.", param_hint="--token-file"
+        )
     return token
 
 
