@@ -10,6 +10,7 @@ with `tomli_w`; a value TOML cannot hold (None, an object) is listed in a commen
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import sys
@@ -121,8 +122,9 @@ def write(run_dir: Path, config: Mapping[str, Any]) -> None:
     target = config.get("target")
     if isinstance(target, str) and _file_form(target):
         file, _, name = target.rpartition(":")
-        here = Path(run_dir).resolve()
-        at = os.path.relpath(Path(file).resolve(), here) if Path(file).exists() else file
+        at = Path(file).resolve() if Path(file).exists() else Path(file)
+        with contextlib.suppress(ValueError):  # on another drive: stays absolute
+            at = Path(os.path.relpath(at, Path(run_dir).resolve())) if at.is_absolute() else at
         config = {**config, "target": f"{Path(at).as_posix()}:{name}"}
     tmp = path.with_name(f".config.toml.{os.getpid()}.tmp")
     tmp.write_text(to_toml(config), encoding="utf-8")
