@@ -116,6 +116,8 @@ PLACES: dict[str, str] = {
     "test_notebook.py": "e2e",
     "test_warm_start.py": "e2e",
     "test_mcp.py": "e2e",
+    "test_mcp_security.py": "e2e",
+    "test_cli_config.py": "e2e",
     # scripts the e2e tests start as rank processes
     "multiprocess_rank.py": "e2e",
     "multiprocess_data_rank.py": "e2e",

@@ -269,10 +269,13 @@ def test_mcp_over_streamable_http(tmp_path):
     with socket.socket() as sock:  # a free port (released just before the server binds it)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    import httpx2
+
     params = _server(tmp_path)
+    token = "a-token-the-client-sends"
     proc = subprocess.Popen(
         [params.command, *params.args, "--http", str(port)],
-        env={**os.environ, **(params.env or {})},
+        env={**os.environ, **(params.env or {}), "JAXNITRO_MCP_TOKEN": token},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -281,7 +284,9 @@ def test_mcp_over_streamable_http(tmp_path):
         deadline = time.monotonic() + 120
         while True:
             try:
-                async with streamable_http_client(f"http://127.0.0.1:{port}/mcp") as streams:
+                client = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"})
+                url = f"http://127.0.0.1:{port}/mcp"
+                async with client, streamable_http_client(url, http_client=client) as streams:
                     async with ClientSession(*streams[:2]) as session:
                         await session.initialize()
                         tools = (await session.list_tools()).tools

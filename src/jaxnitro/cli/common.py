@@ -93,6 +93,15 @@ def config_data(ctx: click.Context) -> dict[str, Any]:
     return ctx.meta.get(CONFIG, (None, {}))[1]
 
 
+def config_target(ctx: click.Context) -> str | None:
+    """The `--config` file's target (a relative file path resolved against the file's
+    directory: `config.target_in`), or None."""
+    if CONFIG not in ctx.meta:
+        return None
+    path, data = ctx.meta[CONFIG]
+    return config.target_in(data, path)
+
+
 def config_fields(ctx: click.Context) -> dict[str, Any]:
     """The `[fields]` of the `--config` file as the experiment takes them."""
     if CONFIG not in ctx.meta:

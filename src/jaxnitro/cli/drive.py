@@ -9,29 +9,34 @@ without a server. A jaxnitro error is raised as it is; the server turns it into 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import re
 import threading
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+import typing
+from collections.abc import Iterator, Mapping
+from pathlib import Path, PurePath
+from types import UnionType
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from jaxnitro.cli import values as values_mod
-from jaxnitro.core.errors import ConfigError, did_you_mean
+from jaxnitro.cli.confine import PathError, confine, open_inside, vet_module
+from jaxnitro.core.errors import ConfigError, clip, did_you_mean
 from jaxnitro.core.jsonable import jsonable
 from jaxnitro.experiment.markers import DEVICE, fields
-from jaxnitro.observe.runs import LOG_NAME, list_runs
+from jaxnitro.observe.runs import LOG_NAME, find_runs, run_info
 from jaxnitro.run import background
 from jaxnitro.run import options as opts
 
-# Options that are paths: confined to the root like every other path.
-_PATH_OPTIONS = ("run_dir", "checkpoint", "resume")
+# Options that are paths (run_dir, checkpoint, resume): confined to the root like every
+# other path, whether a tool's options, its fields (a field named like an option sets it), a
+# preset or the class's defaults give them.
+_PATH_OPTIONS = tuple(o.name for o in opts.OPTIONS if o.value and "path" in o.type.split(" | "))
 
-
-class PathError(ConfigError):
-    """A path that leaves the server's root (`..`, an absolute path elsewhere, a symlink)."""
+__all__ = ["PathError", "Workspace", "options_schema"]
 
 
 class Workspace:
@@ -43,38 +48,21 @@ class Workspace:
         >>> ws.train(run["id"])["phase"]
     """
 
-    def __init__(self, root: str | Path = ".") -> None:
+    def __init__(self, root: str | Path = ".", *, max_runs: int = 4) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise ConfigError(f"--root {str(root)!r} is not a directory; pass an existing one.")
+        self.max_runs = max_runs  # runs training at once (each holds threads and memory)
         self._runs: dict[str, Any] = {}  # run id -> its jn.Nitro
         self._handles: dict[str, background.RunHandle] = {}
         self._classes: dict[str, tuple[int | None, Any]] = {}  # TARGET -> (file stamp, class)
         self._lock = threading.Lock()
 
     # -- paths --------------------------------------------------------------------------
-    def path(self, value: str | Path, *, what: str) -> Path:
+    def path(self, value: str | os.PathLike, *, what: str) -> Path:
         """`value` (relative to the root, or absolute inside it) resolved; a `PathError`
         when it leaves the root: `..`, an absolute path elsewhere, a symlink pointing out."""
-        given = Path(value)
-        if ".." in given.parts:
-            raise PathError(
-                f"{what} {str(value)!r} contains '..'; paths stay under the root {self.root}. "
-                f"Pass a path relative to the root, e.g. 'runs/a'."
-            )
-        full = given if given.is_absolute() else self.root / given
-        resolved = full.resolve()
-        if not resolved.is_relative_to(self.root):
-            why = (
-                "is absolute and outside it"
-                if given.is_absolute() and not full.is_relative_to(self.root)
-                else f"leads through a symlink to {resolved}"
-            )
-            raise PathError(
-                f"{what} {str(value)!r} {why}; every path stays under the root {self.root} "
-                f"(jaxnitro mcp --root DIR). Pass a path relative to the root."
-            )
-        return resolved
+        return confine(self.root, value, what=what)
 
     # -- runs ---------------------------------------------------------------------------
     def _nitro(self, run_id: str):
@@ -124,17 +112,27 @@ class Workspace:
                 assert opt.parse is not None
                 given_options[key] = _parse_option(opt, text)
         own = {o.name for o in opts.OPTIONS}
-        for name in _PATH_OPTIONS:
-            value = given_options.get(name)
-            if isinstance(value, str) and not (name == "resume" and value == "auto"):
-                given_options[name] = self.path(value, what=name)
-        if given_options.get("run_dir") is None:
-            given_options["run_dir"] = self._fresh_dir(cls.__name__)
+        for name, value in given_fields.items():  # a field typed Path: a path like any other
+            if _is_path_type(infos[name].type) and isinstance(value, str | os.PathLike):
+                given_fields[name] = self.path(value, what=f"field {cls.__name__}.{name}")
         given_options.setdefault("progress", False)  # stdout is the protocol's
         try:
             exp = cls.from_preset(preset, **given_fields) if preset else cls(**given_fields)
         except TypeError as e:
-            raise ConfigError(f"{cls.__name__}: {e}") from None
+            raise ConfigError(f"{cls.__name__}: {clip(str(e), 1000)}") from None
+        # Every path option as the run will read it (keyword > field > default), confined.
+        resolved = opts.resolve(exp, given_options)
+        for name in _PATH_OPTIONS:
+            value = resolved[name]
+            if isinstance(value, str | os.PathLike) and not (name == "resume" and value == "auto"):
+                what = (
+                    name
+                    if given_options.get(name) is not None
+                    else f"{name} (set by the field {cls.__name__}.{name})"
+                )
+                given_options[name] = self.path(value, what=what)
+        if given_options.get("run_dir") is None:
+            given_options["run_dir"] = self._fresh_dir(cls.__name__)
         n = Nitro(exp, **{k: v for k, v in given_options.items() if k in own})
         run_id = background.run_id(n)
         with self._lock:
@@ -147,7 +145,7 @@ class Workspace:
                 f.name: {
                     "marker": f.marker,
                     "type": values_mod.type_name(f.type),
-                    "value": jsonable(getattr(exp, f.name)),
+                    "value": _value_json(getattr(exp, f.name)),
                 }
                 for f in _fields(cls)
             },
@@ -171,7 +169,9 @@ class Workspace:
         if cached is not None and cached[0] == stamp:
             return cached[1]
         try:
-            cls = load_target(target)
+            cls = load_target(target, vet_module=lambda name: vet_module(self.root, name))
+        except PathError:
+            raise
         except Exception as e:  # a click.UsageError: its message says what is missing
             raise ConfigError(str(getattr(e, "message", e))) from None
         self._classes[target] = (stamp, cls)
@@ -194,8 +194,16 @@ class Workspace:
 
     def train(self, run_id: str) -> dict[str, Any]:
         n = self._idle(run_id, "train")
-        handle = background.start(n)
-        with self._lock:
+        with self._lock:  # counted and started under the lock: two calls cannot both pass
+            training = sorted(i for i, h in self._handles.items() if not h.done)
+            if len(training) >= self.max_runs:
+                raise ConfigError(
+                    f"{len(training)} runs are training ({', '.join(training)}) and this server "
+                    f"trains at most {self.max_runs} at once (jaxnitro mcp --max-runs "
+                    f"{self.max_runs}); stop one (the stop tool) or wait until one ends, then "
+                    f"call train again, or restart the server with a larger --max-runs."
+                )
+            handle = background.start(n)
             self._handles[run_id] = handle
         return handle.status()
 
@@ -270,8 +278,11 @@ class Workspace:
     def runs(self, directory: str = "runs") -> dict[str, Any]:
         where = self.path(directory, what="runs directory")
         ids = {str(n.run_dir.resolve()): run_id for run_id, n in self._runs.items()}
+        found = find_runs(where) if where.is_dir() else []
+        # A run whose log is a link out of the root is not read (nor listed).
+        inside = [d for d in found if (d / LOG_NAME).resolve().is_relative_to(self.root)]
         rows = []
-        for info in list_runs(where) if where.is_dir() else []:
+        for info in sorted(map(run_info, inside), key=lambda r: r.updated, reverse=True):
             row = info.to_dict()
             row["id"] = ids.get(str(Path(info.run_dir).resolve()))
             rows.append(row)
@@ -291,21 +302,37 @@ class Workspace:
         }
 
     def logs(self, run_id: str, lines: int = 20, context: str | None = None) -> dict[str, Any]:
-        return {
-            "lines": background.tail_rows(self.log_path(run_id), max(0, lines), context=context)
-        }
+        with self._read(run_id, LOG_NAME) as log:
+            rows = [] if log is None else background.tail_rows(log, max(0, lines), context=context)
+        return {"lines": rows}
 
-    def log_path(self, run_id: str) -> Path:
-        return self._nitro(run_id).run_dir / LOG_NAME
+    def metrics_text(self, run_id: str) -> str:
+        """The run's metrics.jsonl ('' before it is written)."""
+        with self._read(run_id, LOG_NAME) as log:
+            return "" if log is None else log.read().decode("utf-8", errors="replace")
 
-    def curves_path(self, run_id: str) -> Path:
+    def curves_png(self, run_id: str) -> bytes:
+        """The run's curves.png, drawn from its metrics.jsonl when missing."""
         from jaxnitro.observe.plot import plot
 
         n = self._nitro(run_id)
-        path = n.run_dir / "curves.png"
-        if not path.is_file():
-            plot([n.run_dir], out=path)
-        return path
+        run_dir = self.path(n.run_dir, what="run_dir")
+        self.path(run_dir / LOG_NAME, what="metrics log")  # plot reads it: no link out
+        if not (run_dir / "curves.png").exists():
+            plot([run_dir], out=self.path(run_dir / "curves.png", what="curves"))
+        with self._read(run_id, "curves.png") as png:
+            return b"" if png is None else png.read()
+
+    @contextlib.contextmanager
+    def _read(self, run_id: str, name: str) -> Iterator[BinaryIO | None]:
+        """A file of the run's directory open for reading (None while it does not exist);
+        a `PathError` when it is a link out of the root (planted after setup)."""
+        path = self._nitro(run_id).run_dir / name
+        if not os.path.lexists(path):
+            yield None
+            return
+        with open_inside(self.root, path, what=f"run {run_id}'s {name}") as f:
+            yield f
 
 
 def _array(value: Any) -> np.ndarray:
@@ -317,6 +344,17 @@ def _array(value: Any) -> np.ndarray:
     if arr.dtype == np.float64 and not jax.config.read("jax_enable_x64"):
         arr = arr.astype(np.float32)
     return arr
+
+
+def _value_json(value: Any) -> Any:
+    """A field's value as JSON (a path as its text)."""
+    return os.fspath(value) if isinstance(value, PurePath) else jsonable(value)
+
+
+def _is_path_type(typ: Any) -> bool:
+    """Whether a field's type is a path (`Path`, `Path | None`, ...)."""
+    kinds = typing.get_args(typ) if typing.get_origin(typ) in (typing.Union, UnionType) else (typ,)
+    return any(isinstance(k, type) and issubclass(k, os.PathLike | PurePath) for k in kinds)
 
 
 def _settable_option(name: str) -> opts.Option:

@@ -107,7 +107,7 @@ class ExperimentCommand(click.Command):
                 ctx.meta[CONFIG] = (path, config.read(path))
             except ConfigError as e:
                 raise click.UsageError(str(e), ctx=ctx) from None
-            target = target or ctx.meta[CONFIG][1].get("target")
+            target = target or config.target_in(ctx.meta[CONFIG][1], path)
         if target is not None:
             try:
                 cls = load_target(target)

@@ -3,13 +3,23 @@
 Built on the official `mcp` SDK (`MCPServer`: each tool's JSON schema comes from its typed
 signature; the run options' schema from `run/options.py`). stdio by default (the SDK points
 fd 1 at stderr while it serves, so a print cannot corrupt the protocol); `--http PORT` serves
-streamable HTTP on 127.0.0.1. The SDK is the optional extra `jaxnitro[mcp]` and is imported
+streamable HTTP on 127.0.0.1, and only to a client that sends the bearer token (`--token-file`,
+`$JAXNITRO_MCP_TOKEN`, or one generated into a private file), checked by the SDK's bearer
+middleware with our verifier. The SDK is the optional extra `jaxnitro[mcp]` and is imported
 here only.
 """
 
 # (No `from __future__ import annotations`: the SDK reads the tools' annotations at runtime.)
 
+import atexit
 import functools
+import hmac
+import os
+import secrets
+import signal
+import stat
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,6 +29,12 @@ from pydantic import Field
 
 from jaxnitro.cli.common import CONTEXT
 from jaxnitro.cli.drive import Workspace, options_schema
+from jaxnitro.core.errors import clip
+
+#: The variable that may hold the bearer token of `jaxnitro mcp --http` (DESIGN section 15).
+TOKEN_ENV = "JAXNITRO_MCP_TOKEN"
+#: An error message past this many characters is cut (an argument may be megabytes).
+_MESSAGE_LIMIT = 2000
 
 RunId = Annotated[str, Field(description="the id setup returned (e.g. 'Tiny-3f2a9c1b7e40')")]
 
@@ -35,11 +51,24 @@ def _sdk():
     return MCPServer, ToolError
 
 
-def build_server(workspace: Workspace) -> Any:
+def build_server(workspace: Workspace, *, token: str | None = None, port: int = 0) -> Any:
     """An `MCPServer` whose tools drive `workspace`'s runs, and its resources (each run's
-    metrics.jsonl and curves.png)."""
+    metrics.jsonl and curves.png). With `token`, its HTTP app answers only requests that
+    carry `Authorization: Bearer <token>` (401 otherwise)."""
     MCPServer, ToolError = _sdk()
+    auth: dict[str, Any] = {}
+    if token is not None:
+        from mcp.server.auth.settings import AuthSettings
+        from pydantic import AnyHttpUrl
+
+        auth = {
+            "token_verifier": _TokenVerifier(token),
+            "auth": AuthSettings(
+                issuer_url=AnyHttpUrl(f"http://127.0.0.1:{port}"), resource_server_url=None
+            ),
+        }
     server = MCPServer(
+        **auth,
         name="jaxnitro",
         instructions=(
             "Drive jaxnitro training runs: setup (a run id, nothing compiled), train "
@@ -59,7 +88,8 @@ def build_server(workspace: Workspace) -> Any:
             except ToolError:
                 raise
             except Exception as e:  # noqa: BLE001 - the message is the answer; the server lives
-                raise ToolError(f"{type(e).__name__}: {e}") from e
+                message = _cut(f"{type(e).__name__}: {e}", [*args, *kwargs.values()])
+                raise ToolError(message) from e
 
         server.add_tool(call, name=fn.__name__, description=fn.__doc__, structured_output=True)
         return call
@@ -199,8 +229,7 @@ def _resources(ws: Workspace, server: Any) -> None:
         mime_type="application/jsonl",
     )
     def metrics_resource(run_id: str) -> str:
-        path = ws.log_path(run_id)
-        return path.read_text() if path.is_file() else ""
+        return ws.metrics_text(run_id)
 
     @server.resource(
         "jaxnitro://runs/{run_id}/curves.png",
@@ -209,7 +238,97 @@ def _resources(ws: Workspace, server: Any) -> None:
         mime_type="image/png",
     )
     def curves_resource(run_id: str) -> bytes:
-        return Path(ws.curves_path(run_id)).read_bytes()
+        return ws.curves_png(run_id)
+
+
+def _cut(message: str, arguments: list[Any]) -> str:
+    """`message` with every long string argument it echoes cut (`core.errors.clip`), and no
+    longer than `_MESSAGE_LIMIT` whatever it holds."""
+    for text in sorted(_strings(arguments), key=len, reverse=True):
+        if len(text) > 200 and text in message:
+            message = message.replace(text, clip(text))
+    return clip(message, _MESSAGE_LIMIT)
+
+
+def _strings(value: Any) -> list[str]:
+    """The strings in a tool's arguments (dict keys and values, list items), each as given
+    and as its repr (messages quote values with !r)."""
+    if isinstance(value, str):
+        return [value, repr(value), repr(value)[1:-1]]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+class _TokenVerifier:
+    """The SDK's `TokenVerifier`: one fixed token, compared in constant time."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    async def verify_token(self, token: str) -> Any:
+        from mcp.server.auth.provider import AccessToken
+
+        if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self._token):
+            return None
+        return AccessToken(token="", client_id="jaxnitro-mcp", scopes=[])
+
+
+def _token(token_file: Path | None) -> str:
+    """The bearer token: from --token-file, else $JAXNITRO_MCP_TOKEN, else a new one
+    written 0600 into a new private directory (its path said once on stderr; the file is
+    removed when the server exits)."""
+    if token_file is not None:
+        return _read_token(token_file)
+    from_env = os.environ.get(TOKEN_ENV, "").strip()
+    if from_env:
+        return from_env
+    token = secrets.token_urlsafe(32)
+    folder = tempfile.mkdtemp(prefix="jaxnitro-mcp-")  # mode 0700, a fresh name
+    path = Path(folder) / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    atexit.register(_remove, path)
+    click.echo(
+        f"jaxnitro mcp: clients must send 'Authorization: Bearer <token>'; the token is in "
+        f"{path} (readable by you only; or pass --token-file PATH or set ${TOKEN_ENV}).",
+        err=True,
+    )
+    return token
+
+
+def _read_token(path: Path) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise click.BadParameter(
+            f"{path}: cannot read it ({e.strerror}).", param_hint="--token-file"
+        ) from None
+    with os.fdopen(fd) as f:
+        mode = os.fstat(f.fileno()).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise click.BadParameter(
+                f"{path} is readable or writable by other users (mode {stat.filemode(mode)}); "
+                f"a token must be private: chmod 600 {path}.",
+                param_hint="--token-file",
+            )
+        token = f.read().strip()
+    if not token:
+        raise click.BadParameter(
+            f"{path} is empty; write the token into it.", param_hint="--token-file"
+        )
+    return token
+
+
+def _remove(path: Path) -> None:
+    for step in (path.unlink, path.parent.rmdir):
+        try:
+            step()
+        except OSError:
+            pass
 
 
 @click.command("mcp", context_settings=CONTEXT)
@@ -226,15 +345,45 @@ def _resources(ws: Workspace, server: Any) -> None:
     type=click.IntRange(1, 65535),
     default=None,
     metavar="PORT",
-    help="Serve streamable HTTP on 127.0.0.1:PORT/mcp instead of stdio.",
+    help="Serve streamable HTTP on 127.0.0.1:PORT/mcp instead of stdio (bearer token required).",
 )
-def mcp_command(root: Path, port: int | None) -> None:
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help=f"The bearer token --http clients must send (a private file; default "
+    f"${TOKEN_ENV}, else one is generated and its file named on stderr).",
+)
+@click.option(
+    "--max-runs",
+    type=click.IntRange(1),
+    default=4,
+    show_default=True,
+    help="Runs training at once; train past it is refused until one ends.",
+)
+def mcp_command(root: Path, port: int | None, token_file: Path | None, max_runs: int) -> None:
     """An MCP server: assistants and IDEs set up, train, steer and read runs.
 
     Configure a client with the command `jaxnitro` and the arguments `mcp --root DIR`.
+    Over --http, clients send the bearer token (--token-file, $JAXNITRO_MCP_TOKEN, or the
+    generated one whose file is named on stderr).
     """
-    server = build_server(Workspace(root))
+    # `python -m` puts the working directory first on sys.path: a module planted there would
+    # win over installed ones. Code comes from the root and installed packages only.
+    cwd = os.getcwd()
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", cwd)]
+    if token_file is not None and port is None:
+        raise click.UsageError("--token-file goes with --http PORT (stdio needs no token).")
+    workspace = Workspace(root, max_runs=max_runs)
     if port is None:
-        server.run()
+        build_server(workspace).run()
     else:
+        server = build_server(workspace, token=_token(token_file), port=port)
+        # uvicorn re-raises SIGTERM once it shut down; as an exception it lets the exit
+        # handlers run (they remove a generated token), exit status 143 all the same.
+        signal.signal(signal.SIGTERM, _terminated)
         server.run("streamable-http", host="127.0.0.1", port=port)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)

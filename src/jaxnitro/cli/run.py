@@ -21,6 +21,7 @@ from jaxnitro.cli.common import (
     checkpoint_config,
     checkpoint_path,
     config_data,
+    config_target,
     emit,
     need_target,
     nitro_kwargs,
@@ -51,7 +52,7 @@ def train(ctx: click.Context, target: str | None, **_: Any) -> None:
     preset = ctx.params["preset"] or config_data(ctx).get("preset")
     exp = build_experiment(ctx, preset)
     kwargs = nitro_kwargs(ctx, exp)
-    named = {"target": target or config_data(ctx).get("target"), "preset": preset}
+    named = {"target": target or config_target(ctx), "preset": preset}
     if ctx.params["print_config"]:
         click.echo(config.to_toml({**config.run_config(exp, kwargs), **named}), nl=False)
         return

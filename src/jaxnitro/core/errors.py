@@ -76,8 +76,21 @@ def closest(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str
     return matches[0] if matches else None
 
 
+def clip(text: str, limit: int = 200) -> str:
+    """`text` cut to its first `limit` characters and how long it was, for echoing a value a
+    caller sent in an error (an 8 MiB argument must not come back as an 8 MiB message).
+
+    Example:
+        >>> clip("x" * 1000, 5)
+        'xxxxx…(1000 chars)'
+    """
+    return text if len(text) <= limit else f"{text[:limit]}…({len(text)} chars)"
+
+
 def did_you_mean(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> str:
     """Return ' Did you mean 'x'?' for the closest candidate, or '' when none is close."""
+    if len(name) > 200:  # a huge argument is no typo (and difflib is quadratic in it)
+        return ""
     match = closest(name, candidates, cutoff=cutoff)
     return f" Did you mean {match!r}?" if match is not None else ""
 

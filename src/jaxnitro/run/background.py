@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from jaxnitro.core.errors import ConfigError
 from jaxnitro.observe.display import Display, html_table
@@ -256,27 +257,33 @@ def find(run_id: str) -> RunHandle:
     return known[run_id]
 
 
-def tail_rows(log: Path, count: int, *, context: str | None = None) -> list[dict]:
+def tail_rows(log: Path | BinaryIO, count: int, *, context: str | None = None) -> list[dict]:
     """The last `count` lines of a run's `metrics.jsonl` (of one `context`: train, validate,
-    ...), read from the file's end: a long run's log is never read whole."""
+    ...), read from the file's end: a long run's log is never read whole. `log` is its path
+    or the file already open (binary; `jaxnitro mcp` opens it without following links)."""
+    if not isinstance(log, Path):
+        return _tail(log, os.fstat(log.fileno()).st_size, count, context)
     if not log.is_file():
         return []
-    size, chunk = log.stat().st_size, 1 << 16
-    rows: list[dict] = []
     with log.open("rb") as f:
-        while True:
-            start = max(0, size - chunk)
-            f.seek(start)
-            lines = f.read(size - start).splitlines()[1 if start else 0 :]
-            rows = []
-            for raw in lines:
-                with contextlib.suppress(ValueError):  # a line being written
-                    row = json.loads(raw)
-                    if isinstance(row, dict) and (context is None or row.get("context") == context):
-                        rows.append(row)
-            if len(rows) >= count or start == 0:
-                return rows[-count:] if count else []
-            chunk *= 4
+        return _tail(f, os.fstat(f.fileno()).st_size, count, context)
+
+
+def _tail(f: BinaryIO, size: int, count: int, context: str | None) -> list[dict]:
+    chunk = 1 << 16
+    while True:
+        start = max(0, size - chunk)
+        f.seek(start)
+        lines = f.read(size - start).splitlines()[1 if start else 0 :]
+        rows = []
+        for raw in lines:
+            with contextlib.suppress(ValueError):  # a line being written
+                row = json.loads(raw)
+                if isinstance(row, dict) and (context is None or row.get("context") == context):
+                    rows.append(row)
+        if len(rows) >= count or start == 0:
+            return rows[-count:] if count else []
+        chunk *= 4
 
 
 def _last_train(log: Path) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ with `tomli_w`; a value TOML cannot hold (None, an object) is listed in a commen
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import sys
@@ -115,11 +116,38 @@ def to_toml(config: Mapping[str, Any]) -> str:
 
 
 def write(run_dir: Path, config: Mapping[str, Any]) -> None:
-    """`run_dir/config.toml`, replaced atomically."""
+    """`run_dir/config.toml`, replaced atomically. A file TARGET is written relative to
+    `run_dir` (where `target_in` resolves it), so the run repeats from any directory."""
     path = Path(run_dir) / "config.toml"
+    target = config.get("target")
+    if isinstance(target, str) and _file_form(target):
+        file, _, name = target.rpartition(":")
+        at = Path(file).resolve() if Path(file).exists() else Path(file)
+        with contextlib.suppress(ValueError):  # on another drive: stays absolute
+            at = Path(os.path.relpath(at, Path(run_dir).resolve())) if at.is_absolute() else at
+        config = {**config, "target": f"{Path(at).as_posix()}:{name}"}
     tmp = path.with_name(f".config.toml.{os.getpid()}.tmp")
     tmp.write_text(to_toml(config), encoding="utf-8")
     os.replace(tmp, path)
+
+
+def target_in(data: Mapping[str, Any], path: Path) -> str | None:
+    """The config file's `target`, a relative file path resolved against the file's own
+    directory (as `run_dir/config.toml` records it); one that is not there is taken from
+    the working directory, as a hand-written config beside the project may mean it."""
+    target = data.get("target")
+    if not isinstance(target, str) or not _file_form(target):
+        return target
+    file, _, name = target.rpartition(":")
+    if Path(file).expanduser().is_absolute():
+        return target
+    beside = Path(os.path.normpath(Path(path).parent / file))
+    return f"{beside.as_posix()}:{name}" if beside.is_file() or not Path(file).is_file() else target
+
+
+def _file_form(target: str) -> bool:
+    left = target.rpartition(":")[0]
+    return left.endswith(".py") or "/" in left or os.sep in left
 
 
 def read(path: Path) -> dict[str, Any]:
@@ -132,6 +160,12 @@ def read(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: cannot read it ({e}).") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}.") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not text (TOML is UTF-8; byte {e.object[e.start]:#04x} at "
+            f"offset {e.start} is not); is it the right file? A config file looks like "
+            f"`jaxnitro train TARGET --print-config` prints."
+        ) from None
     for key in data:
         if key not in KEYS:
             raise ConfigError(

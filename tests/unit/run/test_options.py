@@ -384,7 +384,7 @@ def test_config_toml_repeats_the_run_bit_for_bit(work):
     p = jaxnitro("train", *args, cwd=work)
     assert p.returncode == 0, p.stderr
     written = tomllib.loads((work / "runs/a/config.toml").read_text())
-    assert written["target"] == "exp.py:Small" and written["fields"]["smoothing"] == 0.05
+    assert written["target"] == "../../exp.py:Small" and written["fields"]["smoothing"] == 0.05
     assert written["options"]["val_every"] == 2 and written["options"]["logger"] == "jsonl,csv"
     assert written["jaxnitro_version"] == jn.__version__
     p = jaxnitro("train", "--config", "runs/a/config.toml", "--run-dir", "runs/b", cwd=work)
