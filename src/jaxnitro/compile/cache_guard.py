@@ -41,7 +41,16 @@ from typing import Any, cast
 
 from jaxnitro.core.errors import warn_user
 
-__all__ = ["KEY_FILE", "Problem", "SignedCache", "guard", "prepare", "problems", "sign"]
+__all__ = [
+    "KEY_FILE",
+    "Problem",
+    "SignedCache",
+    "guard",
+    "make_private",
+    "prepare",
+    "problems",
+    "sign",
+]
 
 KEY_FILE = "jaxnitro-key"
 _KEY_BYTES = 32
@@ -85,16 +94,26 @@ def problems(path: str | os.PathLike) -> list[Problem]:
     return found
 
 
-def prepare(path: str | os.PathLike) -> list[Problem]:
-    """Create the cache directory `path` and what is missing above it, each 0700 whatever
-    the umask; check every component, and make the signing key. Returns why the cache must
-    not be used (empty: it may)."""
+def make_private(path: str | os.PathLike) -> list[Problem]:
+    """Create the directory `path` and what is missing above it, each 0700 whatever the
+    umask, and check every component; returns why others could change what it holds."""
     if not SUPPORTED:
         try:
             os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError as e:
             return [Problem(f"it cannot be created ({e.strerror})")]
         return []
+    fd, found = _open_dir(os.fspath(path), create=True)
+    if fd is not None:
+        os.close(fd)
+    return found
+
+
+def prepare(path: str | os.PathLike) -> list[Problem]:
+    """`make_private(path)` for a cache directory, and its signing key made. Returns why
+    the cache must not be used (empty: it may)."""
+    if not SUPPORTED:
+        return make_private(path)
     fd, found = _open_dir(os.fspath(path), create=True)
     if fd is None:
         return found

@@ -170,6 +170,14 @@ def _prepare_private(path: str) -> bool:
     return True
 
 
+def make_private_dir(path: str) -> list[str]:
+    """Create the directory `path` (and what is missing above it) 0700 whatever the umask;
+    the reasons others could change what it holds (empty: none), as `check_cache_trust`."""
+    from jaxnitro.compile import cache_guard
+
+    return [p.why for p in cache_guard.make_private(path)]
+
+
 def check_cache_trust(path: str, *, warn: bool = True) -> list[str]:
     """The reasons others could plant programs in the compilation cache `path` (empty when
     it is private to this user); with `warn`, said once per directory.

@@ -229,3 +229,22 @@ def test_a_path_that_turns_untrusted_is_not_used_from_then_on(tmp_path):
     assert not (parent / "xla" / "jit_f-2-cache").exists()
     parent.chmod(0o755)  # trusted again: used again
     assert cache.get("jit_f-1") == b"x + 1"
+
+
+def test_processes_starting_together_share_one_key(tmp_path):
+    directory = tmp_path / "xla"
+    caches: list = []
+    ready = threading.Barrier(6)
+
+    def start():
+        ready.wait()
+        caches.append(signed_cache(directory))
+
+    threads = [threading.Thread(target=start) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(caches) == 6
+    caches[0].put("jit_f-1", b"x + 1")
+    assert all(c.get("jit_f-1") == b"x + 1" for c in caches)  # one key, read by all
