@@ -59,7 +59,8 @@ _TAG_BYTES = 32
 _ENTRY = "-cache"  # JAX's suffixes: the executable, and its last access time
 _ATIME = "-atime"
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)  # no FIFO blocks
+STATS_FILE = "jaxnitro-stats.jsonl"  # persistent's record of hit rates, beside the entries
 _MAX_LINKS = 40
 SUPPORTED = os.name == "posix" and {os.open, os.stat, os.mkdir, os.readlink, os.unlink} <= (
     os.supports_dir_fd
@@ -118,12 +119,28 @@ def prepare(path: str | os.PathLike) -> list[Problem]:
     if fd is None:
         return found
     try:
+        _sweep(fd)
         _secret(fd, os.fspath(path))
     except OSError as e:
         return [Problem(f"its key {KEY_FILE} cannot be made ({e.strerror})")]
     finally:
         os.close(fd)
     return []
+
+
+def _sweep(dir_fd: int) -> None:
+    """Remove the cache's files that are not this user's single-linked regular files: left
+    by whoever could write here before the directory was private. Unread, since a planted
+    FIFO would block a read (JAX's eviction reads every access time) and another user's
+    `.lockfile` could be held forever."""
+    uid = os.getuid()
+    for name in os.listdir(dir_fd):
+        if not (name.endswith((_ENTRY, _ATIME)) or name in (".lockfile", STATS_FILE)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
+                os.unlink(name, dir_fd=dir_fd)
 
 
 def _open_dir(path: str, *, create: bool) -> tuple[int | None, list[Problem]]:
@@ -289,6 +306,7 @@ def _secret(dir_fd: int, directory: str) -> bytes:
                 raise
             _replace_secret(dir_fd, directory, "it is a symbolic link")
             continue
+        being_written = False
         try:
             st = os.fstat(fd)
             why = _key_problem(st, uid)
@@ -297,10 +315,11 @@ def _secret(dir_fd: int, directory: str) -> bytes:
                 if len(data) == _KEY_BYTES:
                     return data
                 why = f"it holds {len(data)} bytes, not {_KEY_BYTES}"
+                being_written = len(data) < _KEY_BYTES and time.time() - st.st_mtime < 5
         finally:
             os.close(fd)
-        if st.st_uid == uid and st.st_size < _KEY_BYTES and time.time() - st.st_mtime < 5:
-            time.sleep(0.01)  # another process of ours is writing it
+        if being_written:  # by another process of ours, just now
+            time.sleep(0.01)
             continue
         _replace_secret(dir_fd, directory, why)
     raise OSError(errno.EAGAIN, f"the cache key {KEY_FILE} kept changing")

@@ -23,7 +23,7 @@ from jaxnitro.compile import cache, cache_guard
 
 __all__ = ["CacheInfo", "clear", "info", "record_process", "use"]
 
-STATS_FILE = "jaxnitro-stats.jsonl"
+STATS_FILE = cache_guard.STATS_FILE
 _ENTRY = "-cache"  # JAX's suffixes: the executable, and its last access time for the LRU
 _ATIME = "-atime"
 _STATS_MAX_LINES = 2000

@@ -248,3 +248,27 @@ def test_processes_starting_together_share_one_key(tmp_path):
     assert len(caches) == 6
     caches[0].put("jit_f-1", b"x + 1")
     assert all(c.get("jit_f-1") == b"x + 1" for c in caches)  # one key, read by all
+
+
+def test_files_left_by_others_are_swept_at_start_unread(tmp_path):
+    directory = tmp_path / "xla"
+    mine = signed_cache(directory)
+    mine.put("jit_f-1", b"x + 1")
+    os.mkfifo(directory / "jit_x-9-atime")  # JAX's eviction reads every access time
+    (directory / "jit_x-9-cache").write_bytes(b"planted")
+    (directory / "jit_y-9-cache").symlink_to(tmp_path / "anywhere")
+    (directory / KEY_FILE).unlink()
+    os.mkfifo(directory / KEY_FILE)  # would block a read
+    (directory / "notes.txt").write_text("not the cache's")
+    if os.geteuid() == 0:
+        os.chown(directory / "jit_x-9-cache", OTHER, OTHER)
+        (directory / ".lockfile").touch()
+        os.chown(directory / ".lockfile", OTHER, OTHER)  # could be held forever
+    with pytest.warns(UserWarning, match="not a regular file"):
+        assert prepare(directory) == []
+    left = sorted(p.name for p in directory.iterdir())
+    planted = {"jit_x-9-atime", "jit_y-9-cache"} | (
+        {"jit_x-9-cache", ".lockfile"} if os.geteuid() == 0 else set()
+    )
+    assert not planted & set(left) and {"jit_f-1-cache", "notes.txt", KEY_FILE} <= set(left)
+    assert (directory / KEY_FILE).is_file()
