@@ -4,13 +4,10 @@ An entry of JAX's cache is an executable that is loaded and run as it is, so who
 a file where this process reads one can change what it computes. Two guards, both checked
 at every load and store (not once at start-up):
 
-1. **The path.** Every component from `/` to the cache directory is opened relative to its
-   parent's descriptor with `O_NOFOLLOW`, and must be owned by this user or root and
-   writable by no one else (a sticky directory such as `/tmp` excepted above the cache: its
-   other users cannot rename what is ours). A symbolic link on the way counts only when this
-   user or root made it; it is followed component by component under the same rules. The
-   cache directory itself must be this user's and writable by no one else. A path that
-   fails is not used: the program is compiled instead, and the user is told once why.
+1. **The path.** The cache directory and every directory on the way to it must be private
+   to this user as `core.private_dirs` checks it (owners, write bits, links, each component
+   opened relative to its parent with `O_NOFOLLOW`). A path that fails is not used: the
+   program is compiled instead, and the user is told once why.
 2. **The entries.** Each entry is written with an HMAC-SHA256 of its key and its bytes,
    under a per-user secret kept in the cache directory (`jaxnitro-key`, 32 random bytes,
    created 0600 with `O_EXCL`; trusted only as a regular, single-linked file of this user
@@ -27,7 +24,6 @@ systems: elsewhere the cache is JAX's, as it is.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import hashlib
 import hmac
@@ -36,10 +32,10 @@ import secrets
 import stat
 import threading
 import time
-from pathlib import Path
 from typing import Any, cast
 
 from jaxnitro.core.errors import warn_user
+from jaxnitro.core.private_dirs import SUPPORTED, Problem, make_private, open_private_dir, problems
 
 __all__ = [
     "KEY_FILE",
@@ -58,56 +54,11 @@ _MAGIC = b"jaxnitro-signed-entry-1\n"
 _TAG_BYTES = 32
 _ENTRY = "-cache"  # JAX's suffixes: the executable, and its last access time
 _ATIME = "-atime"
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)  # no FIFO blocks
 STATS_FILE = "jaxnitro-stats.jsonl"  # persistent's record of hit rates, beside the entries
-_MAX_LINKS = 40
-SUPPORTED = os.name == "posix" and {os.open, os.stat, os.mkdir, os.readlink, os.unlink} <= (
-    os.supports_dir_fd
-)
 
 
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """Why a cache path is not trusted, and the command that fixes it ('' when there is
-    none but choosing another directory)."""
-
-    why: str
-    fix: str = ""
-
-
-# -- the path -----------------------------------------------------------------------------
-
-
-def problems(path: str | os.PathLike) -> list[Problem]:
-    """Why others could plant programs in the cache at `path` (empty when they cannot). A
-    path not created yet is checked as far as it exists: it is created private when used.
-
-    Example:
-        >>> problems("/tmp/share/xla")  # /tmp/share: another user's sticky directory
-        [Problem(why='/tmp/share is owned by another user (uid 1001), ...', fix='')]
-    """
-    if not SUPPORTED:
-        return []
-    fd, found = _open_dir(os.fspath(path), create=False)
-    if fd is not None:
-        os.close(fd)
-    return found
-
-
-def make_private(path: str | os.PathLike) -> list[Problem]:
-    """Create the directory `path` and what is missing above it, each 0700 whatever the
-    umask, and check every component; returns why others could change what it holds."""
-    if not SUPPORTED:
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-        except OSError as e:
-            return [Problem(f"it cannot be created ({e.strerror})")]
-        return []
-    fd, found = _open_dir(os.fspath(path), create=True)
-    if fd is not None:
-        os.close(fd)
-    return found
+# -- the directory ------------------------------------------------------------------------
 
 
 def prepare(path: str | os.PathLike) -> list[Problem]:
@@ -115,7 +66,7 @@ def prepare(path: str | os.PathLike) -> list[Problem]:
     the cache must not be used (empty: it may)."""
     if not SUPPORTED:
         return make_private(path)
-    fd, found = _open_dir(os.fspath(path), create=True)
+    fd, found = open_private_dir(os.fspath(path), create=True)
     if fd is None:
         return found
     try:
@@ -141,123 +92,6 @@ def _sweep(dir_fd: int) -> None:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
                 os.unlink(name, dir_fd=dir_fd)
-
-
-def _open_dir(path: str, *, create: bool) -> tuple[int | None, list[Problem]]:
-    """A descriptor of the directory `path` reached through trusted components only (the
-    caller closes it), or None and why not. With `create`, missing directories are made
-    0700; without, a missing one ends the walk with nothing found against it."""
-    walk = _Walk(path, create=create)
-    try:
-        found = walk.run()
-    except OSError as e:
-        found = [Problem(f"{walk.here}: {e.strerror or e}")]
-    if found is None:
-        fd, walk.fd = walk.fd, -1
-        return fd, []
-    walk.close()
-    return None, found
-
-
-class _Walk:
-    """One walk from `/` to a directory, a component at a time, each opened relative to
-    its parent's descriptor (`fd`, the directory reached so far: `here`)."""
-
-    def __init__(self, path: str, *, create: bool) -> None:
-        self.uid = os.getuid()
-        self.create = create
-        self.todo = list(reversed(Path(os.path.abspath(path)).parts[1:]))  # next on top
-        self.here, self.links, self.made = "/", 0, False
-        self.fd = os.open("/", _DIR_FLAGS)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def run(self) -> list[Problem] | None:
-        """None when `fd` is the directory, trusted; else why not ([] for missing)."""
-        while self.todo:
-            name = self.todo.pop()
-            if name in ("", "."):
-                continue
-            step = os.path.dirname(self.here) if name == ".." else os.path.join(self.here, name)
-            try:
-                st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
-            except FileNotFoundError:
-                found = self._make(name, step)
-            else:
-                if stat.S_ISLNK(st.st_mode):
-                    found = self._follow(name, step, st)
-                elif stat.S_ISDIR(st.st_mode):
-                    found = self._enter(name, step, st)
-                else:
-                    found = [Problem(f"{step} is not a directory")]
-            if found is not None:
-                return found
-        return None
-
-    def _make(self, name: str, step: str) -> list[Problem] | None:
-        if not self.create:
-            return []
-        try:
-            os.mkdir(name, 0o700, dir_fd=self.fd)
-            self.made = True
-        except FileExistsError:  # a concurrent process made it
-            pass
-        except OSError as e:
-            return [Problem(f"{step} cannot be created ({e.strerror})")]
-        self.todo.append(name)  # now enter it
-        return None
-
-    def _follow(self, name: str, step: str, st: os.stat_result) -> list[Problem] | None:
-        if st.st_uid not in (self.uid, 0):
-            return [Problem(f"{step} is a symbolic link another user (uid {st.st_uid}) made")]
-        self.links += 1
-        if self.links > _MAX_LINKS:
-            return [Problem(f"{step}: too many levels of symbolic links")]
-        target = Path(os.readlink(name, dir_fd=self.fd))
-        if target.is_absolute():  # from the root again
-            self.close()
-            self.here, self.fd = "/", os.open("/", _DIR_FLAGS)
-        self.todo.extend(reversed(target.parts[1:] if target.is_absolute() else target.parts))
-        return None
-
-    def _enter(self, name: str, step: str, st: os.stat_result) -> list[Problem] | None:
-        child = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
-        self.close()
-        self.fd, self.here = child, step
-        if self.made:  # ours, just made: private whatever the umask
-            os.fchmod(child, 0o700)
-            self.made = False
-        now = os.fstat(child)
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            return [Problem(f"{step} was replaced while it was checked")]
-        return _component_problems(now, step, self.uid, last=not self.todo) or None
-
-
-def _component_problems(st: os.stat_result, here: str, uid: int, *, last: bool) -> list[Problem]:
-    others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    what = "world-writable" if st.st_mode & stat.S_IWOTH else "group-writable"
-    if last:  # the cache directory itself: this user's, and no one else writes in it
-        found = []
-        if st.st_uid != uid:
-            found.append(f"it is owned by another user (uid {st.st_uid})")
-        if others_write:
-            found.append(f"it is {what}")
-        fix = f"chmod 700 {here}" if st.st_uid == uid else ""
-        return [Problem(" and ".join(found), fix)] if found else []
-    if st.st_uid not in (uid, 0):
-        return [
-            Problem(
-                f"{here} is owned by another user (uid {st.st_uid}), who can replace "
-                "the cache inside it"
-            )
-        ]
-    if others_write and not st.st_mode & stat.S_ISVTX:
-        fix = f"chmod go-w {here}" if st.st_uid == uid else ""
-        return [Problem(f"{here} is {what}, so others can replace the cache inside it", fix)]
-    return []
 
 
 # -- the key and the signature ------------------------------------------------------------
@@ -406,7 +240,7 @@ class SignedCache:
             os.close(fd)
 
     def _open(self) -> int | None:
-        fd, found = _open_dir(self._directory, create=False)
+        fd, found = open_private_dir(self._directory, create=False)
         if fd is None:
             found = found or [Problem("it was removed")]
             warn_not_used(self._directory, found, since_start=False)

@@ -1,4 +1,5 @@
-"""What the persistent compilation cache trusts: the path to it, its key, each entry.
+"""What the persistent compilation cache trusts: its key and each entry (the path to it:
+tests/unit/core/test_private_dirs.py).
 
 In-process and fast: `SignedCache` over JAX's own `LRUCache` in a tmp directory, no compile.
 Ownership by another user needs root (`os.chown`); those cases skip otherwise.
@@ -14,7 +15,7 @@ import pytest
 from jax._src.lru_cache import LRUCache
 
 from jaxnitro.compile import cache_guard
-from jaxnitro.compile.cache_guard import KEY_FILE, SignedCache, prepare, problems, sign
+from jaxnitro.compile.cache_guard import KEY_FILE, SignedCache, prepare, sign
 
 OTHER = 64123  # a uid no one on this machine has
 
@@ -29,20 +30,12 @@ def fresh_messages(monkeypatch):
     monkeypatch.setattr(cache_guard, "_said", set())
 
 
-def whys(path) -> list[str]:
-    return [p.why for p in problems(path)]
-
-
 def signed_cache(directory) -> SignedCache:
     assert prepare(directory) == []
     return SignedCache(str(directory), LRUCache(str(directory), max_size=2**20))
 
 
-# -- the path -----------------------------------------------------------------------------
-
-
-def test_a_private_path_is_trusted_and_a_missing_one_is_made_private(tmp_path):
-    assert whys(tmp_path / "a" / "b") == []  # not there yet: made private when used
+def test_a_missing_cache_is_made_private_with_its_key(tmp_path):
     old = os.umask(0)
     try:
         assert prepare(tmp_path / "a" / "b") == []
@@ -52,61 +45,6 @@ def test_a_private_path_is_trusted_and_a_missing_one_is_made_private(tmp_path):
         assert stat.S_IMODE(p.stat().st_mode) == 0o700
     key = tmp_path / "a" / "b" / KEY_FILE
     assert stat.S_IMODE(key.stat().st_mode) == 0o600 and key.stat().st_size == 32
-
-
-def test_a_writable_component_on_the_way_is_named(tmp_path):
-    shared = tmp_path / "shared"
-    (shared / "xla").mkdir(parents=True, mode=0o700)
-    shared.chmod(0o777)
-    assert whys(shared / "xla") == [
-        f"{shared} is world-writable, so others can replace the cache inside it"
-    ]
-    assert problems(shared / "xla")[0].fix == f"chmod go-w {shared}"
-    shared.chmod(0o1777)  # sticky, like /tmp: others cannot rename what is ours
-    assert whys(shared / "xla") == []
-    shared.chmod(0o775)
-    assert "group-writable" in whys(shared / "xla")[0]
-
-
-def test_the_cache_directory_itself_is_private(tmp_path):
-    (tmp_path / "xla").mkdir(mode=0o700)
-    (tmp_path / "xla").chmod(0o1777)  # sticky does not excuse the cache itself
-    assert whys(tmp_path / "xla") == ["it is world-writable"]
-    assert problems(tmp_path / "xla")[0].fix == f"chmod 700 {tmp_path / 'xla'}"
-
-
-def test_links_are_followed_only_when_this_user_made_them(tmp_path):
-    real = tmp_path / "real"
-    real.mkdir(mode=0o700)
-    (tmp_path / "link").symlink_to(real)
-    assert whys(tmp_path / "link") == []
-    (tmp_path / "rel").symlink_to("real/../real")
-    assert whys(tmp_path / "rel") == []
-    open_dir = tmp_path / "open"
-    open_dir.mkdir(mode=0o777)
-    open_dir.chmod(0o777)
-    (tmp_path / "to-open").symlink_to(open_dir)
-    assert whys(tmp_path / "to-open") == ["it is world-writable"]  # the target is checked
-    (tmp_path / "file").write_text("x")
-    assert whys(tmp_path / "file" / "xla") == [f"{tmp_path / 'file'} is not a directory"]
-
-
-@root_only
-def test_what_another_user_owns_on_the_way_is_refused(tmp_path):
-    share = tmp_path / "share"
-    (share / "xla").mkdir(parents=True, mode=0o700)
-    os.chown(share, OTHER, OTHER)  # like /tmp/share of the issue: its owner can swap xla
-    assert whys(share / "xla") == [
-        f"{share} is owned by another user (uid {OTHER}), who can replace the cache inside it"
-    ]
-    os.chown(share, 0, 0)
-    (tmp_path / "link").symlink_to(share / "xla")
-    os.lchown(tmp_path / "link", OTHER, OTHER)
-    assert whys(tmp_path / "link") == [
-        f"{tmp_path / 'link'} is a symbolic link another user (uid {OTHER}) made"
-    ]
-    os.chown(share / "xla", OTHER, OTHER)
-    assert whys(share / "xla") == [f"it is owned by another user (uid {OTHER})"]
 
 
 # -- the entries --------------------------------------------------------------------------
