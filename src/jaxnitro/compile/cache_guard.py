@@ -70,7 +70,7 @@ def prepare(path: str | os.PathLike) -> list[Problem]:
     if fd is None:
         return found
     try:
-        _sweep(fd)
+        _sweep(fd, os.fspath(path))
         _secret(fd, os.fspath(path))
     except OSError as e:
         return [Problem(f"its key {KEY_FILE} cannot be made ({e.strerror})")]
@@ -79,19 +79,25 @@ def prepare(path: str | os.PathLike) -> list[Problem]:
     return []
 
 
-def _sweep(dir_fd: int) -> None:
+def _sweep(dir_fd: int, directory: str) -> None:
     """Remove the cache's files that are not this user's single-linked regular files: left
     by whoever could write here before the directory was private. Unread, since a planted
     FIFO would block a read (JAX's eviction reads every access time) and another user's
     `.lockfile` could be held forever."""
-    uid = os.getuid()
+    removed = []
     for name in os.listdir(dir_fd):
         if not (name.endswith((_ENTRY, _ATIME)) or name in (".lockfile", STATS_FILE)):
             continue
         with contextlib.suppress(FileNotFoundError):
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
+            why = _file_problem(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+            if why is not None and not why.startswith("others can write"):
                 os.unlink(name, dir_fd=dir_fd)
+                removed.append((name, why))
+    if removed:
+        name, why = removed[0]
+        more = f", and {len(removed) - 1} other file(s) not yours" if len(removed) > 1 else ""
+        done = "they were removed unread" if more else "it was removed unread"
+        _say_refused(directory, f"{name}: {why}{more}", done)
 
 
 # -- the key and the signature ------------------------------------------------------------
@@ -250,29 +256,38 @@ class SignedCache:
         for name in (key + _ENTRY, key + _ATIME):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=fd)
-        _say_once(
-            ("entry", self._directory),
-            f"jaxnitro refused an entry of the compilation cache {self._directory} "
-            f"({key}{_ENTRY}): {why}. It could be a program someone planted there (anyone "
-            "who can write to that directory, now or before it was made private, could "
-            "have), so it was not loaded: it was removed and the program compiled again. "
-            f"Only entries signed with your key ({KEY_FILE} in that directory) are loaded. "
-            "This is said once per process; `jaxnitro cache clear` empties the cache.",
-        )
+        _say_refused(self._directory, f"{key}{_ENTRY}: {why}", "it was not loaded but removed")
+
+
+def _say_refused(directory: str, what: str, done: str) -> None:
+    _say_once(
+        ("entry", directory),
+        f"jaxnitro refused an entry of the compilation cache {directory} ({what}). It could "
+        "be a program someone planted there (anyone who can write to that directory, now or "
+        f"before it was made private, could have), so {done}, and the program is compiled "
+        f"again. Only entries signed with your key ({KEY_FILE} in that directory) are "
+        "loaded. This is said once per process; `jaxnitro cache clear` empties the cache.",
+    )
 
 
 def _entry_problem(dir_fd: int, key: str) -> str | None:
     """'' when there is no entry for `key`; why it must not be read; None: read it."""
     try:
-        st = os.stat(key + _ENTRY, dir_fd=dir_fd, follow_symlinks=False)
+        return _file_problem(os.stat(key + _ENTRY, dir_fd=dir_fd, follow_symlinks=False))
     except FileNotFoundError:
         return ""
+
+
+def _file_problem(st: os.stat_result) -> str | None:
+    """Why a file of the cache (stat'ed without following links) is not to be read."""
     if stat.S_ISLNK(st.st_mode):
         return "it is a symbolic link"
     if not stat.S_ISREG(st.st_mode):
         return "it is not a regular file"
     if st.st_uid != os.getuid():
         return f"it belongs to another user (uid {st.st_uid})"
+    if st.st_nlink != 1:
+        return "it has other names (hard links)"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return "others can write to it"
     return None
