@@ -4,8 +4,9 @@ A file this process will trust (a compiled program, a parsed dataset) is only as
 path to it: whoever can write to a directory on the way, or own one, can swap what lies
 below. `open_private_dir` walks from `/` a component at a time, each opened relative to its
 parent's descriptor with `O_NOFOLLOW`, and accepts a component owned by this user or root
-and writable by no one else (a sticky directory such as `/tmp` excepted on the way: its
-other users cannot rename what is ours); a symbolic link counts only when this user or root
+and writable by no one else (on the way, a sticky directory such as `/tmp` is accepted: its
+other users cannot rename what is ours; and so is one writable by the user's private group,
+which has no one else in it); a symbolic link counts only when this user or root
 made it, and is followed under the same rules. The directory itself must be this user's and
 writable by no one else. With `create`, what is missing is made 0700 whatever the umask.
 POSIX only (`SUPPORTED`); elsewhere `problems` finds none.
@@ -14,6 +15,7 @@ POSIX only (`SUPPORTED`); elsewhere `problems` finds none.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import stat
 from pathlib import Path
@@ -178,7 +180,28 @@ def _component_problems(st: os.stat_result, here: str, uid: int, *, last: bool) 
                 "what is inside it"
             )
         ]
+    if st.st_mode & stat.S_IWGRP and not st.st_mode & stat.S_IWOTH and _own_group(st.st_gid):
+        others_write = 0  # a user-private group (umask 002 systems): no one else is in it
     if others_write and not st.st_mode & stat.S_ISVTX:
         fix = f"chmod go-w {here}" if st.st_uid == uid else ""
         return [Problem(f"{here} is {what}, so others can replace what is inside it", fix)]
     return []
+
+
+@functools.cache
+def _own_group(gid: int) -> bool:
+    """Whether `gid` is this user's private group: the primary group, named as the user,
+    with no other member (the convention of systems whose users' umask is 002). Never root's
+    group: root is in too many."""
+    uid = os.getuid()
+    if uid == 0 or gid != os.getgid():
+        return False
+    try:
+        import grp
+        import pwd
+
+        name = pwd.getpwuid(uid).pw_name
+        group = grp.getgrgid(gid)
+    except (ImportError, KeyError):
+        return False
+    return group.gr_name == name and set(group.gr_mem) <= {name}

@@ -88,3 +88,42 @@ def test_what_another_user_owns_on_the_way_is_refused(tmp_path):
     ]
     os.chown(share / "xla", OTHER, OTHER)
     assert whys(share / "xla") == [f"it is owned by another user (uid {OTHER})"]
+
+
+def test_a_user_private_group_may_write_on_the_way(tmp_path, monkeypatch):
+    import grp
+    import pwd
+    from types import SimpleNamespace
+
+    from jaxnitro.core import private_dirs
+
+    members = {1000: ("ann", ["bob"]), 50: ("staff", [])}
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    monkeypatch.setattr(os, "getgid", lambda: 1000)
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: SimpleNamespace(pw_name="ann"))
+    monkeypatch.setattr(
+        grp,
+        "getgrgid",
+        lambda gid: SimpleNamespace(gr_name=members[gid][0], gr_mem=members[gid][1]),
+    )
+    private_dirs._own_group.cache_clear()
+    try:
+        assert not private_dirs._own_group(1000)  # bob is in ann's group
+        members[1000] = ("ann", [])
+        private_dirs._own_group.cache_clear()
+        assert private_dirs._own_group(1000)  # ann's own group, umask 002 style
+        assert not private_dirs._own_group(50)  # staff: others may be in it
+        if os.geteuid() != 0:
+            return
+        home = tmp_path / "home"
+        (home / "xla").mkdir(parents=True, mode=0o700)
+        os.chown(home, 1000, 1000)
+        os.chown(home / "xla", 1000, 1000)
+        home.chmod(0o775)
+        assert whys(home / "xla") == []
+        os.chown(home, 1000, 50)  # the same bits for a shared group
+        assert whys(home / "xla") == [
+            f"{home} is group-writable, so others can replace what is inside it"
+        ]
+    finally:
+        private_dirs._own_group.cache_clear()
