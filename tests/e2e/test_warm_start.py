@@ -181,6 +181,13 @@ def test_the_cache_command_shows_and_clears(tmp_path):
     assert got.returncode == 0, got.stderr
     shown = json.loads(got.stdout)
     assert shown["entries"] == 1 and shown["hit_rate"] == 0.75 and shown["processes"] == 1
+    assert shown["untrusted"] == []
+    cache.chmod(0o777)
+    got = subprocess.run(
+        [*cli, "info", "--dir", str(cache)], capture_output=True, text=True, timeout=60
+    )
+    assert "trusted    no: it is world-writable (runs do not use it)" in got.stdout, got.stderr
+    cache.chmod(0o700)
     got = subprocess.run(
         [*cli, "clear", "--dir", str(cache)], capture_output=True, text=True, timeout=60
     )

@@ -56,6 +56,12 @@ def info_command(directory: str | None, as_json: bool) -> None:
                 "JAXNITRO_COMPILATION_CACHE_MAX_SIZE says otherwise)",
                 f"hit rate   {rate} ({got.loaded} loaded, {got.compiled} compiled, over "
                 f"{got.processes} process(es))",
+                "trusted    "
+                + (
+                    f"no: {' and '.join(got.untrusted)} (runs do not use it)"
+                    if got.untrusted
+                    else "yes: a private path; entries load only when signed with your key"
+                ),
             ]
         )
 

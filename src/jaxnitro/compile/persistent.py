@@ -3,8 +3,9 @@
 The cache itself is JAX's (entries keyed by the program text, the jax/jaxlib version, the
 backend and XLA flags; least recently used entries evicted beyond its size cap, under a file
 lock that makes concurrent processes safe). `devices.configure_cache` points JAX at the
-directory; this module reads it for `jaxnitro cache info`, clears it for `jaxnitro cache
-clear`, and keeps the hit rate across processes in one small file beside the entries
+directory, and `cache_guard` checks the path to it and each entry's signature at every use;
+this module reads it for `jaxnitro cache info`, clears it for `jaxnitro cache clear`, and
+keeps the hit rate across processes in one small file beside the entries
 (`jaxnitro-stats.jsonl`: one line per process that compiled or loaded a program).
 """
 
@@ -18,11 +19,11 @@ import os
 import time
 from pathlib import Path
 
-from jaxnitro.compile import cache
+from jaxnitro.compile import cache, cache_guard
 
 __all__ = ["CacheInfo", "clear", "info", "record_process", "use"]
 
-STATS_FILE = "jaxnitro-stats.jsonl"
+STATS_FILE = cache_guard.STATS_FILE
 _ENTRY = "-cache"  # JAX's suffixes: the executable, and its last access time for the LRU
 _ATIME = "-atime"
 _STATS_MAX_LINES = 2000
@@ -39,6 +40,7 @@ class CacheInfo:
     processes: int  # processes recorded in the stats file
     loaded: int  # programs they loaded from the cache
     compiled: int  # programs they compiled (and wrote, where JAX caches them)
+    untrusted: tuple[str, ...] = ()  # why others could plant programs there (empty: none)
 
     @property
     def hit_rate(self) -> float | None:
@@ -69,7 +71,10 @@ def info(directory: str | os.PathLike) -> CacheInfo:
         processes += 1
         loaded += int(row.get("loaded", 0))
         compiled += int(row.get("compiled", 0))
-    return CacheInfo(str(path), path.is_dir(), entries, size, processes, loaded, compiled)
+    untrusted = tuple(p.why for p in cache_guard.problems(path))
+    return CacheInfo(
+        str(path), path.is_dir(), entries, size, processes, loaded, compiled, untrusted
+    )
 
 
 def clear(directory: str | os.PathLike) -> int:
@@ -117,8 +122,11 @@ def record_process(directory: str | None) -> None:
         return
     line = json.dumps({"time": round(time.time(), 3), "loaded": loaded, "compiled": compiled})
     path = Path(directory) / STATS_FILE
+    if cache_guard.problems(directory):  # the path turned untrusted: write nothing there
+        return
     with contextlib.suppress(OSError):  # the cache is an optimisation: never fail the run
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(path, flags, 0o600)
         try:
             os.write(fd, (line + "\n").encode())
         finally:

@@ -88,11 +88,7 @@ def _kept_path(csv: Path) -> Path | None:
     ident = f"{csv.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_KEPT_FORMAT}"
     name = f"mnist_5k-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.npz"
     folder = kept_dir()
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError:
-        return None
-    if devices.check_cache_trust(str(folder), warn=False):
+    if devices.make_private_dir(str(folder)):  # not creatable, or others could write there
         return None
     return folder / name
 

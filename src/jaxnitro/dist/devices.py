@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxnitro.core.errors import ConfigError, check_int, warn_user
+from jaxnitro.core.errors import ConfigError, check_int
 from jaxnitro.core.units import parse_bytes
 
 _pinned: dict = {}
@@ -156,68 +156,42 @@ def _reset_jax_cache() -> None:
 
 
 def _prepare_private(path: str) -> bool:
-    """Create `path` private to this user (0700), or check that an existing one is; False
-    (with a warning) when it is not safe to load programs from."""
-    if not os.path.exists(path):
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            os.chmod(path, 0o700)  # makedirs' mode is filtered by the umask
-        except OSError as e:
-            _warn_cache(path, f"it cannot be created ({e.strerror})", fix="")
-            return False
-    problems = check_cache_trust(path, warn=False)
+    """Create `path` private to this user (0700, and so whatever of its parents is made),
+    check every component on the way to it, and have JAX's cache there verify each entry;
+    False (with a warning) when it is not safe to load programs from."""
+    from jaxnitro.compile import cache_guard
+
+    problems = cache_guard.prepare(path)
+    if not problems and not cache_guard.guard(path):
+        problems = [cache_guard.Problem("this JAX has no hook to verify its entries")]
     if problems:
-        _warn_cache(path, " and ".join(problems), fix=f"chmod 700 {path}")
+        cache_guard.warn_not_used(path, problems)
         return False
     return True
 
 
-_trust_warned: set = set()
+def make_private_dir(path: str) -> list[str]:
+    """Create the directory `path` (and what is missing above it) 0700 whatever the umask;
+    the reasons others could change what it holds (empty: none), as `check_cache_trust`."""
+    from jaxnitro.compile import cache_guard
 
-
-def _warn_cache(path: str, why: str, *, fix: str) -> None:
-    if path in _trust_warned:
-        return
-    _trust_warned.add(path)
-    how = f"Make it private to you ({fix}), or p" if fix else "P"
-    warn_user(
-        f"the compilation cache {path} is not used: {why}. Its entries are executables "
-        f"loaded as they are, so anyone who can write there could change what this process "
-        f"computes. {how}oint JAXNITRO_COMPILATION_CACHE (or "
-        f"jn.setup_devices(compilation_cache=...)) at a directory only you can write to; "
-        f"programs are compiled without it meanwhile.",
-    )
+    return [p.why for p in cache_guard.make_private(path)]
 
 
 def check_cache_trust(path: str, *, warn: bool = True) -> list[str]:
     """The reasons others could plant programs in the compilation cache `path` (empty when
     it is private to this user); with `warn`, said once per directory.
 
-    Entries are executables loaded byte for byte: whoever can write to the directory can make
-    this process compute something else.
+    Entries are executables loaded byte for byte: whoever can write to the directory, or
+    replace a directory on the way to it, can make this process compute something else.
+    Every component of the path is checked (`jaxnitro.compile.cache_guard`).
     """
-    import stat
+    from jaxnitro.compile import cache_guard
 
-    problems: list[str] = []
-    p = os.path.abspath(path)
-    while not os.path.exists(p) and os.path.dirname(p) != p:  # created later: check the parent
-        p = os.path.dirname(p)
-    try:
-        st = os.stat(p)
-    except OSError:
-        return problems
-    exists = p == os.path.abspath(path)  # else `p` is the parent it will be created in
-    if exists and hasattr(os, "getuid") and st.st_uid != os.getuid():
-        problems.append(f"it is owned by another user (uid {st.st_uid})")
-    # A missing cache inside a sticky shared dir (/tmp) is created private to this user.
-    shared_parent_ok = not exists and bool(st.st_mode & stat.S_ISVTX)
-    if st.st_mode & stat.S_IWOTH and not shared_parent_ok:
-        problems.append("it is world-writable")
-    elif st.st_mode & stat.S_IWGRP and not shared_parent_ok:
-        problems.append("it is group-writable")
+    problems = cache_guard.problems(path)
     if problems and warn:
-        _warn_cache(path, " and ".join(problems), fix=f"chmod 700 {p}")
-    return problems
+        cache_guard.warn_not_used(path, problems)
+    return [p.why for p in problems]
 
 
 def _check_count(n: int, visible: int) -> int:
