@@ -85,6 +85,9 @@ class ServedModel:
         self.max_batch_delay_ms = max_batch_delay_ms
         self.batching = batching
         self.version_policy = version_policy or {"latest": {"num_versions": 1}}
+        #: Whether its batching settings are its own (a repository model's config), not
+        #: the server's.
+        self.configured = False
         self.stats = ModelStats()
         #: Requests holding this version (`Registry.acquire`): it is unloaded at 0.
         self.leases = 0
