@@ -407,6 +407,8 @@ class Repository:
         self.overrides: dict[str, dict] = {}
         #: Versions whose load timed out, their threads left running.
         self.abandoned: set[tuple[str, int]] = set()
+        #: The models with a version directory (at their latest sync).
+        self._versioned: set[str] = set()
         # one lock per model: a load that hangs holds only its own model
         self._locks: dict[str, asyncio.Lock] = {}
         self._poller: asyncio.Task | None = None
@@ -416,10 +418,12 @@ class Repository:
 
     @property
     def ready(self) -> bool:
-        """Whether every model this server means to serve has a version ready (Triton's
-        readiness): a model whose versions all failed to load makes the server not ready."""
+        """Whether every model this server means to serve (with a version directory) has a
+        version ready (Triton's readiness): a model whose versions all failed to load makes
+        the server not ready."""
         table = self.runtime.registry.table
-        return all(any(m.ready for m in table.get(name, {}).values()) for name in self.wanted)
+        named = self.wanted & self._versioned  # a directory without versions serves nothing
+        return all(any(m.ready for m in table.get(name, {}).values()) for name in named)
 
     # -- the life cycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -548,6 +552,10 @@ class Repository:
         policy picks among the versions that load: when one fails, it picks again without
         it (an intact older version serves while the newest is broken)."""
         versions = versions if name in self.wanted else None
+        if versions:
+            self._versioned.add(name)
+        else:
+            self._versioned.discard(name)
         try:
             settings = await asyncio.to_thread(self._settings, name) if versions else {}
         except ConfigError as e:
