@@ -88,6 +88,8 @@ class ServedModel:
         #: Whether its batching settings are its own (a repository model's config), not
         #: the server's.
         self.configured = False
+        #: A repository version's settings (`jaxnitro.serve.repository.model_settings`).
+        self.settings: dict | None = None
         self.stats = ModelStats()
         #: Requests holding this version (`Registry.acquire`): it is unloaded at 0.
         self.leases = 0

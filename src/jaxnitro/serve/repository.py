@@ -479,14 +479,10 @@ class Repository:
                     f"{sorted(on_disk)}.{did_you_mean(name, on_disk)}"
                 )
             self.wanted.add(name)
-            changed = self.overrides.get(name) != config
             if config is None:
                 self.overrides.pop(name, None)
             else:
                 self.overrides[name] = config
-            if changed:  # new settings: every version loads again with them
-                for model in list(self.runtime.registry.table.get(name, {}).values()):
-                    await self.runtime.retire(model)
             await self._sync(name, on_disk[name], retry=True)
         if name not in self.runtime.registry.table:
             reasons = [
@@ -565,6 +561,20 @@ class Repository:
             return
         policy = settings.get("version_policy", self.policy)
         loaded = {int(v): m for v, m in self.runtime.registry.table.get(name, {}).items()}
+        for version, model in list(loaded.items()):
+            if (
+                versions
+                and model.settings is not None
+                and _batching(model.settings) != _batching(settings)
+            ):
+                # its config.pbtxt (or a load's config) changed: it loads again with it
+                log.info(
+                    "model %s version %s: its configuration changed; loading it again",
+                    quoted(name),
+                    version,
+                )
+                del loaded[version]
+                await self.runtime.retire(model)
         broken: set[int] = set()
         while True:
             serve = select([v for v in versions or {} if v not in broken], policy)
@@ -666,6 +676,11 @@ class Repository:
         against the settings, warm it up and put it in service."""
         model = await in_daemon_thread(self.make_model, name, str(version), path, settings)
         await self.runtime.add_version(model)
+
+
+def _batching(settings: dict) -> dict:
+    """The settings that a loaded version is built with (its version policy is not)."""
+    return {k: v for k, v in settings.items() if k != "version_policy"}
 
 
 def describe(root: os.PathLike) -> list[str]:

@@ -364,6 +364,7 @@ def _runtime(
                 version_policy=settings["version_policy"],
             )
             model.configured = bool({"max_batch_size", "batching"} & set(settings))
+            model.settings = settings
             where = f"model {name!r} version {version}"
             odd = sorted(set(settings.get("preferred", ())) - set(model.bucket_sizes()))
             if odd:

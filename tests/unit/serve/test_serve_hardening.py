@@ -407,6 +407,12 @@ def test_config_pbtxt_and_load_configs_are_applied_or_refused(tiny, tmp_path):
         assert g.get_model_config("cfg", as_json=True)["config"]["max_batch_size"] == 2
         with pytest.raises(InferenceServerException, match="does not load model files"):
             g.load_model("cfg", config="{}", files={"file:1/x": b"x"})
+        # a load without config: config.pbtxt again, as it is now
+        (repo / "cfg" / "config.pbtxt").write_text("max_batch_size: 4\nversion_policy { all {} }")
+        g.load_model("cfg")
+        for version in ("1", "2"):
+            config = g.get_model_config("cfg", version, as_json=True)["config"]
+            assert config["max_batch_size"] == 4 and "dynamic_batching" not in config
     finally:
         s.stop()
 
