@@ -208,7 +208,9 @@ def serve(
             (a client that does not read its response, too) are cut.
 
     Returns:
-        The number of requests the drain timeout cut (0: a clean stop).
+        The number of requests the drain timeout cut (0: a clean stop). A load or warm-up
+        left behind (hung) keeps its thread until the process ends; `jaxnitro serve` exits
+        without waiting for it.
 
     Example:
         >>> jn.serve.serve(["bundles/mnist"], port=8000, grpc_port=8001, max_batch_size=32)
@@ -506,8 +508,13 @@ async def _serve(
         metrics_bound = None
         if metrics_port is not None:
             metrics_sock = _bind(host, metrics_port, flag="--metrics-port")
-            metrics_server = _Uvicorn(
-                uvicorn.Config(create_metrics_app(runtime), lifespan="off", log_level="warning")
+            metrics_server = _Uvicorn(  # with the REST port's guards: it is as reachable
+                uvicorn.Config(
+                    create_metrics_app(runtime),
+                    http=protocol_class(limits),
+                    lifespan="off",
+                    log_level="warning",
+                )
             )
             metrics_task = asyncio.create_task(metrics_server.serve(sockets=[metrics_sock]))
             while not metrics_server.started and not metrics_task.done():
@@ -551,7 +558,7 @@ async def _warm_up(runtime: Runtime) -> None:
 
         def done(model: str, size: int) -> None:
             with lock:
-                advance(1, f"{model}, batch {size}")
+                advance(1, f"{quoted(model)}, batch {size}")
 
         await runtime.warm_up(done)
 
