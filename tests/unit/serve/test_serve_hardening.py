@@ -225,12 +225,12 @@ def test_repository_bodies_are_limited_and_deadlined_on_every_endpoint(tiny):
             "GET /v2/health/live",
         ]:
             sock = _connect(s.rest)
-            sock.sendall(f"{path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{".encode())
+            sock.sendall(f"{path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{{".encode())
             slow.append(sock)
         # the metrics port has the same guards
         metrics = re.findall(r"metrics: http://([\d.]+:\d+)/metrics", s.output)[-1]
         slow.append(_connect(metrics))
-        slow[-1].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        slow[-1].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
         stop = threading.Event()
 
         def trickle():
