@@ -169,7 +169,7 @@ class Proc(Server):
         self._reader.start()
         self.rest = self._wait_for(r"REST:\s+http://([\d.]+:\d+)/v2")
         self.grpc = "" if "--no-grpc" in args else self._wait_for(r"gRPC:\s+([\d.]+:\d+)")
-        self._wait_for(r"(?m)^(ready:)")
+        self._wait_for(r"(?m)^(ready: .* in \d+\.\ds)$")
 
     def json(self, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
         status, _, data = self.request(method, path, body)
