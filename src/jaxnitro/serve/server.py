@@ -587,6 +587,10 @@ async def _shut_down(runtime, http, http_task, grpc_server, drain_timeout: float
     results = await asyncio.gather(*tasks, return_exceptions=True)
     cut += runtime.grpc_cut
     await runtime.close()
+    abandoned = sorted(runtime.repository.abandoned) if runtime.repository is not None else []
+    if abandoned:
+        hung = ", ".join(f"{quoted(name)} version {version}" for name, version in abandoned)
+        _say(f"left behind: the load of {hung}, past --model-load-timeout")
     for result in results:
         if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
             raise result

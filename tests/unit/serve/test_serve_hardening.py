@@ -33,6 +33,7 @@ from test_serve import FakeBundle, Server
 
 import jaxnitro as jn
 from jaxnitro.core.errors import ConfigError
+from jaxnitro.serve import command, repository
 from jaxnitro.serve.errors import InvalidRequest
 from jaxnitro.serve.registry import Registry, ServedModel
 from jaxnitro.serve.repository import Repository, model_settings, repository_parameters
@@ -43,6 +44,7 @@ X = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
 
 # -- quick ---------------------------------------------------------------------------------------
 def test_load_parameters_and_model_configs_apply_the_subset_or_refuse():
+    assert command.MODEL_LOAD_TIMEOUT_S == repository.MODEL_LOAD_TIMEOUT_S
     assert repository_parameters("load", {"config": '{"max_batch_size": 8}'}) == {
         "config": {"max_batch_size": 8}
     }
@@ -352,6 +354,7 @@ def test_a_hung_warm_up_times_out_and_sigterm_still_stops_the_server(tiny, tmp_p
         s.proc.send_signal(signal.SIGTERM)
         s.proc.wait(60)
         assert s.proc.returncode in (0, 3), s.output
+        assert "left behind: the load of hang version 1, past --model-load-timeout" in s.output
         again.join(30)
     finally:
         s.stop()
