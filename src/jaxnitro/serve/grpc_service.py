@@ -17,10 +17,10 @@ import numpy as np
 
 from jaxnitro.serve.codec import InferRequest, OutputWanted, TensorIn, parse_shape
 from jaxnitro.serve.errors import InvalidRequest, NotFound, ServeError
+from jaxnitro.serve.modelconfig import repository_parameters
 from jaxnitro.serve.proto import grpc_service_pb2 as pb
 from jaxnitro.serve.proto import grpc_service_pb2_grpc as pb_grpc
 from jaxnitro.serve.registry import ServedModel
-from jaxnitro.serve.repository import repository_parameters
 from jaxnitro.serve.runtime import Runtime, server_metadata
 from jaxnitro.serve.tensors import datatype_of
 

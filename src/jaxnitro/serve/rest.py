@@ -30,7 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jaxnitro.serve import body, codec
 from jaxnitro.serve.errors import InvalidRequest, PayloadTooLarge, ServeError
 from jaxnitro.serve.metrics import CONTENT_TYPE
-from jaxnitro.serve.repository import quoted, repository_parameters
+from jaxnitro.serve.modelconfig import repository_parameters
+from jaxnitro.serve.repository import quoted
 from jaxnitro.serve.runtime import OFFLOAD_BYTES, Runtime, server_metadata
 
 log = logging.getLogger("jaxnitro.serve")

@@ -49,6 +49,7 @@ from jaxnitro.serve.connections import (
     ConnectionLimits,
     protocol_class,
 )
+from jaxnitro.serve.modelconfig import check_io, parse_policy
 from jaxnitro.serve.registry import (
     DEFAULT_BUCKET_CAP,
     Registry,
@@ -59,9 +60,7 @@ from jaxnitro.serve.registry import (
 from jaxnitro.serve.repository import (
     MODEL_LOAD_TIMEOUT_S,
     Repository,
-    check_io,
     describe,
-    parse_policy,
     printable,
     quoted,
 )

@@ -35,8 +35,9 @@ import jaxnitro as jn
 from jaxnitro.core.errors import ConfigError
 from jaxnitro.serve import command, repository
 from jaxnitro.serve.errors import InvalidRequest
+from jaxnitro.serve.modelconfig import model_settings, repository_parameters
 from jaxnitro.serve.registry import Registry, ServedModel
-from jaxnitro.serve.repository import Repository, model_settings, repository_parameters
+from jaxnitro.serve.repository import Repository
 from jaxnitro.serve.runtime import Runtime
 
 X = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
