@@ -162,7 +162,7 @@ def read_config(path: Path, *, name: str) -> dict:
         raise ConfigError(f"{path}: not readable ({e}).") from None
     except text_format.ParseError as e:
         raise ConfigError(
-            f"{path}: {e}; jaxnitro serve applies {', '.join(CONFIG_FIELDS)} (a field it "
+            f"{path}: {str(e).rstrip('.')}; jaxnitro serve applies {', '.join(CONFIG_FIELDS)} (a field it "
             f"does not know is refused, not ignored): remove the others."
         ) from None
     doc = json_format.MessageToDict(message, preserving_proto_field_name=True)
