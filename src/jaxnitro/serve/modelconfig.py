@@ -162,8 +162,9 @@ def read_config(path: Path, *, name: str) -> dict:
         raise ConfigError(f"{path}: not readable ({e}).") from None
     except text_format.ParseError as e:
         raise ConfigError(
-            f"{path}: {str(e).rstrip('.')}; jaxnitro serve applies {', '.join(CONFIG_FIELDS)} (a field it "
-            f"does not know is refused, not ignored): remove the others."
+            f"{path}: {str(e).rstrip('.')}; jaxnitro serve applies "
+            f"{', '.join(CONFIG_FIELDS)} (a field it does not know is refused, not "
+            f"ignored): remove the others."
         ) from None
     doc = json_format.MessageToDict(message, preserving_proto_field_name=True)
     return model_settings(doc, name=name, where=str(path))
