@@ -335,6 +335,8 @@ class Registry:
 
     def __init__(self, models: Sequence[ServedModel] = ()):
         self.table: dict[str, dict[str, ServedModel]] = {}
+        #: Why a known model has no version loaded (a repository's reasons), or None.
+        self.why_not: Callable[[str], str | None] = lambda name: None
         for model in models:
             if model.name in self.table:
                 raise ConfigError(
@@ -368,6 +370,8 @@ class Registry:
 
     def get(self, name: str, version: str | None = None) -> ServedModel:
         versions = self.table.get(name)
+        if not versions and (why := self.why_not(name)):
+            raise NotFound(f"model {name!r:.100} has no version loaded: {why}")
         if not versions:
             raise NotFound(
                 f"unknown model {name!r:.100}; this server has {sorted(self.table)}."

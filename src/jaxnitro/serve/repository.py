@@ -201,6 +201,18 @@ class Repository:
         # one lock per model: a load that hangs holds only its own model
         self._locks: dict[str, asyncio.Lock] = {}
         self._poller: asyncio.Task | None = None
+        runtime.registry.why_not = self._why_not
+
+    def _why_not(self, name: str) -> str | None:
+        """The reasons the versions of a model this server means to serve are not loaded."""
+        if name not in self.wanted:
+            return None
+        reasons = [
+            f"version {v} {e.state}" + (f": {e.reason}" if e.reason else "")
+            for (n, v), e in sorted(self.entries.items())
+            if n == name
+        ]
+        return "; ".join(reasons) or "it has no version directory the policy serves"
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())

@@ -298,6 +298,8 @@ def test_readiness_needs_every_named_model_and_the_intact_older_version_serves(t
         assert index[("broken", "1")]["state"] == "UNAVAILABLE"
         # not ready while "broken" has no ready version; ready once it leaves the repository
         assert s.json("GET", "/v2/health/ready") == (503, {"ready": False})
+        status, doc = s.json("POST", "/v2/models/broken/infer", body.encode())
+        assert status == 404 and "has no version loaded: version 1 UNAVAILABLE" in doc["error"]
         gone = repo / ".gone-broken"
         os.rename(repo / "broken", gone)
         until(lambda: s.status("GET", "/v2/health/ready") == 200, 60)
