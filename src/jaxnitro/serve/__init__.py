@@ -5,7 +5,8 @@ It may import `core`, `export` and `observe.display` (the warm-up's progress).
 
 The modules, in the order a request meets them:
 
-- `connections`: the REST port's guards (connection cap, header deadline and size);
+- `connections`: the REST port's guards (connection cap, header deadline and size, and a
+  connection answered before its body arrived closed);
 - `body`: the request body within size and time limits, gzip/deflate decoded, and the
   bytes in flight across requests;
 - `codec`: REST JSON + binary tensor framing <-> `InferRequest` / response bytes;
@@ -14,7 +15,8 @@ The modules, in the order a request meets them:
   request gets and the lease it holds, and the checks that run before queueing;
 - `batcher`: the per-version queue that merges concurrent requests into one bundle call;
 - `runtime`: registry + batchers + metrics, their life cycle, and version swaps;
-- `repository`: a model repository (``DIR/<model>/<version>/``), control modes, policies;
+- `repository`: a model repository (``DIR/<model>/<version>/``), control modes, load
+  timeouts; `modelconfig`: version policies, ``config.pbtxt`` and the load API's parameters;
 - `rest` (Starlette) and `grpc_service` (grpc.aio): the two protocols;
 - `stats`: Triton's statistics per version; `metrics`: prometheus_client, a registry per
   server; `server`: `serve` and `build_app`; `command`: the CLI.

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import click
 
 from jaxnitro.serve.batcher import MAX_QUEUE_SIZE
-from jaxnitro.serve.body import MAX_BODY_BYTES
+from jaxnitro.serve.body import MAX_BODY_BYTES, READ_TIMEOUT_S
 
 # the defaults of serve(), repeated so that --help needs neither uvicorn nor grpcio:
 # tests/test_serve.py checks they agree
@@ -18,6 +21,7 @@ MAX_CONNECTIONS = 1000
 DRAIN_TIMEOUT_S = 30.0
 EXIT_CUT = 3
 REPOSITORY_POLL_SECS = 15.0
+MODEL_LOAD_TIMEOUT_S = 600.0
 #: Triton's default ports for gRPC and metrics.
 GRPC_PORT = 8001
 METRICS_PORT = 8002
@@ -63,6 +67,15 @@ METRICS_PORT = 8002
     metavar="POLICY",
     help="Versions served of a model without policy.json: latest:N, all, specific:1,3. "
     "[default: latest:1]",
+)
+@click.option(
+    "--model-load-timeout",
+    default=MODEL_LOAD_TIMEOUT_S,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="S",
+    help="Seconds a model version gets to load and warm up; past it, it is UNAVAILABLE "
+    "with that reason while the other models load and unload.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
@@ -123,6 +136,13 @@ METRICS_PORT = 8002
     "[default: 4 x --max-body-bytes]",
 )
 @click.option(
+    "--body-timeout",
+    default=READ_TIMEOUT_S,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a request body gets to arrive, on every endpoint (else 408 and closed).",
+)
+@click.option(
     "--header-timeout",
     default=HEADER_TIMEOUT_S,
     show_default=True,
@@ -151,6 +171,7 @@ def serve_command(
     repository_poll_secs: float,
     load_model: tuple[str, ...],
     version_policy: str | None,
+    model_load_timeout: float,
     host: str,
     port: int,
     grpc_port: int,
@@ -162,6 +183,7 @@ def serve_command(
     max_body_bytes: int,
     max_queue_size: int,
     max_inflight_bytes: int | None,
+    body_timeout: float,
     header_timeout: float,
     max_connections: int,
     drain_timeout: float,
@@ -196,6 +218,7 @@ def serve_command(
             repository_poll_secs=repository_poll_secs,
             load_model=load_model,
             version_policy=version_policy,
+            model_load_timeout=model_load_timeout,
         )
     cut = serve(
         list(dirs),
@@ -209,10 +232,21 @@ def serve_command(
         max_body_bytes=max_body_bytes,
         max_queue_size=max_queue_size,
         max_inflight_bytes=max_inflight_bytes,
+        body_timeout=body_timeout,
         header_timeout=header_timeout,
         max_connections=max_connections,
         drain_timeout=drain_timeout,
         log_requests=log_requests,
     )
-    if cut:
-        raise SystemExit(EXIT_CUT)
+    code = EXIT_CUT if cut else 0
+    # a model worker still running now is a load or warm-up left behind (hung): exiting
+    # normally would wait for it forever (the interpreter joins executor threads at exit)
+    left = [
+        t for t in threading.enumerate() if t.name.startswith("jaxnitro-serve-") and not t.daemon
+    ]
+    if any(t.is_alive() for t in left):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)

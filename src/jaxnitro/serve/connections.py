@@ -4,7 +4,12 @@
   (its file descriptor freed), instead of being held until it sends a request;
 - a request line and headers complete within ``header_timeout`` seconds of the connection
   (or of the request's first byte, on a kept-alive connection), else 408 and closed;
-- at most ``max_header_bytes`` of request line and headers, else 431 and closed.
+- at most ``max_header_bytes`` of request line and headers, else 431 and closed;
+- a connection whose request is answered before all of its body arrived (an error such as
+  413 or 408, or an endpoint that reads no body) is closed after the answer: what it still
+  sends would otherwise keep it open for good (uvicorn drops those bytes, and each one
+  restarts its keep-alive timer), so a client trickling a body cannot hold a slot past the
+  handler's body deadline (``--body-timeout``) on any endpoint.
 
 uvicorn has none of these for httptools: its ``limit_concurrency`` answers 503 only once a
 request's headers are in (a connection that never sends them holds its slot and its file
@@ -72,6 +77,19 @@ class GuardedHttp(HttpToolsProtocol):
             )
             return
         self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or self.transport.is_closing():
+            return
+        # answered before its body was all in: close (after the answer reaches the client)
+        self._unset_keepalive_if_required()
+        self._ended = True
+        self._awaiting_headers = False
+        self._disarm()
+        self.connections.discard(self)
+        self._linger()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -155,6 +173,11 @@ class GuardedHttp(HttpToolsProtocol):
         if status == 503:
             head.append("retry-after: 1")
         self.transport.write("\r\n".join(head).encode() + b"\r\n\r\n" + body)
+        self._linger()
+
+    def _linger(self) -> None:
+        """Half-close, and close ``LINGER_S`` later: closing with unread bytes at once would
+        send a reset, which may discard the answer before the client reads it."""
         cls = type(self)
         if cls.lingering >= LINGER_MAX or not self.transport.can_write_eof():
             self.transport.close()

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxnitro.serve.codec import InferRequest, OutputWanted, TensorIn, parse_shape
 from jaxnitro.serve.errors import InvalidRequest, NotFound, ServeError
+from jaxnitro.serve.modelconfig import repository_parameters
 from jaxnitro.serve.proto import grpc_service_pb2 as pb
 from jaxnitro.serve.proto import grpc_service_pb2_grpc as pb_grpc
 from jaxnitro.serve.registry import ServedModel
@@ -170,11 +171,19 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryIndexResponse(models=[entry(**e) for e in index])
 
     async def RepositoryModelLoad(self, request, context):
-        await self._answer(context, "load", lambda: self.runtime.load(request.model_name))
+        def load():
+            options = repository_parameters("load", _parameters(request.parameters))
+            return self.runtime.load(request.model_name, **options)
+
+        await self._answer(context, "load", load)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
-        await self._answer(context, "unload", lambda: self.runtime.unload(request.model_name))
+        def unload():
+            options = repository_parameters("unload", _parameters(request.parameters))
+            return self.runtime.unload(request.model_name, **options)
+
+        await self._answer(context, "unload", unload)
         return pb.RepositoryModelUnloadResponse()
 
     async def _answer(self, context, endpoint: str, call) -> Any:
@@ -239,6 +248,15 @@ def _parse(request: Any) -> InferRequest:
         inputs.append(TensorIn(t.name, t.datatype, shape, data=values, may_hold_bools=bools))
     outputs = tuple(OutputWanted(o.name) for o in request.outputs) or None
     return InferRequest(inputs=tuple(inputs), outputs=outputs, id=request.id or None)
+
+
+def _parameters(parameters: Any) -> dict[str, Any]:
+    """A repository request's ``map<string, ModelRepositoryParameter>`` as plain values."""
+    out = {}
+    for key, parameter in parameters.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        out[key] = None if choice is None else getattr(parameter, choice)
+    return out
 
 
 def _message(message: Any, doc: dict) -> Any:

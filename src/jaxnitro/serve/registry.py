@@ -85,6 +85,11 @@ class ServedModel:
         self.max_batch_delay_ms = max_batch_delay_ms
         self.batching = batching
         self.version_policy = version_policy or {"latest": {"num_versions": 1}}
+        #: Whether its batching settings are its own (a repository model's config), not
+        #: the server's.
+        self.configured = False
+        #: A repository version's settings (`jaxnitro.serve.repository.model_settings`).
+        self.settings: dict | None = None
         self.stats = ModelStats()
         #: Requests holding this version (`Registry.acquire`): it is unloaded at 0.
         self.leases = 0
@@ -330,6 +335,8 @@ class Registry:
 
     def __init__(self, models: Sequence[ServedModel] = ()):
         self.table: dict[str, dict[str, ServedModel]] = {}
+        #: Why a known model has no version loaded (a repository's reasons), or None.
+        self.why_not: Callable[[str], str | None] = lambda name: None
         for model in models:
             if model.name in self.table:
                 raise ConfigError(
@@ -363,6 +370,8 @@ class Registry:
 
     def get(self, name: str, version: str | None = None) -> ServedModel:
         versions = self.table.get(name)
+        if not versions and (why := self.why_not(name)):
+            raise NotFound(f"model {name!r:.100} has no version loaded: {why}")
         if not versions:
             raise NotFound(
                 f"unknown model {name!r:.100}; this server has {sorted(self.table)}."

@@ -2,15 +2,20 @@
 directory is a bundle (`jn.export_model`) and versions are positive integers; an optional
 ``DIR/<model>/policy.json`` says which versions to serve.
 
-Version policies (Triton's ``version_policy``, in its JSON form in ``policy.json``, or a
-flag for the models without one): ``{"latest": {"num_versions": N}}`` (the default, N=1),
-``{"all": {}}``, ``{"specific": {"versions": [1, 3]}}``; on the command line
-``latest:N``, ``all``, ``specific:1,3``.
+Version policies (`jaxnitro.serve.modelconfig.parse_policy`) pick among the versions that
+load: when the newest is broken, the intact older one serves.
 
 Control modes (``--model-control-mode``): ``none`` loads every model at start and never
 again; ``poll`` rescans every ``--repository-poll-secs`` and loads added versions, unloads
 removed ones; ``explicit`` loads only the ``--load-model`` names and what the load API asks
 for. The load and unload APIs answer only in ``explicit`` mode, as in Triton.
+
+A model's Triton ``config.pbtxt`` (or the ``config`` of a load request) is applied or
+refused (`jaxnitro.serve.modelconfig`); a version whose settings change loads again.
+
+A version whose load does not finish within ``load_timeout`` (``--model-load-timeout``) is
+marked UNAVAILABLE with that reason and abandoned (its thread cannot be stopped, and is left
+to itself); each model loads under its own lock, so the others load and unload meanwhile.
 
 A swap never fails a request: a new version is loaded and warmed up before requests are
 routed to it, and only then is the version it replaces taken out and drained
@@ -25,65 +30,73 @@ import dataclasses
 import json
 import logging
 import os
+import re
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from jaxnitro.core.errors import ConfigError, did_you_mean
 from jaxnitro.serve.errors import InvalidRequest, NotFound
+from jaxnitro.serve.modelconfig import (
+    CONFIG_FILE,
+    DEFAULT_POLICY,
+    model_settings,
+    parse_policy,
+    read_config,
+    select,
+)
 
 log = logging.getLogger("jaxnitro.serve")
 
 CONTROL_MODES = ("none", "poll", "explicit")
 POLICY_FILE = "policy.json"
-DEFAULT_POLICY: dict = {"latest": {"num_versions": 1}}
+#: The default of ``--model-load-timeout``: seconds one version gets to load and warm up.
+MODEL_LOAD_TIMEOUT_S = 600.0
+T = TypeVar("T")
+_PLAIN = re.compile(r"[\w.\-/:~+@]+")
 
 
-def parse_policy(value: Any, *, where: str) -> dict:
-    """Triton's JSON form of a version policy, from that form or ``latest:N``, ``all``,
-    ``specific:1,3``; a `ConfigError` naming ``where`` otherwise."""
-    fix = (
-        'use {"latest": {"num_versions": 1}}, {"all": {}} or {"specific": {"versions": [1, 3]}}'
-        " (on the command line: latest:1, all, specific:1,3)"
-    )
-    if isinstance(value, str):
-        kind, _, arg = value.partition(":")
+def quoted(name: str) -> str:
+    """``name`` for a log line: as it is when plain, else quoted with its escapes shown (a
+    newline or control character in a directory name cannot forge a line of output)."""
+    return name if _PLAIN.fullmatch(name) else repr(name)
+
+
+def printable(text: str) -> str:
+    """``text`` (e.g. a reason, which may hold a path) on one line: control characters
+    escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a daemon thread of its own: one that never returns can be left
+    behind (abandoned) without holding the interpreter's exit, as an executor's would."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
         try:
-            if kind == "latest":
-                value = {"latest": {"num_versions": int(arg or 1)}}
-            elif kind == "all" and not arg:
-                value = {"all": {}}
-            elif kind == "specific":
-                value = {"specific": {"versions": [int(v) for v in arg.split(",")]}}
-        except ValueError:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits any more
             pass
-    if not (isinstance(value, dict) and len(value) == 1):
-        raise ConfigError(f"{where}: version policy {value!r:.200} is not one I know; {fix}.")
-    ((kind, body),) = value.items()
-    ok = isinstance(body, dict)
-    if ok and kind == "latest":
-        n = body.get("num_versions", 1)
-        ok = isinstance(n, int) and not isinstance(n, bool) and n >= 1
-        value = {"latest": {"num_versions": n}}
-    elif ok and kind == "specific":
-        versions = body.get("versions")
-        ok = isinstance(versions, list) and all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in versions
-        )
-        value = {"specific": {"versions": sorted(set(versions or []))}}
-    elif kind != "all":
-        ok = False
-    if not ok:
-        raise ConfigError(f"{where}: version policy {value!r:.200} is not valid; {fix}.")
-    return value
 
-
-def select(versions: list[int], policy: dict) -> list[int]:
-    """The versions among ``versions`` that ``policy`` serves."""
-    if "all" in policy:
-        return sorted(versions)
-    if "specific" in policy:
-        return sorted(set(versions) & set(policy["specific"]["versions"]))
-    return sorted(versions)[-policy["latest"]["num_versions"] :]
+    threading.Thread(
+        target=run, name=f"jaxnitro-load-{getattr(fn, '__name__', 'fn')}", daemon=True
+    ).start()
+    return await future
 
 
 def scan(root: Path) -> dict[str, dict[int, Path]]:
@@ -130,12 +143,14 @@ class Repository:
     Args:
         root: the repository directory.
         runtime: the server's `Runtime` (the versions are served through it).
-        make_model: ``(name, version, path, policy) -> ServedModel``, run in a thread
-            (loads the bundle).
+        make_model: ``(name, version, path, settings) -> ServedModel``, run in a thread
+            (loads the bundle); ``settings`` is `model_settings`' dict with
+            ``version_policy`` always set.
         mode: one of `CONTROL_MODES`.
         poll_secs: seconds between rescans in ``poll`` mode.
         load: the models ``explicit`` mode loads at start.
         policy: the version policy of the models without a policy.json.
+        load_timeout: seconds one version gets to load and warm up.
     """
 
     def __init__(
@@ -148,6 +163,7 @@ class Repository:
         poll_secs: float = 15.0,
         load: tuple[str, ...] = (),
         policy: dict | None = None,
+        load_timeout: float = MODEL_LOAD_TIMEOUT_S,
     ):
         if mode not in CONTROL_MODES:
             raise ConfigError(
@@ -165,6 +181,7 @@ class Repository:
         self.mode = mode
         self.poll_secs = poll_secs
         self.policy = policy or DEFAULT_POLICY
+        self.load_timeout = load_timeout
         on_disk = scan(root)
         missing = [name for name in load if name not in on_disk]
         if missing:
@@ -175,8 +192,39 @@ class Repository:
         #: The models this server means to serve (explicit mode: those asked for).
         self.wanted: set[str] = set(load) if mode == "explicit" else set(on_disk)
         self.entries: dict[tuple[str, int], _Entry] = {}
-        self._lock = asyncio.Lock()
+        #: The configuration a load request gave a model (until a load without one).
+        self.overrides: dict[str, dict] = {}
+        #: Versions whose load timed out, their threads left running.
+        self.abandoned: set[tuple[str, int]] = set()
+        #: The models with a version directory (at their latest sync).
+        self._versioned: set[str] = set()
+        # one lock per model: a load that hangs holds only its own model
+        self._locks: dict[str, asyncio.Lock] = {}
         self._poller: asyncio.Task | None = None
+        runtime.registry.why_not = self._why_not
+
+    def _why_not(self, name: str) -> str | None:
+        """The reasons the versions of a model this server means to serve are not loaded."""
+        if name not in self.wanted:
+            return None
+        reasons = [
+            f"version {v} {e.state}" + (f": {e.reason}" if e.reason else "")
+            for (n, v), e in sorted(self.entries.items())
+            if n == name
+        ]
+        return "; ".join(reasons) or "it has no version directory the policy serves"
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    @property
+    def ready(self) -> bool:
+        """Whether every model this server means to serve (with a version directory) has a
+        version ready (Triton's readiness): a model whose versions all failed to load makes
+        the server not ready."""
+        table = self.runtime.registry.table
+        named = self.wanted & self._versioned  # a directory without versions serves nothing
+        return all(any(m.ready for m in table.get(name, {}).values()) for name in named)
 
     # -- the life cycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -198,19 +246,33 @@ class Repository:
                 self.wanted = set(await asyncio.to_thread(scan, self.root))
                 await self.sync_all()
             except Exception as e:  # noqa: BLE001 - e.g. a directory being rewritten: next poll
-                log.warning("model repository %s: %s; trying again at the next poll", self.root, e)
+                log.warning(
+                    "model repository %s: %s; trying again at the next poll",
+                    quoted(str(self.root)),
+                    printable(str(e)),
+                )
 
     async def sync_all(self) -> None:
-        async with self._lock:
-            on_disk = await asyncio.to_thread(scan, self.root)
-            names = set(self.wanted) | set(self.runtime.registry.table)
-            await asyncio.gather(*(self._sync(name, on_disk.get(name)) for name in names))
+        on_disk = await asyncio.to_thread(scan, self.root)
+        names = set(self.wanted) | set(self.runtime.registry.table)
+
+        async def sync(name: str) -> None:
+            async with self._lock(name):
+                await self._sync(name, on_disk.get(name))
+
+        await asyncio.gather(*(sync(name) for name in sorted(names)))
 
     # -- the API -------------------------------------------------------------------------------
-    async def load(self, name: str) -> None:
-        """Load (or reload: new versions in, removed ones out) the model ``name``."""
+    async def load(self, name: str, *, config: dict | None = None) -> None:
+        """Load (or reload: new versions in, removed ones out) the model ``name``; with
+        ``config`` (Triton's JSON form), its settings override the model's own."""
         self._check_explicit("load")
-        async with self._lock:
+        if config is not None:
+            try:
+                model_settings(config, name=name, where='the load parameter "config"')
+            except ConfigError as e:
+                raise InvalidRequest(str(e)) from None
+        async with self._lock(name):
             on_disk = await asyncio.to_thread(scan, self.root)
             if name not in on_disk:
                 raise NotFound(
@@ -218,6 +280,10 @@ class Repository:
                     f"{sorted(on_disk)}.{did_you_mean(name, on_disk)}"
                 )
             self.wanted.add(name)
+            if config is None:
+                self.overrides.pop(name, None)
+            else:
+                self.overrides[name] = config
             await self._sync(name, on_disk[name], retry=True)
         if name not in self.runtime.registry.table:
             reasons = [
@@ -233,7 +299,7 @@ class Repository:
     async def unload(self, name: str) -> None:
         """Unload every version of the model ``name`` (requests in flight finish first)."""
         self._check_explicit("unload")
-        async with self._lock:
+        async with self._lock(name):
             if name not in self.wanted and name not in self.runtime.registry.table:
                 raise NotFound(
                     f"model {name!r:.100} is not loaded; loaded: "
@@ -279,19 +345,54 @@ class Repository:
         self, name: str, versions: dict[int, Path] | None, *, retry: bool = False
     ) -> None:
         """Load the versions the policy serves and are not loaded yet, then unload those
-        it no longer serves: a replaced version goes only once a served one is ready."""
+        it no longer serves: a replaced version goes only once a served one is ready. The
+        policy picks among the versions that load: when one fails, it picks again without
+        it (an intact older version serves while the newest is broken)."""
         versions = versions if name in self.wanted else None
+        if versions:
+            self._versioned.add(name)
+        else:
+            self._versioned.discard(name)
         try:
-            policy = await asyncio.to_thread(self._policy, name) if versions else self.policy
+            settings = await asyncio.to_thread(self._settings, name) if versions else {}
         except ConfigError as e:
-            log.warning("model %s: %s", name, e)
+            log.warning("model %s: %s", quoted(name), printable(str(e)))
             for v in versions or {}:
                 self.entries[(name, v)] = _Entry("UNAVAILABLE", str(e))
             return
-        serve = select(list(versions or {}), policy)
+        policy = settings.get("version_policy", self.policy)
         loaded = {int(v): m for v, m in self.runtime.registry.table.get(name, {}).items()}
-        new = [v for v in serve if v not in loaded and self._should_try(name, v, versions, retry)]
-        await asyncio.gather(*(self._load(name, v, versions[v], policy) for v in new))  # type: ignore[index]
+        for version, model in list(loaded.items()):
+            if (
+                versions
+                and model.settings is not None
+                and _batching(model.settings) != _batching(settings)
+            ):
+                # its config.pbtxt (or a load's config) changed: it loads again with it
+                log.info(
+                    "model %s version %s: its configuration changed; loading it again",
+                    quoted(name),
+                    version,
+                )
+                del loaded[version]
+                await self.runtime.retire(model)
+        broken: set[int] = set()
+        while True:
+            serve = select([v for v in versions or {} if v not in broken], policy)
+            new = [
+                v
+                for v in serve
+                if v not in loaded
+                and self._should_try(name, v, versions, retry and v not in broken)
+            ]
+            # a version known broken (it failed, and its files have not changed) is not picked
+            known = [v for v in serve if v not in loaded and v not in new]
+            await asyncio.gather(*(self._load(name, v, versions[v], settings) for v in new))  # type: ignore[index]
+            now = self.runtime.registry.table.get(name, {})
+            failed = [v for v in [*new, *known] if str(v) not in now]
+            if not failed:
+                break
+            broken.update(failed)
         now = self.runtime.registry.table.get(name, {})
         some_ready = any(int(v) in serve and m.ready for v, m in now.items())
         for version, model in list(loaded.items()):
@@ -300,7 +401,7 @@ class Repository:
                 self.entries[(name, version)] = _Entry("UNLOADING")
                 await self.runtime.retire(model)
                 self.entries[(name, version)] = _Entry("UNAVAILABLE", "unloaded")
-                log.info("model %s version %s: unloaded", name, version)
+                log.info("model %s version %s: unloaded", quoted(name), version)
         # versions no longer on disk (or no longer wanted) and not loaded leave the index
         loaded_now = self.runtime.registry.table.get(name, {})
         for key in [k for k in self.entries if k[0] == name]:
@@ -314,6 +415,21 @@ class Repository:
             return True
         return _signature(versions[version]) != entry.signature
 
+    def _settings(self, name: str) -> dict:
+        """The model's settings: a load request's ``config``, else its ``config.pbtxt``
+        (a ``version_policy`` there, else its ``policy.json``, else the server's)."""
+        if name in self.overrides:
+            settings = model_settings(
+                self.overrides[name], name=name, where='the load parameter "config"'
+            )
+        elif (self.root / name / CONFIG_FILE).is_file():
+            settings = read_config(self.root / name / CONFIG_FILE, name=name)
+        else:
+            settings = {}
+        if "version_policy" not in settings:
+            settings["version_policy"] = self._policy(name)
+        return settings
+
     def _policy(self, name: str) -> dict:
         path = self.root / name / POLICY_FILE
         if not path.is_file():
@@ -324,29 +440,54 @@ class Repository:
             raise ConfigError(f"{path}: not readable JSON ({e}).") from None
         return parse_policy(doc, where=str(path))
 
-    async def _load(self, name: str, version: int, path: Path, policy: dict) -> None:
+    async def _load(self, name: str, version: int, path: Path, settings: dict) -> None:
         signature = await asyncio.to_thread(_signature, path)
-        self.entries[(name, version)] = _Entry("LOADING", signature=signature)
-        log.info("model %s version %s: loading %s", name, version, path)
+        key = (name, version)
+        self.entries[key] = _Entry("LOADING", signature=signature)
+        log.info("model %s version %s: loading %s", quoted(name), version, quoted(str(path)))
+        loading = asyncio.ensure_future(self._bring_in(name, version, path, settings))
         try:
-            model = await asyncio.to_thread(self.make_model, name, str(version), path, policy)
-            await self.runtime.add_version(model)
+            await asyncio.wait_for(loading, self.load_timeout)
+        except TimeoutError:
+            reason = (
+                f"did not load and warm up within {self.load_timeout:g} s (jaxnitro serve "
+                f"--model-load-timeout); abandoned"
+            )
+            self.entries[key] = _Entry("UNAVAILABLE", reason, signature)
+            self.abandoned.add(key)
+            log.warning("model %s version %s: %s", quoted(name), version, printable(reason))
+            hung = self.runtime.registry.table.get(name, {}).get(str(version))
+            if hung is not None:
+                await self.runtime.abandon(hung)
+            return
         except Exception as e:  # noqa: BLE001 - reported in the index; serving goes on
             reason = f"{type(e).__name__}: {e}"
-            self.entries[(name, version)] = _Entry("UNAVAILABLE", reason, signature)
-            log.warning("model %s version %s: failed to load: %s", name, version, reason)
+            self.entries[key] = _Entry("UNAVAILABLE", reason, signature)
+            log.warning("model %s version %s: failed to load: %s", quoted(name), version, reason)
             table = self.runtime.registry.table.get(name, {})
             broken = table.get(str(version))
             if broken is not None:  # loaded, but its warm-up failed: never route to it
                 await self.runtime.retire(broken)
             return
-        self.entries[(name, version)] = _Entry("READY", signature=signature)
-        log.info("model %s version %s: ready", name, version)
+        self.entries[key] = _Entry("READY", signature=signature)
+        log.info("model %s version %s: ready", quoted(name), version)
+
+    async def _bring_in(self, name: str, version: int, path: Path, settings: dict) -> None:
+        """Load the bundle (in a daemon thread: one that hangs is left behind), check it
+        against the settings, warm it up and put it in service."""
+        model = await in_daemon_thread(self.make_model, name, str(version), path, settings)
+        await self.runtime.add_version(model)
+
+
+def _batching(settings: dict) -> dict:
+    """The settings that a loaded version is built with (its version policy is not)."""
+    return {k: v for k, v in settings.items() if k != "version_policy"}
 
 
 def describe(root: os.PathLike) -> list[str]:
     """One line per model of a repository, for the start-up lines."""
     return [
-        f"  {name}: versions {sorted(versions) or '(none)'} in {Path(root) / name}"
+        f"  {quoted(name)}: versions {sorted(versions) or '(none)'} in "
+        f"{quoted(str(Path(root) / name))}"
         for name, versions in scan(Path(root)).items()
     ]

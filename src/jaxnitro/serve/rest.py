@@ -28,11 +28,15 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxnitro.serve import body, codec
-from jaxnitro.serve.errors import InvalidRequest, ServeError
+from jaxnitro.serve.errors import InvalidRequest, PayloadTooLarge, ServeError
 from jaxnitro.serve.metrics import CONTENT_TYPE
+from jaxnitro.serve.modelconfig import repository_parameters
+from jaxnitro.serve.repository import quoted
 from jaxnitro.serve.runtime import OFFLOAD_BYTES, Runtime, server_metadata
 
 log = logging.getLogger("jaxnitro.serve")
+#: The largest body of a repository request (index, load, unload): a small JSON object.
+SMALL_BODY_BYTES = 1 << 20
 
 
 def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -118,8 +122,8 @@ class _AccessLog:
             log.info(
                 '%s "%s %s" %d %.1fms%s',
                 client[0],
-                scope["method"],
-                scope["path"][:200],
+                quoted(scope["method"][:20]),
+                quoted(scope["path"][:200]),
                 status,
                 (time.perf_counter() - started) * 1e3,
                 f" rows={rows}" if rows else "",
@@ -168,7 +172,7 @@ class _Api:
 
     async def repository_index(self, request: Request) -> Response:
         try:
-            doc = await _small_json(request)
+            doc = await _small_json(request, self.runtime.body_timeout)
             response = _json(self.runtime.index(ready_only=bool(doc.get("ready"))))
         except ServeError as e:
             response = error_response(e)
@@ -183,8 +187,8 @@ class _Api:
 
     async def _repository(self, request: Request, endpoint: str, action) -> Response:
         try:
-            await _small_json(request)
-            await action(request.path_params["name"])
+            doc = await _small_json(request, self.runtime.body_timeout)
+            await action(request.path_params["name"], **_load_options(endpoint, doc))
             response = _json({})
         except ServeError as e:
             response = error_response(e)
@@ -224,7 +228,11 @@ class _Api:
             model = self.registry.acquire(request.path_params["name"], _version(request))
             found = model.name
             data = await body.read_body(
-                request.headers, request.stream(), limit=runtime.max_body_bytes, share=share
+                request.headers,
+                request.stream(),
+                limit=runtime.max_body_bytes,
+                timeout=runtime.body_timeout,
+                share=share,
             )
             header_length = request.headers.get(codec.HEADER_LENGTH)
             served = model
@@ -278,11 +286,19 @@ def _version(request: Request) -> str | None:
     return request.path_params.get("version")
 
 
-async def _small_json(request: Request) -> dict:
-    """The JSON object of a repository request's body (empty: ``{}``)."""
-    data = await request.body()
-    if len(data) > 1 << 20:
-        raise InvalidRequest("a repository request body is over 1 MiB; send a small JSON object.")
+async def _small_json(request: Request, timeout: float) -> dict:
+    """The JSON object of a repository request's body (empty: ``{}``), read as /infer reads
+    its body: a declared Content-Length over `SMALL_BODY_BYTES` is refused before reading,
+    a body without one stops being read at the limit, and all of it must arrive within
+    ``timeout`` seconds (else 408)."""
+    try:
+        data = await body.read_body(
+            request.headers, request.stream(), limit=SMALL_BODY_BYTES, timeout=timeout
+        )
+    except PayloadTooLarge:
+        raise PayloadTooLarge(
+            f"a repository request body is over {SMALL_BODY_BYTES} bytes; send a small JSON object."
+        ) from None
     if not data.strip():
         return {}
     try:
@@ -292,6 +308,21 @@ async def _small_json(request: Request) -> dict:
     if not isinstance(doc, dict):
         raise InvalidRequest(f"the request body is JSON {type(doc).__name__}; send an object.")
     return doc
+
+
+def _load_options(endpoint: str, doc: dict) -> dict:
+    """The keyword arguments of a load or unload call, from its body (Triton's
+    ``{"parameters": {...}}``): what is not supported is refused, never ignored."""
+    unknown = sorted(set(doc) - {"parameters"})
+    if unknown:
+        raise InvalidRequest(
+            f"a repository {endpoint} body has key(s) {unknown}; send "
+            f'{{"parameters": {{...}}}} (or nothing).'
+        )
+    params = doc.get("parameters", {})
+    if not isinstance(params, dict):
+        raise InvalidRequest(f'"parameters" is JSON {type(params).__name__}; send an object.')
+    return repository_parameters(endpoint, params)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxnitro.serve.batcher import Batcher
-from jaxnitro.serve.body import InflightBytes
+from jaxnitro.serve.body import READ_TIMEOUT_S, InflightBytes
 from jaxnitro.serve.errors import InvalidRequest, Unavailable
 from jaxnitro.serve.metrics import Gauge, Metrics
 from jaxnitro.serve.registry import DEFAULT_BUCKET_CAP, Prepared, Registry, ServedModel
@@ -53,6 +53,8 @@ class Runtime:
     log_requests: bool = False
     #: The bytes of requests answered at once (None: 4 x max_body_bytes).
     max_inflight_bytes: int | None = None
+    #: Seconds a request body gets to arrive, on every endpoint that reads one.
+    body_timeout: float = READ_TIMEOUT_S
     metrics: Metrics = dataclasses.field(init=False)
     inflight_bytes: InflightBytes = dataclasses.field(init=False)
     #: gRPC inference calls cancelled unanswered (by the drain timeout).
@@ -61,6 +63,9 @@ class Runtime:
     repository: Any = dataclasses.field(init=False, default=None)
     #: True until the models to serve at start-up are loaded (not ready meanwhile).
     starting: bool = dataclasses.field(init=False, default=False)
+    #: True from SIGTERM on: not ready, so a load balancer stops sending, while the
+    #: requests in flight finish.
+    stopping: bool = dataclasses.field(init=False, default=False)
     _started: bool = dataclasses.field(init=False, default=False)
 
     def __post_init__(self) -> None:
@@ -78,7 +83,11 @@ class Runtime:
 
     @property
     def ready(self) -> bool:
-        return not self.starting and self.registry.ready
+        """Ready (``/v2/health/ready``): started, not stopping, every loaded model warmed
+        up, and every model a repository names with a version ready."""
+        if self.starting or self.stopping or not self.registry.ready:
+            return False
+        return self.repository is None or self.repository.ready
 
     def start(self) -> None:
         """Start a batcher per model version on the running event loop."""
@@ -93,10 +102,14 @@ class Runtime:
             self.metrics.batch(name, rows, seconds)
             stats.call(rows, seconds, waits)
 
+        cap, delay = self.max_batch_size, self.max_batch_delay_ms
+        if model.configured:  # a repository's config.pbtxt (or load config) set its own
+            cap = model.bucket_cap if model.batching else None
+            delay = model.max_batch_delay_ms
         model.batcher = Batcher(
             model,
-            max_batch_size=self.max_batch_size,
-            max_delay_s=self.max_batch_delay_ms / 1e3,
+            max_batch_size=cap,
+            max_delay_s=delay / 1e3,
             max_queue_size=self.max_queue_size,
             on_batch=on_batch,
         )
@@ -135,6 +148,16 @@ class Runtime:
         model.ready = False
         await asyncio.to_thread(model.executor.shutdown, wait=True)
 
+    async def abandon(self, model: ServedModel) -> None:
+        """Take out of service a version whose load or warm-up hung: out of the table, its
+        batcher stopped (no request reached it: it never was ready), its worker thread
+        left to itself (a thread cannot be stopped)."""
+        self.registry.remove(model)
+        model.ready = False
+        if model.batcher is not None:
+            await model.batcher.close()
+        model.executor.shutdown(wait=False, cancel_futures=True)
+
     async def run(self, model: ServedModel, prepared: Prepared) -> dict[str, np.ndarray]:
         """The requested outputs for a prepared request, through the model's batcher."""
         if not model.ready:
@@ -148,6 +171,9 @@ class Runtime:
     async def close(self) -> None:
         if self.repository is not None:
             await self.repository.stop()
+        # a version still warming up (perhaps hung) is left behind, not waited for
+        for model in [m for m in self.registry.all() if not m.ready]:
+            await self.abandon(model)
         models = self.registry.all()
         await asyncio.gather(*(m.batcher.close() for m in models if m.batcher is not None))
         for model in models:
@@ -181,11 +207,11 @@ class Runtime:
         ]
         return [e for e in out if e["state"] == "READY"] if ready_only else out
 
-    async def load(self, name: str) -> None:
-        await self._repository("load").load(name)
+    async def load(self, name: str, **options: Any) -> None:
+        await self._repository("load").load(name, **options)
 
-    async def unload(self, name: str) -> None:
-        await self._repository("unload").unload(name)
+    async def unload(self, name: str, **options: Any) -> None:
+        await self._repository("unload").unload(name, **options)
 
     def _repository(self, action: str) -> Any:
         if self.repository is None:

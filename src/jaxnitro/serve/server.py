@@ -3,11 +3,13 @@
 
 The order of `serve`: load every bundle (a bad one fails here, before anything listens)
 → bind the ports → print the models and URLs → warm up (live but not ready until every
-bucket size of every model has run once) → serve → on SIGTERM or Ctrl-C: stop accepting,
-answer every request already received within the drain timeout, then cut what is left
-(requests still running, responses a client does not read), stop the worker threads, and
-return how many were cut (`jaxnitro serve` exits 0 when none, `EXIT_CUT` otherwise).
-A second signal aborts what is still running.
+bucket size of every model has run once) → serve → on SIGTERM or Ctrl-C: not ready at once
+(a load balancer stops sending), serving on until no request is in flight, then stop
+accepting and answer what is left, all within the drain timeout; then cut what is left
+(requests still running, responses a client does not read), leave behind the loads still
+running (a hung warm-up cannot hold the exit), stop the worker threads, and return how many
+were cut (`jaxnitro serve` exits 0 when none, `EXIT_CUT` otherwise). A second signal
+aborts what is still running.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ except ImportError as e:  # pragma: no cover - the `serve` extra is missing
 from jaxnitro.core.errors import ConfigError, check_int
 from jaxnitro.export import load_bundle
 from jaxnitro.serve.batcher import MAX_QUEUE_SIZE
-from jaxnitro.serve.body import MAX_BODY_BYTES
+from jaxnitro.serve.body import MAX_BODY_BYTES, READ_TIMEOUT_S
 from jaxnitro.serve.connections import (
     HEADER_TIMEOUT_S,
     LINGER_MAX,
@@ -47,6 +49,7 @@ from jaxnitro.serve.connections import (
     ConnectionLimits,
     protocol_class,
 )
+from jaxnitro.serve.modelconfig import check_io, parse_policy
 from jaxnitro.serve.registry import (
     DEFAULT_BUCKET_CAP,
     Registry,
@@ -54,7 +57,13 @@ from jaxnitro.serve.registry import (
     ServedModel,
     load_models,
 )
-from jaxnitro.serve.repository import Repository, describe, parse_policy
+from jaxnitro.serve.repository import (
+    MODEL_LOAD_TIMEOUT_S,
+    Repository,
+    describe,
+    printable,
+    quoted,
+)
 from jaxnitro.serve.rest import create_app, create_metrics_app
 from jaxnitro.serve.runtime import Runtime
 
@@ -80,6 +89,7 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     max_queue_size: int = MAX_QUEUE_SIZE,
     max_inflight_bytes: int | None = None,
+    body_timeout: float = READ_TIMEOUT_S,
     log_requests: bool = False,
     **repository: Any,
 ):
@@ -99,9 +109,11 @@ def build_app(
         max_queue_size: requests waiting per model before new ones get 503.
         max_inflight_bytes: the request bytes answered at once (bodies, and what they
             decompress to) before new requests get 503; None: 4 x max_body_bytes.
+        body_timeout: seconds a request body gets to arrive (every endpoint), else 408.
         log_requests: log one line per request (logger ``jaxnitro.serve``).
         repository: ``model_repository``, ``model_control_mode``, ``repository_poll_secs``,
-            ``load_model`` and ``version_policy``, as in `serve` (in place of ``dirs``).
+            ``load_model``, ``version_policy`` and ``model_load_timeout``, as in `serve`
+            (in place of ``dirs``).
 
     Example:
         >>> from starlette.testclient import TestClient
@@ -116,6 +128,7 @@ def build_app(
         max_body_bytes=max_body_bytes,
         max_queue_size=max_queue_size,
         max_inflight_bytes=max_inflight_bytes,
+        body_timeout=body_timeout,
         log_requests=log_requests,
         **repository,
     )
@@ -142,6 +155,7 @@ def serve(
     repository_poll_secs: float = REPOSITORY_POLL_SECS,
     load_model: Sequence[str] = (),
     version_policy: str | dict | None = None,
+    model_load_timeout: float = MODEL_LOAD_TIMEOUT_S,
     host: str = "127.0.0.1",
     port: int = 8000,
     grpc_port: int | None = None,
@@ -151,6 +165,7 @@ def serve(
     max_body_bytes: int = MAX_BODY_BYTES,
     max_queue_size: int = MAX_QUEUE_SIZE,
     max_inflight_bytes: int | None = None,
+    body_timeout: float = READ_TIMEOUT_S,
     header_timeout: float = HEADER_TIMEOUT_S,
     max_connections: int = MAX_CONNECTIONS,
     drain_timeout: float = DRAIN_TIMEOUT_S,
@@ -175,12 +190,15 @@ def serve(
         version_policy: the versions served of a model without a ``policy.json``:
             ``latest:N`` (default ``latest:1``), ``all``, ``specific:1,3``, or Triton's
             JSON form.
+        model_load_timeout: seconds one version of a repository's model gets to load and
+            warm up; past it, it is UNAVAILABLE with that reason and left behind (a thread
+            cannot be stopped), and the other models load and unload meanwhile.
         host: the address to listen on (both protocols).
         port: the REST port.
         grpc_port: the gRPC port; None: no gRPC.
         metrics_port: also serve ``/metrics`` on this port; None: only on the REST port.
         max_batch_size, max_batch_delay_ms, max_body_bytes, max_queue_size,
-            max_inflight_bytes, log_requests: as in `build_app`.
+            max_inflight_bytes, body_timeout, log_requests: as in `build_app`.
         header_timeout: seconds a REST connection gets to send a request line and headers
             (from its start, or from a request's first byte), else 408 and closed.
         max_connections: REST connections open at once; one more is answered 503 and
@@ -189,7 +207,9 @@ def serve(
             (a client that does not read its response, too) are cut.
 
     Returns:
-        The number of requests the drain timeout cut (0: a clean stop).
+        The number of requests the drain timeout cut (0: a clean stop). A load or warm-up
+        left behind (hung) keeps its thread until the process ends; `jaxnitro serve` exits
+        without waiting for it.
 
     Example:
         >>> jn.serve.serve(["bundles/mnist"], port=8000, grpc_port=8001, max_batch_size=32)
@@ -208,10 +228,7 @@ def serve(
                     f"{other} and {name} are both {value}; give each protocol its own port."
                 )
     for name, seconds in (("header_timeout", header_timeout), ("drain_timeout", drain_timeout)):
-        if isinstance(seconds, bool) or not (
-            isinstance(seconds, (int, float)) and 0 < seconds < math.inf
-        ):
-            raise ConfigError(f"{name} must be a number of seconds > 0, got {seconds!r}; e.g. 10.")
+        _check_seconds(name, seconds)
     check_int("max_connections", max_connections, fix="pass e.g. 1000")
     runtime = _runtime(
         dirs,
@@ -220,12 +237,14 @@ def serve(
         max_body_bytes=max_body_bytes,
         max_queue_size=max_queue_size,
         max_inflight_bytes=max_inflight_bytes,
+        body_timeout=body_timeout,
         log_requests=log_requests,
         model_repository=model_repository,
         model_control_mode=model_control_mode,
         repository_poll_secs=repository_poll_secs,
         load_model=load_model,
         version_policy=version_policy,
+        model_load_timeout=model_load_timeout,
     )
     _configure_logging()
     limits = ConnectionLimits(
@@ -235,6 +254,13 @@ def serve(
         return runner.run(
             _serve(runtime, host, port, grpc_port, metrics_port, limits, float(drain_timeout))
         )
+
+
+def _check_seconds(name: str, seconds: Any) -> None:
+    if isinstance(seconds, bool) or not (
+        isinstance(seconds, (int, float)) and 0 < seconds < math.inf
+    ):
+        raise ConfigError(f"{name} must be a number of seconds > 0, got {seconds!r}; e.g. 10.")
 
 
 def _loop_factory():
@@ -254,12 +280,14 @@ def _runtime(
     max_body_bytes: int,
     max_queue_size: int,
     max_inflight_bytes: int | None,
+    body_timeout: float,
     log_requests: bool,
     model_repository: str | os.PathLike | None = None,
     model_control_mode: str = "none",
     repository_poll_secs: float = REPOSITORY_POLL_SECS,
     load_model: Sequence[str] = (),
     version_policy: str | dict | None = None,
+    model_load_timeout: float = MODEL_LOAD_TIMEOUT_S,
 ) -> Runtime:
     if max_batch_size is not None:
         check_int("max_batch_size", max_batch_size, fix="pass e.g. 32, or None for no batching")
@@ -271,6 +299,7 @@ def _runtime(
             f"{max_batch_delay_ms!r}; e.g. 2.0."
         )
     check_int("max_body_bytes", max_body_bytes, fix="pass e.g. 64 << 20 (64 MiB)")
+    _check_seconds("body_timeout", body_timeout)
     check_int("max_queue_size", max_queue_size, fix="pass e.g. 1024")
     if max_inflight_bytes is not None:
         check_int("max_inflight_bytes", max_inflight_bytes, fix="pass e.g. 256 << 20 (256 MiB)")
@@ -280,6 +309,7 @@ def _runtime(
                 f"({max_body_bytes}), so the largest request could never be answered; raise "
                 f"it to at least {max_body_bytes}, or leave it out (4 x max_body_bytes)."
             )
+    _check_seconds("model_load_timeout", model_load_timeout)
     if model_repository is None:
         if load_model or model_control_mode != "none" or version_policy is not None:
             raise ConfigError(
@@ -306,6 +336,7 @@ def _runtime(
         max_body_bytes=max_body_bytes,
         max_queue_size=max_queue_size,
         max_inflight_bytes=max_inflight_bytes,
+        body_timeout=float(body_timeout),
         log_requests=log_requests,
     )
     if model_repository is not None:
@@ -316,19 +347,36 @@ def _runtime(
                 f"repository_poll_secs must be a number of seconds > 0, got "
                 f"{repository_poll_secs!r}; e.g. 15."
             )
-        cap = max_batch_size or DEFAULT_BUCKET_CAP
 
-        def make_model(name: str, version: str, path: Path, policy: dict) -> ServedModel:
-            return ServedModel(
+        def make_model(name: str, version: str, path: Path, settings: dict) -> ServedModel:
+            # the model's config.pbtxt (or a load request's config) over the server's flags
+            cap = settings.get("max_batch_size") or max_batch_size or DEFAULT_BUCKET_CAP
+            batching = settings.get("batching", max_batch_size is not None)
+            if "max_batch_size" in settings and "batching" not in settings:
+                batching = False  # Triton: without dynamic_batching, each request alone
+            model = ServedModel(
                 load_bundle(path, max_batch_size=cap),
                 name=name,
                 version=version,
                 bucket_cap=cap,
                 max_tensor_bytes=max_body_bytes,
-                batching=max_batch_size is not None,
-                max_batch_delay_ms=float(max_batch_delay_ms),
-                version_policy=policy,
+                batching=batching,
+                max_batch_delay_ms=settings.get("max_batch_delay_ms", float(max_batch_delay_ms)),
+                version_policy=settings["version_policy"],
             )
+            model.configured = bool({"max_batch_size", "batching"} & set(settings))
+            model.settings = settings
+            where = f"model {name!r} version {version}"
+            odd = sorted(set(settings.get("preferred", ())) - set(model.bucket_sizes()))
+            if odd:
+                raise ConfigError(
+                    f"{where}: preferred_batch_size {odd} is not among the batch sizes this "
+                    f"server compiles ({model.bucket_sizes()}: powers of two up to "
+                    f"max_batch_size); leave it out or use those."
+                )
+            if "io" in settings:
+                check_io(model.config(), settings["io"], where=where)
+            return model
 
         policy = None
         if version_policy is not None:
@@ -341,6 +389,7 @@ def _runtime(
             poll_secs=float(repository_poll_secs),
             load=tuple(load_model),
             policy=policy,
+            load_timeout=float(model_load_timeout),
         )
         runtime.starting = True
     return runtime
@@ -431,6 +480,7 @@ async def _serve(
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     grpc_server = None
     metrics_server: uvicorn.Server | None = None
+    warm: asyncio.Task | None = None
     try:
         while not http.started and not http_task.done():
             await asyncio.sleep(0.01)
@@ -457,8 +507,13 @@ async def _serve(
         metrics_bound = None
         if metrics_port is not None:
             metrics_sock = _bind(host, metrics_port, flag="--metrics-port")
-            metrics_server = _Uvicorn(
-                uvicorn.Config(create_metrics_app(runtime), lifespan="off", log_level="warning")
+            metrics_server = _Uvicorn(  # with the REST port's guards: it is as reachable
+                uvicorn.Config(
+                    create_metrics_app(runtime),
+                    http=protocol_class(limits),
+                    lifespan="off",
+                    log_level="warning",
+                )
             )
             metrics_task = asyncio.create_task(metrics_server.serve(sockets=[metrics_sock]))
             while not metrics_server.started and not metrics_task.done():
@@ -473,17 +528,21 @@ async def _serve(
         done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if warm in done:
             warm.result()
-            _say(f"ready: every model warmed up in {time.perf_counter() - started:.1f}s")
+            loaded = "every model warmed up" if runtime.ready else "done loading (not ready)"
+            _say(f"ready: {loaded} in {time.perf_counter() - started:.1f}s")
             for entry in runtime.index() if runtime.repository is not None else ():
                 version = f" version {entry['version']}" if entry["version"] else ""
                 state = "serving" if entry["state"] == "READY" else "not serving"
-                reason = f": {entry['reason']}" if entry.get("reason") else ""
-                _say(f"  {state} {entry['name']}{version}{reason}")
+                reason = f": {printable(entry['reason'])}" if entry.get("reason") else ""
+                _say(f"  {state} {quoted(entry['name'])}{version}{reason}")
             await asyncio.wait({http_task, *waiting - {warm}}, return_when="FIRST_COMPLETED")
     finally:
+        if warm is not None and not warm.done():  # SIGTERM while loading: stop waiting
+            warm.cancel()
+            await asyncio.gather(warm, return_exceptions=True)
+        cut = await _shut_down(runtime, http, http_task, grpc_server, drain_timeout)
         if metrics_server is not None:
             metrics_server.should_exit = True
-        cut = await _shut_down(runtime, http, http_task, grpc_server, drain_timeout)
     return cut
 
 
@@ -498,7 +557,7 @@ async def _warm_up(runtime: Runtime) -> None:
 
         def done(model: str, size: int) -> None:
             with lock:
-                advance(1, f"{model}, batch {size}")
+                advance(1, f"{quoted(model)}, batch {size}")
 
         await runtime.warm_up(done)
 
@@ -506,21 +565,31 @@ async def _warm_up(runtime: Runtime) -> None:
 async def _shut_down(runtime, http, http_task, grpc_server, drain_timeout: float) -> int:
     """Stop accepting, give what is in progress ``drain_timeout`` seconds, cut the rest;
     the number cut."""
-    inflight = runtime.metrics.inflight
+    # [Step 1] not ready (a load balancer stops sending), serving on until nothing is in
+    # flight; [Step 2] stop accepting, and give what is left the rest of the drain timeout
+    runtime.stopping = True
+    deadline = time.monotonic() + drain_timeout
     _say(
-        f"stopping: no new requests; finishing {inflight} in flight "
+        f"stopping: not ready; finishing {runtime.metrics.inflight} request(s) in flight "
         f"(drain timeout {drain_timeout:g} s)"
     )
+    while runtime.metrics.inflight and time.monotonic() < deadline and not http_task.done():
+        await asyncio.sleep(0.05)
+    left = max(deadline - time.monotonic(), 0.0)
     http.should_exit = True
     grpc_stop = None
     if grpc_server is not None:  # grpc.aio cancels the calls still running after the grace
-        grpc_stop = asyncio.ensure_future(grpc_server.stop(drain_timeout))
+        grpc_stop = asyncio.ensure_future(grpc_server.stop(left))
     tasks = [http_task] if grpc_stop is None else [http_task, grpc_stop]
-    done, _ = await asyncio.wait(tasks, timeout=drain_timeout)
+    done, _ = await asyncio.wait(tasks, timeout=left)
     cut = 0 if http_task in done else _cut_connections(http)
     results = await asyncio.gather(*tasks, return_exceptions=True)
     cut += runtime.grpc_cut
     await runtime.close()
+    abandoned = sorted(runtime.repository.abandoned) if runtime.repository is not None else []
+    if abandoned:
+        hung = ", ".join(f"{quoted(name)} version {version}" for name, version in abandoned)
+        _say(f"left behind: the load of {hung}, past --model-load-timeout")
     for result in results:
         if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
             raise result
@@ -598,16 +667,16 @@ def _banner(
             meta = model.metadata()
             ins = ", ".join(f"{t['name']} {t['datatype']}{t['shape']}" for t in meta["inputs"])
             outs = ", ".join(f"{t['name']} {t['datatype']}{t['shape']}" for t in meta["outputs"])
-            _say(f"  {model.name} (version {model.version}): {ins} -> {outs}")
+            _say(f"  {quoted(model.name)} (version {model.version}): {ins} -> {outs}")
     else:
         poll = f", rescanned every {repository.poll_secs:g}s" if repository.mode == "poll" else ""
         _say(
-            f"jaxnitro serve: model repository {repository.root} (control mode "
+            f"jaxnitro serve: model repository {quoted(str(repository.root))} (control mode "
             f"{repository.mode}{poll})"
         )
         for line in describe(repository.root):
             _say(line)
-        wanted = sorted(repository.wanted)
+        wanted = [quoted(name) for name in sorted(repository.wanted)]
         _say(f"loading: {', '.join(wanted) if wanted else '(nothing: use the load API)'}")
     if runtime.max_batch_size:
         batching = (
