@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
+import operator
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -30,6 +32,7 @@ from jaxnitro.observe.events import steps as step_events
 from jaxnitro.observe.events.phases import set_phase
 from jaxnitro.observe.events.signals import PreemptionSync
 from jaxnitro.observe.introspect import peak_memory
+from jaxnitro.observe.loggers.base import log_step_rows
 from jaxnitro.observe.members import training as members_training
 from jaxnitro.observe.profile import ProfileWindow
 from jaxnitro.observe.timing import EpochClock
@@ -37,7 +40,7 @@ from jaxnitro.run import commands
 from jaxnitro.run.progress import Progress
 from jaxnitro.train.checkpointing import save_checkpoint
 from jaxnitro.train.evaluation import is_scalar, validation
-from jaxnitro.train.readback import InFlight, StepRow, read_back, step_rows
+from jaxnitro.train.readback import InFlight, StepRow, read_back, read_columns, step_rows
 
 if TYPE_CHECKING:
     from jaxnitro.data.loader import InlineFeed, Prefetcher
@@ -152,7 +155,10 @@ def _at_boundary(run: _Cursor, steps: int, total: int | None) -> bool:
     request ends the epoch after that step); a mid-epoch validation/checkpoint when due."""
     n = run.n
     drained = False
-    if step_events.due(n.services.step_callbacks, run.step - steps, run.step):
+    callbacks = n.services.step_callbacks
+    if step_events.has_callbacks(callbacks) and step_events.due(
+        callbacks, run.step - steps, run.step
+    ):
         run.drain(len(run.pending))  # the callback sees its step at once
         drained = True
     if run.cadence.active:
@@ -178,6 +184,7 @@ class _Cursor:
         self.losses: list[float | None] = []
         self.loss_sum, self.loss_count = n.progress.epoch_loss  # of the steps before a resume
         self.extras = n.device.extras
+        self.accum = n.spec.accum
         self.lr_of = _lr_reader(self.spec, n.device)
         self.cadence = Cadence(self.spec)
         self.calls: dict[int, Any] = {}  # steps per call -> the compiled train program
@@ -219,15 +226,16 @@ class _Cursor:
             prog = self._program(call)
             compiled = self.calls[call.steps] = prog.compiled
             self.flops[call.steps] = prog.record.flops
-        if self.profile.before_dispatch(self.step):
-            self.n.display.line(f"profiling steps {self.step + 1}.. into {self.profile.dir}")
+        profile = self.profile
+        if not profile.done and profile.before_dispatch(self.step):
+            self.n.display.line(f"profiling steps {self.step + 1}.. into {profile.dir}")
         t0 = time.perf_counter()
         self.leaves, out = compiled(self.leaves, call.batch, self.extras, call.hyper)
         self.time.dispatch_s += time.perf_counter() - t0
-        self.batch += call.steps * self.spec.accum
+        self.batch += call.steps * self.accum
         self.step += call.steps
         self.pending.append(InFlight(self.step, self.batch, call.steps, out))
-        if self.profile.after_dispatch(self.step, out):
+        if profile.active and profile.after_dispatch(self.step, out):
             self.n.logger.log_other({"profile": str(self.profile.dir), "step": self.step})
             self.n.display.line(f"profile of steps up to {self.step} written to {self.profile.dir}")
 
@@ -278,18 +286,75 @@ class _Cursor:
         self.clock = now
         self.fire = step_events.has_callbacks(self.n.services.step_callbacks)
         members = self.spec.population is not None
-        hosts = read_back(items, on_host=self.on_host)
+        # One row per step, built and logged per chunk; per step where a callback may see
+        # each step as it is logged, or a population's rows are built per member.
+        columns = None if members or self.fire else read_columns(items, on_host=self.on_host)
+        hosts = None if columns is not None else read_back(items, on_host=self.on_host)
         self.time.readback_s += time.perf_counter() - now  # blocked on the device, mostly
         if step_s is not None:  # per chunk: the rates each of its step lines carries
             self.rates = self.throughput().rates(1, step_s)
-        for item, host in zip(items, hosts, strict=True):
-            for row in step_rows(item, host, accum=self.spec.accum, members=members):
-                self._step_row(row, step_s)
+        if columns is not None:
+            self._chunk_rows(items, columns)
+        else:
+            assert hosts is not None
+            for item, host in zip(items, hosts, strict=True):
+                for row in step_rows(item, host, accum=self.spec.accum, members=members):
+                    self._step_row(row, step_s)
         self.commit()
         # The bar moves with the read-back chunks: rate and ETA cost no device sync of their own.
         elapsed = now - self.t0 - self.time.compile_s
         rate = len(self.losses) / elapsed if elapsed > 0 else None
         self.n.display.update(items[-1].batch, self.losses[-1] if self.losses else None, rate)
+
+    def _chunk_rows(self, items: list[InFlight], columns: dict[str, np.ndarray]) -> None:
+        """A chunk's steps (one column per output): counted, checked, and their lines logged
+        at once; what `_step_row` does per step, with the same rows and the same error."""
+        accum = self.spec.accum
+        steps = [s for item in items for s in range(item.step - item.steps + 1, item.step + 1)]
+        skipped = columns.get("skipped")
+        kept = None if skipped is None else skipped == 0
+        watched = _watched(self.spec, columns)
+        values = [columns[k] for k in watched]
+        finite = np.isfinite(np.stack(values)).all(axis=0) if values else None
+        if finite is not None and kept is not None:
+            finite |= ~kept
+        stop = len(steps)  # the steps taken: those before a non-finite one (then it raises)
+        if finite is not None and not finite.all():
+            stop = int(np.argmin(finite))
+        # as float() reads each value (an int or bool output too)
+        lists = {k: v[:stop].astype(np.float64).tolist() for k, v in columns.items()}
+        loss = lists.get("loss")
+        if kept is None:
+            taken = loss if loss is not None else [None] * stop
+        else:
+            mask = kept[:stop].tolist()
+            self.skipped += stop - sum(mask)
+            taken = [v for v, m in zip(loss or [None] * stop, mask, strict=True) if m]
+        self.losses += taken
+        if loss is not None and taken:  # in step order, one addition at a time, as per step
+            self.loss_count += len(taken)
+            self.loss_sum = functools.reduce(operator.add, taken, self.loss_sum)
+        every = self.spec.log_every_n_steps
+        logged = [j for j in range(stop) if steps[j] % every == 0]
+        if logged:
+            names = list(lists)
+            rows = []
+            for j in logged:
+                row = {k: lists[k][j] for k in names}
+                row.update(self.lr_of(steps[j] - 1))
+                row.update(self.rates)
+                rows.append(row)
+            log_step_rows(
+                self.n.logger,
+                rows,
+                context="train",
+                epoch=self.epoch + 1,
+                steps=[steps[j] for j in logged],
+            )
+        if stop < len(steps):  # the first non-finite step: the error `_step_row` raises
+            at = _step_at(items, stop, accum)
+            row = {k: float(v[stop]) for k, v in columns.items()}
+            _check_finite(self.n, row, watched, at, self.epoch)
 
     def _step_row(self, step_row: StepRow, step_s: float | None) -> None:
         n, epoch, row, step = self.n, self.epoch, step_row.values, step_row.step
@@ -304,7 +369,8 @@ class _Cursor:
         rates = self.lr_of(step - 1)
         row.update(rates)
         row.update(self.rates)
-        n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
+        if step % self.spec.log_every_n_steps == 0:
+            n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
         if not self.fire:
             return
         groups = [g for _, g in self.spec.hyper.learning_rates()]
@@ -324,7 +390,19 @@ class _Cursor:
         )
 
 
-def _watched(spec: RunSpec, row: dict) -> list[str]:
+def _step_at(items: list[InFlight], index: int, accum: int) -> StepRow:
+    """The `index`-th step of a chunk's calls (its step count and batch position)."""
+    for item in items:
+        if index < item.steps:
+            j = index
+            return StepRow(
+                item.step - item.steps + 1 + j, item.batch - (item.steps - j) * accum, {}
+            )
+        index -= item.steps
+    raise IndexError(index)
+
+
+def _watched(spec: RunSpec, row: Mapping[str, Any]) -> list[str]:
     """The step outputs that stop the run when not finite (each member's, for a population,
     except the members whose step was skipped)."""
     if "train_step" in spec.routes:
