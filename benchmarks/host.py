@@ -106,10 +106,12 @@ def items(n, steps: int) -> dict[str, float]:
     t.wrap(epoch_mod._Cursor, "dispatch", "dispatch")
     t.wrap(epoch_mod._Cursor, "drain", "drain")
     t.wrap(epoch_mod, "read_back", "read_back")
+    if hasattr(epoch_mod, "read_columns"):  # the chunk's transfer, read as columns
+        t.wrap(epoch_mod, "read_columns", "read_back")
     t.wrap(loader_mod.InlineFeed, "__next__", "feed")
     feed_mod.train_prepare = train_prepare
     try:
-        line = one_epoch(n)
+        one_epoch(n)
     finally:
         feed_mod.train_prepare = real_prepare
         t.restore()
