@@ -1,6 +1,6 @@
 """The host's work per step: what jaxnitro adds over the hand loop's bare dispatch.
 
-    python benchmarks/host.py [--repeats 5] [--batches 32,1024] [--json FILE]
+    python benchmarks/host.py [--repeats 5] [--item-epochs 3] [--batches 32,1024] [--json FILE]
 
 The MNIST-shaped MLP of `run.py` (784→128→10, RAdam 1e-3, numpy batches, donated state) at
 each batch size, in one process: a hand-written `jax.jit` loop (batches sent from the host per
@@ -14,11 +14,13 @@ Reported per batch size:
   the ratio, the median of the per-repeat ratios;
 - the host time per step jaxnitro adds: 1/rate minus the hand loop's 1/rate, in µs (median of
   the per-repeat differences);
-- per item, from one more epoch with timers around the epoch's parts (each timer costs ~0.2 µs
-  itself): the dispatch wrapper around the compiled call, the read-back chunk's own work (rows
-  built, logged, the bar; the transfer apart), the feed (wait bookkeeping and the source) and
-  `feed.prepare`, and the rest of the loop body. The compiled call itself is the floor the
-  hand loop pays too.
+- the same on this process's CPU time (all its threads, XLA's too; jaxnitro's epoch alone,
+  from `run_epoch`), which a machine shared with other jobs moves far less than wall time;
+- per item, the median over `--item-epochs` more epochs with timers around the epoch's parts
+  (each timer costs ~0.2 µs itself): the dispatch wrapper around the compiled call, the
+  read-back chunk's own work (rows built, logged, the bar; the transfer apart), the feed (wait
+  bookkeeping and the source) and `feed.prepare`, and the rest of the loop body. The compiled
+  call itself is the floor the hand loop pays too.
 
 On a CPU backend the device *is* the host's cores: every µs of Python per step is taken from the
 step's compute. On a shared machine absolute figures move run to run; the ratios, measured
@@ -117,9 +119,10 @@ def items(n, steps: int) -> dict[str, float]:
         t.restore()
     s, clock = t.seconds, _LAST_CLOCK
     per = 1e6 / steps
-    timed = s["dispatch"] + s["drain"] + s["feed"]
+    calls = clock["dispatch_s"] + clock["compile_s"]  # a program fetched at the epoch's start
+    timed = s["dispatch"] + s["drain"] + s["feed"] - clock["compile_s"]
     return {
-        "dispatch wrapper": (s["dispatch"] - clock["dispatch_s"]) * per,
+        "dispatch wrapper": (s["dispatch"] - calls) * per,
         "read-back chunk's work (rows, log, bar)": (s["drain"] - s["read_back"]) * per,
         "feed: waits and source": (s["feed"] - prepare_s[0]) * per,
         "feed.prepare": prepare_s[0] * per,
@@ -129,25 +132,31 @@ def items(n, steps: int) -> dict[str, float]:
     }
 
 
-#: the last epoch's `dispatch_s` (the compiled calls alone) and train time
+#: the last epoch's `dispatch_s` (the compiled calls alone), compile_s, train time, CPU time
 _LAST_CLOCK: dict[str, float] = {}
 
 
 def _keep_clock() -> None:
-    """Keep each epoch's clock, for `items`."""
+    """Keep each epoch's clock, for `items`, and its process CPU time."""
     from jaxnitro.train import driver
 
     real = epoch_mod.run_epoch
 
     def run_epoch(n, epoch):
+        cpu = time.process_time()
         result = real(n, epoch)
-        _LAST_CLOCK.update(dispatch_s=result.clock.dispatch_s, train_s=result.seconds)
+        _LAST_CLOCK.update(
+            cpu_s=time.process_time() - cpu,
+            dispatch_s=result.clock.dispatch_s,
+            compile_s=result.clock.compile_s,
+            train_s=result.seconds,
+        )
         return result
 
     driver.run_epoch = run_epoch
 
 
-def measure(batch: int, repeats: int, workdir: Path) -> dict:
+def measure(batch: int, repeats: int, item_epochs: int, workdir: Path) -> dict:
     case = dict(name=f"mlp{batch}", kind="mlp", batch=batch, samples=SAMPLES[batch])
     data = bench.make_data(case)
     steps = case["samples"] // batch
@@ -163,23 +172,32 @@ def measure(batch: int, repeats: int, workdir: Path) -> dict:
     jn.train(n)  # the first epoch: compiles, prefetch and threads start
     hand.rates.clear()
     ours: list[float] = []
+    hand_cpu: list[float] = []  # process CPU seconds per step (all threads: XLA's too)
+    our_cpu: list[float] = []
     for r in range(repeats):
         for side in ("hand", "ours") if r % 2 == 0 else ("ours", "hand"):
             if side == "hand":
+                cpu = time.process_time()
                 hand.timed()
+                hand_cpu.append((time.process_time() - cpu) / steps)
             else:
                 ours.append(one_epoch(n)["steps_per_s"])
-    per_step = items(n, steps)
-    ratios = [o / h for o, h in zip(ours, hand.rates, strict=True)]
-    added = [1e6 / o - 1e6 / h for o, h in zip(ours, hand.rates, strict=True)]
+                our_cpu.append(_LAST_CLOCK["cpu_s"] / steps)
+    runs = [items(n, steps) for _ in range(item_epochs)]
+    per_step = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+    pairs = list(zip(ours, hand.rates, strict=True))
+    cpu_pairs = list(zip(our_cpu, hand_cpu, strict=True))
     return {
         "batch": batch,
         "steps": steps,
         "hand_steps_per_s": statistics.median(hand.rates),
         "jaxnitro_steps_per_s": statistics.median(ours),
-        "ratio": statistics.median(ratios),
-        "ratios": ratios,
-        "added_us_per_step": statistics.median(added),
+        "ratio": statistics.median(o / h for o, h in pairs),
+        "ratios": [o / h for o, h in pairs],
+        "added_us_per_step": statistics.median(1e6 / o - 1e6 / h for o, h in pairs),
+        "cpu_ratio": statistics.median(h / o for o, h in cpu_pairs),  # a speed-up, as above
+        "cpu_ratios": [h / o for o, h in cpu_pairs],
+        "added_cpu_us_per_step": statistics.median(1e6 * (o - h) for o, h in cpu_pairs),
         "items_us_per_step": per_step,
     }
 
@@ -189,16 +207,19 @@ def table(results: list[dict], repeats: int) -> str:
         f"MLP 784→128→10, RAdam, numpy batches; epochs after the first, {repeats} interleaved "
         "repeats (medians)",
         "",
-        "| batch | hand steps/s | jaxnitro steps/s | × hand (per-repeat ratios) | added µs/step |",
-        "|---|---:|---:|---:|---:|",
+        "| batch | hand steps/s | jaxnitro steps/s | × hand, wall (per repeat) | added µs/step "
+        "| × hand, CPU time (per repeat) | added CPU µs/step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         spread = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        cpu = ", ".join(f"{x:.2f}" for x in r["cpu_ratios"])
         lines.append(
             f"| {r['batch']} | {r['hand_steps_per_s']:,.0f} | {r['jaxnitro_steps_per_s']:,.0f} "
-            f"| {r['ratio']:.2f}× ({spread}) | {r['added_us_per_step']:+.1f} |"
+            f"| {r['ratio']:.2f}× ({spread}) | {r['added_us_per_step']:+.1f} "
+            f"| {r['cpu_ratio']:.2f}× ({cpu}) | {r['added_cpu_us_per_step']:+.1f} |"
         )
-    lines += ["", "µs per step, one instrumented epoch:", ""]
+    lines += ["", "µs per step, the median of the instrumented epochs:", ""]
     names = list(results[0]["items_us_per_step"])
     lines.append("| item | " + " | ".join(f"batch {r['batch']}" for r in results) + " |")
     lines.append("|---|" + "---:|" * len(results))
@@ -211,6 +232,7 @@ def table(results: list[dict], repeats: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--item-epochs", type=int, default=3, help="instrumented epochs per batch")
     ap.add_argument("--batches", default="32,1024", help="comma-separated: 32, 1024")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
@@ -220,7 +242,7 @@ def main() -> None:
         ap.error(f"unknown batch size(s) {unknown}; choose from {sorted(SAMPLES)}")
     _keep_clock()
     with tempfile.TemporaryDirectory(prefix="jaxnitro-host-") as tmp:
-        results = [measure(b, args.repeats, Path(tmp)) for b in batches]
+        results = [measure(b, args.repeats, args.item_epochs, Path(tmp)) for b in batches]
     print(table(results, args.repeats))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
