@@ -4,7 +4,8 @@ The epoch dispatches train calls ahead of the device (batches prefetched), keeps
 outputs as an `InFlight` record, and reads them back a chunk behind the newest step, so
 dispatch never waits on the device and one transfer serves many steps. The read-back is also
 when the new leaves and progress are handed to the handle (`Nitro._commit`), the step lines
-are logged and the step callbacks fire. Step-based validation and checkpoints (`val_every`,
+are built and logged (per chunk: one call to the loggers for its steps; every
+`log_every_n_steps`-th step has a line) and the step callbacks fire. Step-based validation and checkpoints (`val_every`,
 `checkpoint_every`, `checkpoint_every_minutes`) happen at dispatch boundaries.
 """
 

@@ -1,8 +1,9 @@
 """Reading step outputs back from the device: the epoch's in-flight calls, a chunk at a time.
 
 Dispatches run ahead of the device; each call's outputs wait as an `InFlight` record until the
-epoch reads a chunk of them back in one transfer (`read_back`) and turns them into per-step
-rows (`step_rows`).
+epoch reads a chunk of them back in one transfer: as columns over the chunk's steps
+(`read_columns`, what the epoch builds its step lines from), or per call (`read_back`) turned
+into per-step rows (`step_rows`) where a population's members or step callbacks need them.
 """
 
 from __future__ import annotations
