@@ -5,8 +5,9 @@ outputs as an `InFlight` record, and reads them back a chunk behind the newest s
 dispatch never waits on the device and one transfer serves many steps. The read-back is also
 when the new leaves and progress are handed to the handle (`Nitro._commit`), the step lines
 are built and logged (per chunk: one call to the loggers for its steps; every
-`log_every_n_steps`-th step has a line) and the step callbacks fire. Step-based validation and checkpoints (`val_every`,
-`checkpoint_every`, `checkpoint_every_minutes`) happen at dispatch boundaries.
+`log_every_n_steps`-th step has a line) and the step callbacks fire. Step-based validation
+and checkpoints (`val_every`, `checkpoint_every`, `checkpoint_every_minutes`) happen at
+dispatch boundaries.
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ class _Cursor:
         self.extras = n.device.extras
         self.accum = n.spec.accum
         self.lr_of = _lr_reader(self.spec, n.device)
+        self.lr_fixed = None if self.spec.schedules.fns else self.lr_of(0)  # no schedule
+        self._watched: dict[tuple[str, ...], list[str]] = {}  # output names -> those checked
         self.cadence = Cadence(self.spec)
         self.calls: dict[int, Any] = {}  # steps per call -> the compiled train program
         self.flops: dict[int, float | None] = {}  # steps per call -> the program's FLOPs
@@ -310,21 +313,25 @@ class _Cursor:
     def _chunk_rows(self, items: list[InFlight], columns: dict[str, np.ndarray]) -> None:
         """A chunk's steps (one column per output): counted, checked, and their lines logged
         at once; what `_step_row` does per step, with the same rows and the same error."""
-        accum = self.spec.accum
-        steps = [s for item in items for s in range(item.step - item.steps + 1, item.step + 1)]
+        first = items[0].step - items[0].steps + 1  # the chunk's calls are consecutive
+        count = items[-1].step - first + 1
         skipped = columns.get("skipped")
         kept = None if skipped is None else skipped == 0
-        watched = _watched(self.spec, columns)
-        values = [columns[k] for k in watched]
-        finite = np.isfinite(np.stack(values)).all(axis=0) if values else None
-        if finite is not None and kept is not None:
-            finite |= ~kept
-        stop = len(steps)  # the steps taken: those before a non-finite one (then it raises)
-        if finite is not None and not finite.all():
-            stop = int(np.argmin(finite))
-        # as float() reads each value (an int or bool output too)
-        lists = {k: v[:stop].astype(np.float64).tolist() for k, v in columns.items()}
-        loss = lists.get("loss")
+        key = tuple(columns)
+        watched = self._watched.get(key)
+        if watched is None:
+            watched = self._watched[key] = _watched(self.spec, columns)
+        stop = count  # the steps taken: those before a non-finite one (then it raises)
+        if watched:
+            finite = np.isfinite(np.stack([columns[k] for k in watched])).all(axis=0)
+            if kept is not None:
+                finite |= ~kept
+            if not finite.all():
+                stop = int(np.argmin(finite))
+        # float64 first: the values as float() reads each (an int or bool output too)
+        names = list(columns)
+        lists = [columns[k][:stop].astype(np.float64).tolist() for k in names]
+        loss = lists[names.index("loss")] if "loss" in columns else None
         if kept is None:
             taken = loss if loss is not None else [None] * stop
         else:
@@ -335,27 +342,33 @@ class _Cursor:
         if loss is not None and taken:  # in step order, one addition at a time, as per step
             self.loss_count += len(taken)
             self.loss_sum = functools.reduce(operator.add, taken, self.loss_sum)
-        every = self.spec.log_every_n_steps
-        logged = [j for j in range(stop) if steps[j] % every == 0]
-        if logged:
-            names = list(lists)
-            rows = []
-            for j in logged:
-                row = {k: lists[k][j] for k in names}
-                row.update(self.lr_of(steps[j] - 1))
-                row.update(self.rates)
-                rows.append(row)
-            log_step_rows(
-                self.n.logger,
-                rows,
-                context="train",
-                epoch=self.epoch + 1,
-                steps=[steps[j] for j in logged],
-            )
-        if stop < len(steps):  # the first non-finite step: the error `_step_row` raises
-            at = _step_at(items, stop, accum)
+        self._log_chunk(first, names, lists)
+        if stop < count:  # the first non-finite step: the error `_step_row` raises
+            at = _step_at(items, stop, self.spec.accum)
             row = {k: float(v[stop]) for k, v in columns.items()}
             _check_finite(self.n, row, watched, at, self.epoch)
+
+    def _log_chunk(self, first: int, names: list[str], lists: list[list[float]]) -> None:
+        """The lines of the steps from `first` on (`lists`: one column per output name), every
+        `log_every_n_steps`-th step's, in one call to the loggers."""
+        every, count = self.spec.log_every_n_steps, len(lists[0]) if lists else 0
+        steps = list(range(first, first + count))
+        if every > 1:
+            picked = [j for j, step in enumerate(steps) if step % every == 0]
+            lists = [[column[j] for j in picked] for column in lists]
+            steps = [steps[j] for j in picked]
+        if not steps:
+            return
+        rows = [dict(zip(names, values, strict=True)) for values in zip(*lists, strict=True)]
+        if self.lr_fixed is not None:  # no schedule: the same rates on every line
+            extra = {**self.lr_fixed, **self.rates}
+            for row in rows:
+                row.update(extra)
+        else:
+            for row, step in zip(rows, steps, strict=True):
+                row.update(self.lr_of(step - 1))
+                row.update(self.rates)
+        log_step_rows(self.n.logger, rows, context="train", epoch=self.epoch + 1, steps=steps)
 
     def _step_row(self, step_row: StepRow, step_s: float | None) -> None:
         n, epoch, row, step = self.n, self.epoch, step_row.values, step_row.step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from conftest import Recorder
 from helpers.logs import lines
@@ -51,11 +52,14 @@ def test_step_rows_are_the_per_step_lines_in_one_write(tmp_path, monkeypatch, en
     assert got[1]["loss"] is None and got[2]["grad_norm"] is None
 
 
-def test_step_rows_that_are_not_all_floats_are_written_line_by_line(tmp_path):
-    rows = [{"loss": 0.5, "note": "x"}, {"loss": 0.25, "n": 3}]
+@pytest.mark.parametrize("encoder", ["orjson", "json"])
+def test_step_rows_of_other_values_are_the_per_step_lines(tmp_path, monkeypatch, encoder):
+    if encoder == "json":
+        monkeypatch.setattr(jsonl, "_orjson", None)
+    rows = [{"loss": 0.5, "note": "x", "n": 3}, {"loss": np.float32(0.25), "n": np.int64(4)}]
     got, writes = _chunk(tmp_path, rows, [1, 2])
     assert got == _per_step(tmp_path, rows, [1, 2])
-    assert len(writes) == 2
+    assert len(writes) == 2  # what only jsonable converts: line by line, as log_metrics
 
 
 def test_a_closed_logger_writes_no_step_rows(tmp_path):

@@ -249,14 +249,15 @@ class JSONLogger:
 
 def _encode_lines(lines: list[dict], rows: Sequence[Mapping[str, Any]]) -> bytes | None:
     """`lines` (each a line header and its row of metrics) as JSON lines, non-finite values
-    as null: what `log_metrics` writes, up to spacing. None when a metric is not a float."""
-    if not all(type(v) is float for row in rows for v in row.values()):
-        return None
+    as null: what `log_metrics` writes, up to spacing. None for a value only `jsonable`
+    converts (with orjson), or any value not a float (without)."""
     if _orjson is not None:  # writes NaN and the infinities as null itself
         try:
             return b"".join([_orjson.dumps(line) + b"\n" for line in lines])
-        except _orjson.JSONEncodeError:
+        except _orjson.JSONEncodeError:  # numpy, jax, a huge int: what jsonable converts
             return None
+    if {type(v) for row in rows for v in row.values()} - {float}:
+        return None
     for line, row in zip(lines, rows, strict=True):
         for k, v in row.items():
             if not math.isfinite(v):
