@@ -267,18 +267,23 @@ def train_prepare(spec, first_step: int, base):
     members = spec.population is not None and spec.population.own_data
     same = ShapeCheck(spec, "train")
     kept = spec.device_batches
+    splits: dict[int, list] = {}  # batches in a unit -> its calls (the same for every full unit)
 
     def prepare(item: Unit) -> tuple[list[Call], int]:
         stacked, k = item.batches, item.size
-        same(next_step[0], stacked)
+        if same.active:
+            same(next_step[0], stacked)
         if k % accum:
             raise DataError(
                 f"the train split ended with {k % accum} batch(es) that do not fill an "
                 f"accumulation group of accum={accum}. Make the number of batches per epoch a "
                 f"multiple of accum."
             )
+        calls = splits.get(k)
+        if calls is None:
+            calls = splits[k] = call_splits(k // accum, accum, spc)
         payloads = []
-        for offset, s, lead in call_splits(k // accum, accum, spc):
+        for offset, s, lead in calls:
             if kept is not None:  # cut once, in the program's shape: taken as it is
                 batch = kept.get(int(stacked["rows"][offset, 0]), lead)
                 payloads.append(Call(batch, hyper.at(next_step[0], s), s))
@@ -316,13 +321,13 @@ class HyperFeed:
 
     def __init__(self, spec, base):
         self.spec, self.base = spec, base
+        self.scheduled = bool(spec.schedules.fns)
         self.constant: dict[int, object] = {}
 
     def at(self, first: int, s: int):
-        spec = self.spec
-        scheduled = bool(spec.schedules.fns)
-        if not scheduled and s in self.constant:
+        if s in self.constant:  # nothing scheduled: the array made for the first call
             return self.constant[s]
+        spec, scheduled = self.spec, self.scheduled
         pack = _packer(spec, self.base)
         hv = np.stack([pack(t) for t in range(first, first + s)]) if s > 1 else pack(first)
         # Scheduled or constant, the same kind of input: the program must not depend on it.

@@ -227,12 +227,13 @@ class DataLoader:
         """`iter_stacked`'s groups as the indices of their rows, {"rows": (k, batch_size)
         int32}: what a program gathers from arrays kept on the device (the same rows)."""
         order = self._order()
-        full = self.num_samples // self.batch_size
-        for i in range(start, full, count):
-            k = min(count, full - i)
-            lo, hi = i * self.batch_size, (i + k) * self.batch_size
-            rows = np.arange(lo, hi) if order is None else order[lo:hi]
-            yield {"rows": rows.astype(np.int32).reshape(k, self.batch_size)}, k
+        bs, full = self.batch_size, self.num_samples // self.batch_size
+        # The pass's indices, made once: each group is a view of them (no array per step).
+        lo, hi = start * bs, full * bs
+        rows = np.arange(lo, hi, dtype=np.int32) if order is None else order[lo:hi]
+        rows = rows.astype(np.int32, copy=False).reshape(-1, bs)
+        for i in range(0, full - start, count):
+            yield {"rows": rows[i : i + count]}, min(count, full - start - i)
 
     def resident_arrays(self, fields) -> dict[str, np.ndarray] | None:
         """The arrays of `fields` when they can live on the device whole: in-memory numpy

@@ -104,7 +104,13 @@ class WaitClock:
         """`fn()`, timed as one ask. `blocking`: fn only waits for work done elsewhere;
         otherwise it works in this thread, alongside the device."""
         token = self._in_flight() if self._in_flight is not None else None
-        ask = _Ask(None if _ready(token) else token)
+        if _ready(token):  # the device is idle: the whole ask is a wait (nothing to watch)
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self.seconds += time.perf_counter() - t0
+        ask = _Ask(token)
         t0 = time.perf_counter()
         if blocking:
             ask.watch()
@@ -116,9 +122,7 @@ class WaitClock:
             t1 = time.perf_counter()
             ask.over = True
             done = ask.device_done
-            if ask.token is None:  # the device was idle all along
-                self.seconds += t1 - t0
-            elif done is not None:  # it ended while this waited
+            if done is not None:  # it ended while this waited
                 self.seconds += max(0.0, t1 - max(t0, done))
             elif not ask.watched and _ready(ask.token):  # it ended during the work: at most
                 self.seconds += t1 - t0

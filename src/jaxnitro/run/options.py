@@ -85,6 +85,16 @@ def _int(name: str, minimum: int) -> Callable[[Any], int]:
     return check
 
 
+def _log_every(value: Any) -> int:
+    return check_int(
+        "log_every_n_steps",
+        value,
+        minimum=1,
+        fix="pass how many optimizer steps apart the train lines are, e.g. "
+        "log_every_n_steps=50 (the default, 1, logs every step)",
+    )
+
+
 def _optional_int(name: str) -> Callable[[Any], int | None]:
     inner = _int(name, 1)
     return lambda value: None if value is None else inner(value)
@@ -646,6 +656,15 @@ OPTIONS: tuple[Option, ...] = (
         "Log the gradient's global norm per step (default: when clipping).",
         _bool_or_none("log_grad_norm"),
         _bool,
+    ),
+    Option(
+        "log_every_n_steps",
+        1,
+        "int",
+        "Log every N-th step's train line (default 1: every step keeps its line).",
+        _log_every,
+        _int_text,
+        "N",
     ),
     Option(
         "sharding",

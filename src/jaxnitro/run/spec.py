@@ -93,6 +93,7 @@ class RunSpec:
     precision: str = "f32"
     on_nonfinite: str = "error"
     log_grad_norm: bool = False
+    log_every_n_steps: int = 1  # the train lines logged: steps that are multiples of it
     compile_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     memory_budget: int | None = None
     sharding: Sharding | None = None  # the mesh axes, rules, FSDP

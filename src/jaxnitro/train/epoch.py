@@ -4,17 +4,21 @@ The epoch dispatches train calls ahead of the device (batches prefetched), keeps
 outputs as an `InFlight` record, and reads them back a chunk behind the newest step, so
 dispatch never waits on the device and one transfer serves many steps. The read-back is also
 when the new leaves and progress are handed to the handle (`Nitro._commit`), the step lines
-are logged and the step callbacks fire. Step-based validation and checkpoints (`val_every`,
-`checkpoint_every`, `checkpoint_every_minutes`) happen at dispatch boundaries.
+are built and logged (per chunk: one call to the loggers for its steps; every
+`log_every_n_steps`-th step has a line) and the step callbacks fire. Step-based validation
+and checkpoints (`val_every`, `checkpoint_every`, `checkpoint_every_minutes`) happen at
+dispatch boundaries.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
+import operator
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -30,6 +34,7 @@ from jaxnitro.observe.events import steps as step_events
 from jaxnitro.observe.events.phases import set_phase
 from jaxnitro.observe.events.signals import PreemptionSync
 from jaxnitro.observe.introspect import peak_memory
+from jaxnitro.observe.loggers.base import log_step_rows
 from jaxnitro.observe.members import training as members_training
 from jaxnitro.observe.profile import ProfileWindow
 from jaxnitro.observe.timing import EpochClock
@@ -37,7 +42,7 @@ from jaxnitro.run import commands
 from jaxnitro.run.progress import Progress
 from jaxnitro.train.checkpointing import save_checkpoint
 from jaxnitro.train.evaluation import is_scalar, validation
-from jaxnitro.train.readback import InFlight, StepRow, read_back, step_rows
+from jaxnitro.train.readback import InFlight, StepRow, read_back, read_columns, step_rows
 
 if TYPE_CHECKING:
     from jaxnitro.data.loader import InlineFeed, Prefetcher
@@ -152,7 +157,10 @@ def _at_boundary(run: _Cursor, steps: int, total: int | None) -> bool:
     request ends the epoch after that step); a mid-epoch validation/checkpoint when due."""
     n = run.n
     drained = False
-    if step_events.due(n.services.step_callbacks, run.step - steps, run.step):
+    callbacks = n.services.step_callbacks
+    if step_events.has_callbacks(callbacks) and step_events.due(
+        callbacks, run.step - steps, run.step
+    ):
         run.drain(len(run.pending))  # the callback sees its step at once
         drained = True
     if run.cadence.active:
@@ -178,7 +186,10 @@ class _Cursor:
         self.losses: list[float | None] = []
         self.loss_sum, self.loss_count = n.progress.epoch_loss  # of the steps before a resume
         self.extras = n.device.extras
+        self.accum = n.spec.accum
         self.lr_of = _lr_reader(self.spec, n.device)
+        self.lr_fixed = None if self.spec.schedules.fns else self.lr_of(0)  # no schedule
+        self._watched: dict[tuple[str, ...], list[str]] = {}  # output names -> those checked
         self.cadence = Cadence(self.spec)
         self.calls: dict[int, Any] = {}  # steps per call -> the compiled train program
         self.flops: dict[int, float | None] = {}  # steps per call -> the program's FLOPs
@@ -219,15 +230,16 @@ class _Cursor:
             prog = self._program(call)
             compiled = self.calls[call.steps] = prog.compiled
             self.flops[call.steps] = prog.record.flops
-        if self.profile.before_dispatch(self.step):
-            self.n.display.line(f"profiling steps {self.step + 1}.. into {self.profile.dir}")
+        profile = self.profile
+        if not profile.done and profile.before_dispatch(self.step):
+            self.n.display.line(f"profiling steps {self.step + 1}.. into {profile.dir}")
         t0 = time.perf_counter()
         self.leaves, out = compiled(self.leaves, call.batch, self.extras, call.hyper)
         self.time.dispatch_s += time.perf_counter() - t0
-        self.batch += call.steps * self.spec.accum
+        self.batch += call.steps * self.accum
         self.step += call.steps
         self.pending.append(InFlight(self.step, self.batch, call.steps, out))
-        if self.profile.after_dispatch(self.step, out):
+        if profile.active and profile.after_dispatch(self.step, out):
             self.n.logger.log_other({"profile": str(self.profile.dir), "step": self.step})
             self.n.display.line(f"profile of steps up to {self.step} written to {self.profile.dir}")
 
@@ -278,18 +290,85 @@ class _Cursor:
         self.clock = now
         self.fire = step_events.has_callbacks(self.n.services.step_callbacks)
         members = self.spec.population is not None
-        hosts = read_back(items, on_host=self.on_host)
+        # One row per step, built and logged per chunk; per step where a callback may see
+        # each step as it is logged, or a population's rows are built per member.
+        columns = None if members or self.fire else read_columns(items, on_host=self.on_host)
+        hosts = None if columns is not None else read_back(items, on_host=self.on_host)
         self.time.readback_s += time.perf_counter() - now  # blocked on the device, mostly
         if step_s is not None:  # per chunk: the rates each of its step lines carries
             self.rates = self.throughput().rates(1, step_s)
-        for item, host in zip(items, hosts, strict=True):
-            for row in step_rows(item, host, accum=self.spec.accum, members=members):
-                self._step_row(row, step_s)
+        if columns is not None:
+            self._chunk_rows(items, columns)
+        else:
+            assert hosts is not None
+            for item, host in zip(items, hosts, strict=True):
+                for row in step_rows(item, host, accum=self.spec.accum, members=members):
+                    self._step_row(row, step_s)
         self.commit()
         # The bar moves with the read-back chunks: rate and ETA cost no device sync of their own.
         elapsed = now - self.t0 - self.time.compile_s
         rate = len(self.losses) / elapsed if elapsed > 0 else None
         self.n.display.update(items[-1].batch, self.losses[-1] if self.losses else None, rate)
+
+    def _chunk_rows(self, items: list[InFlight], columns: dict[str, np.ndarray]) -> None:
+        """A chunk's steps (one column per output): counted, checked, and their lines logged
+        at once; what `_step_row` does per step, with the same rows and the same error."""
+        first = items[0].step - items[0].steps + 1  # the chunk's calls are consecutive
+        count = items[-1].step - first + 1
+        skipped = columns.get("skipped")
+        kept = None if skipped is None else skipped == 0
+        key = tuple(columns)
+        watched = self._watched.get(key)
+        if watched is None:
+            watched = self._watched[key] = _watched(self.spec, columns)
+        stop = count  # the steps taken: those before a non-finite one (then it raises)
+        if watched:
+            finite = np.isfinite(np.stack([columns[k] for k in watched])).all(axis=0)
+            if kept is not None:
+                finite |= ~kept
+            if not finite.all():
+                stop = int(np.argmin(finite))
+        # float64 first: the values as float() reads each (an int or bool output too)
+        names = list(columns)
+        lists = [columns[k][:stop].astype(np.float64).tolist() for k in names]
+        loss = lists[names.index("loss")] if "loss" in columns else None
+        if kept is None:
+            taken = loss if loss is not None else [None] * stop
+        else:
+            mask = kept[:stop].tolist()
+            self.skipped += stop - sum(mask)
+            taken = [v for v, m in zip(loss or [None] * stop, mask, strict=True) if m]
+        self.losses += taken
+        if loss is not None and taken:  # in step order, one addition at a time, as per step
+            self.loss_count += len(taken)
+            self.loss_sum = functools.reduce(operator.add, taken, self.loss_sum)
+        self._log_chunk(first, names, lists)
+        if stop < count:  # the first non-finite step: the error `_step_row` raises
+            at = _step_at(items, stop, self.spec.accum)
+            row = {k: float(v[stop]) for k, v in columns.items()}
+            _check_finite(self.n, row, watched, at, self.epoch)
+
+    def _log_chunk(self, first: int, names: list[str], lists: list[list[float]]) -> None:
+        """The lines of the steps from `first` on (`lists`: one column per output name), every
+        `log_every_n_steps`-th step's, in one call to the loggers."""
+        every, count = self.spec.log_every_n_steps, len(lists[0]) if lists else 0
+        steps = list(range(first, first + count))
+        if every > 1:
+            picked = [j for j, step in enumerate(steps) if step % every == 0]
+            lists = [[column[j] for j in picked] for column in lists]
+            steps = [steps[j] for j in picked]
+        if not steps:
+            return
+        rows = [dict(zip(names, values, strict=True)) for values in zip(*lists, strict=True)]
+        if self.lr_fixed is not None:  # no schedule: the same rates on every line
+            extra = {**self.lr_fixed, **self.rates}
+            for row in rows:
+                row.update(extra)
+        else:
+            for row, step in zip(rows, steps, strict=True):
+                row.update(self.lr_of(step - 1))
+                row.update(self.rates)
+        log_step_rows(self.n.logger, rows, context="train", epoch=self.epoch + 1, steps=steps)
 
     def _step_row(self, step_row: StepRow, step_s: float | None) -> None:
         n, epoch, row, step = self.n, self.epoch, step_row.values, step_row.step
@@ -304,7 +383,8 @@ class _Cursor:
         rates = self.lr_of(step - 1)
         row.update(rates)
         row.update(self.rates)
-        n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
+        if step % self.spec.log_every_n_steps == 0:
+            n.logger.log_metrics(row, context="train", epoch=epoch + 1, step=step)
         if not self.fire:
             return
         groups = [g for _, g in self.spec.hyper.learning_rates()]
@@ -324,7 +404,19 @@ class _Cursor:
         )
 
 
-def _watched(spec: RunSpec, row: dict) -> list[str]:
+def _step_at(items: list[InFlight], index: int, accum: int) -> StepRow:
+    """The `index`-th step of a chunk's calls (its step count and batch position)."""
+    for item in items:
+        if index < item.steps:
+            j = index
+            return StepRow(
+                item.step - item.steps + 1 + j, item.batch - (item.steps - j) * accum, {}
+            )
+        index -= item.steps
+    raise IndexError(index)
+
+
+def _watched(spec: RunSpec, row: Mapping[str, Any]) -> list[str]:
     """The step outputs that stop the run when not finite (each member's, for a population,
     except the members whose step was skipped)."""
     if "train_step" in spec.routes:

@@ -1,8 +1,9 @@
 """Reading step outputs back from the device: the epoch's in-flight calls, a chunk at a time.
 
 Dispatches run ahead of the device; each call's outputs wait as an `InFlight` record until the
-epoch reads a chunk of them back in one transfer (`read_back`) and turns them into per-step
-rows (`step_rows`).
+epoch reads a chunk of them back in one transfer: as columns over the chunk's steps
+(`read_columns`, what the epoch builds its step lines from), or per call (`read_back`) turned
+into per-step rows (`step_rows`) where a population's members or step callbacks need them.
 """
 
 from __future__ import annotations
@@ -10,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-@dataclasses.dataclass(frozen=True)
-class InFlight:
-    """One dispatched train call whose outputs are not read back yet."""
+class InFlight(NamedTuple):
+    """One dispatched train call whose outputs are not read back yet (a tuple: one is made
+    per dispatch)."""
 
     step: int  # the optimizer step count after the call
     batch: int  # the batch position in the epoch after the call
@@ -31,14 +32,16 @@ class InFlight:
         return next(iter(self.out.values()), None)
 
 
-def read_back(items: Sequence[InFlight], *, on_host: bool) -> list[dict[str, np.ndarray]]:
-    """The outputs as host arrays, per run of equal shapes (a fused call and the single steps
-    of an epoch's tail differ). On an accelerator: one device-side stack and one transfer,
-    instead of a read per scalar. On a CPU (`on_host`) the outputs already lie in host memory
-    and are read as they are: there the eager stack cost ~25 µs of the training thread per
-    step, a read ~3 µs."""
-    hosts: list[dict[str, np.ndarray]] = []
-    for _, run in itertools.groupby(items, key=lambda item: item.steps):
+def _stacked(
+    items: Sequence[InFlight], *, on_host: bool
+) -> Iterator[tuple[int, list[str], np.ndarray]]:
+    """Per run of equal shapes (a fused call and the single steps of an epoch's tail differ):
+    the steps per call, the output names and their values on the host, shaped (calls,
+    outputs, ...). On an
+    accelerator: one device-side stack and one transfer, instead of a read per scalar. On a
+    CPU (`on_host`) the outputs already lie in host memory and are read as they are: there
+    the eager stack cost ~25 µs of the training thread per step, a read ~3 µs."""
+    for steps, run in itertools.groupby(items, key=lambda item: item.steps):
         outs = [item.out for item in run]
         keys = list(outs[0])  # every output of one program has the same keys and shapes
         if on_host:
@@ -46,9 +49,35 @@ def read_back(items: Sequence[InFlight], *, on_host: bool) -> list[dict[str, np.
         else:
             flat = jnp.stack([o[k] for o in outs for k in keys])  # one device op, one transfer
             host = np.asarray(jax.device_get(flat))
-        host = host.reshape((len(outs), len(keys)) + host.shape[1:])
-        hosts += [{k: host[i, j] for j, k in enumerate(keys)} for i in range(len(outs))]
+        yield steps, keys, host.reshape((len(outs), len(keys)) + host.shape[1:])
+
+
+def read_back(items: Sequence[InFlight], *, on_host: bool) -> list[dict[str, np.ndarray]]:
+    """The outputs as host arrays, one dict per call (read as `_stacked` reads them)."""
+    hosts: list[dict[str, np.ndarray]] = []
+    for _, keys, host in _stacked(items, on_host=on_host):
+        hosts += [{k: host[i, j] for j, k in enumerate(keys)} for i in range(host.shape[0])]
     return hosts
+
+
+def read_columns(items: Sequence[InFlight], *, on_host: bool) -> dict[str, np.ndarray] | None:
+    """The outputs of one scalar per step as columns: name -> (steps,) over every step of
+    `items`, in step order (one transfer, as `read_back`). None when the calls' outputs
+    differ in names or an output is not one value per step (the caller then reads per
+    call)."""
+    parts: dict[str, list[np.ndarray]] = {}
+    names: list[str] | None = None
+    for steps, keys, host in _stacked(items, on_host=on_host):
+        if host.shape[2:] != ((steps,) if steps > 1 else ()):
+            return None
+        if names is None:
+            names = keys
+            parts = {k: [] for k in keys}
+        elif keys != names:
+            return None
+        for j, k in enumerate(keys):
+            parts[k].append(host[:, j].reshape(-1))  # (calls, steps per call) in step order
+    return {k: v[0] if len(v) == 1 else np.concatenate(v) for k, v in parts.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -58,6 +59,9 @@ class NullLogger:
         pass
 
     def log_metrics(self, metrics, *, context: str, epoch: int, step: int) -> None:
+        pass
+
+    def log_step_rows(self, rows, *, context: str, epoch: int, steps) -> None:
         pass
 
     def log_other(self, values: dict[str, Any]) -> None:
@@ -143,6 +147,25 @@ class FanoutLogger:
 
     def log_metrics(self, metrics, *, context: str, epoch: int, step: int) -> None:
         self._call("log_metrics", metrics, context=context, epoch=epoch, step=step)
+
+    def log_step_rows(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        context: str,
+        epoch: int,
+        steps: Sequence[int],
+    ) -> None:
+        """Each logger takes the rows at once where it can (`log_step_rows`), else one
+        `log_metrics` call per row, in order."""
+        for lg in list(self.loggers):
+            if _hardened(lg):
+                log_step_rows(lg, rows, context=context, epoch=epoch, steps=steps)
+                continue
+            try:
+                log_step_rows(lg, rows, context=context, epoch=epoch, steps=steps)
+            except Exception as e:  # noqa: BLE001 - one broken logger must not stop the run
+                self._drop(lg, "log_metrics", e)
 
     def log_other(self, values: dict[str, Any]) -> None:
         self._call("log_other", values)
@@ -231,6 +254,28 @@ class FanoutLogger:
                     )
 
 
+def log_step_rows(
+    logger: Any,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    context: str,
+    epoch: int,
+    steps: Sequence[int],
+) -> None:
+    """Step lines to `logger`: at once where it has `log_step_rows`, else one `log_metrics`
+    call per row (what every `jn.Logger` has).
+
+    Example:
+        >>> log_step_rows(NullLogger(), [{"loss": 0.5}], context="train", epoch=1, steps=[1])
+    """
+    many = getattr(logger, "log_step_rows", None)
+    if callable(many):
+        many(rows, context=context, epoch=epoch, steps=steps)
+        return
+    for row, step in zip(rows, steps, strict=True):
+        logger.log_metrics(row, context=context, epoch=epoch, step=step)
+
+
 def flush_logger(logger: Any) -> None:
     """`logger.flush()` where it has one (a user's logger may not): before a checkpoint."""
     flush = getattr(logger, "flush", None)
@@ -305,5 +350,6 @@ __all__ = [
     "NullLogger",
     "check_logger",
     "flush_logger",
+    "log_step_rows",
     "make_logger",
 ]

@@ -1,0 +1,252 @@
+"""The host's work per step: what jaxnitro adds over the hand loop's bare dispatch.
+
+    python benchmarks/host.py [--repeats 5] [--item-epochs 3] [--batches 32,1024] [--json FILE]
+
+The MNIST-shaped MLP of `run.py` (784→128→10, RAdam 1e-3, numpy batches, donated state) at
+each batch size, in one process: a hand-written `jax.jit` loop (batches sent from the host per
+step, run.py's reference) and one `jn.Nitro` handle trained one epoch further per repeat
+(`max_epochs` raised by one, `jn.train(n)`: the epochs after the first, programs compiled).
+The two alternate, back to back, in alternating order, so drift on a shared machine hits both.
+
+Reported per batch size:
+
+- steps/s of each (jaxnitro's from its epoch line: the epoch's train time, compiles apart) and
+  the ratio, the median of the per-repeat ratios;
+- the host time per step jaxnitro adds: 1/rate minus the hand loop's 1/rate, in µs (median of
+  the per-repeat differences);
+- the same on this process's CPU time (all its threads, XLA's too; jaxnitro's epoch alone,
+  from `run_epoch`), which a machine shared with other jobs moves far less than wall time;
+- per item, the median over `--item-epochs` more epochs with timers around the epoch's parts
+  (each timer costs ~0.2 µs itself): the dispatch wrapper around the compiled call, the
+  read-back chunk's own work (rows built, logged, the bar; the transfer apart), the feed (wait
+  bookkeeping and the source) and `feed.prepare`, and the rest of the loop body. The compiled
+  call itself is the floor the hand loop pays too.
+
+On a CPU backend the device *is* the host's cores: every µs of Python per step is taken from the
+step's compute. On a shared machine absolute figures move run to run; the ratios, measured
+interleaved, are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent / "src"))
+
+import run as bench  # noqa: E402  (the MLP, its data and the hand loop)
+
+import jaxnitro as jn  # noqa: E402
+from jaxnitro.data import feed as feed_mod  # noqa: E402
+from jaxnitro.data import loader as loader_mod  # noqa: E402
+from jaxnitro.train import epoch as epoch_mod  # noqa: E402
+
+SAMPLES = {32: 32 * 2048, 1024: 1024 * 64}  # run.py's CPU profile: 2048 and 64 steps
+
+
+class Timers:
+    """Seconds spent inside named functions, by patching them for one epoch."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.undo: list = []
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+        self.seconds.setdefault(label, 0.0)
+        perf = time.perf_counter
+        totals = self.seconds
+
+        def timed(*args, **kwargs):
+            t0 = perf()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[label] += perf() - t0
+
+        setattr(owner, name, timed)
+        self.undo.append((owner, name, inner))
+
+    def restore(self) -> None:
+        for owner, name, inner in reversed(self.undo):
+            setattr(owner, name, inner)
+
+
+def one_epoch(n) -> dict:
+    """Train `n` one epoch further; its epoch line (steps_per_s, the time split)."""
+    n.max_epochs = n.epoch + 1
+    jn.train(n)
+    lines = [r for r in jn.read_jsonl(Path(n.run_dir) / "metrics.jsonl") if r.get("context")]
+    return [r for r in lines if r["context"] == "epoch"][-1]
+
+
+def items(n, steps: int) -> dict[str, float]:
+    """µs per step of each part of one more epoch (see the module)."""
+    t = Timers()
+    prepare_s = [0.0]
+    real_prepare = feed_mod.train_prepare
+
+    def train_prepare(*args, **kwargs):
+        inner = real_prepare(*args, **kwargs)
+
+        def prepare(unit):
+            t0 = time.perf_counter()
+            try:
+                return inner(unit)
+            finally:
+                prepare_s[0] += time.perf_counter() - t0
+
+        return prepare
+
+    t.wrap(epoch_mod._Cursor, "dispatch", "dispatch")
+    t.wrap(epoch_mod._Cursor, "drain", "drain")
+    t.wrap(epoch_mod, "read_back", "read_back")
+    if hasattr(epoch_mod, "read_columns"):  # the chunk's transfer, read as columns
+        t.wrap(epoch_mod, "read_columns", "read_back")
+    t.wrap(loader_mod.InlineFeed, "__next__", "feed")
+    feed_mod.train_prepare = train_prepare
+    try:
+        one_epoch(n)
+    finally:
+        feed_mod.train_prepare = real_prepare
+        t.restore()
+    s, clock = t.seconds, _LAST_CLOCK
+    per = 1e6 / steps
+    calls = clock["dispatch_s"] + clock["compile_s"]  # a program fetched at the epoch's start
+    timed = s["dispatch"] + s["drain"] + s["feed"] - clock["compile_s"]
+    return {
+        "dispatch wrapper": (s["dispatch"] - calls) * per,
+        "read-back chunk's work (rows, log, bar)": (s["drain"] - s["read_back"]) * per,
+        "feed: waits and source": (s["feed"] - prepare_s[0]) * per,
+        "feed.prepare": prepare_s[0] * per,
+        # the epoch's train time less everything above, the calls and the read-backs
+        "loop body, rest": (clock["train_s"] - timed) * per,
+        "compiled call (the floor)": clock["dispatch_s"] * per,
+    }
+
+
+#: the last epoch's `dispatch_s` (the compiled calls alone), compile_s, train time, CPU time
+_LAST_CLOCK: dict[str, float] = {}
+
+
+def _keep_clock() -> None:
+    """Keep each epoch's clock, for `items`, and its process CPU time."""
+    from jaxnitro.train import driver
+
+    real = epoch_mod.run_epoch
+
+    def run_epoch(n, epoch):
+        cpu = time.process_time()
+        result = real(n, epoch)
+        _LAST_CLOCK.update(
+            cpu_s=time.process_time() - cpu,
+            dispatch_s=result.clock.dispatch_s,
+            compile_s=result.clock.compile_s,
+            train_s=result.seconds,
+        )
+        return result
+
+    driver.run_epoch = run_epoch
+
+
+def measure(batch: int, repeats: int, item_epochs: int, workdir: Path) -> dict:
+    case = dict(name=f"mlp{batch}", kind="mlp", batch=batch, samples=SAMPLES[batch])
+    data = bench.make_data(case)
+    steps = case["samples"] // batch
+    hand = bench.HandLoop(case, data, "host")
+    hand.timed()  # the hand loop's first pass: its first epoch, like jaxnitro's below
+    n = jn.Nitro(
+        bench.experiment_for(case),
+        data={"train": jn.DataLoader(data, batch, drop_last=True)},
+        run_dir=workdir / f"b{batch}",
+        progress=False,
+        max_epochs=1,
+    )
+    jn.train(n)  # the first epoch: compiles, prefetch and threads start
+    hand.rates.clear()
+    ours: list[float] = []
+    hand_cpu: list[float] = []  # process CPU seconds per step (all threads: XLA's too)
+    our_cpu: list[float] = []
+    for r in range(repeats):
+        for side in ("hand", "ours") if r % 2 == 0 else ("ours", "hand"):
+            if side == "hand":
+                cpu = time.process_time()
+                hand.timed()
+                hand_cpu.append((time.process_time() - cpu) / steps)
+            else:
+                ours.append(one_epoch(n)["steps_per_s"])
+                our_cpu.append(_LAST_CLOCK["cpu_s"] / steps)
+    runs = [items(n, steps) for _ in range(item_epochs)]
+    per_step = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+    pairs = list(zip(ours, hand.rates, strict=True))
+    cpu_pairs = list(zip(our_cpu, hand_cpu, strict=True))
+    return {
+        "batch": batch,
+        "steps": steps,
+        "hand_steps_per_s": statistics.median(hand.rates),
+        "jaxnitro_steps_per_s": statistics.median(ours),
+        "ratio": statistics.median(o / h for o, h in pairs),
+        "ratios": [o / h for o, h in pairs],
+        "added_us_per_step": statistics.median(1e6 / o - 1e6 / h for o, h in pairs),
+        "cpu_ratio": statistics.median(h / o for o, h in cpu_pairs),  # a speed-up, as above
+        "cpu_ratios": [h / o for o, h in cpu_pairs],
+        "added_cpu_us_per_step": statistics.median(1e6 * (o - h) for o, h in cpu_pairs),
+        "items_us_per_step": per_step,
+    }
+
+
+def table(results: list[dict], repeats: int) -> str:
+    lines = [
+        f"MLP 784→128→10, RAdam, numpy batches; epochs after the first, {repeats} interleaved "
+        "repeats (medians)",
+        "",
+        "| batch | hand steps/s | jaxnitro steps/s | × hand, wall (per repeat) | added µs/step "
+        "| × hand, CPU time (per repeat) | added CPU µs/step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        spread = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        cpu = ", ".join(f"{x:.2f}" for x in r["cpu_ratios"])
+        lines.append(
+            f"| {r['batch']} | {r['hand_steps_per_s']:,.0f} | {r['jaxnitro_steps_per_s']:,.0f} "
+            f"| {r['ratio']:.2f}× ({spread}) | {r['added_us_per_step']:+.1f} "
+            f"| {r['cpu_ratio']:.2f}× ({cpu}) | {r['added_cpu_us_per_step']:+.1f} |"
+        )
+    lines += ["", "µs per step, the median of the instrumented epochs:", ""]
+    names = list(results[0]["items_us_per_step"])
+    lines.append("| item | " + " | ".join(f"batch {r['batch']}" for r in results) + " |")
+    lines.append("|---|" + "---:|" * len(results))
+    for name in names:
+        cells = " | ".join(f"{r['items_us_per_step'][name]:.1f}" for r in results)
+        lines.append(f"| {name} | {cells} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--item-epochs", type=int, default=3, help="instrumented epochs per batch")
+    ap.add_argument("--batches", default="32,1024", help="comma-separated: 32, 1024")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    unknown = sorted(set(batches) - set(SAMPLES))
+    if unknown:
+        ap.error(f"unknown batch size(s) {unknown}; choose from {sorted(SAMPLES)}")
+    _keep_clock()
+    with tempfile.TemporaryDirectory(prefix="jaxnitro-host-") as tmp:
+        results = [measure(b, args.repeats, args.item_epochs, Path(tmp)) for b in batches]
+    print(table(results, args.repeats))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

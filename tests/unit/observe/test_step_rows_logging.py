@@ -1,0 +1,108 @@
+"""`log_step_rows`: a read-back chunk's train lines in one encode and one write."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import Recorder
+from helpers.logs import lines
+
+import jaxnitro as jn
+from jaxnitro.observe.loggers import LogWarning, base, jsonl
+
+ROWS = [
+    {"loss": 0.5, "grad_norm": 1.25, "lr": 1e-05, "samples_per_s": 1234.5},
+    {"loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-05, "samples_per_s": 1234.5},
+    {"loss": 0.25, "grad_norm": -float("inf"), "lr": 2e16, "samples_per_s": 1234.5},
+]
+STEPS = [7, 8, 9]
+
+
+def _per_step(tmp_path, rows=ROWS, steps=STEPS):
+    log = jn.JSONLogger(tmp_path / "per_step.jsonl")
+    log.open(tmp_path, resume=False)
+    for row, step in zip(rows, steps, strict=True):
+        log.log_metrics(dict(row), context="train", epoch=2, step=step)
+    log.close()
+    return lines(tmp_path / "per_step.jsonl")
+
+
+def _chunk(tmp_path, rows=ROWS, steps=STEPS, name="chunk.jsonl"):
+    log = jn.JSONLogger(tmp_path / name)
+    log.open(tmp_path, resume=False)
+    writes = []
+    emit = log._emit
+    log._emit = lambda data: (writes.append(data), emit(data))[1]
+    log.log_step_rows([dict(r) for r in rows], context="train", epoch=2, steps=steps)
+    log.close()
+    return lines(tmp_path / name), writes
+
+
+@pytest.mark.parametrize("encoder", ["orjson", "json"])
+def test_step_rows_are_the_per_step_lines_in_one_write(tmp_path, monkeypatch, encoder):
+    if encoder == "json":
+        monkeypatch.setattr(jsonl, "_orjson", None)
+    elif jsonl._orjson is None:
+        pytest.skip("orjson is not installed")
+    got, writes = _chunk(tmp_path)
+    want = _per_step(tmp_path)
+    assert got == want  # the same content, key order and nulls for NaN/inf
+    assert [list(g) for g in got] == [list(w) for w in want]
+    assert len(writes) == 1 and writes[0].count(b"\n") == 3
+    assert got[1]["loss"] is None and got[2]["grad_norm"] is None
+
+
+@pytest.mark.parametrize("encoder", ["orjson", "json"])
+def test_step_rows_of_other_values_are_the_per_step_lines(tmp_path, monkeypatch, encoder):
+    if encoder == "json":
+        monkeypatch.setattr(jsonl, "_orjson", None)
+    rows = [{"loss": 0.5, "note": "x", "n": 3}, {"loss": np.float32(0.25), "n": np.int64(4)}]
+    got, writes = _chunk(tmp_path, rows, [1, 2])
+    assert got == _per_step(tmp_path, rows, [1, 2])
+    assert len(writes) == 2  # what only jsonable converts: line by line, as log_metrics
+
+
+def test_a_closed_logger_writes_no_step_rows(tmp_path):
+    log = jn.JSONLogger(tmp_path / "m.jsonl")
+    log.log_step_rows(ROWS, context="train", epoch=1, steps=STEPS)  # never opened: nothing
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_a_log_of_compact_lines_is_still_recognised(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"type":"metrics","context":"train","epoch":1,"step":1,"loss":0.')
+    log = jn.JSONLogger(path)
+    log.open(tmp_path, resume=True)  # a cut first line written by orjson: still ours
+    log.close()
+
+
+def test_fanout_gives_a_plain_logger_one_call_per_row_and_drops_a_failing_one(tmp_path):
+    class Keep(Recorder):
+        def __init__(self):
+            super().__init__()
+            self.got = []
+
+        def log_metrics(self, metrics, *, context, epoch, step):
+            self.got.append((context, epoch, step, metrics))
+
+    class Broken(Recorder):
+        def log_metrics(self, metrics, *, context, epoch, step):
+            raise RuntimeError("server gone")
+
+    keep, broken = Keep(), Broken()
+    json_log = jn.JSONLogger(tmp_path / "m.jsonl")
+    fan = base.FanoutLogger([json_log, keep, broken])
+    fan.open(tmp_path, resume=False)
+    with pytest.warns(LogWarning, match="Broken failed in log_metrics"):
+        fan.log_step_rows(ROWS, context="train", epoch=2, steps=STEPS)
+    assert keep.got == [("train", 2, s, r) for r, s in zip(ROWS, STEPS, strict=True)]
+    assert broken not in fan.loggers and keep in fan.loggers
+    fan.close()
+    assert [ln["step"] for ln in lines(tmp_path / "m.jsonl")] == STEPS
+
+
+def test_log_step_rows_helper_falls_back_to_log_metrics():
+    keep = Recorder()
+    base.log_step_rows(keep, ROWS, context="train", epoch=1, steps=STEPS)
+    assert keep.calls == ["train"] * 3
+    base.log_step_rows(base.NullLogger(), ROWS, context="train", epoch=1, steps=STEPS)

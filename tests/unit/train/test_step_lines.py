@@ -1,0 +1,148 @@
+"""The per-step train lines: built and written per read-back chunk, the same as per step.
+
+`data/step_lines.json` holds the train lines (their time-based rates left out) that the
+per-step code wrote before issue 47, for the run `_run` makes: a scheduled learning rate,
+the gradient norm, 42 steps per epoch (chunks of 16 and a tail), one step per call and
+four (a fused call's steps and the single-step tail).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import Recorder, Tiny, nitro
+from helpers.logs import lines
+from helpers.paths import TESTS
+
+import jaxnitro as jn
+
+GOLDEN = TESTS / "unit" / "train" / "data" / "step_lines.json"
+RATES = {"samples_per_s", "tokens_per_s", "tflops_per_s", "mfu", "steps_per_s"}
+
+
+def _run(run_dir, **kw):
+    n = nitro(
+        Tiny(max_epochs=2, n_train=32 * 42, n_val=0),
+        run_dir=run_dir,
+        schedules={"opt.learning_rate": jn.schedules.linear(1.0, 0.0)},
+        log_grad_norm=True,
+        **kw,
+    )
+    r = jn.train(n)
+    return n, r
+
+
+def _train_lines(run_dir):
+    return [ln for ln in lines(run_dir / "metrics.jsonl") if ln.get("context") == "train"]
+
+
+def _close(a, b) -> bool:
+    """Equal, up to the last bits of a float32 step on another CPU."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7)
+    return a == b
+
+
+@pytest.mark.parametrize("spc", [1, 4])
+def test_step_lines_match_the_per_step_lines(run_dir, spc):
+    golden = json.loads(GOLDEN.read_text())[f"spc{spc}"]
+    n, r = _run(run_dir, steps_per_call=spc)
+    got = [{k: v for k, v in ln.items() if k not in RATES} for ln in _train_lines(run_dir)]
+    assert [ln["step"] for ln in got] == list(range(1, 85))  # every step keeps its line
+    assert len(got) == len(golden)
+    for mine, theirs in zip(got, golden, strict=True):
+        assert list(mine) == list(theirs), mine["step"]  # the same keys, in the same order
+        assert mine["lr"] == theirs["lr"]  # the schedule, exactly
+        assert all(_close(mine[k], theirs[k]) for k in theirs), (mine, theirs)
+    # the rates each line carries, per chunk, as before
+    assert all(ln["samples_per_s"] > 0 for ln in _train_lines(run_dir))
+    # the epoch's mean loss and the history read the same steps
+    epoch2 = [ln["loss"] for ln in got if ln["epoch"] == 2]
+    assert jn.history(n).rows[-1]["train_loss"] == pytest.approx(np.mean(epoch2), rel=1e-6)
+
+
+def test_a_plain_logger_gets_the_same_lines_one_call_per_step(run_dir):
+    """A jn.Logger without log_step_rows gets one log_metrics call per step, in order, with
+    the rows the JSONL log holds."""
+
+    class Keep(Recorder):
+        def __init__(self):
+            super().__init__()
+            self.rows: list[tuple[int, int, dict]] = []
+
+        def log_metrics(self, metrics, *, context, epoch, step):
+            super().log_metrics(metrics, context=context, epoch=epoch, step=step)
+            if context == "train":
+                self.rows.append((epoch, step, dict(metrics)))
+
+    keep = Keep()
+    _run(run_dir, logger=[jn.JSONLogger(), keep])
+    written = _train_lines(run_dir)
+    assert [(e, s) for e, s, _ in keep.rows] == [(ln["epoch"], ln["step"]) for ln in written]
+    for (_, _, row), ln in zip(keep.rows, written, strict=True):
+        assert row == {k: v for k, v in ln.items() if k not in ("type", "context", "epoch", "step")}
+
+
+@pytest.mark.parametrize("every", [5, 16, 100])
+def test_log_every_n_steps_thins_the_train_lines(run_dir, every):
+    n, _ = _run(run_dir, log_every_n_steps=every)
+    steps = [ln["step"] for ln in _train_lines(run_dir)]
+    assert steps == [s for s in range(1, 85) if s % every == 0]
+    golden = {ln["step"]: ln for ln in json.loads(GOLDEN.read_text())["spc1"]}
+    for ln in _train_lines(run_dir):  # the lines kept are the per-step lines of those steps
+        assert all(_close(ln[k], v) for k, v in golden[ln["step"]].items())
+    # the rest of the run sees every step: the epoch's mean loss, the epoch and data lines
+    rows = lines(run_dir / "metrics.jsonl")
+    assert [ln["step"] for ln in rows if ln.get("context") == "epoch"] == [42, 84]
+    epoch2 = [ln["loss"] for ln in golden.values() if ln["epoch"] == 2]
+    assert jn.history(n).rows[-1]["train_loss"] == pytest.approx(np.mean(epoch2), rel=1e-5)
+    assert n.step == 84
+
+
+def test_log_every_n_steps_keeps_callbacks_per_step(run_dir):
+    seen = []
+    n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir, log_every_n_steps=4)
+    jn.every(1, lambda rec: seen.append(rec.step), nitro=n)
+    jn.train(n)
+    assert seen == list(range(1, 9))
+    assert [ln["step"] for ln in _train_lines(run_dir)] == [4, 8]
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "10", True])
+def test_log_every_n_steps_refuses_a_bad_value(bad):
+    with pytest.raises(jn.ConfigError, match="log_every_n_steps must be an int >= 1") as ei:
+        nitro(Tiny(), log_every_n_steps=bad)
+    assert "log_every_n_steps=50" in str(ei.value)  # the fix, as code
+
+
+def test_log_every_n_steps_from_an_experiment_field(run_dir):
+    @jn.experiment
+    class Sparse(Tiny):
+        log_every_n_steps: int = 3
+
+    n = nitro(Sparse(max_epochs=1, n_val=0), run_dir=run_dir)
+    assert n.spec.log_every_n_steps == 3
+    jn.train(n)
+    assert [ln["step"] for ln in _train_lines(run_dir)] == [3, 6]
+
+
+def test_a_non_finite_loss_stops_at_its_step_with_the_steps_before_logged(run_dir):
+    """Inside a chunk: the steps before the bad one are logged and counted, the error names
+    the bad step (as the per-step code did)."""
+
+    x = np.random.default_rng(0).normal(size=(32 * 8, 8)).astype(np.float32)
+    x[32 * 5 + 3, 0] = np.nan  # a NaN in the 6th batch: its loss is NaN
+    y = np.zeros(32 * 8, np.int32)
+
+    @jn.experiment
+    class NaNData(Tiny):
+        def build_data(self, dist):
+            return {"train": jn.DataLoader({"x": x, "y": y}, batch_size=32)}
+
+    n = nitro(NaNData(max_epochs=1, n_val=0), run_dir=run_dir)
+    with pytest.raises(jn.NonFiniteLossError, match="at step 6 "):
+        jn.train(n)
+    assert [ln["step"] for ln in _train_lines(run_dir)] == [1, 2, 3, 4, 5]
