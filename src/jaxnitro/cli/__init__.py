@@ -31,6 +31,7 @@ import click
 from jaxnitro.cli import browse, run, sweep
 from jaxnitro.cli.cache import cache_command
 from jaxnitro.cli.common import echo_err
+from jaxnitro.cli.env import env_command
 from jaxnitro.cli.export import export
 from jaxnitro.cli.fields import ExperimentCommand
 from jaxnitro.cli.launch import launch
@@ -68,6 +69,7 @@ for _command in [
     serve_command,
     launch,
     cache_command,
+    env_command,
     mcp_command,
 ]:
     cli.add_command(_command)
