@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import sys
 import pytest
 from helpers.clusters import PORT_BASE, environ_with, fake
 from helpers.paths import TESTS
-from helpers.procs import child_env
+from helpers.procs import child_env, until
 
 RANK = str(TESTS / "e2e" / "cluster_rank.py")
 
@@ -56,16 +57,7 @@ def launched(tmp_path_factory):
 @pytest.mark.parametrize("source", ["slurm", "openmpi", "kubeflow", "jaxjob"])
 def test_two_processes_of_a_faked_cluster_train_like_jaxnitro_launch(launched, tmp_path, source):
     port = _free_port_in_jaxs_range()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, RANK, tmp_path, tmp_path / "run"],
-            env=environ_with(fake(source, rank=r, nproc=2, port=port), child_env()),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
+    procs = _start(tmp_path, source, port)
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     ranks = _ranks(tmp_path)
@@ -74,3 +66,47 @@ def test_two_processes_of_a_faked_cluster_train_like_jaxnitro_launch(launched, t
     assert [r["step"] for r in ranks] == [r["step"] for r in launched] == [4, 4]
     assert [r["source"] for r in launched] == ["launch", "launch"]
     assert ranks[0]["params"] == ranks[1]["params"] == launched[0]["params"]  # bit for bit
+
+
+def _start(tmp_path, source: str, port: int, **extra: str) -> list[subprocess.Popen]:
+    return [
+        subprocess.Popen(
+            [sys.executable, RANK, tmp_path, tmp_path / "run"],
+            env=environ_with(fake(source, rank=r, nproc=2, port=port), child_env(**extra)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+
+
+def _step(path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.multi_device
+def test_sigusr1_to_a_slurm_jobs_tasks_stops_both_at_one_step_and_the_requeue_resumes(
+    launched, tmp_path
+):
+    port = _free_port_in_jaxs_range()
+    procs = _start(tmp_path, "slurm", port, CLUSTER_RANK_STEP_SECONDS="1")
+    until(lambda: min(_step(tmp_path / f"progress{r}") for r in range(2)) >= 1, 240)
+    for p in procs:  # SLURM signals every task of the job's steps
+        p.send_signal(signal.SIGUSR1)
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [143, 143], "\n".join(o[-2000:] for o in outputs)
+    cut = _ranks(tmp_path)
+    assert [r["ended"] for r in cut] == ["preempted", "preempted"]
+    assert cut[0]["step"] == cut[1]["step"] < 4 and cut[0]["checkpoint"] == cut[1]["checkpoint"]
+    # The requeued job: the same command, resume="auto".
+    procs = _start(tmp_path, "slurm", _free_port_in_jaxs_range())
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    resumed = _ranks(tmp_path)
+    assert [r["step"] for r in resumed] == [4, 4]
+    assert resumed[0]["params"] == launched[0]["params"]  # bit for bit
