@@ -34,6 +34,8 @@ SlurmctldHost=$(hostname -s)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits out its old credential (default 120 s) before it starts again.
+AuthInfo=cred_expire=20
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d
 SlurmctldPidFile=$STATE/slurmctld.pid

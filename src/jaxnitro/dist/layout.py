@@ -226,21 +226,33 @@ def _jax_cluster(env: Mapping[str, str], timeout_s: int) -> tuple[Layout | None,
             continue
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            present = cluster.is_env_present()
+            try:
+                present = cluster.is_env_present()
+            except Exception as e:  # noqa: BLE001 - e.g. k8s: no in-cluster config here
+                notes.append(f"JAX's {source} detection failed: {type(e).__name__}: {e}")
+                present = False
         notes += [str(w.message).replace("\n", " ") for w in said]
         if not present:
             continue
-        if "JAX_COORDINATOR_ADDRESS" in env:
-            address = _with_port(
-                env["JAX_COORDINATOR_ADDRESS"],
-                env.get("JAX_COORDINATOR_PORT"),
-                what="$JAX_COORDINATOR_ADDRESS",
-            )
-        else:
-            address = cluster.get_coordinator_address(
-                timeout_secs=timeout_s, override_coordinator_port=env.get("JAX_COORDINATOR_PORT")
-            )
-        n, pid = int(cluster.get_process_count()), int(cluster.get_process_id())
+        try:
+            if "JAX_COORDINATOR_ADDRESS" in env:
+                address = _with_port(
+                    env["JAX_COORDINATOR_ADDRESS"],
+                    env.get("JAX_COORDINATOR_PORT"),
+                    what="$JAX_COORDINATOR_ADDRESS",
+                )
+            else:
+                address = cluster.get_coordinator_address(
+                    timeout_secs=timeout_s,
+                    override_coordinator_port=env.get("JAX_COORDINATOR_PORT"),
+                )
+            n, pid = int(cluster.get_process_count()), int(cluster.get_process_id())
+        except (RuntimeError, KeyError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"JAX detected {source} ({', '.join(_VARIABLES.get(source, ()))}) but could "
+                f"not read the layout from it: {type(e).__name__}: {e}. Fix the job's "
+                f"variables, or pass coordinator_address, num_processes and process_id."
+            ) from e
         _check_ids(n, pid, named=f"{source}'s process id")
         local = cluster.get_local_process_id() if source in ("slurm", "openmpi") else None
         ids, why = _share_of_devices(env, source, local)

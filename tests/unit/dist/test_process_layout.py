@@ -158,6 +158,12 @@ def test_half_set_variables_name_what_is_missing(environ, monkeypatch):
         resolve()
 
 
+def test_a_broken_slurm_environment_is_named(environ):
+    environ({**fake("slurm", rank=0, nproc=2, port=PORT), "SLURM_NTASKS": "two"})
+    with pytest.raises(jn.ConfigError, match=r"JAX detected slurm .* could not read the layout"):
+        resolve()
+
+
 def test_explicit_processes_without_a_coordinator_say_what_to_pass(environ):
     environ({})
     with pytest.raises(jn.ConfigError, match=r"num_processes=2 but no coordinator_address"):
