@@ -180,3 +180,22 @@ def test_launch_removes_the_clusters_placement_from_its_ranks():
     env = launcher.rank_env(base, rank=1, nproc=2, coordinator="h:1", devices_per_process=None)
     assert "SLURM_PROCID" not in env and "SLURM_LOCALID" not in env
     assert env["OTHER"] == "kept" and env["SLURM_JOB_ID"] == base["SLURM_JOB_ID"]
+
+
+def test_a_kubernetes_job_is_read_through_jaxs_own_detection(environ, monkeypatch):
+    # JAX's K8sCluster asks the API server (jax[k8s]); here its answers are given.
+    from jax._src.clusters import K8sCluster
+
+    environ({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "1"})
+    monkeypatch.setattr(K8sCluster, "is_env_present", classmethod(lambda cls: True))
+    monkeypatch.setattr(
+        K8sCluster,
+        "get_coordinator_address",
+        classmethod(lambda cls, timeout_secs, override_coordinator_port: "train-0.train:55527"),
+    )
+    monkeypatch.setattr(K8sCluster, "get_process_count", classmethod(lambda cls: 2))
+    layout = resolve()
+    assert (layout.source, layout.num_processes, layout.process_id) == ("k8s", 2, 1)
+    assert layout.coordinator_address == "train-0.train:55527"
+    assert layout.local_device_ids is None  # one pod, every device it sees
+    assert "source:        k8s" in env_output()
