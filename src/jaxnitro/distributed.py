@@ -1,4 +1,5 @@
-"""`jaxnitro.distributed`, the public module: re-exports `jaxnitro.dist.distributed` (its home).
+"""`jaxnitro.distributed`, the public module: re-exports `jaxnitro.dist.distributed` (its home)
+and the layout resolution of `jaxnitro.dist.layout`.
 
 `import jaxnitro.distributed` and `from jaxnitro.distributed import ...` work as they always did.
 """
@@ -21,6 +22,9 @@ from jaxnitro.dist.distributed import decided_by_process_zero as decided_by_proc
 from jaxnitro.dist.distributed import gather as gather
 from jaxnitro.dist.distributed import resolve_args as resolve_args
 from jaxnitro.dist.distributed import timeout_ms as timeout_ms
+from jaxnitro.dist.layout import SOURCES as SOURCES
+from jaxnitro.dist.layout import Layout as Layout
+from jaxnitro.dist.layout import resolve as resolve_layout  # noqa: F401 - public
 
 __all__ = [
     "DistributedError",

@@ -41,10 +41,17 @@ def test_initialize_reads_the_launchers_variables_and_the_arguments_win(monkeypa
     )
 
 
-def test_initialize_leaves_unset_arguments_to_jaxs_cluster_detection(monkeypatch):
-    for name in ("COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "LOCAL_DEVICE_IDS"):
-        monkeypatch.delenv(f"JAXNITRO_{name}", raising=False)
-    assert set(resolve_args(None, None, None, None).values()) == {None}
+def test_with_nothing_set_initialize_resolves_one_process(monkeypatch):
+    from helpers.clusters import LAYOUT_VARIABLES
+
+    for name in LAYOUT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert resolve_args(None, None, None, None) == {
+        "coordinator_address": None,  # nothing to start
+        "num_processes": 1,
+        "process_id": 0,
+        "local_device_ids": None,
+    }
 
 
 def test_bad_distributed_arguments_name_the_fix(monkeypatch):

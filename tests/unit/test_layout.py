@@ -37,6 +37,7 @@ def test_the_unit_folders_are_the_packages_subpackages():
         "unit",
         "e2e",
         "helpers",
+        "fixtures",  # data files tests read (the Kubernetes schemas of issue 44)
     }
 
 

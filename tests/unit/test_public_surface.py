@@ -128,6 +128,8 @@ MODULE_NAMES = {
         "ENV_LOCAL_DEVICE_IDS",
         "ENV_NUM_PROCESSES",
         "ENV_PROCESS_ID",
+        "Layout",  # the resolved process layout and its source (issue 44)
+        "SOURCES",
         "barrier",
         "broadcast",
         "check_same",
@@ -138,12 +140,14 @@ MODULE_NAMES = {
         "process_count",
         "process_index",
         "resolve_args",
+        "resolve_layout",
         "timeout_ms",
     ],
 }
 
 COMMANDS = [
     "cache",  # added with the persistent compilation cache (warm starts)
+    "env",  # the resolved process layout, nothing started (issue 44)
     "evaluate",
     "export",
     "inspect",

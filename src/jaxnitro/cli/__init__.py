@@ -31,6 +31,7 @@ import click
 from jaxnitro.cli import browse, run, sweep
 from jaxnitro.cli.cache import cache_command
 from jaxnitro.cli.common import echo_err
+from jaxnitro.cli.env import env_command
 from jaxnitro.cli.export import export
 from jaxnitro.cli.fields import ExperimentCommand
 from jaxnitro.cli.launch import launch
@@ -50,7 +51,8 @@ from jaxnitro.serve.command import serve_command
     help="Where compiled programs persist between runs (0: off). Default: "
     "$JAXNITRO_COMPILATION_CACHE, else the user cache directory.",
 )
-def cli(compilation_cache: str | None) -> None:
+@click.pass_context
+def cli(ctx: click.Context, compilation_cache: str | None) -> None:
     """JAX-first training: declare the experiment, compile once, train.
 
     TARGET is path/to/file.py:Class or pkg.module:Class (an @jn.experiment class); its
@@ -58,6 +60,21 @@ def cli(compilation_cache: str | None) -> None:
     """
     if compilation_cache is not None:  # the run (and `launch`'s ranks) read it at setup
         os.environ["JAXNITRO_COMPILATION_CACHE"] = compilation_cache
+    if ctx.invoked_subcommand == "serve" and "--help" not in ctx.args:
+        # A served model's warm-up compiles persist too (a container mounts the directory)
+        from jaxnitro.dist.devices import apply_env
+
+        apply_env()
+
+
+def _http_port_alias(command: click.Command) -> click.Command:
+    """`--http-port`, KServe's and Triton's name for the REST port, as a second name of
+    `jaxnitro serve --port` (the container's entrypoint uses it; the last value given
+    wins, so a pod's `args` override the image's)."""
+    port = next(p for p in command.params if p.name == "port")
+    if "--http-port" not in port.opts:
+        port.opts.append("--http-port")
+    return command
 
 
 for _command in [
@@ -65,9 +82,10 @@ for _command in [
     sweep.sweep,
     *browse.COMMANDS,
     export,
-    serve_command,
+    _http_port_alias(serve_command),
     launch,
     cache_command,
+    env_command,
     mcp_command,
 ]:
     cli.add_command(_command)

@@ -5,14 +5,13 @@ the few cross-process exchanges a run needs, all through the coordination servic
 timeout (never `sync_global_devices`, which has none): a value decided by process 0 and sent
 to the others, a check that every process holds the same thing, and a named barrier.
 
-Where the arguments of `initialize` come from, first match wins:
-
-1. the arguments themselves;
-2. the launcher's environment (``jaxnitro launch`` sets them for each rank; any other launcher
-   can too): ``JAXNITRO_COORDINATOR`` (host:port of process 0), ``JAXNITRO_NUM_PROCESSES``,
-   ``JAXNITRO_PROCESS_ID`` and optionally ``JAXNITRO_LOCAL_DEVICE_IDS`` (comma-separated);
-3. JAX's own variables (``JAX_COORDINATOR_ADDRESS``, ``JAX_LOCAL_DEVICE_IDS``) and its cluster
-   detection (SLURM, Open MPI, Kubernetes indexed Jobs, Cloud TPU).
+Where the arguments of `initialize` come from is `jaxnitro.dist.layout`'s resolution (first
+match wins): the arguments themselves; Kubeflow Trainer v2's variables; a training-operator
+JAXJob's; JAX's own cluster detection (Open MPI, SLURM, Cloud TPU, a Kubernetes Indexed Job or
+JobSet); the launcher's variables (``jaxnitro launch`` sets ``JAXNITRO_COORDINATOR``,
+``JAXNITRO_NUM_PROCESSES``, ``JAXNITRO_PROCESS_ID`` for each rank; any other launcher can too,
+and ``JAXNITRO_LOCAL_DEVICE_IDS``); else one process, with no runtime to start. `jaxnitro env`
+prints the result without starting anything.
 
 Timeouts (seconds) come from ``JAXNITRO_INIT_TIMEOUT`` (300), ``JAXNITRO_HEARTBEAT_TIMEOUT``
 (100: how long a dead process goes unnoticed before the others are stopped) and
@@ -34,12 +33,13 @@ import jax
 from jax._src import distributed as _jd
 
 from jaxnitro.core.errors import ConfigError, JaxnitroError
+from jaxnitro.dist import layout as _layout
 from jaxnitro.dist import peer_watch
-
-ENV_COORDINATOR = "JAXNITRO_COORDINATOR"
-ENV_NUM_PROCESSES = "JAXNITRO_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAXNITRO_PROCESS_ID"
-ENV_LOCAL_DEVICE_IDS = "JAXNITRO_LOCAL_DEVICE_IDS"
+from jaxnitro.dist.layout import ENV_COORDINATOR as ENV_COORDINATOR
+from jaxnitro.dist.layout import ENV_LOCAL_DEVICE_IDS as ENV_LOCAL_DEVICE_IDS
+from jaxnitro.dist.layout import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
+from jaxnitro.dist.layout import ENV_PROCESS_ID as ENV_PROCESS_ID
+from jaxnitro.dist.layout import Layout
 
 __all__ = [
     "DistributedError",
@@ -73,51 +73,17 @@ def _env_int(name: str) -> int | None:
     return value
 
 
-def _env_ids(name: str) -> list[int] | None:
-    raw = os.environ.get(name)
-    if not raw:
-        return None
-    try:
-        return [int(part) for part in raw.split(",")]
-    except ValueError:
-        raise ConfigError(
-            f"${name}={raw!r} is not a comma-separated list of device ids; e.g. {name}=0,1."
-        ) from None
-
-
 def resolve_args(
     coordinator_address: str | None,
     num_processes: int | None,
     process_id: int | None,
     local_device_ids: int | Sequence[int] | None,
 ) -> dict[str, Any]:
-    """The arguments for `jax.distributed.initialize`: each given one, else the launcher's
-    environment variable, else None (JAX's variables and cluster detection fill it)."""
-    args: dict[str, Any] = {
-        "coordinator_address": coordinator_address or os.environ.get(ENV_COORDINATOR) or None,
-        "num_processes": num_processes
-        if num_processes is not None
-        else _env_int(ENV_NUM_PROCESSES),
-        "process_id": process_id if process_id is not None else _env_int(ENV_PROCESS_ID),
-        "local_device_ids": (
-            local_device_ids if local_device_ids is not None else _env_ids(ENV_LOCAL_DEVICE_IDS)
-        ),
-    }
-    n, pid = args["num_processes"], args["process_id"]
-    if n is not None and n < 1:
-        raise ConfigError(f"num_processes={n}; a run needs at least 1 process.")
-    if n is not None and pid is not None and not 0 <= pid < n:
-        raise ConfigError(
-            f"process_id={pid} with num_processes={n}: ids run from 0 to {n - 1}. Give each "
-            f"process its own id (jaxnitro launch sets ${ENV_PROCESS_ID})."
-        )
-    addr = args["coordinator_address"]
-    if addr is not None and (":" not in addr or not addr.rsplit(":", 1)[1].isdigit()):
-        raise ConfigError(
-            f"coordinator_address={addr!r} has no port; give host:port of process 0, e.g. "
-            f"'10.0.0.1:12355'."
-        )
-    return args
+    """The arguments for `jax.distributed.initialize` that `initialize` would pass: the
+    resolved layout's (`jaxnitro.dist.layout.resolve`; one process: no coordinator)."""
+    return _layout.resolve(
+        coordinator_address, num_processes, process_id, local_device_ids
+    ).init_args()
 
 
 def initialize(
@@ -125,65 +91,87 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     local_device_ids: int | Sequence[int] | None = None,
-) -> None:
+) -> Layout:
     """Start JAX's distributed runtime for this process (first thing in the script).
 
-    With no arguments, the launcher's variables (``jaxnitro launch``: ``JAXNITRO_COORDINATOR``,
-    ``JAXNITRO_NUM_PROCESSES``, ``JAXNITRO_PROCESS_ID``) or JAX's cluster detection (SLURM,
-    Open MPI, a Kubernetes indexed Job) say where process 0 is and who this process is. On CPU
-    the processes talk through gloo. Calling it again with the same arguments does nothing;
-    with others, or after JAX has already run a computation, it raises `ConfigError`.
+    With no arguments, the layout is resolved in `jaxnitro.dist.layout`'s order: Kubeflow
+    Trainer v2, a JAXJob, JAX's cluster detection (SLURM, Open MPI, Cloud TPU, a Kubernetes
+    Indexed Job or JobSet), ``jaxnitro launch``'s variables, else one process (nothing is
+    started). On CPU the processes talk through gloo. Calling it again with the same arguments
+    does nothing; with others, or after JAX has already run a computation, it raises
+    `ConfigError`.
 
     Args:
         coordinator_address: host:port of process 0's coordination service.
         num_processes: how many processes the run has.
         process_id: this process's index, 0 ... num_processes - 1.
-        local_device_ids: which local accelerators this process uses (default: all).
+        local_device_ids: which local accelerators this process uses (default: all it sees;
+            under SLURM or Open MPI, its share of them).
+
+    Returns:
+        The `Layout` started, with its source (``slurm``, ``kubeflow``, ``launch``, ...).
 
     Example:
         >>> import jaxnitro as jn
         >>> jn.distributed.initialize()            # under jaxnitro launch, srun or a k8s Job
         >>> jn.Nitro(MyExp())                       # the mesh spans every process's devices
     """
-    args = resolve_args(coordinator_address, num_processes, process_id, local_device_ids)
     if _state:
-        given = {k: v for k, v in args.items() if v is not None}
-        clash = {k: (_state[k], v) for k, v in given.items() if _state.get(k) != v}
+        given = {
+            "coordinator_address": coordinator_address,
+            "num_processes": num_processes,
+            "process_id": process_id,
+            "local_device_ids": [local_device_ids]
+            if isinstance(local_device_ids, int)
+            else None
+            if local_device_ids is None
+            else list(local_device_ids),
+        }
+        clash = {
+            k: (_state[k], v) for k, v in given.items() if v is not None and _state.get(k) != v
+        }
         if clash:
             raise ConfigError(
                 f"jn.distributed.initialize was already called with other arguments "
                 f"(name: then → now): {clash}. Call it once, first thing in the script."
             )
-        return
+        return _state["layout"]
+    timeout = _env_int("JAXNITRO_INIT_TIMEOUT") or 300
+    found = _layout.resolve(
+        coordinator_address, num_processes, process_id, local_device_ids, timeout_s=timeout
+    )
     if jax.distributed.is_initialized():  # someone called jax.distributed.initialize itself
-        _state.update(args)
+        _remember(found)
         _watch_peers()
-        return
+        return found
+    if found.coordinator_address is None:  # one process: no runtime to start
+        _remember(found)
+        return found
     _check_backends_untouched()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
-            **args,
-            initialization_timeout=_env_int("JAXNITRO_INIT_TIMEOUT") or 300,
+            **found.init_args(),
+            # resolved above: JAX's detection would pin a SLURM task to one device again
+            cluster_detection_method="deactivate",
+            initialization_timeout=timeout,
             heartbeat_timeout_seconds=_heartbeat_s(),
         )
-    except ValueError as e:  # JAX found no cluster and the arguments do not say it either
+    except (ValueError, RuntimeError) as e:
         raise ConfigError(
-            f"cannot start the distributed runtime: {e}. Outside SLURM, Open MPI or a "
-            f"Kubernetes indexed Job, run the script under `jaxnitro launch --nproc N`, or "
-            f"pass coordinator_address='host:port', num_processes=N and process_id=i (or set "
-            f"${ENV_COORDINATOR}, ${ENV_NUM_PROCESSES} and ${ENV_PROCESS_ID})."
+            f"cannot start the distributed runtime as process {found.process_id} of "
+            f"{found.num_processes} with coordinator {found.coordinator_address} (from "
+            f"{found.source}): {e}. If the coordinator port is in use, pick another (jaxnitro "
+            f"launch picks a free one); `jaxnitro env` shows where each value comes from."
         ) from e
-    except RuntimeError as e:
-        raise ConfigError(
-            f"cannot start the distributed runtime: {e}. If the coordinator port is in use, "
-            f"pick another (jaxnitro launch picks a free one)."
-        ) from e
-    _state.update({k: v for k, v in args.items()})
-    _state["coordinator_address"] = _jd.global_state.coordinator_address
-    _state["num_processes"] = jax.process_count()
-    _state["process_id"] = jax.process_index()
+    _remember(found)
     _watch_peers()
+    return found
+
+
+def _remember(found: Layout) -> None:
+    _state.update(found.init_args())
+    _state["layout"] = found
 
 
 def _watch_peers() -> None:

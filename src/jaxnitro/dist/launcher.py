@@ -36,7 +36,12 @@ from collections.abc import Callable, Sequence
 from typing import IO
 
 from jaxnitro.core.errors import ConfigError
-from jaxnitro.dist.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jaxnitro.dist.layout import (
+    CLUSTER_PLACEMENT_VARIABLES,
+    ENV_COORDINATOR,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
 from jaxnitro.dist.peer_watch import ENV_ERROR_FILE
 
 PREEMPTED = 143
@@ -65,8 +70,10 @@ def rank_env(
     error_file: str | None = None,
 ) -> dict[str, str]:
     """The environment of one rank: `base` plus the distributed variables (and the fake CPU
-    device count, replacing any count already in XLA_FLAGS, and where to write its error)."""
-    env = dict(base)
+    device count, replacing any count already in XLA_FLAGS, and where to write its error),
+    less a cluster's placement variables (`SLURM_PROCID`, ...): inside a SLURM step or a pod
+    they place the launcher's own task, not its ranks."""
+    env = {k: v for k, v in base.items() if k not in CLUSTER_PLACEMENT_VARIABLES}
     if error_file is not None:
         env[ENV_ERROR_FILE] = error_file
     env[ENV_COORDINATOR] = coordinator

@@ -11,6 +11,11 @@ tells every process, and `PreemptionSync` finds the step all of them stop at
 wait for the stopped one in their next collective. A Ctrl-C or `jn.request_stop` on any one
 process becomes such a notice too (the run then ends as preempted, exit 143): a stop that only
 one process knows of would leave the others waiting.
+
+SIGUSR1 is SLURM's warning before the end of a job's time (``#SBATCH --signal=USR1@90``):
+it stops the run exactly as SIGTERM does (one process: checkpoint and exit 143; several: the
+process sends itself SIGTERM, so JAX's notifier makes every process stop at one step), and
+the batch script requeues the job (``scontrol requeue``), whose ``resume="auto"`` continues.
 """
 
 from __future__ import annotations
@@ -117,7 +122,14 @@ def graceful_stop(control: StopControl):
     def on_terminate(signum, frame):
         control.request(preempted=True)
 
+    def on_time_warning(signum, frame):  # SIGUSR1: the scheduler's time is nearly up
+        if shared:  # JAX's notifier tells every process: all stop at one step
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            control.request(preempted=True)
+
     previous_int = signal.signal(signal.SIGINT, on_interrupt)
+    previous_usr1 = signal.signal(signal.SIGUSR1, on_time_warning)
     # (Python sees JAX's C handler as SIG_DFL: "restoring" it would remove it.)
     previous_term = None if shared else signal.signal(signal.SIGTERM, on_terminate)
     try:
@@ -125,6 +137,7 @@ def graceful_stop(control: StopControl):
     finally:
         counter.close()
         signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGUSR1, previous_usr1)
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
 
