@@ -15,7 +15,7 @@ import pytest
 from helpers.paths import SRC
 
 import jaxnitro as jn
-from jaxnitro.dist import launcher
+from jaxnitro.dist import distributed, launcher
 from jaxnitro.distributed import resolve_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,9 +42,32 @@ def test_initialize_reads_the_launchers_variables_and_the_arguments_win(monkeypa
 
 
 def test_initialize_leaves_unset_arguments_to_jaxs_cluster_detection(monkeypatch):
+    import jax
+
     for name in ("COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "LOCAL_DEVICE_IDS"):
         monkeypatch.delenv(f"JAXNITRO_{name}", raising=False)
     assert set(resolve_args(None, None, None, None).values()) == {None}
+    # Through the public entry: JAX itself is asked with every argument unset (None), so its
+    # cluster detection (SLURM, Open MPI, k8s) decides; here it finds none, as JAX would.
+    asked = []
+
+    def jax_initialize(**kwargs):
+        asked.append(kwargs)
+        raise ValueError("coordinator_address should be defined.")
+
+    monkeypatch.setattr(jax.distributed, "initialize", jax_initialize)
+    monkeypatch.setattr(distributed, "_check_backends_untouched", lambda: None)  # started here
+    monkeypatch.setattr(distributed, "_state", {})
+    collectives = jax.config.jax_cpu_collectives_implementation
+    try:
+        with pytest.raises(jn.ConfigError, match=r"coordinator_address should be defined.*launch"):
+            jn.distributed.initialize()
+    finally:
+        jax.config.update("jax_cpu_collectives_implementation", collectives)
+    (got,) = asked
+    names = ("coordinator_address", "num_processes", "process_id", "local_device_ids")
+    assert {k: got[k] for k in names} == dict.fromkeys(names)
+    assert not distributed._state  # a failed start leaves nothing recorded
 
 
 def test_bad_distributed_arguments_name_the_fix(monkeypatch):
