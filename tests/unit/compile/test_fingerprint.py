@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import gc
 import importlib
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import time
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from jaxnitro.compile import fingerprint as fp
@@ -194,20 +196,20 @@ def test_unhashable_closure_is_hashed_by_identity():
     assert fingerprint(make_scaled(a)) != fingerprint(make_scaled(b))
 
 
-def test_identity_is_not_fooled_by_id_reuse():
+def test_identity_is_not_fooled_by_id_reuse(monkeypatch):
     class Opaque:
         pass
 
+    # CPython reuses a freed object's address for the next object of its size, but not
+    # reliably (it depends on what ran before): every Opaque here reports one id, as if the
+    # allocator had handed the dead object's block to the next one.
+    monkeypatch.setattr(fp, "id", lambda o: 1 if isinstance(o, Opaque) else id(o), raising=False)
     first = Opaque()
-    fp, old_id = fingerprint(make_scaled(first)), id(first)
+    digest = fingerprint(make_scaled(first))
+    assert fingerprint(make_scaled(first)) == digest  # the same live object: the same token
     del first
-    for _ in range(1000):  # CPython hands a freed block to the next object of its size
-        obj = Opaque()
-        if id(obj) == old_id:
-            break
-    else:
-        pytest.skip("the allocator did not reuse the address")
-    assert fingerprint(make_scaled(obj)) != fp
+    gc.collect()
+    assert fingerprint(make_scaled(Opaque())) != digest
 
 
 def test_defaults_change_digest():
@@ -316,7 +318,6 @@ def test_library_functions_are_hashed_by_name():
 
 
 def test_library_closures_are_hashed_by_content():
-    optax = pytest.importorskip("optax")
     lr3 = optax.adam(1e-3).update
     assert fingerprint(lr3, depth=3) == fingerprint(optax.adam(1e-3).update, depth=3)
     assert fingerprint(lr3, depth=3) != fingerprint(optax.adam(1e-2).update, depth=3)

@@ -41,7 +41,11 @@ def test_user_rules_come_first_and_two_matching_rules_are_named():
     s = jn.Sharding(
         mesh=axes, fsdp=True, min_shard_bytes=0, rules=[(r"^mlp/kernel$", P(None, "model"))]
     )
-    annotated = {"emb": {"table": None}, "mlp": {"kernel": P("model")}, "out": {"kernel": P("model")}}
+    annotated = {
+        "emb": {"table": None},
+        "mlp": {"kernel": P("model")},
+        "out": {"kernel": P("model")},
+    }
     specs = param_specs(params, s, axes, annotated)
     assert specs["mlp"]["kernel"] == P(None, "model")  # the rule, over annotation and FSDP
     assert specs["out"]["kernel"] == P("model")  # the annotation, over FSDP's P("data")
