@@ -106,6 +106,7 @@ PLACES: dict[str, str] = {
     "test_layout.py": "unit",
     "test_public_surface.py": "unit",
     "test_docs.py": "unit",
+    "test_skips.py": "unit",
     "test_typed_spine.py": "unit",
     "test_cli.py": "e2e",
     "test_crash_safety.py": "e2e",
