@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -212,6 +213,25 @@ def test_identity_is_not_fooled_by_id_reuse(monkeypatch):
     assert fingerprint(make_scaled(Opaque())) != digest
 
 
+def test_identity_tokens_are_forgotten_with_their_objects():
+    class Opaque:
+        pass
+
+    obj = Opaque()
+    fingerprint(make_scaled(obj))
+    key = id(obj)
+    assert fp._identities[key][0]() is obj
+    del obj
+    gc.collect()
+    assert key not in fp._identities
+
+
+def test_objects_without_weak_references_are_hashed_by_id():
+    a, b = object(), object()  # object() cannot be weakly referenced
+    assert fingerprint(make_scaled(a)) == fingerprint(make_scaled(a))
+    assert fingerprint(make_scaled(a)) != fingerprint(make_scaled(b))
+
+
 def test_defaults_change_digest():
     src = "def f(x, *, eps={eps}, axes={axes}):\n    return x + eps\n"
     base = fingerprint(load(src.format(eps=1e-6, axes=(0,)))["f"])
@@ -364,7 +384,34 @@ def test_fingerprint_value_numpy_arrays():
     assert fingerprint_value(a) != fingerprint_value(b)
     assert fingerprint_value(a) != fingerprint_value(a.reshape(4, 3))
     assert fingerprint_value(a) != fingerprint_value(a.astype(np.int32).view(np.float32))
-    assert fingerprint_value(jnp.asarray(a)) == fingerprint_value(jnp.asarray(a))
+    assert fingerprint_value(jnp.asarray(a)) == fingerprint_value(jnp.asarray(a)) is not None
+    assert fingerprint_value(jnp.asarray(a)) != fingerprint_value(jnp.asarray(b))
+
+
+def test_a_jax_arrays_digest_is_kept_while_it_lives():
+    x = jnp.arange(4.0)
+    digest = fingerprint_value(x)
+    token = fp._identities[id(x)][1]
+    assert fp._array_digests[token] == digest  # read back from the device once
+    assert fingerprint_value(x) == digest
+    del x
+    gc.collect()
+    assert token not in fp._array_digests
+
+
+def test_arrays_past_the_size_limit_are_hashed_by_identity():
+    n = fp.MAX_ARRAY_BYTES // 8  # float64: at the limit, by content; one element more, not
+    small, small_copy = np.zeros(n), np.zeros(n)
+    assert fingerprint_value(small) == fingerprint_value(small_copy)
+    big, big_copy = np.zeros(n + 1), np.zeros(n + 1)
+    assert fingerprint_value(big) == fingerprint_value(big) != fingerprint_value(big_copy)
+
+
+def test_arrays_without_readable_bytes_have_no_content_digest():
+    gone = jnp.ones(3)
+    gone.delete()
+    assert fingerprint_value(gone) is None
+    assert fingerprint_value(jax.random.key(0)) is None  # an extended dtype
 
 
 def test_fingerprint_value_kinds():
