@@ -97,9 +97,11 @@ def test_a_resume_keeps_the_checkpoints_id_and_seed(tmp_path):
             UserWarning, match=rf"resuming with seed 3 from the checkpoint instead of {given}"
         ):
             assert identity(path, given) == ("run-A_1", 3)
+    big = save(tmp_path / "big", 1, run_id="r", seed=2**40)  # read back: another int object
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same seed: nothing to say
         assert identity(path, 3) == ("run-A_1", 3)
+        assert identity(big, 2**40) == ("r", 2**40)
 
 
 @pytest.mark.parametrize("bad", ["../x", "a" * 65, "", 12])
