@@ -50,6 +50,8 @@ def test_auto_skips_a_corrupted_newest_checkpoint(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert resume_record(services(tmp_path), tmp_path, "auto") == older
+    assert not newest.exists()  # moved aside, never considered again
+    assert [p.name for p in newest.parent.glob(f"{newest.name}.corrupt-*")]
 
 
 def test_resume_true_needs_a_checkpoint(tmp_path):
