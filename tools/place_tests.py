@@ -107,6 +107,8 @@ PLACES: dict[str, str] = {
     "test_public_surface.py": "unit",
     "test_docs.py": "unit",
     "test_skips.py": "unit",
+    "test_resume_record.py": "unit/run",
+    "test_checkpoint_commit.py": "unit/checkpoint",
     "test_typed_spine.py": "unit",
     "test_cli.py": "e2e",
     "test_crash_safety.py": "e2e",
