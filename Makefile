@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test test-fast lint docs bench bench-serve clean
+.PHONY: demo test test-fast lint docs bench bench-serve mutants clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,5 +59,12 @@ $(VENV)/.docs: pyproject.toml | $(VENV)/bin/python
 docs: $(VENV)/.docs
 	$(VENV)/bin/mkdocs build --strict
 
+# Mutation testing (cosmic-ray) of compile/, run/setup/, checkpoint/, steps/ and dist/ against
+# their fast tests: hours on 2 cores, so not part of CI. Reports and sessions in mutants/ (run
+# it again to continue); scores in tests/README.md. One target: make mutants MUTANTS=resume
+MUTANTS ?=
+mutants: $(VENV)/.dev
+	$(PY) tools/mutants.py $(MUTANTS)
+
 clean:
-	rm -rf $(VENV) runs site .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache .mypy_cache mutants

@@ -107,6 +107,9 @@ PLACES: dict[str, str] = {
     "test_layout.py": "unit",
     "test_public_surface.py": "unit",
     "test_docs.py": "unit",
+    "test_skips.py": "unit",
+    "test_resume_record.py": "unit/run",
+    "test_checkpoint_commit.py": "unit/checkpoint",
     "test_typed_spine.py": "unit",
     "test_manifests.py": "unit",  # Kubernetes and KServe manifests (deploy/, examples/)
     "test_cli.py": "e2e",

@@ -15,7 +15,7 @@ import pytest
 from helpers.paths import SRC
 
 import jaxnitro as jn
-from jaxnitro.dist import launcher
+from jaxnitro.dist import distributed, launcher
 from jaxnitro.distributed import resolve_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,6 +52,46 @@ def test_with_nothing_set_initialize_resolves_one_process(monkeypatch):
         "process_id": 0,
         "local_device_ids": None,
     }
+
+
+def test_initialize_itself_hands_jax_the_resolved_layout(monkeypatch):
+    """Through the public entry, not the helper: one process starts nothing; a JAXJob's
+    variables reach `jax.distributed.initialize` as resolved, with JAX's own detection off."""
+    import jax
+    from helpers.clusters import LAYOUT_VARIABLES
+
+    for name in LAYOUT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    asked = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: asked.append(kw))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed, "_check_backends_untouched", lambda: None)  # started here
+    monkeypatch.setattr(distributed, "_watch_peers", lambda: None)
+    monkeypatch.setattr(distributed, "_state", {})
+    one = jn.distributed.initialize()
+    assert (one.source, one.num_processes, asked) == ("single", 1, [])
+
+    monkeypatch.setattr(distributed, "_state", {})
+    for name, value in {
+        "COORDINATOR_ADDRESS": "10.0.0.1",
+        "COORDINATOR_PORT": "1234",
+        "NUM_PROCESSES": "4",
+        "PROCESS_ID": "3",
+    }.items():
+        monkeypatch.setenv(name, value)
+    collectives = jax.config.jax_cpu_collectives_implementation
+    try:
+        got = jn.distributed.initialize()
+    finally:
+        jax.config.update("jax_cpu_collectives_implementation", collectives)
+    assert (got.source, got.num_processes, got.process_id) == ("jaxjob", 4, 3)
+    (kw,) = asked
+    assert (kw["coordinator_address"], kw["num_processes"], kw["process_id"]) == (
+        "10.0.0.1:1234",
+        4,
+        3,
+    )
+    assert kw["cluster_detection_method"] == "deactivate"
 
 
 def test_bad_distributed_arguments_name_the_fix(monkeypatch):

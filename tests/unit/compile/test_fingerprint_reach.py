@@ -432,7 +432,6 @@ def test_user_dataclass_redefinition():
 
 
 def test_user_nnx_module_by_content_library_bases_by_name():
-    pytest.importorskip("flax")
     src = """
     from flax import nnx
 

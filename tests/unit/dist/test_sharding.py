@@ -30,9 +30,28 @@ def test_the_fsdp_rule_replicates_small_arrays_and_splits_the_largest_divisible_
 
 
 def test_user_rules_come_first_and_two_matching_rules_are_named():
-    params = {"mlp": {"kernel": np.zeros((8, 16), np.float32)}, "out": {"kernel": np.zeros(4)}}
-    s = jn.Sharding(mesh={"data": 2, "model": 2}, rules=[(r"^mlp/kernel$", P(None, "model"))])
-    specs = param_specs(params, s, {"data": 2, "model": 2})
+    params = {
+        "emb": {"table": np.zeros((16, 8), np.float32)},
+        "mlp": {"kernel": np.zeros((8, 16), np.float32)},
+        "out": {"kernel": np.zeros((8, 4), np.float32)},
+    }
+    axes = {"data": 2, "model": 2}
+    # Every parameter is contested: the FSDP rule splits each (min_shard_bytes=0), and Flax
+    # annotations name a spec for two of them. Order: user rule, annotation, FSDP.
+    s = jn.Sharding(
+        mesh=axes, fsdp=True, min_shard_bytes=0, rules=[(r"^mlp/kernel$", P(None, "model"))]
+    )
+    annotated = {
+        "emb": {"table": None},
+        "mlp": {"kernel": P("model")},
+        "out": {"kernel": P("model")},
+    }
+    specs = param_specs(params, s, axes, annotated)
+    assert specs["mlp"]["kernel"] == P(None, "model")  # the rule, over annotation and FSDP
+    assert specs["out"]["kernel"] == P("model")  # the annotation, over FSDP's P("data")
+    assert specs["emb"]["table"] == P("data")  # FSDP alone
+    plain = jn.Sharding(mesh=axes, rules=[(r"^mlp/kernel$", P(None, "model"))])
+    specs = param_specs(params, plain, axes)
     assert specs["mlp"]["kernel"] == P(None, "model") and specs["out"]["kernel"] == P()
     both = jn.Sharding(rules=[(r"kernel", P()), (r"mlp/", P("data"))])
     with pytest.raises(jn.ConfigError, match=r"matches two sharding rules, 'kernel' and 'mlp/'"):
@@ -105,6 +124,8 @@ SCRIPT = textwrap.dedent("""
     half = nitro(Tiny(max_epochs=1, **kw), run_dir=tmp + "/moved", n_devices=8, sharding=fsdp_all)
     jn.train(half)
     moved = nitro(Tiny(max_epochs=2, **kw), run_dir=tmp + "/moved", n_devices=4, resume="auto")
+    out["moved_start"] = [moved.step, half.step, str(moved.spec.resume_path)]
+    out["half_checkpoint"] = str(half.checkpointer.latest())
     jn.train(moved)
     out["moved_vs_fsdp"] = diff(moved.params, fsdp.params)
     out["moved_devices"] = len(moved.params["hidden"]["kernel"][...].sharding.device_set)
@@ -152,5 +173,10 @@ def test_a_two_dimensional_mesh_with_rules_trains_like_one_device(eight):
 
 @pytest.mark.multi_device
 def test_a_checkpoint_from_eight_fsdp_devices_resumes_on_four(eight):
+    # The moved handle starts where the 8-device run stopped (one epoch: 8 steps), from its
+    # checkpoint; retraining from scratch would land on the same weights, so this is the test.
+    start, saved, resumed_from = eight["moved_start"]
+    assert start == saved == 8
+    assert resumed_from == eight["half_checkpoint"] != "None"
     assert eight["moved_devices"] == 4
     assert eight["moved_vs_fsdp"] < 1e-5

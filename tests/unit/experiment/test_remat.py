@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -10,7 +12,7 @@ from conftest import host_copy, make_data, nitro
 from flax import nnx
 
 import jaxnitro as jn
-from jaxnitro.experiment import remat
+from jaxnitro.compile import cache
 
 
 class Block(nnx.Module):
@@ -75,18 +77,42 @@ def test_remat_trains_to_the_same_parameters(tmp_path, policy):
     assert not hasattr(Block.__call__, "__wrapped__")
 
 
-def test_the_traced_step_is_rematerialised_only_inside_the_blocks(tmp_path):
-    n = nitro(Deep(), run_dir=tmp_path / "r", checkpointer=False, remat=["Block"])
-    module = Net(rngs=nnx.Rngs(0))
-    x = np.ones((2, 8), np.float32)
+class _Traced(Exception):
+    """Raised by the spy once it has the train program's jaxpr: no XLA compile needed."""
 
-    def loss(m):
-        return m(x).sum()
 
-    with remat.applied(n.spec.remat):
-        traced = str(jax.make_jaxpr(nnx.grad(loss))(module))
-    assert traced.count("checkpoint") + traced.count("remat") >= 3  # one per block
-    assert "checkpoint" not in str(jax.make_jaxpr(nnx.grad(loss))(module))
+def train_jaxpr(n, monkeypatch) -> str:
+    """The jaxpr of the train program `n` would run, traced by jaxnitro's own program path."""
+    real = cache.get_or_compile
+    seen = []
+
+    def spy(key, lower, *, kind, **kw):
+        if kind != "train":
+            return real(key, lower, kind=kind, **kw)
+        seen.append(str(lower().jaxpr))
+        raise _Traced
+
+    with monkeypatch.context() as m:
+        m.setattr(cache, "get_or_compile", spy)
+        with pytest.raises(_Traced):
+            jn.compile(n)
+    return seen[0]
+
+
+REMAT = re.compile(r"\b(?:checkpoint|remat\d*)\[")
+
+
+def test_the_traced_step_is_rematerialised_only_inside_the_blocks(tmp_path, monkeypatch):
+    @jn.experiment
+    class Traced(Deep):  # a class of its own: its programs are never cache hits
+        pass
+
+    rem = nitro(Traced(), run_dir=tmp_path / "r", checkpointer=False, remat=["Block"])
+    regions = len(REMAT.findall(train_jaxpr(rem, monkeypatch)))
+    assert regions == 3, f"{regions} remat regions in the train program; one per Block"
+    plain = nitro(Traced(), run_dir=tmp_path / "p", checkpointer=False)
+    regions = len(REMAT.findall(train_jaxpr(plain, monkeypatch)))
+    assert regions == 0, f"{regions} remat regions in the train program without remat"
 
 
 def test_remat_errors_name_the_classes_and_policies(tmp_path):

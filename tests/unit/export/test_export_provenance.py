@@ -1,9 +1,10 @@
 """A bundle's git provenance is read without running anything the repository chooses.
 
 Each test plants a program in a real git repository (through `core.fsmonitor`, a clean
-filter, `diff.external`, `core.pager`, an `include.path`, a submodule's config) that would
-create a marker file if git ran it, then reads the provenance of a run directory inside it:
-no marker may appear, and the commit is still recorded.
+filter, a `post-index-change` hook, an `include.path`, a submodule's config) that would
+create a marker file if git ran it, checks that a plain `git status` does run it (in a copy),
+then reads the provenance of a run directory inside it: no marker may appear, and the commit
+is still recorded.
 """
 
 from __future__ import annotations
@@ -60,10 +61,13 @@ def _plant(tmp_path: Path, repo: Path, what: str) -> list[Path]:
         _git(repo, "config", "filter.evil.clean", f"{touch}; cat")
         _git(repo, "config", "filter.evil.process", touch)
         (repo / "train.py").write_text("print(2)\n")  # changed: status must hash it
-    elif what == "diff-external":
-        _git(repo, "config", "diff.external", touch)
-        _git(repo, "config", "core.pager", touch)
-        (repo / "train.py").write_text("print(2)\n")
+    elif what == "hook":  # git runs post-index-change when status refreshes the index
+        hook = repo / ".git" / "hooks" / "post-index-change"
+        hook.parent.mkdir(exist_ok=True)
+        hook.write_text(f"#!/bin/sh\n{touch}\n")
+        hook.chmod(0o755)
+        later = (repo / "train.py").stat().st_mtime + 100  # the same bytes, a new time
+        os.utime(repo / "train.py", (later, later))
     elif what == "include":  # the settings hide in another file that the config includes
         extra = repo / ".git" / "extra.cfg"
         extra.write_text(f"[core]\n\tfsmonitor = {touch}; false\n")
@@ -77,15 +81,35 @@ def _plant(tmp_path: Path, repo: Path, what: str) -> list[Path]:
     return [marker]
 
 
-@pytest.mark.parametrize("what", ["fsmonitor", "filter", "diff-external", "include", "submodule"])
+def _plain_status_runs_it(tmp_path: Path, repo: Path, markers: list[Path]) -> bool:
+    """Whether a plain `git status` (the repository's config, hooks and attributes as they
+    are) runs the planted program: asked of a copy, so the repository itself stays as it
+    was; the markers are removed again."""
+    copy = tmp_path / "control"
+    shutil.copytree(repo, copy, symlinks=True)
+    subprocess.run(
+        ["git", "status", "--porcelain"],
+        cwd=copy,
+        capture_output=True,
+        env={"PATH": os.environ["PATH"], "HOME": str(copy), "GIT_CONFIG_NOSYSTEM": "1"},
+    )
+    ran = any(m.exists() for m in markers)
+    for m in markers:
+        m.unlink(missing_ok=True)
+    return ran
+
+
+@pytest.mark.parametrize("what", ["fsmonitor", "filter", "hook", "include", "submodule"])
 def test_provenance_runs_nothing_the_repository_configures(tmp_path, what):
     repo = _repo(tmp_path)
     markers = _plant(tmp_path, repo, what)
+    # The plant is live: git run the ordinary way would run it (else this test proves nothing).
+    assert _plain_status_runs_it(tmp_path, repo, markers), f"plain git ignores the {what} plant"
     head = _git(repo, "rev-parse", "HEAD")
     state = git_state(repo / "runs" / "tiny")
     assert not [m for m in markers if m.exists()], f"provenance ran the planted {what} program"
     assert state["commit"] == head
-    assert state["dirty"] is (what in ("filter", "diff-external"))
+    assert state["dirty"] is (what == "filter")
 
 
 def test_export_model_runs_no_fsmonitor_of_the_run_dirs_repository(tmp_path):

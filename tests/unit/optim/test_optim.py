@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import json
 
@@ -15,6 +17,8 @@ from conftest import Tiny, host_copy, leaves_equal, make_data, nitro
 import jaxnitro as jn
 from jaxnitro.optim import groups as optim
 from jaxnitro.optim import hyper
+from jaxnitro.train import epoch as epoch_mod
+from jaxnitro.train.epoch import train_program
 
 
 def allclose(a, b, atol=1e-6):
@@ -275,20 +279,44 @@ def test_accumulation_weights_sum_count_losses_by_count(run_dir):
     assert allclose(n.params, expected, atol=1e-6)
 
 
-def test_fused_steps_match_single_steps_and_log_every_step(run_dir):
+def count_train_calls(monkeypatch) -> collections.Counter:
+    """Steps per call -> how many times the driver called a train program of that size."""
+    calls: collections.Counter = collections.Counter()
+
+    def counted(*args):
+        prog = train_program(*args)
+        steps = prog.parts.option("steps_per_call")
+
+        def call(*inputs):
+            calls[steps] += 1
+            return prog.compiled(*inputs)
+
+        return dataclasses.replace(prog, compiled=call)
+
+    monkeypatch.setattr(epoch_mod, "train_program", counted)
+    return calls
+
+
+def test_fused_steps_match_single_steps_and_log_every_step(run_dir, monkeypatch):
     one = nitro(Opt(max_epochs=2), run_dir=run_dir / "one")
     jn.train(one)
+    calls = count_train_calls(monkeypatch)
     fused = nitro(Opt(max_epochs=2), run_dir=run_dir / "fused", steps_per_call=4)
     jn.train(fused)
     assert fused.step == one.step == 16
+    # The fused program is the one that ran: 4 calls of 4 steps, no single steps.
+    assert dict(calls) == {4: 4}
+    assert set(fused.programs.train) == {("train", 4)}
     assert allclose(fused.params, one.params, atol=1e-6)
     lines = [json.loads(s) for s in (run_dir / "fused" / "metrics.jsonl").read_text().splitlines()]
     steps = [ln["step"] for ln in lines if ln.get("context") == "train"]
     assert steps == list(range(1, 17))
     # A tail that does not fill a call runs step by step (one more program), with accum too.
+    calls.clear()
     tail = nitro(Opt(max_epochs=1, batch=8), run_dir=run_dir / "tail", steps_per_call=3, accum=4)
     jn.train(tail)
     assert tail.step == 8
+    assert dict(calls) == {3: 2, 1: 2}  # 3 + 3 fused, then the tail of 2 one by one
     ref = nitro(Opt(max_epochs=1), run_dir=run_dir / "ref2")
     jn.train(ref)
     assert allclose(tail.params, ref.params, atol=1e-6)

@@ -20,6 +20,7 @@ from helpers.paths import SRC, TESTS
 
 import jaxnitro as jn
 from jaxnitro.optim import groups as optim
+from jaxnitro.run.setup import read_meta
 
 
 def phases_of(n, **kw):
@@ -494,7 +495,12 @@ def test_preempted_is_a_system_exit_with_status_143(run_dir):
     with pytest.raises(jn.Preempted) as e:
         jn.train(n)
     assert isinstance(e.value, SystemExit) and e.value.code == 143
-    assert e.value.step == n.step and e.value.checkpoint == n.checkpointer.latest()
+    # The preemption saved a checkpoint of the step it stopped at (None == None would hold
+    # were the save skipped: the first epoch never ended otherwise).
+    saved = e.value.checkpoint
+    assert saved is not None and saved == n.checkpointer.latest() and saved.is_dir()
+    meta = read_meta(saved)
+    assert meta["step"] == e.value.step == n.step >= 1 and meta["stop_reason"] == "preempted"
     assert "resume='auto'" in str(e.value)
 
 

@@ -233,7 +233,7 @@ def test_editing_a_hook_never_reuses_the_old_program(run_dir):
     class Editable(Tiny):
         pass
 
-    n = nitro(Editable(max_epochs=1, n_val=0), run_dir=run_dir)
+    n = nitro(Editable(max_epochs=1, n_val=0), run_dir=run_dir / "a", seed=0)
     jn.train(n)
     misses = jn.cache_stats()["misses"]
 
@@ -241,8 +241,15 @@ def test_editing_a_hook_never_reuses_the_old_program(run_dir):
         return 2.0 * Tiny.loss(self, logits, y=y)
 
     Editable.loss = loss
-    jn.train(nitro(Editable(max_epochs=1, n_val=0), run_dir=run_dir / "b"))
+    jn.train(nitro(Editable(max_epochs=1, n_val=0), run_dir=run_dir / "b", seed=0))
     assert jn.cache_stats()["misses"] == misses + 1
+    # The edited loss is the one that ran: the same weights and first batch, twice the loss.
+    first = [train_losses(run_dir / name)[0] for name in ("a", "b")]
+    assert first[1] == pytest.approx(2 * first[0], rel=1e-5)
+
+
+def train_losses(run_dir):
+    return [r["loss"] for r in lines(run_dir / "metrics.jsonl") if r.get("context") == "train"]
 
 
 def test_plain_progress_lines_and_summary(run_dir, capsys):
