@@ -187,6 +187,17 @@ def pick(n: Nitro, weights: str | None) -> tuple[Any, Any]:
     weights = weights_setting(weights)
     ema = n.spec.ema
     ts = n.train_state
+    if n.spec.weights_loaded == "ema" and n.progress.step == 0 and weights is not None:
+        # checkpoint=..., weights="ema" loaded the average as the model's weights; the raw
+        # ones stayed on disk, and untrained since, the params are the average
+        if weights == "ema":
+            return ts.params, ts.state
+        raise ConfigError(
+            f"weights='raw', but this handle loaded the weight average of checkpoint "
+            f"{n.spec.weights_path} (weights='ema', or its default): its raw weights were not "
+            f"loaded. Load them: jn.Nitro(exp, checkpoint={str(n.spec.weights_path)!r}, "
+            f"weights='raw')."
+        )
     if weights is None:
         weights = ema.validates if ema is not None else "raw"
     if weights == "raw":

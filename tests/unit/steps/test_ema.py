@@ -120,6 +120,13 @@ def test_predict_and_checkpoint_loading_take_weights(run_dir):
     np.testing.assert_array_equal(jn.predict(loaded, {"x": x}), ema_out)
     raw = nitro(Tiny(), run_dir=run_dir / "raw", checkpoint=run_dir, weights="raw")
     np.testing.assert_array_equal(jn.predict(raw, {"x": x}), raw_out)
+    # a handle that loaded the average holds no raw weights: asked for them, it says so and
+    # how to load them, and asked for the average it answers with what it loaded
+    with pytest.raises(ConfigError, match=r"loaded the weight average.*weights='raw'\)"):
+        jn.predict(loaded, {"x": x}, weights="raw")
+    np.testing.assert_array_equal(jn.predict(loaded, {"x": x}, weights="ema"), ema_out)
+    with pytest.raises(ConfigError, match="keeps no average"):  # the raw handle has none
+        jn.predict(raw, {"x": x}, weights="ema")
     # a run without an average: weights="ema" is refused, naming the fix
     plain = run_dir / "plain"
     jn.train(nitro(Tiny(max_epochs=1), run_dir=plain))
