@@ -141,7 +141,7 @@ def test_predict_and_checkpoint_loading_take_weights(run_dir):
 
 @pytest.mark.slow
 def test_export_with_ema_weights_serves_the_average(run_dir):
-    n = nitro(Tiny(max_epochs=2), run_dir=run_dir, ema=0.9)
+    n = nitro(Tiny(max_epochs=2), run_dir=run_dir, ema=0.9, ema_eval="both")
     jn.train(n)
     x, _ = make_data(5, seed=7)
     bundle = jn.load_bundle(jn.export_model(n, run_dir / "ema", weights="ema", platforms=["cpu"]))
@@ -151,6 +151,13 @@ def test_export_with_ema_weights_serves_the_average(run_dir):
     raw = jn.load_bundle(jn.export_model(n, run_dir / "raw", weights="raw", platforms=["cpu"]))
     np.testing.assert_allclose(raw(x), jn.predict(n, {"x": x}, weights="raw"), rtol=1e-5, atol=1e-5)
     assert not np.allclose(bundle(x), raw(x))
+    # each manifest says which weights it holds, and the checkpoint's scores are theirs
+    last = n.progress.history[-1]
+    for b, which, key in ((bundle, "ema", "val_loss"), (raw, "raw", "val_raw_loss")):
+        prov = b.manifest["provenance"]
+        assert prov["weights"] == which
+        assert prov["checkpoint"]["metrics"]["val_loss"] == pytest.approx(last[key])
+        assert not any(k.startswith("val_raw_") for k in prov["checkpoint"]["metrics"])
 
 
 class NormMLP(nnx.Module):
