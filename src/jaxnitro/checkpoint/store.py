@@ -105,6 +105,10 @@ def _write_atomically(root: Path, name: str, trees: dict[str, Any], record: dict
 class TopKCheckpointer:
     """Keep the ``k`` best checkpoints by ``metric`` (``mode`` "min"/"max") plus the newest.
 
+    A checkpoint saved with ``meta={"requested": True}`` (what ``handle.checkpoint()`` and the
+    MCP ``checkpoint`` tool write) is kept as well, whatever its score, until the user deletes
+    its directory; its manifest row says ``"requested": true``.
+
     Args:
         k: how many of the best checkpoints to keep (the newest is kept as well).
         metric: the metric to rank by, a key of the ``metrics`` given to ``save``.
@@ -217,6 +221,8 @@ class TopKCheckpointer:
             "metrics": info["metrics"],
             "time": info["time"],
             "run_id": run_id if isinstance(run_id, str) else None,
+            # asked for by the user: retention keeps it (`retention.kept`)
+            "requested": info.get("meta", {}).get("requested") is True,
         }
 
     def _rows_from(self, dirs: list[Path]) -> list[dict]:

@@ -145,7 +145,10 @@ class RunHandle:
 
     def checkpoint(self, *, wait: bool = False, timeout: float | None = None) -> Path | None:
         """Write a checkpoint at the next step boundary without stopping. With `wait=True`,
-        returns its path once written (None: the run writes no checkpoints)."""
+        returns its path once written (None: the run writes no checkpoints).
+
+        Top-K retention keeps a checkpoint asked for this way, whatever its score, until you
+        delete its directory (its manifest row says `"requested": true`)."""
         future = self._commands.checkpoint()
         if not wait and not future.cancelled():
             return None

@@ -429,10 +429,17 @@ class Cadence:
 
 
 def mid_epoch(
-    n: Nitro, epoch: int, *, validate: bool, save: bool, clock: EpochClock | None = None
+    n: Nitro,
+    epoch: int,
+    *,
+    validate: bool,
+    save: bool,
+    clock: EpochClock | None = None,
+    requested: bool = False,
 ) -> None:
     """Validation and/or a checkpoint inside an epoch: the checkpoint holds the batch
-    position, so a resume from it continues mid-epoch exactly."""
+    position, so a resume from it continues mid-epoch exactly. `requested`: the user asked
+    for the checkpoint (retention keeps it)."""
     clock = clock if clock is not None else EpochClock()
     row: dict[str, Any] = {"epoch": epoch + 1, "step": n.step}
     if validate and "val" in n.spec.splits:
@@ -445,7 +452,7 @@ def mid_epoch(
         n._commit(progress=n.progress.with_row(row))
     if save:
         set_phase(n, "Checkpointing")
-        clock.checkpoint_stall_s += save_checkpoint(n, row)
+        clock.checkpoint_stall_s += save_checkpoint(n, row, requested=requested)
     set_phase(n, "Training")
 
 

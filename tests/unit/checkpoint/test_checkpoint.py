@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import jax
@@ -107,6 +108,18 @@ def test_top_k_keeps_k_best_plus_newest(tmp_path, mode, scores, best_i):
     assert {r["name"] for r in read_manifest(ck.dir)} == expected
     assert ck.best() == paths[best_i] and ck.latest() == paths[5]
     assert [r["step"] for r in ck.records()] == [10, 30, 50]  # oldest first
+
+
+def test_a_requested_checkpoint_outlives_retention_until_deleted(tmp_path):
+    ck = TopKCheckpointer(k=1, metric="acc", mode="max", dir=tmp_path / "ck")
+    asked = ck.save(epoch=0, step=5, metrics={}, trees={"p": {"w": jnp.zeros(2)}},
+                    meta={"requested": True})  # fmt: skip
+    paths = [_save(ck, i, acc=0.1 * i) for i in range(1, 4)]
+    assert asked.exists() and not paths[0].exists()  # the scored ones still rotate
+    assert [r["requested"] for r in ck.records()] == [True, False]
+    shutil.rmtree(asked)  # the user removes it: forgotten, nothing else disturbed
+    _save(ck, 4, acc=0.0)
+    assert [r["step"] for r in ck.records()] == [30, 40]
 
 
 def test_without_metric_only_newest_is_kept(tmp_path):

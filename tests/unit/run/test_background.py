@@ -88,6 +88,8 @@ def test_set_device_checkpoint_and_stop_mid_run(tmp_path):
     h.stop()
     result = h.wait(timeout=120)
     assert result.stop_reason == "requested" and n.epoch < 50
+    assert path.exists()  # retention spared the checkpoint asked for, and says so
+    assert [r["requested"] for r in n.checkpointer.records() if r["name"] == path.name] == [True]
     assert jn.cache_stats()["misses"] == compiled  # nothing recompiled
     rows = tail_rows(n.run_dir / "metrics.jsonl", 100_000)
     marker = next(r for r in rows if r.get("key") == "set_device")
