@@ -25,7 +25,7 @@ from jaxnitro.core.errors import NonFiniteLossError, warn_user
 from jaxnitro.core.jsonable import jsonable
 from jaxnitro.data import feed
 from jaxnitro.data import loader as data_mod
-from jaxnitro.observe import render, throughput
+from jaxnitro.observe import oom, render, throughput
 from jaxnitro.observe.events import steps as step_events
 from jaxnitro.observe.events.phases import set_phase
 from jaxnitro.observe.events.signals import PreemptionSync
@@ -37,7 +37,7 @@ from jaxnitro.run import commands
 from jaxnitro.run.progress import Progress
 from jaxnitro.train.checkpointing import save_checkpoint
 from jaxnitro.train.evaluation import is_scalar, validation
-from jaxnitro.train.readback import InFlight, StepRow, read_back, step_rows
+from jaxnitro.train.readback import InFlight, StepRow, failed_call, read_back, step_rows
 
 if TYPE_CHECKING:
     from jaxnitro.data.loader import InlineFeed, Prefetcher
@@ -222,7 +222,11 @@ class _Cursor:
         if self.profile.before_dispatch(self.step):
             self.n.display.line(f"profiling steps {self.step + 1}.. into {self.profile.dir}")
         t0 = time.perf_counter()
-        self.leaves, out = compiled(self.leaves, call.batch, self.extras, call.hyper)
+        try:
+            self.leaves, out = compiled(self.leaves, call.batch, self.extras, call.hyper)
+        except Exception as e:  # an earlier call's failure surfaces here: name its step
+            oom.at_steps(e, failed_call(self.pending) or (self.step + 1, self.step + call.steps))
+            raise
         self.time.dispatch_s += time.perf_counter() - t0
         self.batch += call.steps * self.spec.accum
         self.step += call.steps
@@ -278,7 +282,12 @@ class _Cursor:
         self.clock = now
         self.fire = step_events.has_callbacks(self.n.services.step_callbacks)
         members = self.spec.population is not None
-        hosts = read_back(items, on_host=self.on_host)
+        try:
+            hosts = read_back(items, on_host=self.on_host)
+        except Exception as e:
+            first = (items[0].step - items[0].steps + 1, items[0].step)
+            oom.at_steps(e, failed_call(items) or first)
+            raise
         self.time.readback_s += time.perf_counter() - now  # blocked on the device, mostly
         if step_s is not None:  # per chunk: the rates each of its step lines carries
             self.rates = self.throughput().rates(1, step_s)
