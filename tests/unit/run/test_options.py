@@ -444,3 +444,33 @@ def test_a_sweep_starts_from_a_config_file(work):
     written = tomllib.loads((runs[1] / "config.toml").read_text())
     assert written["fields"] == {"width": 8, "smoothing": 0.1, "sizes": [1, 2]}
     assert written["options"]["max_epochs"] == 1 and written["options"]["val_every"] == 2
+
+
+# -- one vocabulary for booleans (core/words.py) ---------------------------------------------
+BOOL_OPTIONS = [o.name for o in options.OPTIONS if o.value and "bool" in o.type]
+
+
+@pytest.mark.parametrize("name", BOOL_OPTIONS)
+def test_every_bool_option_reads_the_one_vocabulary(name):
+    from jaxnitro.cli.values import parse
+    from jaxnitro.core.words import FALSE_WORDS, TRUE_WORDS
+
+    o = options.BY_NAME[name]
+    for words, meant in ((TRUE_WORDS, True), (FALSE_WORDS, False)):
+        for word in (*words, *(w.upper() for w in words)):
+            assert o.check(o.parse(word)) == meant, (name, word)
+            assert parse(bool, word) is meant  # a bool field: the same words
+
+
+def test_bool_words_as_flag_values_and_resume_words_are_not_paths(work):
+    code, out = _print_config(
+        work, "exp.py:Small", "--log-grad-norm", "y", "--ema-warmup=off", "--resume", "on"
+    )
+    assert code == 0, out
+    printed = tomllib.loads(out)["options"]
+    assert printed["log_grad_norm"] is True and printed["ema_warmup"] is False
+    assert printed["resume"] is True  # not the checkpoint path 'on'
+    for word, meant in (("1", True), ("0", False), ("auto", "auto"), ("./on", "./on")):
+        assert options.BY_NAME["resume"].parse(word) == meant
+    code, out = _print_config(work, "exp.py:Small", "--log-grad-norm=maybe")
+    assert code == 2 and "true/yes/y/on/1" in out, out
