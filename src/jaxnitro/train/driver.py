@@ -179,7 +179,7 @@ def _train(n: Nitro) -> TrainResult:
         with contextlib.suppress(Exception):  # a pending write still lands (or says why not)
             _wait_for_checkpoint(n)
         set_phase(n, "Failed", info={"error": repr(e)})
-        n.logger.finish("error", error=repr(e), step=n.step, epoch=n.epoch)
+        n.logger.finish("error", error=repr(e), step=n.step, epoch=n.progress.epoch_number)
         n.display.close()
         raise
     n.services.control.clear()
@@ -195,7 +195,7 @@ def _train(n: Nitro) -> TrainResult:
         stop_reason,
         stop_reason=stop_reason,
         step=n.step,
-        epoch=n.epoch,
+        epoch=n.progress.epoch_number,
         programs_compiled=total,
         programs_loaded=loaded,
         steps_per_s=rate,

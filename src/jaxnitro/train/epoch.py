@@ -450,7 +450,9 @@ def mid_epoch(
     position, so a resume from it continues mid-epoch exactly. `requested`: the user asked
     for the checkpoint (retention keeps it)."""
     clock = clock if clock is not None else EpochClock()
-    row: dict[str, Any] = {"epoch": epoch + 1, "step": n.step}
+    # the epoch of the last step taken: a checkpoint asked for before an epoch's first step
+    # has the name of the previous epoch's end, at the same step
+    row: dict[str, Any] = {"epoch": n.progress.epoch_number, "step": n.step}
     if validate and "val" in n.spec.splits:
         t0 = time.perf_counter()
         row.update(validation(n))
