@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import os
 import re
 import shutil
@@ -147,6 +148,22 @@ class TopKCheckpointer:
         self._pending: concurrent.futures.Future | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
+    def configured(self) -> TopKCheckpointer:
+        """A copy with these settings (k, metric, mode, dir), bound to no run: what a handle
+        checkpoints with (`n.checkpointer`), so the object passed as `checkpointer=` is never
+        changed and may configure several runs.
+
+        Example:
+            >>> ck = jn.TopKCheckpointer(k=2)
+            >>> n = jn.Nitro(exp, checkpointer=ck)
+            >>> n.checkpointer is ck, ck.dir
+            (False, None)
+        """
+        fresh = copy.copy(self)
+        fresh._bound, fresh._writer, fresh.run_id = False, True, None
+        fresh._pending, fresh._executor = None, None
+        return fresh
+
     def monitor(self, metric: str) -> None:
         """Rank by `metric`: setup's choice when the user named none and the default
         (`val_loss`) is not among what validation produces."""
@@ -204,7 +221,9 @@ class TopKCheckpointer:
         if not self._bound:
             if self.dir is None:
                 raise CheckpointError(
-                    "TopKCheckpointer has no directory; call bind(run_dir) or pass dir="
+                    "TopKCheckpointer has no directory; call bind(run_dir) or pass dir=. "
+                    "A checkpointer passed to jn.Nitro(checkpointer=...) is left as it was: "
+                    "the run's checkpoints are n.checkpointer.best() and .latest()."
                 )
             self.bind(self.dir)
         return self.dir  # type: ignore[return-value]

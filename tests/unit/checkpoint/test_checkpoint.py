@@ -281,3 +281,13 @@ def test_save_refuses_bad_counters(tmp_path, epoch, step):
     ck = jn.TopKCheckpointer(dir=tmp_path)
     with pytest.raises(jn.CheckpointError, match="ints >= 0; pass the run's counters"):
         ck.save(epoch=epoch, step=step, metrics={}, trees={}, meta={})
+
+
+def test_the_checkpointer_passed_is_not_changed_and_configures_several_runs(tmp_path):
+    ck = TopKCheckpointer(k=2, metric="val_loss")
+    a = nitro(Tiny(), run_dir=tmp_path / "a", checkpointer=ck)
+    b = nitro(Tiny(), run_dir=tmp_path / "b", checkpointer=ck)
+    assert (ck.dir, ck.run_id, ck.metric) == (None, None, "val_loss")
+    assert a.checkpointer.dir == tmp_path / "a" / "checkpoints"
+    assert b.checkpointer.dir == tmp_path / "b" / "checkpoints"  # not run a's directory
+    assert a.checkpointer.k == b.checkpointer.k == 2

@@ -95,7 +95,7 @@ def test_validation_uses_the_average_and_both_logs_the_raw_weights(run_dir):
     assert row["val_raw_loss"] == raw_val["val_loss"] and row["val_raw_acc"] == raw_val["acc"]
     assert row["val_loss"] != row["val_raw_loss"]
     # the checkpointer ranked by the metrics of the weights it validated with
-    _, meta = jn.load_checkpoint(ck.best())
+    _, meta = jn.load_checkpoint(n.checkpointer.best())
     assert meta["metrics"]["val_loss"] == min(r["val_loss"] for r in result.history)
     assert meta["weights"] == "ema"
     # ema_eval=False: validation (and the default of predict/evaluate) is the raw weights
@@ -312,7 +312,7 @@ def test_the_checkpointer_may_rank_by_the_raw_weights_metrics(run_dir):
     result = jn.train(
         nitro(Tiny(max_epochs=2), run_dir=run_dir, checkpointer=ck, ema=0.9, ema_eval="both")
     )
-    _, meta = jn.load_checkpoint(ck.best())
+    _, meta = jn.load_checkpoint(result.best_checkpoint)
     assert meta["metrics"]["val_raw_loss"] == min(r["val_raw_loss"] for r in result.history)
 
 

@@ -104,6 +104,8 @@ def test_topk_keeps_k_best_plus_newest(run_dir):
     ck = jn.TopKCheckpointer(k=2, metric="val_loss", mode="max")  # "max" so newest is not best
     n = nitro(Tiny(max_epochs=5), run_dir=run_dir, checkpointer=ck)
     result = jn.train(n)
+    assert ck.dir is None  # the object passed is left as it was; the handle has a copy
+    ck = n.checkpointer
     losses = [row["val_loss"] for row in result.history]
     best2 = sorted(range(5), key=lambda i: -losses[i])[:2]
     keep = sorted(set(best2) | {4})
