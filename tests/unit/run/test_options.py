@@ -298,6 +298,13 @@ def _toml(work: Path, name: str, body: dict) -> Path:
     return path
 
 
+def _used(printed: dict) -> dict:
+    """The option values a printed config gives the run: [options], and the fields named like
+    an option that [options] leaves out (a field sets its option: written once)."""
+    named = {k: v for k, v in printed["fields"].items() if k in options.NAMES}
+    return {**named, **printed["options"]}
+
+
 def test_every_value_option_as_flag_file_and_field_with_precedence(work):
     # default: no flag, no file, no field
     code, out = _print_config(work, "exp.py:Small")
@@ -307,23 +314,23 @@ def test_every_value_option_as_flag_file_and_field_with_precedence(work):
     # a flag each
     code, out = _print_config(work, "exp.py:Small", *_flag_args(OTHER))
     assert code == 0, out
-    assert tomllib.loads(out)["options"] == {**printed["options"], **OTHER}
+    assert _used(tomllib.loads(out)) == {**_used(printed), **OTHER}
     # the file each, then flags win over it
     path = _toml(work, "all.toml", {"target": "exp.py:Small", "options": GOOD})
     code, out = _print_config(work, "--config", str(path))
     assert code == 0, out
-    assert tomllib.loads(out)["options"] == {**printed["options"], **GOOD}
+    assert _used(tomllib.loads(out)) == {**_used(printed), **GOOD}
     code, out = _print_config(work, "--config", str(path), *_flag_args(OTHER))
     assert code == 0, out
-    assert tomllib.loads(out)["options"] == {**printed["options"], **OTHER}
+    assert _used(tomllib.loads(out)) == {**_used(printed), **OTHER}
     # fields named like the options: a field sets it, the file wins over the field
     code, out = _print_config(work, "exp.py:Fielded")
     assert code == 0, out
-    assert tomllib.loads(out)["options"] == {**printed["options"], **GOOD}
+    assert _used(tomllib.loads(out)) == {**_used(printed), **GOOD}
     path = _toml(work, "over.toml", {"target": "exp.py:Fielded", "options": OTHER})
     code, out = _print_config(work, "--config", str(path))
     assert code == 0, out
-    assert tomllib.loads(out)["options"] == {**printed["options"], **OTHER}
+    assert _used(tomllib.loads(out)) == {**_used(printed), **OTHER}
 
 
 @pytest.mark.parametrize("name", VALUE)
@@ -400,7 +407,8 @@ def test_a_python_run_writes_its_config(run_dir):
     jn.train(n)
     text = (run_dir / "config.toml").read_text()
     written = tomllib.loads(text)
-    assert written["options"]["val_every"] == 3 and written["options"]["max_epochs"] == 1
+    assert written["fields"]["val_every"] == 3 and "val_every" not in written["options"]
+    assert written["options"]["max_epochs"] == 1  # the keyword over the field: both written
     assert written["fields"]["width"] == 16 and written["target"].endswith(":Fielded")
     assert "# not written (no TOML value): options.logger = a JSONLogger" in text
     assert config.read(run_dir / "config.toml")["options"]["seed"] == 42
@@ -474,3 +482,15 @@ def test_bool_words_as_flag_values_and_resume_words_are_not_paths(work):
         assert options.BY_NAME["resume"].parse(word) == meant
     code, out = _print_config(work, "exp.py:Small", "--log-grad-norm=maybe")
     assert code == 2 and "true/yes/y/on/1" in out, out
+
+
+def test_an_option_a_field_sets_is_written_once(work):
+    code, out = _print_config(work, "exp.py:Fielded")
+    assert code == 0, out
+    printed = tomllib.loads(out)
+    both = set(printed["fields"]) & set(printed["options"])
+    assert not both, f"{sorted(both)} under both [fields] and [options]"
+    code, out = _print_config(work, "exp.py:Fielded", "--max-epochs", "7")
+    assert code == 0, out
+    printed = tomllib.loads(out)  # the flag sets the field, which sets the option
+    assert printed["fields"]["max_epochs"] == 7 and "max_epochs" not in printed["options"]
