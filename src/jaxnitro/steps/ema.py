@@ -202,7 +202,7 @@ def pick(n: Nitro, weights: str | None) -> tuple[Any, Any]:
     if n.spec.weights_loaded == "ema" and n.progress.step == 0:
         # checkpoint=..., weights="ema" loaded the average as the model's weights; the raw
         # ones stayed on disk, and untrained since, the params are the average
-        if named == "ema":
+        if weights_setting(weights) != "raw":
             return ts.params, ts.state
         raise ConfigError(
             f"weights='raw', but this handle loaded the weight average of checkpoint "
