@@ -105,7 +105,10 @@ class History:
         if not self.metric:
             return f"History({len(self.rows)} rows)"
         if i is None:
-            return f"History({len(self.rows)} rows; no row has {self.metric})"
+            return (
+                f"History({len(self.rows)} rows; best by {self.mode} {self.metric}: None, "
+                f"no row has a finite {self.metric})"
+            )
         value = self.rows[i][self.metric]
         shown = f"{value:.4g}" if isinstance(value, float) else repr(value)
         return (
