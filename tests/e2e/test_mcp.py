@@ -303,3 +303,15 @@ def test_mcp_over_streamable_http(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_set_device_of_a_graphconst_field_and_setup_say_what_the_python_api_says(tmp_path):
+    epochs = "\n\n@jn.experiment\nclass Epochs(Small):\n    max_epochs: int = 2\n"
+    (tmp_path / "exp.py").write_text(EXPERIMENT + epochs)
+    ws = Workspace(tmp_path)
+    run = ws.setup("exp.py:Epochs", options={"max_epochs": 3})
+    assert run["max_epochs"] == 3
+    field = run["fields"]["max_epochs"]  # the field's own value, and the one the run uses
+    assert field["run_uses"] == 3 and field["value"] == 2
+    with pytest.raises(jn.ConfigError, match=r"GraphConst field 'width': it is baked into"):
+        ws.set_device(run["id"], {"width": 4})

@@ -31,8 +31,17 @@ def newest(rows: list[dict]) -> dict | None:
 
 
 def kept(rows: list[dict], *, k: int, metric: str, mode: str) -> set[str]:
-    """Names of the rows retention keeps: the `k` best by `metric` and the newest."""
+    """Names of the rows retention keeps: the `k` best by `metric`, the newest, and every
+    checkpoint the user asked for (`requested`: `handle.checkpoint()`, the MCP `checkpoint`
+    tool), which stays until the user deletes its directory.
+
+    Example:
+        >>> rows = [{"name": "a", "step": 1, "requested": True}, {"name": "b", "step": 2}]
+        >>> sorted(kept(rows, k=1, metric="val_loss", mode="min"))
+        ['a', 'b']
+    """
     last = newest(rows)
     if last is None:
         return set()
-    return {r["name"] for r in ranked(rows, metric, mode)[:k]} | {last["name"]}
+    asked = {r["name"] for r in rows if r.get("requested")}
+    return {r["name"] for r in ranked(rows, metric, mode)[:k]} | {last["name"]} | asked

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import os
 import re
 import shutil
@@ -105,6 +106,10 @@ def _write_atomically(root: Path, name: str, trees: dict[str, Any], record: dict
 class TopKCheckpointer:
     """Keep the ``k`` best checkpoints by ``metric`` (``mode`` "min"/"max") plus the newest.
 
+    A checkpoint saved with ``meta={"requested": True}`` (what ``handle.checkpoint()`` and the
+    MCP ``checkpoint`` tool write) is kept as well, whatever its score, until the user deletes
+    its directory; its manifest row says ``"requested": true``.
+
     Args:
         k: how many of the best checkpoints to keep (the newest is kept as well).
         metric: the metric to rank by, a key of the ``metrics`` given to ``save``.
@@ -142,6 +147,22 @@ class TopKCheckpointer:
         # A background save (save(..., background=True)): at most one in flight.
         self._pending: concurrent.futures.Future | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def configured(self) -> TopKCheckpointer:
+        """A copy with these settings (k, metric, mode, dir), bound to no run: what a handle
+        checkpoints with (`n.checkpointer`), so the object passed as `checkpointer=` is never
+        changed and may configure several runs.
+
+        Example:
+            >>> ck = jn.TopKCheckpointer(k=2)
+            >>> n = jn.Nitro(exp, checkpointer=ck)
+            >>> n.checkpointer is ck, ck.dir
+            (False, None)
+        """
+        fresh = copy.copy(self)
+        fresh._bound, fresh._writer, fresh.run_id = False, True, None
+        fresh._pending, fresh._executor = None, None
+        return fresh
 
     def monitor(self, metric: str) -> None:
         """Rank by `metric`: setup's choice when the user named none and the default
@@ -200,7 +221,9 @@ class TopKCheckpointer:
         if not self._bound:
             if self.dir is None:
                 raise CheckpointError(
-                    "TopKCheckpointer has no directory; call bind(run_dir) or pass dir="
+                    "TopKCheckpointer has no directory; call bind(run_dir) or pass dir=. "
+                    "A checkpointer passed to jn.Nitro(checkpointer=...) is left as it was: "
+                    "the run's checkpoints are n.checkpointer.best() and .latest()."
                 )
             self.bind(self.dir)
         return self.dir  # type: ignore[return-value]
@@ -217,6 +240,8 @@ class TopKCheckpointer:
             "metrics": info["metrics"],
             "time": info["time"],
             "run_id": run_id if isinstance(run_id, str) else None,
+            # asked for by the user: retention keeps it (`retention.kept`)
+            "requested": info.get("meta", {}).get("requested") is True,
         }
 
     def _rows_from(self, dirs: list[Path]) -> list[dict]:

@@ -141,14 +141,7 @@ class Workspace:
             "id": run_id,
             "run_dir": str(n.run_dir),
             "experiment": cls.__name__,
-            "fields": {
-                f.name: {
-                    "marker": f.marker,
-                    "type": values_mod.type_name(f.type),
-                    "value": _value_json(getattr(exp, f.name)),
-                }
-                for f in _fields(cls)
-            },
+            "fields": {f.name: _field_entry(f, exp, resolved) for f in _fields(cls)},
             "max_epochs": n.max_epochs,
             "total_steps": n.spec.total_steps,
             "splits": sorted(n.spec.splits),
@@ -236,9 +229,12 @@ class Workspace:
         return {"id": run_id, "checkpoint": None if path is None else str(path)}
 
     def set_device(self, run_id: str, values: dict[str, Any]) -> dict[str, Any]:
-        from jaxnitro.run.live import set_device
+        from jaxnitro.run.live import checked_device, set_device
 
         n = self._nitro(run_id)
+        other = {f.name for f in _fields(n.experiment) if f.marker != DEVICE}
+        if other & set(values):  # a GraphConst or host field: what the Python API says
+            checked_device(n, {k: values[k] for k in values if k in other})
         infos = {f.name: f for f in _fields(n.experiment) if f.marker == DEVICE}
         given = {k: self._field_json(infos, k, v) for k, v in values.items()}
         handle = self._handles.get(run_id)
@@ -344,6 +340,17 @@ def _array(value: Any) -> np.ndarray:
     if arr.dtype == np.float64 and not jax.config.read("jax_enable_x64"):
         arr = arr.astype(np.float32)
     return arr
+
+
+def _field_entry(f: Any, exp: Any, resolved: Mapping[str, Any]) -> dict[str, Any]:
+    """A field as `setup` shows it; a field named like a value option that the option's
+    keyword overrides (`options.max_epochs` over the field) says what the run uses."""
+    value = getattr(exp, f.name)
+    entry = {"marker": f.marker, "type": values_mod.type_name(f.type), "value": _value_json(value)}
+    option = opts.BY_NAME.get(f.name)
+    if option is not None and option.reads_field and resolved[f.name] != value:
+        entry["run_uses"] = _value_json(resolved[f.name])  # jn.Nitro's keyword wins
+    return entry
 
 
 def _value_json(value: Any) -> Any:

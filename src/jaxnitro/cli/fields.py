@@ -18,6 +18,7 @@ from click.core import ParameterSource
 from jaxnitro.cli.target import load_target, looks_like_target
 from jaxnitro.cli.values import FieldType, ListOf, supported
 from jaxnitro.core.errors import ConfigError, closest
+from jaxnitro.core.words import bool_word, vocabulary
 from jaxnitro.experiment.markers import DEVICE, GRAPH, HOST, FieldInfo, fields
 from jaxnitro.run import config, options
 
@@ -117,6 +118,7 @@ class ExperimentCommand(click.Command):
             taken = {o for p in self.params for o in p.opts}
             ctx.meta[CLASS] = cls
             ctx.meta[FIELDS] = field_options(cls, sweep=self.sweep, taken=taken)
+        args = _flag_words(args, self.get_params(ctx))
         try:
             return super().parse_args(ctx, args)
         except click.NoSuchOption as e:
@@ -184,6 +186,40 @@ class ExperimentCommand(click.Command):
             formatter.write_paragraph()
             formatter.write_text(f"Not settable from the shell (type or name): {', '.join(hidden)}")
         _format_presets(cls, formatter)
+
+
+def _flag_words(args: list[str], params: list[click.Parameter]) -> list[str]:
+    """A bool flag given a word of the bool vocabulary (`--log-grad-norm y`, `--shuffle=off`,
+    `core.words`) as the flag it means (`--log-grad-norm`, `--no-shuffle`): every bool, field
+    or option, reads the same words as a config file's or an MCP value."""
+    pairs = {
+        o: (p.opts[0], p.secondary_opts[0])
+        for p in params
+        if isinstance(p, click.Option) and p.is_flag and p.secondary_opts
+        for o in p.opts
+    }
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        if tok == "--":
+            return out + args[i:]
+        name, eq, text = tok.partition("=")
+        pair = pairs.get(name)
+        if pair is not None and eq:
+            word = bool_word(text)
+            if word is None:
+                raise click.BadParameter(
+                    f"{text!r} is not a bool; use {vocabulary()}", param_hint=name
+                )
+            out.append(pair[0] if word else pair[1])
+        elif pair is not None and i + 1 < len(args) and bool_word(args[i + 1]) is not None:
+            out.append(pair[0] if bool_word(args[i + 1]) else pair[1])
+            i += 1
+        else:
+            out.append(tok)
+        i += 1
+    return out
 
 
 def _config_path(args: list[str]) -> Path | None:

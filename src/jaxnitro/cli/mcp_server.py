@@ -151,7 +151,8 @@ def _run_tools(ws: Workspace, tool: Callable) -> None:
 
     @tool
     def checkpoint(run_id: RunId, timeout: float = 300.0) -> dict[str, Any]:
-        """Write a checkpoint at the next step boundary without stopping; returns its path."""
+        """Write a checkpoint at the next step boundary without stopping; returns its path.
+        Retention keeps it until the user deletes it."""
         return ws.checkpoint(run_id, timeout)
 
     @tool

@@ -16,10 +16,9 @@ from typing import Any
 
 import click
 
+from jaxnitro.core.words import bool_word, vocabulary
 from jaxnitro.experiment.markers import FieldInfo
 
-_TRUE = ("true", "1", "yes", "y", "on")
-_FALSE = ("false", "0", "no", "n", "off")
 _CONTAINERS = (tuple, list, set, frozenset, dict)
 
 
@@ -75,10 +74,10 @@ def parse(typ, text: str) -> Any:
 
 def _scalar(typ, text: str) -> Any:
     if typ is bool:
-        low = text.strip().lower()
-        if low in _TRUE or low in _FALSE:
-            return low in _TRUE
-        raise ValueError("expected true or false")
+        word = bool_word(text)
+        if word is not None:
+            return word
+        raise ValueError(f"expected {vocabulary()}")
     if typ is int:
         try:
             return int(text.replace("_", ""))

@@ -20,8 +20,10 @@ if TYPE_CHECKING:
     from jaxnitro.run.nitro import Nitro
 
 
-def provenance(n: Nitro, exported) -> dict:
-    """The manifest's ``provenance``: what made the bundle, enough to rebuild or audit it."""
+def provenance(n: Nitro, exported, weights: str = "raw") -> dict:
+    """The manifest's ``provenance``: what made the bundle, enough to rebuild or audit it.
+    `weights` ("raw" or "ema") is which weights the bundle holds; the checkpoint's scores
+    are those of these weights."""
     spec = n.spec
     versions = compat.versions()
     return {
@@ -39,14 +41,16 @@ def provenance(n: Nitro, exported) -> dict:
         "step": n.step,
         "epoch": n.epoch,
         "run_dir": str(spec.run_dir),
-        "checkpoint": source_checkpoint(n),
+        "weights": weights,
+        "checkpoint": source_checkpoint(n, weights),
         "git": git_state(Path(spec.run_dir)),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 
-def source_checkpoint(n: Nitro) -> dict | None:
-    """The run's checkpoint holding exactly these weights (its step is the handle's), or None."""
+def source_checkpoint(n: Nitro, weights: str = "raw") -> dict | None:
+    """The run's checkpoint holding exactly these weights (its step is the handle's), or None;
+    its `metrics` are the scores of `weights` (`scores_of`)."""
     try:
         rows = n.checkpointer.records()
     except (AttributeError, NotImplementedError):  # checkpointer=False
@@ -65,5 +69,28 @@ def source_checkpoint(n: Nitro) -> dict | None:
         "path": str(where / row["path"]),
         "step": row["step"],
         "epoch": row.get("epoch"),
-        "metrics": jsonable(row.get("metrics", {})),
+        "metrics": jsonable(scores_of(row.get("metrics", {}), weights, validated(n))),
     }
+
+
+def validated(n: Nitro) -> str:
+    """Which weights the run's validation scored: its `val_*` metrics ("ema" or "raw")."""
+    return n.spec.ema.validates if n.spec.ema is not None else "raw"
+
+
+def scores_of(metrics: dict, weights: str, scored: str) -> dict:
+    """The checkpoint's metrics that score `weights`, where validation scored `scored`:
+    `val_*` as they are when they match, else the `val_raw_*` of `ema_eval="both"` renamed
+    to `val_*` (raw weights), else none; metrics of training (`train_loss`) are kept.
+
+    Example:
+        >>> scores_of({"val_loss": 1.0, "val_raw_loss": 2.0, "train_loss": 3.0}, "raw", "ema")
+        {'train_loss': 3.0, 'val_loss': 2.0}
+    """
+    out = {k: v for k, v in metrics.items() if not k.startswith("val_")}
+    if weights == scored:
+        out.update({k: v for k, v in metrics.items() if k.startswith("val_")
+                    and not k.startswith("val_raw_")})  # fmt: skip
+    elif weights == "raw":
+        out.update({f"val_{k[8:]}": v for k, v in metrics.items() if k.startswith("val_raw_")})
+    return out

@@ -190,7 +190,7 @@ def _build(
             "bytes": int(sum(a.nbytes for a in arrays.values())),
             "prng_keys": {k: str(v) for k, v in weights.prng.items()},
         },
-        "provenance": provenance(n, exported),
+        "provenance": provenance(n, exported, ema.which(n, which)),
         "files": {k: file_entry(v) for k, v in files.items()},
     }
     return manifest, files, wire

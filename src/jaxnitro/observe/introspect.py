@@ -19,6 +19,7 @@ from jaxnitro.compile.programs import check_stale
 from jaxnitro.core.units import format_bytes
 from jaxnitro.experiment.markers import fields
 from jaxnitro.observe import timing
+from jaxnitro.observe.display import in_notebook
 from jaxnitro.observe.runs import run_rows
 
 if TYPE_CHECKING:
@@ -101,8 +102,11 @@ class Inspection:
         parts.append(self.time_split)
         return "\n\n".join(p for p in parts if p)
 
-    def _repr_html_(self) -> str:
-        """A notebook's view: each part a block, the compile report's programs a table."""
+    def _repr_html_(self) -> str | None:
+        """A notebook's view: each part a block, the compile report's programs a table
+        (None once `jn.inspect` showed it: the cell's value is then the one-line note)."""
+        if self._shown:
+            return None
         parts = [
             ("binding", self.binding),
             ("groups", self.groups),
@@ -137,8 +141,9 @@ class Inspection:
 def inspect(n: Nitro, *, show: bool = True) -> Inspection:
     """Print the binding report, parameter groups, compile report and memory plan.
 
-    Prints once: the returned report, printed again (`print(jn.inspect(n))`), is only a
-    one-line note; `show=False` returns it unprinted, its `str()` the whole text.
+    Shows it once: printed, or in a notebook displayed as HTML; the returned report, shown
+    again (`print(jn.inspect(n))`, or as a cell's value), is only a one-line note;
+    `show=False` returns it unshown, its `str()` the whole text and HTML in a notebook.
 
     Example:
         >>> report = jn.inspect(n, show=False)
@@ -158,8 +163,13 @@ def inspect(n: Nitro, *, show: bool = True) -> Inspection:
         time_split=_time_split(n),
     )
     if show:
-        text = result.text()
-        n.display.line(text) if n.display.mode != "off" else print(text)
+        if in_notebook():  # the HTML view, once: the cell's value is then a one-line note
+            from IPython.display import display  # the kernel loaded IPython already
+
+            display(result)
+        else:
+            text = result.text()
+            n.display.line(text) if n.display.mode != "off" else print(text)
         result._shown = True
     return result
 

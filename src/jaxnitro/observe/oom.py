@@ -50,12 +50,26 @@ def reported(n: Nitro, plan: MemoryPlan | None) -> Iterator[None]:
         raise report(n, plan, e) from e
 
 
+def at_steps(error: BaseException, steps: tuple[int, int]) -> None:
+    """Mark `error` with the optimizer steps (first, last) of the train call that failed:
+    with calls in flight, the error surfaces at a later dispatch or read-back, and the
+    handle's step is then the last dispatched, not the one that failed."""
+    with contextlib.suppress(AttributeError, TypeError):  # an exception without a __dict__
+        error._jaxnitro_steps = steps  # type: ignore[attr-defined]
+
+
+def _where(n: Nitro, error: BaseException) -> str:
+    """`step 3`, or `steps 1-4` for a fused call (`steps_per_call`), of the failed call."""
+    first, last = getattr(error, "_jaxnitro_steps", (n.step, n.step))
+    return f"step {first}" if first == last else f"steps {first}-{last} (one call)"
+
+
 def report(n: Nitro, plan: MemoryPlan | None, error: BaseException) -> OutOfMemoryError:
     """The `OutOfMemoryError` for `error`, raised by the caller `from error`."""
     phase = n.services.phases.current
     prog = _program(plan, phase)
     lines = [
-        f"out of device memory while {phase.lower()} (epoch {n.epoch + 1}, step {n.step})"
+        f"out of device memory while {phase.lower()} (epoch {n.epoch + 1}, {_where(n, error)})"
         + (f", in program '{prog.name}'" if prog is not None else "")
         + f": {_first_line(error)}"
     ]

@@ -87,9 +87,20 @@ class Goodput:
 HOST_SHARE = 0.2
 
 
-def host_bound_hint(split: dict[str, float], steps_per_call: int) -> str | None:
+#: The fewest train calls an epoch needs to measure the cost of dispatch: a run stopped after a
+#: step, or a short epoch, times its first read-backs and bookkeeping, not dispatch.
+HINT_MIN_CALLS = 16
+
+
+def host_bound_hint(
+    split: dict[str, float], steps_per_call: int, *, steps: int, profiled: bool = False
+) -> str | None:
     """A line when the driver's own Python took over `HOST_SHARE` of the train time (the
-    device then waits for dispatch), naming `steps_per_call`; None otherwise."""
+    device then waits for dispatch), naming `steps_per_call`; None otherwise, and None from
+    an epoch that does not measure it: fewer than `HINT_MIN_CALLS` calls of its `steps`, or
+    `profiled` (the profiler's start and stop ran on the driver's thread)."""
+    if profiled or steps < HINT_MIN_CALLS * steps_per_call:
+        return None
     host, device = split.get("host_s", 0.0), split.get("device_s", 0.0)
     if host + device <= 0 or host / (host + device) <= HOST_SHARE:
         return None

@@ -88,7 +88,8 @@ class RunHandle:
     def status(self) -> dict[str, Any]:
         """Where the run is, as a plain dict (JSON-ready).
 
-        Keys: `id`, `phase`, `epoch`, `max_epochs`, `step`, `total_steps`,
+        Keys: `id`, `phase`, `epoch` (that of the last step taken, 1-based: 0 before the
+        first; docs/training.md, "Counting"), `max_epochs`, `step`, `total_steps`,
         `steps_per_second` (since training began, compiles included), `eta_seconds`,
         `train` and `validation` (the latest metrics), `best_checkpoint`, `run_dir`,
         `stop_reason` and `error` once it ended.
@@ -104,7 +105,7 @@ class RunHandle:
         out: dict[str, Any] = {
             "id": self.id,
             "phase": n.phase,
-            "epoch": n.epoch,
+            "epoch": n.progress.epoch_number,  # as checkpoint names and logs count it
             "max_epochs": n.max_epochs,
             "step": step,
             "total_steps": total,
@@ -145,7 +146,10 @@ class RunHandle:
 
     def checkpoint(self, *, wait: bool = False, timeout: float | None = None) -> Path | None:
         """Write a checkpoint at the next step boundary without stopping. With `wait=True`,
-        returns its path once written (None: the run writes no checkpoints)."""
+        returns its path once written (None: the run writes no checkpoints).
+
+        Top-K retention keeps a checkpoint asked for this way, whatever its score, until you
+        delete its directory (its manifest row says `"requested": true`)."""
         future = self._commands.checkpoint()
         if not wait and not future.cancelled():
             return None
@@ -195,7 +199,7 @@ def start(n: Nitro) -> RunHandle:
 class RunTable(list):
     """`jn.runs()`: a list of `jn.RunHandle`s that prints as a table (HTML in a notebook)."""
 
-    _HEADER = ("id", "phase", "epoch", "step", "steps/s", "latest metrics")
+    _HEADER = ("id", "phase", "stop reason", "epoch", "step", "steps/s", "latest metrics")
 
     def rows(self) -> list[tuple]:
         out = []
@@ -209,7 +213,8 @@ class RunTable(list):
             out.append(
                 (
                     s["id"],
-                    s["stop_reason"] or s["phase"],
+                    s["phase"],
+                    s["stop_reason"] or "",
                     s["epoch"],
                     s["step"],
                     "" if rate is None else f"{rate:.1f}",

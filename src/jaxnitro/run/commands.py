@@ -129,7 +129,7 @@ def _apply(queue: Commands, epoch: Any, checkpoint: Callable[..., None]) -> None
     if futures:
         epoch.drain(len(epoch.pending))  # the checkpoint holds every step dispatched
         try:
-            checkpoint(n, epoch.epoch, validate=False, save=True)
+            checkpoint(n, epoch.epoch, validate=False, save=True, requested=True)
         except BaseException as e:
             for future in futures:
                 future.set_exception(e)

@@ -68,7 +68,9 @@ def toml_value(value: Any) -> Any:
 
 def run_config(exp: Experiment, given: Mapping[str, Any]) -> dict[str, Any]:
     """The resolved config of `jn.Nitro(exp, **given)`: target, every field, every value
-    option (keyword > field > default); values TOML cannot hold go to `not_written`."""
+    option (keyword > field > default) but those a field of the same name sets to the same
+    value (`max_epochs`: under [fields] only); values TOML cannot hold go to
+    `not_written`."""
     raw = options.resolve(exp, given)
     if raw["run_dir"] is None:
         raw["run_dir"] = f"runs/{type(exp).__name__}"
@@ -83,6 +85,8 @@ def run_config(exp: Experiment, given: Mapping[str, Any]) -> dict[str, Any]:
     out_options: dict[str, Any] = {}
     for o in options.OPTIONS:
         value = toml_value(raw[o.name]) if o.value else _SKIP
+        if o.reads_field and o.name in out_fields and out_fields[o.name] == value:
+            continue  # the field sets it: one entry, under [fields], not two
         if value is not _SKIP:
             out_options[o.name] = value
         elif raw[o.name] is not None and (given.get(o.name) is not None or o.value):

@@ -149,7 +149,8 @@ class Nitro:
 
     @property
     def epoch(self) -> int:
-        """Completed epochs."""
+        """Completed epochs (the loop's count; reports name `progress.epoch_number`, the
+        epoch of the last step taken)."""
         return self._progress.epoch
 
     @property

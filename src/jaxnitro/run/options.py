@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxnitro.core.errors import MODES, ConfigError, check_int, did_you_mean
 from jaxnitro.core.units import parse_bytes
+from jaxnitro.core.words import bool_word, vocabulary
 
 if TYPE_CHECKING:
     from jaxnitro.core.types import Experiment
@@ -404,14 +405,11 @@ def _early_stop(value: Any) -> Any:
 
 
 # -- command-line text -> value --------------------------------------------------------------
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
 def _bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low not in _TRUE + _FALSE:
-        raise ConfigError(f"{text!r} is not a bool; use true or false.")
-    return low in _TRUE
+    value = bool_word(text)
+    if value is None:
+        raise ConfigError(f"{text!r} is not a bool; use {vocabulary()}.")
+    return value
 
 
 def _int_text(text: str) -> int:
@@ -441,13 +439,20 @@ def _int_or_auto(text: str) -> int | str:
 
 
 def _resume_text(text: str) -> Any:
-    low = text.strip().lower()
-    return {"auto": "auto", "true": True, "yes": True, "false": False, "no": False}.get(low, text)
+    """'auto', a word of the bool vocabulary (`--resume on` is True, not a path named 'on'),
+    else a checkpoint path (write `./on` for a directory named like a bool word)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    word = bool_word(text)
+    return text if word is None else word
 
 
 def _progress_text(text: str) -> Any:
     low = text.strip().lower()
-    return {"auto": None, "true": True, "false": False}.get(low, low)
+    if low in ("auto", "rich", "plain"):
+        return None if low == "auto" else low
+    word = bool_word(low)  # "off" (and "no", "0") is False
+    return low if word is None else word
 
 
 def _names(text: str) -> list[str]:
@@ -556,7 +561,7 @@ OPTIONS: tuple[Option, ...] = (
         False,
         "bool | 'auto' | path",
         "'auto': continue from the newest checkpoint if any; True: one must exist; or a "
-        "checkpoint path.",
+        "checkpoint path (a bool word is the bool: ./on for a path named 'on').",
         _resume,
         _resume_text,
         "auto|true|false|PATH",
@@ -857,6 +862,21 @@ def markdown() -> str:
         "which wins over the default. A value option (an int, float, str, bool, path or list of "
         "them) is also a flag of `jaxnitro train` and `jaxnitro sweep` and an entry of a config "
         "file's `[options]` table; on the command line a flag wins over the config file.",
+        "",
+        "## Text to values",
+        "",
+        "Text becomes a value the same way on the command line, in a config file and over "
+        "MCP, for options and experiment fields alike, by the type each declares:",
+        "",
+        "- **bool**: one vocabulary, case-insensitive: `true`, `yes`, `y`, `on`, `1` and "
+        "`false`, `no`, `n`, `off`, `0` (`jaxnitro.core.words`). A bool flag takes it as "
+        "`--log-grad-norm y`, `--log-grad-norm=off`, or as the flag alone (`--log-grad-norm`, "
+        "`--no-log-grad-norm`).",
+        "- **bool | 'auto' | path** (`resume`): `auto`, then a bool word (`--resume on` and "
+        "`--resume 1` mean True: a checkpoint must exist), else a checkpoint path. A directory "
+        "named like a bool word is written as a path: `--resume ./on`.",
+        "- **int**, **float**: numbers as Python writes them (`1_000`, `1e-3`); **list**: "
+        "comma-separated (`--remat Block,Attention`); a field's **X | None**: `none`.",
         "",
         "| option | type | default | flag | what it does |",
         "| --- | --- | --- | --- | --- |",

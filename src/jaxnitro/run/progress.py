@@ -57,6 +57,21 @@ class Progress:
             self, epoch=self.epoch + 1, batch_in_epoch=0, data_state=None, epoch_loss=(0.0, 0)
         )
 
+    @property
+    def epoch_number(self) -> int:
+        """The epoch every report names (status, checkpoint names, logs, history, the
+        display): that of the last step taken, 1-based; 0 before the first. An epoch's end
+        and the next one's start before its first step are the same epoch (docs/training.md,
+        "Counting").
+
+        Example:
+            >>> Progress(epoch=1, batch_in_epoch=7).epoch_number  # inside the 2nd epoch
+            2
+            >>> Progress(epoch=2).epoch_number  # two epochs done, the 3rd not begun
+            2
+        """
+        return self.epoch + (1 if self.batch_in_epoch else 0)
+
     def where(self) -> str:
         """Where the run is, in words (for the resume and preemption lines).
 

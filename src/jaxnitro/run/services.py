@@ -193,7 +193,8 @@ class Services:
 def make_checkpointer(
     value: Any, *, default: Callable[[], Checkpointer]
 ) -> tuple[Checkpointer, bool]:
-    """(checkpointer, named by the user): None → `default()`, False → a `NoCheckpointer`."""
+    """(checkpointer, named by the user): None → `default()`, False → a `NoCheckpointer`, a
+    `TopKCheckpointer` → a copy of it (`configured`): the user's object is never changed."""
     from jaxnitro.checkpoint.store import TopKCheckpointer
     from jaxnitro.core.errors import ConfigError
 
@@ -206,7 +207,7 @@ def make_checkpointer(
             f"checkpointer must be a jn.TopKCheckpointer, got {type(value).__name__}. Pass "
             f"jn.TopKCheckpointer(...), or checkpointer=False to write none."
         )
-    return value, True
+    return value.configured(), True
 
 
 def check_resumable(checkpointer: Checkpointer, resume: Any) -> None:

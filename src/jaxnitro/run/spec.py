@@ -107,6 +107,7 @@ class RunSpec:
     show_curves: bool = False  # the curves shown inline when train returns (a notebook)
     resume_path: Path | None = None
     weights_path: Path | None = None  # checkpoint=: the weights were loaded from there
+    weights_loaded: str | None = None  # checkpoint=: which of its weights, "raw" or "ema"
     resumed_total_steps: int | None = None
     population: Population | None = None  # members trained in one program
     ema: Ema | None = None  # the weight average kept in TrainState.ema, or None (off)

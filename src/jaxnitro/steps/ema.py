@@ -181,15 +181,36 @@ def _moved(avg: Any, current: Any, decay: Any, keep: Any) -> PyTree:
     return jax.tree.map(one, avg, current)
 
 
+def which(n: Nitro, weights: str | None) -> str:
+    """The weights `weights=` names on this handle, "ema" or "raw" (None: those validation
+    uses; on a handle that loaded a checkpoint and has not trained, those it loaded)."""
+    weights = weights_setting(weights)
+    if weights is not None:
+        return weights
+    if n.spec.ema is not None:
+        return n.spec.ema.validates
+    loaded = n.spec.weights_loaded
+    return loaded if loaded is not None and n.progress.step == 0 else "raw"
+
+
 def pick(n: Nitro, weights: str | None) -> tuple[Any, Any]:
     """(params, model state) of the run for `weights` ("ema", "raw", or None: what
     validation used), cast back to the params' dtypes for the eval and predict programs."""
-    weights = weights_setting(weights)
+    named = which(n, weights)
     ema = n.spec.ema
     ts = n.train_state
-    if weights is None:
-        weights = ema.validates if ema is not None else "raw"
-    if weights == "raw":
+    if n.spec.weights_loaded == "ema" and n.progress.step == 0:
+        # checkpoint=..., weights="ema" loaded the average as the model's weights; the raw
+        # ones stayed on disk, and untrained since, the params are the average
+        if weights_setting(weights) != "raw":
+            return ts.params, ts.state
+        raise ConfigError(
+            f"weights='raw', but this handle loaded the weight average of checkpoint "
+            f"{n.spec.weights_path} (weights='ema', or its default): its raw weights were not "
+            f"loaded. Load them: jn.Nitro(exp, checkpoint={str(n.spec.weights_path)!r}, "
+            f"weights='raw')."
+        )
+    if named == "raw":
         return ts.params, ts.state
     if ema is None or ts.ema is None:
         raise ConfigError(

@@ -18,9 +18,15 @@ if TYPE_CHECKING:
 
 
 def save_checkpoint(
-    n: Nitro, row: dict, *, stop_reason: str | None = None, validated: bool = True
+    n: Nitro,
+    row: dict,
+    *,
+    stop_reason: str | None = None,
+    validated: bool = True,
+    requested: bool = False,
 ) -> float:
-    """Checkpoint the run at its current step; returns the seconds training stalled for it."""
+    """Checkpoint the run at its current step; returns the seconds training stalled for it.
+    `requested`: the user asked for it (`handle.checkpoint()`): retention keeps it."""
     spec, progress, ts = n.spec, n.progress, n.train_state
     metrics = {k: v for k, v in row.items() if isinstance(v, float)}
     meta = {
@@ -49,6 +55,8 @@ def save_checkpoint(
         ),
         "loggers": logger_state(n),
     }
+    if requested:
+        meta["requested"] = True
     trees = {"params": ts.params, "model_state": ts.state, "opt_state": ts.opt_state}
     if ts.ema is not None and spec.ema is not None:  # the average (not its decay: a setting)
         trees["ema"] = {k: v for k, v in ts.ema.items() if k != "decay"}

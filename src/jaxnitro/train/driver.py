@@ -179,7 +179,7 @@ def _train(n: Nitro) -> TrainResult:
         with contextlib.suppress(Exception):  # a pending write still lands (or says why not)
             _wait_for_checkpoint(n)
         set_phase(n, "Failed", info={"error": repr(e)})
-        n.logger.finish("error", error=repr(e), step=n.step, epoch=n.epoch)
+        n.logger.finish("error", error=repr(e), step=n.step, epoch=n.progress.epoch_number)
         n.display.close()
         raise
     n.services.control.clear()
@@ -195,7 +195,7 @@ def _train(n: Nitro) -> TrainResult:
         stop_reason,
         stop_reason=stop_reason,
         step=n.step,
-        epoch=n.epoch,
+        epoch=n.progress.epoch_number,
         programs_compiled=total,
         programs_loaded=loaded,
         steps_per_s=rate,
@@ -257,13 +257,21 @@ def _epochs(n: Nitro, good: Goodput) -> tuple[str, int, float, int]:
             steps_run, seconds_run = steps_run + len(done.losses), seconds_run + done.seconds
             split = _log_epoch_time(n, epoch, done)
             good.add(split)
-            hint = None if good.hinted else host_bound_hint(split, n.spec.steps_per_call)
+            hint = None if good.hinted else _hint(n, split, done.steps)
             if hint is not None:  # once a run
                 n.display.line(hint)
                 good.hinted = True
             if stop_reason != "completed":
                 break
     return stop_reason, steps_run, seconds_run, len(memory.programs)
+
+
+def _hint(n: Nitro, split: dict[str, float], steps: int) -> str | None:
+    """The host-bound hint from an epoch of `steps` steps that measured it (none traced by
+    the profiler: its start and stop count as the driver's time)."""
+    window, first = n.spec.profile, n.step - steps
+    profiled = window is not None and window[0] <= n.step and window[1] >= first
+    return host_bound_hint(split, n.spec.steps_per_call, steps=steps, profiled=profiled)
 
 
 def _report(n: Nitro, compiled: int, planned: int) -> None:

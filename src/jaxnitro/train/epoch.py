@@ -29,7 +29,7 @@ from jaxnitro.core.errors import NonFiniteLossError, warn_user
 from jaxnitro.core.jsonable import jsonable
 from jaxnitro.data import feed
 from jaxnitro.data import loader as data_mod
-from jaxnitro.observe import render, throughput
+from jaxnitro.observe import oom, render, throughput
 from jaxnitro.observe.events import steps as step_events
 from jaxnitro.observe.events.phases import set_phase
 from jaxnitro.observe.events.signals import PreemptionSync
@@ -42,7 +42,14 @@ from jaxnitro.run import commands
 from jaxnitro.run.progress import Progress
 from jaxnitro.train.checkpointing import save_checkpoint
 from jaxnitro.train.evaluation import is_scalar, validation
-from jaxnitro.train.readback import InFlight, StepRow, read_back, read_columns, step_rows
+from jaxnitro.train.readback import (
+    InFlight,
+    StepRow,
+    failed_call,
+    read_back,
+    read_columns,
+    step_rows,
+)
 
 if TYPE_CHECKING:
     from jaxnitro.data.loader import InlineFeed, Prefetcher
@@ -234,7 +241,11 @@ class _Cursor:
         if not profile.done and profile.before_dispatch(self.step):
             self.n.display.line(f"profiling steps {self.step + 1}.. into {profile.dir}")
         t0 = time.perf_counter()
-        self.leaves, out = compiled(self.leaves, call.batch, self.extras, call.hyper)
+        try:
+            self.leaves, out = compiled(self.leaves, call.batch, self.extras, call.hyper)
+        except Exception as e:  # an earlier call's failure surfaces here: name its step
+            oom.at_steps(e, failed_call(self.pending) or (self.step + 1, self.step + call.steps))
+            raise
         self.time.dispatch_s += time.perf_counter() - t0
         self.batch += call.steps * self.accum
         self.step += call.steps
@@ -292,8 +303,13 @@ class _Cursor:
         members = self.spec.population is not None
         # One row per step, built and logged per chunk; per step where a callback may see
         # each step as it is logged, or a population's rows are built per member.
-        columns = None if members or self.fire else read_columns(items, on_host=self.on_host)
-        hosts = None if columns is not None else read_back(items, on_host=self.on_host)
+        try:
+            columns = None if members or self.fire else read_columns(items, on_host=self.on_host)
+            hosts = None if columns is not None else read_back(items, on_host=self.on_host)
+        except Exception as e:
+            first = (items[0].step - items[0].steps + 1, items[0].step)
+            oom.at_steps(e, failed_call(items) or first)
+            raise
         self.time.readback_s += time.perf_counter() - now  # blocked on the device, mostly
         if step_s is not None:  # per chunk: the rates each of its step lines carries
             self.rates = self.throughput().rates(1, step_s)
@@ -521,12 +537,21 @@ class Cadence:
 
 
 def mid_epoch(
-    n: Nitro, epoch: int, *, validate: bool, save: bool, clock: EpochClock | None = None
+    n: Nitro,
+    epoch: int,
+    *,
+    validate: bool,
+    save: bool,
+    clock: EpochClock | None = None,
+    requested: bool = False,
 ) -> None:
     """Validation and/or a checkpoint inside an epoch: the checkpoint holds the batch
-    position, so a resume from it continues mid-epoch exactly."""
+    position, so a resume from it continues mid-epoch exactly. `requested`: the user asked
+    for the checkpoint (retention keeps it)."""
     clock = clock if clock is not None else EpochClock()
-    row: dict[str, Any] = {"epoch": epoch + 1, "step": n.step}
+    # the epoch of the last step taken: a checkpoint asked for before an epoch's first step
+    # has the name of the previous epoch's end, at the same step
+    row: dict[str, Any] = {"epoch": n.progress.epoch_number, "step": n.step}
     if validate and "val" in n.spec.splits:
         t0 = time.perf_counter()
         row.update(validation(n))
@@ -537,7 +562,7 @@ def mid_epoch(
         n._commit(progress=n.progress.with_row(row))
     if save:
         set_phase(n, "Checkpointing")
-        clock.checkpoint_stall_s += save_checkpoint(n, row)
+        clock.checkpoint_stall_s += save_checkpoint(n, row, requested=requested)
     set_phase(n, "Training")
 
 

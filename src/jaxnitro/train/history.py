@@ -94,7 +94,27 @@ class History:
         return html_table(columns, rows, marked=self.best_index, caption=caption)
 
     def __repr__(self) -> str:
-        return f"History({len(self.rows)} rows, best by {self.metric}={self.best_index})"
+        """`History(3 rows; best by max acc: rows[2], acc=0.91)`: the best row's index and
+        its value, never a value the metric could be mistaken for.
+
+        Example:
+            >>> History([{"acc": 0.5}, {"acc": 0.91}], metric="acc", mode="max")
+            History(2 rows; best by max acc: rows[1], acc=0.91)
+        """
+        i = self.best_index
+        if not self.metric:
+            return f"History({len(self.rows)} rows)"
+        if i is None:
+            return (
+                f"History({len(self.rows)} rows; best by {self.mode} {self.metric}: None, "
+                f"no row has a finite {self.metric})"
+            )
+        value = self.rows[i][self.metric]
+        shown = f"{value:.4g}" if isinstance(value, float) else repr(value)
+        return (
+            f"History({len(self.rows)} rows; best by {self.mode} {self.metric}: rows[{i}], "
+            f"{self.metric}={shown})"
+        )
 
 
 def _score(value: Any) -> float | None:

@@ -32,6 +32,18 @@ class InFlight(NamedTuple):
         return next(iter(self.out.values()), None)
 
 
+def failed_call(items: Sequence[InFlight]) -> tuple[int, int] | None:
+    """The optimizer steps (first, last) of the oldest call in `items` whose outputs hold an
+    error (an allocation that failed on the device), or None: each ran. Its error is why a
+    later dispatch or read-back raised; the last dispatched step is not."""
+    for item in items:
+        try:
+            jax.block_until_ready(item.out)
+        except Exception:  # noqa: BLE001 - any failure of the call's execution
+            return item.step - item.steps + 1, item.step
+    return None
+
+
 def _stacked(
     items: Sequence[InFlight], *, on_host: bool
 ) -> Iterator[tuple[int, list[str], np.ndarray]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import jax
@@ -107,6 +108,18 @@ def test_top_k_keeps_k_best_plus_newest(tmp_path, mode, scores, best_i):
     assert {r["name"] for r in read_manifest(ck.dir)} == expected
     assert ck.best() == paths[best_i] and ck.latest() == paths[5]
     assert [r["step"] for r in ck.records()] == [10, 30, 50]  # oldest first
+
+
+def test_a_requested_checkpoint_outlives_retention_until_deleted(tmp_path):
+    ck = TopKCheckpointer(k=1, metric="acc", mode="max", dir=tmp_path / "ck")
+    asked = ck.save(epoch=0, step=5, metrics={}, trees={"p": {"w": jnp.zeros(2)}},
+                    meta={"requested": True})  # fmt: skip
+    paths = [_save(ck, i, acc=0.1 * i) for i in range(1, 4)]
+    assert asked.exists() and not paths[0].exists()  # the scored ones still rotate
+    assert [r["requested"] for r in ck.records()] == [True, False]
+    shutil.rmtree(asked)  # the user removes it: forgotten, nothing else disturbed
+    _save(ck, 4, acc=0.0)
+    assert [r["step"] for r in ck.records()] == [30, 40]
 
 
 def test_without_metric_only_newest_is_kept(tmp_path):
@@ -268,3 +281,13 @@ def test_save_refuses_bad_counters(tmp_path, epoch, step):
     ck = jn.TopKCheckpointer(dir=tmp_path)
     with pytest.raises(jn.CheckpointError, match="ints >= 0; pass the run's counters"):
         ck.save(epoch=epoch, step=step, metrics={}, trees={}, meta={})
+
+
+def test_the_checkpointer_passed_is_not_changed_and_configures_several_runs(tmp_path):
+    ck = TopKCheckpointer(k=2, metric="val_loss")
+    a = nitro(Tiny(), run_dir=tmp_path / "a", checkpointer=ck)
+    b = nitro(Tiny(), run_dir=tmp_path / "b", checkpointer=ck)
+    assert (ck.dir, ck.run_id, ck.metric) == (None, None, "val_loss")
+    assert a.checkpointer.dir == tmp_path / "a" / "checkpoints"
+    assert b.checkpointer.dir == tmp_path / "b" / "checkpoints"  # not run a's directory
+    assert a.checkpointer.k == b.checkpointer.k == 2

@@ -25,3 +25,17 @@ def test_printing_what_inspect_returns_shows_the_report_once(run_dir, capsys):
     report = jn.inspect(n, show=False)
     assert capsys.readouterr().out == ""
     assert "forward() receives: x" in str(report) and str(report) == report.text()
+
+
+def test_in_a_notebook_inspect_shows_the_report_once(run_dir, capsys, monkeypatch):
+    import IPython.display
+
+    from jaxnitro.observe import introspect
+
+    shown: list[str] = []
+    monkeypatch.setattr(introspect, "in_notebook", lambda: True, raising=False)
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj._repr_html_()))
+    result = jn.inspect(nitro(Tiny(), run_dir=run_dir))
+    cell = result._repr_html_() or repr(result)  # what Jupyter shows as the cell's value
+    everything = capsys.readouterr().out + "".join(shown) + cell
+    assert everything.count("forward() receives: x") == 1, everything

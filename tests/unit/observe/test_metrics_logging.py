@@ -234,6 +234,7 @@ def test_history_best_by_min():
 def test_history_best_by_max():
     h = History(ROWS, metric="acc", mode="max")
     assert h.best_index == 1 and h.best["acc"] == 0.8
+    assert repr(h) == "History(3 rows; best by max acc: rows[1], acc=0.8)"  # not "acc=1"
     h = History(ROWS, metric="loss", mode="max")
     assert h.best["epoch"] == 1
 

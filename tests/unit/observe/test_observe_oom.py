@@ -27,14 +27,16 @@ HUGE = 2**46  # float32 elements: 256 TiB
 @jn.experiment
 class Greedy:
     max_epochs: int = 1
+    rows: int = 16  # 8 per batch
 
     def build_model(self, rng):
         return jn.split_model(Lin(nnx.Rngs(rng)))
 
     def build_data(self, dist):
         rng = np.random.default_rng(0)
-        x = rng.normal(size=(16, 8)).astype(np.float32)
-        return {"train": jn.DataLoader({"x": x, "y": np.zeros(16, np.int32)}, batch_size=8)}
+        x = rng.normal(size=(self.rows, 8)).astype(np.float32)
+        y = np.zeros(self.rows, np.int32)
+        return {"train": jn.DataLoader({"x": x, "y": y}, batch_size=8)}
 
     def forward(self, model, params, state, *, x):
         return jn.apply(model, params, state, x)
@@ -47,11 +49,12 @@ class Greedy:
 
 
 def test_an_allocation_failure_mid_run_is_reported_with_the_original_chained(tmp_path):
-    n = nitro(Greedy(), run_dir=tmp_path, checkpointer=False, memory_budget=2**62)
+    # an epoch of 4 steps: step 1 fails, and the report names it, not the last dispatched
+    n = nitro(Greedy(rows=32), run_dir=tmp_path, checkpointer=False, memory_budget=2**62)
     with pytest.raises(oom.OutOfMemoryError) as e:
         jn.train(n)
     text = str(e.value)
-    assert "out of device memory while training (epoch 1, step" in text
+    assert "out of device memory while training (epoch 1, step 1)" in text
     assert "in program 'train" in text
     assert re.search(r"temporaries [\d.]+ TiB", text), text  # the plan's figure for it
     assert "largest arrays alive:" in text and "parameters:" in text

@@ -262,8 +262,22 @@ def test_csv_and_tensorboard_get_the_epoch_split_and_throughput(tmp_path):
 def test_the_host_bound_hint_names_steps_per_call_past_a_fifth_of_the_step():
     from jaxnitro.observe.timing import host_bound_hint
 
-    hint = host_bound_hint({"host_s": 1.0, "device_s": 3.0}, 1)
+    hint = host_bound_hint({"host_s": 1.0, "device_s": 3.0}, 1, steps=100)
     assert hint is not None and "25% of the train time" in hint
     assert "steps_per_call=8 (now 1)" in hint
-    assert host_bound_hint({"host_s": 0.5, "device_s": 3.0}, 1) is None  # 14%: device-bound
-    assert "steps_per_call=32 (now 8)" in host_bound_hint({"host_s": 2.0, "device_s": 1.0}, 8)
+    assert (
+        host_bound_hint({"host_s": 0.5, "device_s": 3.0}, 1, steps=100) is None
+    )  # 14%: device-bound
+    assert "steps_per_call=32 (now 8)" in host_bound_hint(
+        {"host_s": 2.0, "device_s": 1.0}, 8, steps=800
+    )
+
+
+def test_the_host_bound_hint_comes_only_from_epochs_that_measure_dispatch():
+    from jaxnitro.observe.timing import host_bound_hint
+
+    split = {"host_s": 2.0, "device_s": 1.0}  # host-bound, by the numbers
+    assert host_bound_hint(split, 1, steps=1) is None  # a run stopped after one step
+    assert host_bound_hint(split, 4, steps=32) is None  # 8 calls: too few to measure
+    assert host_bound_hint(split, 1, steps=100, profiled=True) is None  # the profiler's time
+    assert host_bound_hint(split, 1, steps=100) is not None

@@ -88,6 +88,17 @@ def test_set_device_checkpoint_and_stop_mid_run(tmp_path):
     h.stop()
     result = h.wait(timeout=120)
     assert result.stop_reason == "requested" and n.epoch < 50
+    # one epoch count: the status's is the last train line's (mid-epoch: the current one)
+    # and the requested checkpoint's name has the epoch of its step; phase apart from reason
+    rows = tail_rows(n.run_dir / "metrics.jsonl", 100_000)
+    train = [r for r in rows if r.get("context") == "train"]
+    assert h.status()["epoch"] == train[-1]["epoch"]
+    at = next(r for r in train if r["step"] == int(path.name.split("-")[3]))
+    assert path.name.startswith(f"epoch-{at['epoch']:04d}-")
+    row = next(r for r in jn.runs().rows() if r[0] == h.id)
+    assert row[1:3] == ("Done", "requested"), row
+    assert path.exists()  # retention spared the checkpoint asked for, and says so
+    assert [r["requested"] for r in n.checkpointer.records() if r["name"] == path.name] == [True]
     assert jn.cache_stats()["misses"] == compiled  # nothing recompiled
     rows = tail_rows(n.run_dir / "metrics.jsonl", 100_000)
     marker = next(r for r in rows if r.get("key") == "set_device")

@@ -301,6 +301,13 @@ def _toml(work: Path, name: str, body: dict) -> Path:
     return path
 
 
+def _used(printed: dict) -> dict:
+    """The option values a printed config gives the run: [options], and the fields named like
+    an option that [options] leaves out (a field sets its option: written once)."""
+    named = {k: v for k, v in printed["fields"].items() if k in options.NAMES}
+    return {**named, **printed["options"]}
+
+
 def test_every_value_option_as_flag_file_and_field_with_precedence(work):
     # default: no flag, no file, no field
     code, out = _print_config(work, "exp.py:Small")
@@ -310,23 +317,23 @@ def test_every_value_option_as_flag_file_and_field_with_precedence(work):
     # a flag each
     code, out = _print_config(work, "exp.py:Small", *_flag_args(OTHER))
     assert code == 0, out
-    assert tomllib.loads(out)["options"] == {**printed["options"], **OTHER}
+    assert _used(tomllib.loads(out)) == {**_used(printed), **OTHER}
     # the file each, then flags win over it
     path = _toml(work, "all.toml", {"target": "exp.py:Small", "options": GOOD})
     code, out = _print_config(work, "--config", str(path))
     assert code == 0, out
-    assert tomllib.loads(out)["options"] == {**printed["options"], **GOOD}
+    assert _used(tomllib.loads(out)) == {**_used(printed), **GOOD}
     code, out = _print_config(work, "--config", str(path), *_flag_args(OTHER))
     assert code == 0, out
-    assert tomllib.loads(out)["options"] == {**printed["options"], **OTHER}
+    assert _used(tomllib.loads(out)) == {**_used(printed), **OTHER}
     # fields named like the options: a field sets it, the file wins over the field
     code, out = _print_config(work, "exp.py:Fielded")
     assert code == 0, out
-    assert tomllib.loads(out)["options"] == {**printed["options"], **GOOD}
+    assert _used(tomllib.loads(out)) == {**_used(printed), **GOOD}
     path = _toml(work, "over.toml", {"target": "exp.py:Fielded", "options": OTHER})
     code, out = _print_config(work, "--config", str(path))
     assert code == 0, out
-    assert tomllib.loads(out)["options"] == {**printed["options"], **OTHER}
+    assert _used(tomllib.loads(out)) == {**_used(printed), **OTHER}
 
 
 @pytest.mark.parametrize("name", VALUE)
@@ -403,7 +410,8 @@ def test_a_python_run_writes_its_config(run_dir):
     jn.train(n)
     text = (run_dir / "config.toml").read_text()
     written = tomllib.loads(text)
-    assert written["options"]["val_every"] == 3 and written["options"]["max_epochs"] == 1
+    assert written["fields"]["val_every"] == 3 and "val_every" not in written["options"]
+    assert written["options"]["max_epochs"] == 1  # the keyword over the field: both written
     assert written["fields"]["width"] == 16 and written["target"].endswith(":Fielded")
     assert "# not written (no TOML value): options.logger = a JSONLogger" in text
     assert config.read(run_dir / "config.toml")["options"]["seed"] == 42
@@ -447,3 +455,45 @@ def test_a_sweep_starts_from_a_config_file(work):
     written = tomllib.loads((runs[1] / "config.toml").read_text())
     assert written["fields"] == {"width": 8, "smoothing": 0.1, "sizes": [1, 2]}
     assert written["options"]["max_epochs"] == 1 and written["options"]["val_every"] == 2
+
+
+# -- one vocabulary for booleans (core/words.py) ---------------------------------------------
+BOOL_OPTIONS = [o.name for o in options.OPTIONS if o.value and "bool" in o.type]
+
+
+@pytest.mark.parametrize("name", BOOL_OPTIONS)
+def test_every_bool_option_reads_the_one_vocabulary(name):
+    from jaxnitro.cli.values import parse
+    from jaxnitro.core.words import FALSE_WORDS, TRUE_WORDS
+
+    o = options.BY_NAME[name]
+    for words, meant in ((TRUE_WORDS, True), (FALSE_WORDS, False)):
+        for word in (*words, *(w.upper() for w in words)):
+            assert o.check(o.parse(word)) == meant, (name, word)
+            assert parse(bool, word) is meant  # a bool field: the same words
+
+
+def test_bool_words_as_flag_values_and_resume_words_are_not_paths(work):
+    code, out = _print_config(
+        work, "exp.py:Small", "--log-grad-norm", "y", "--ema-warmup=off", "--resume", "on"
+    )
+    assert code == 0, out
+    printed = tomllib.loads(out)["options"]
+    assert printed["log_grad_norm"] is True and printed["ema_warmup"] is False
+    assert printed["resume"] is True  # not the checkpoint path 'on'
+    for word, meant in (("1", True), ("0", False), ("auto", "auto"), ("./on", "./on")):
+        assert options.BY_NAME["resume"].parse(word) == meant
+    code, out = _print_config(work, "exp.py:Small", "--log-grad-norm=maybe")
+    assert code == 2 and "true/yes/y/on/1" in out, out
+
+
+def test_an_option_a_field_sets_is_written_once(work):
+    code, out = _print_config(work, "exp.py:Fielded")
+    assert code == 0, out
+    printed = tomllib.loads(out)
+    both = set(printed["fields"]) & set(printed["options"])
+    assert not both, f"{sorted(both)} under both [fields] and [options]"
+    code, out = _print_config(work, "exp.py:Fielded", "--max-epochs", "7")
+    assert code == 0, out
+    printed = tomllib.loads(out)  # the flag sets the field, which sets the option
+    assert printed["fields"]["max_epochs"] == 7 and "max_epochs" not in printed["options"]

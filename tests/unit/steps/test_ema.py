@@ -95,7 +95,7 @@ def test_validation_uses_the_average_and_both_logs_the_raw_weights(run_dir):
     assert row["val_raw_loss"] == raw_val["val_loss"] and row["val_raw_acc"] == raw_val["acc"]
     assert row["val_loss"] != row["val_raw_loss"]
     # the checkpointer ranked by the metrics of the weights it validated with
-    _, meta = jn.load_checkpoint(ck.best())
+    _, meta = jn.load_checkpoint(n.checkpointer.best())
     assert meta["metrics"]["val_loss"] == min(r["val_loss"] for r in result.history)
     assert meta["weights"] == "ema"
     # ema_eval=False: validation (and the default of predict/evaluate) is the raw weights
@@ -120,6 +120,13 @@ def test_predict_and_checkpoint_loading_take_weights(run_dir):
     np.testing.assert_array_equal(jn.predict(loaded, {"x": x}), ema_out)
     raw = nitro(Tiny(), run_dir=run_dir / "raw", checkpoint=run_dir, weights="raw")
     np.testing.assert_array_equal(jn.predict(raw, {"x": x}), raw_out)
+    # a handle that loaded the average holds no raw weights: asked for them, it says so and
+    # how to load them, and asked for the average it answers with what it loaded
+    with pytest.raises(ConfigError, match=r"loaded the weight average.*weights='raw'\)"):
+        jn.predict(loaded, {"x": x}, weights="raw")
+    np.testing.assert_array_equal(jn.predict(loaded, {"x": x}, weights="ema"), ema_out)
+    with pytest.raises(ConfigError, match="keeps no average"):  # the raw handle has none
+        jn.predict(raw, {"x": x}, weights="ema")
     # a run without an average: weights="ema" is refused, naming the fix
     plain = run_dir / "plain"
     jn.train(nitro(Tiny(max_epochs=1), run_dir=plain))
@@ -134,7 +141,7 @@ def test_predict_and_checkpoint_loading_take_weights(run_dir):
 
 @pytest.mark.slow
 def test_export_with_ema_weights_serves_the_average(run_dir):
-    n = nitro(Tiny(max_epochs=2), run_dir=run_dir, ema=0.9)
+    n = nitro(Tiny(max_epochs=2), run_dir=run_dir, ema=0.9, ema_eval="both")
     jn.train(n)
     x, _ = make_data(5, seed=7)
     bundle = jn.load_bundle(jn.export_model(n, run_dir / "ema", weights="ema", platforms=["cpu"]))
@@ -144,6 +151,13 @@ def test_export_with_ema_weights_serves_the_average(run_dir):
     raw = jn.load_bundle(jn.export_model(n, run_dir / "raw", weights="raw", platforms=["cpu"]))
     np.testing.assert_allclose(raw(x), jn.predict(n, {"x": x}, weights="raw"), rtol=1e-5, atol=1e-5)
     assert not np.allclose(bundle(x), raw(x))
+    # each manifest says which weights it holds, and the checkpoint's scores are theirs
+    last = n.progress.history[-1]
+    for b, which, key in ((bundle, "ema", "val_loss"), (raw, "raw", "val_raw_loss")):
+        prov = b.manifest["provenance"]
+        assert prov["weights"] == which
+        assert prov["checkpoint"]["metrics"]["val_loss"] == pytest.approx(last[key])
+        assert not any(k.startswith("val_raw_") for k in prov["checkpoint"]["metrics"])
 
 
 class NormMLP(nnx.Module):
@@ -298,7 +312,7 @@ def test_the_checkpointer_may_rank_by_the_raw_weights_metrics(run_dir):
     result = jn.train(
         nitro(Tiny(max_epochs=2), run_dir=run_dir, checkpointer=ck, ema=0.9, ema_eval="both")
     )
-    _, meta = jn.load_checkpoint(ck.best())
+    _, meta = jn.load_checkpoint(result.best_checkpoint)
     assert meta["metrics"]["val_raw_loss"] == min(r["val_raw_loss"] for r in result.history)
 
 

@@ -104,6 +104,8 @@ def test_topk_keeps_k_best_plus_newest(run_dir):
     ck = jn.TopKCheckpointer(k=2, metric="val_loss", mode="max")  # "max" so newest is not best
     n = nitro(Tiny(max_epochs=5), run_dir=run_dir, checkpointer=ck)
     result = jn.train(n)
+    assert ck.dir is None  # the object passed is left as it was; the handle has a copy
+    ck = n.checkpointer
     losses = [row["val_loss"] for row in result.history]
     best2 = sorted(range(5), key=lambda i: -losses[i])[:2]
     keep = sorted(set(best2) | {4})
@@ -596,3 +598,20 @@ def test_a_stop_mid_epoch_then_the_rest_gives_the_straight_runs_history(tmp_path
     jn.train(first)
     assert [r["step"] for r in jn.history(first)] == [3, 6, 8]
     assert jn.history(first)["val_loss"] == jn.history(straight)["val_loss"]
+
+
+def test_one_step_has_one_epoch_in_every_report(run_dir):
+    from jaxnitro.train.epoch import mid_epoch
+
+    n = nitro(Tiny(max_epochs=1), run_dir=run_dir)  # 8 steps per epoch
+    jn.train(n)
+    # a checkpoint asked for at the next epoch's start, before any of its steps: same step,
+    # same epoch as the end-of-epoch one
+    mid_epoch(n, n.epoch, validate=False, save=True, requested=True)
+    n.checkpointer.wait()
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
+    assert len(names) == 2 and all(s.startswith("epoch-0001-step-000008") for s in names), names
+    rows = lines(run_dir / "metrics.jsonl")
+    finish = next(r for r in reversed(rows) if r["type"] == "finish")
+    last_train = next(r for r in reversed(rows) if r.get("context") == "train")
+    assert n.progress.epoch_number == finish["epoch"] == last_train["epoch"] == 1

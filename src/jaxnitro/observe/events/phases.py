@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jaxnitro.core.errors import ConfigArgumentError, warn_user
+from jaxnitro.observe.events import registry
 
 if TYPE_CHECKING:
     from jaxnitro.run.nitro import Nitro
@@ -13,29 +14,30 @@ if TYPE_CHECKING:
 _global_monitors: list[Callable] = []
 
 
-def on_phase(fn: Callable, *, nitro=None) -> Callable:
+def on_phase(fn: Callable, *, nitro=None) -> Callable[[], None]:
     """Call `fn(phase, step, epoch, info)` on each phase change (of one run, or of all runs).
 
     Phases: "Starting", "Compiling", "Training", "Evaluating", "Checkpointing", "Done",
-    "Failed". A monitor that raises is reported once and never stops the run. Returns `fn`.
+    "Failed". A monitor that raises is reported once and never stops the run. Returns
+    `remove()`, which unregisters it. Without `nitro` it watches every later run of the
+    process: registering a function defined at the same place again (a notebook cell run
+    again) replaces the earlier registration instead of adding a second.
 
     Example:
         >>> seen = []
-        >>> _ = jn.on_phase(lambda phase, step, epoch, info: seen.append(phase), nitro=n)
+        >>> remove = jn.on_phase(lambda phase, step, epoch, info: seen.append(phase), nitro=n)
         >>> result = jn.train(n)
         >>> seen[0], seen[-1]
         ('Starting', 'Done')
+        >>> remove()
     """
     if not callable(fn):
         raise ConfigArgumentError(
             f"on_phase takes a callable fn(phase, step, epoch, info), got {fn!r}; pass a "
             f"function, e.g. jn.on_phase(lambda phase, step, epoch, info: print(phase))."
         )
-    if nitro is None:
-        _global_monitors.append(fn)
-    else:
-        nitro.services.phases.monitors.append(fn)
-    return fn
+    target = _global_monitors if nitro is None else nitro.services.phases.monitors
+    return registry.add(target, fn, fn, replace_same_site=nitro is None)
 
 
 class PhaseTracker:
@@ -66,5 +68,9 @@ class PhaseTracker:
 def set_phase(n: Nitro, phase: str, *, info: dict | None = None, force: bool = False) -> None:
     """Enter `phase` on a handle's tracker: its monitors see the step, epoch and the handle."""
     n.services.phases.enter(
-        phase, step=n.step, epoch=n.epoch, info={"nitro": n, **(info or {})}, force=force
+        phase,
+        step=n.step,
+        epoch=n.progress.epoch_number,
+        info={"nitro": n, **(info or {})},
+        force=force,
     )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxnitro.core.errors import ConfigError, check_int
+from jaxnitro.observe.events import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +45,16 @@ class StepRecord:
 _global: list[tuple[int, Callable[[StepRecord], Any]]] = []
 
 
-def every(n_steps: int, fn: Callable[[StepRecord], Any], *, nitro=None) -> Callable:
+def every(n_steps: int, fn: Callable[[StepRecord], Any], *, nitro=None) -> Callable[[], None]:
     """Call `fn(record)` every `n_steps` optimizer steps (of every run, or of one `nitro`).
 
+    Returns `remove()`, which unregisters it. Without `nitro` it watches every later run of
+    the process: registering a function defined at the same place again (a notebook cell
+    run again) replaces the earlier registration instead of adding a second.
+
     Example:
-        >>> jn.every(100, lambda r: print(r.step, r.loss, r.learning_rates), nitro=n)
+        >>> remove = jn.every(100, lambda r: print(r.step, r.loss, r.learning_rates), nitro=n)
+        >>> remove()  # no longer called
     """
     check_int(
         "n_steps", n_steps, minimum=1, fix="pass how many steps apart, e.g. jn.every(100, fn)"
@@ -56,8 +62,7 @@ def every(n_steps: int, fn: Callable[[StepRecord], Any], *, nitro=None) -> Calla
     if not callable(fn):
         raise ConfigError(f"jn.every(..., fn={fn!r}): fn must be callable as fn(record).")
     target = _global if nitro is None else nitro.services.step_callbacks
-    target.append((n_steps, fn))
-    return fn
+    return registry.add(target, (n_steps, fn), fn, replace_same_site=nitro is None)
 
 
 def fire(local: list, record: StepRecord) -> None:

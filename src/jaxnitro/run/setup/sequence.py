@@ -52,7 +52,7 @@ from jaxnitro.run.setup.restore import (
     warn_replay,
 )
 from jaxnitro.run.setup.rundir import identity, restore_loggers, shared_resume_record
-from jaxnitro.run.setup.weights import load_weights, weights_path
+from jaxnitro.run.setup.weights import load_weights, loaded_weights, weights_path
 from jaxnitro.run.spec import DeviceValues, RunSpec
 from jaxnitro.steps import ema as ema_mod
 from jaxnitro.steps.state import TrainState
@@ -185,7 +185,7 @@ def _restored(
     elif s.checkpoint is not None:
         path = weights_path(Path(s.checkpoint).absolute())
         ts = load_weights(spec, ts, path, s.weights, svc.display.bar)
-        spec = spec.replace(weights_path=path)
+        spec = spec.replace(weights_path=path, weights_loaded=loaded_weights(path, s.weights))
     if spec.early_stop is not None and isinstance(progress.early_stop, tuple):
         # the members that had stopped stay frozen
         active = spec.early_stop.active(progress.early_stop)

@@ -46,17 +46,25 @@ def weights_path(path: Path) -> Path:
     return found
 
 
+def loaded_weights(path: Path, weights: str | None) -> str:
+    """Which weights `checkpoint=path, weights=weights` loads: "raw" or "ema" (None: those
+    its validation used)."""
+    meta = checkpoint_meta(path)
+    if weights is None and "ema" in meta["trees"]:
+        return str(meta["meta"].get("weights", "raw"))
+    return weights or "raw"
+
+
 def load_weights(
     spec: RunSpec, ts: TrainState, path: Path, weights: str | None = None, bar: Bar | None = None
 ) -> TrainState:
     """`checkpoint=path`: the weights (params and model state) only; a fresh optimizer.
     `weights="ema"` loads the checkpoint's weight average (None: the weights its validation
-    used); an averaging run starts its own average from what was loaded."""
+    used, `loaded_weights`); an averaging run starts its own average from what was loaded."""
     check_members(spec, path, resume=False)
     meta = checkpoint_meta(path)
     has_ema = "ema" in meta["trees"]
-    if weights is None:
-        weights = meta["meta"].get("weights", "raw") if has_ema else "raw"
+    weights = loaded_weights(path, weights)
     if weights == "ema" and not has_ema:
         raise CheckpointError(
             f"weights='ema', but checkpoint {path} holds no weight average (its run trained "
