@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxnitro.compile import cache
+from jaxnitro.compile import cache, context
 from jaxnitro.core.errors import ConfigArgumentError, HookError
 from jaxnitro.experiment import models
 from jaxnitro.steps.step import make_train_step, scalar_loss
@@ -222,14 +222,15 @@ def _lookup(
     program. An unread `state` has its fields built only for the full path.
     """
     model, tx = state.model, state.tx
-    key = (id(loss_fn), id(model), id(tx), treedef, batch_def, state_sig, batch_sig)
+    flags, env = context.jax_flags(), context.environment()
+    key = (id(loss_fn), id(model), id(tx), treedef, batch_def, state_sig, batch_sig, flags, env)
     hit = _fast.get(key)
     if hit is not None and hit.fits(loss_fn, model):
         return hit
     if unread:
         state = jax.tree.unflatten(treedef, leaves)
     call = _program(loss_fn, state, leaves, treedef, batch).compiled
-    hit = _Fast(loss_fn, _code(loss_fn), model, _code(model), tx, call, state_sig)
+    hit = _Fast(loss_fn, _code(loss_fn), model, _code(model), tx, call, state_sig, flags, env)
     _remember(key, hit)
     return hit
 
@@ -270,6 +271,8 @@ class _Fast:
     tx: Any
     call: Any
     state_sig: tuple
+    flags: tuple = ()  # the JAX flags it was traced under (`context.jax_flags`)
+    env: str = ""  # and the environment's digest
     out_sig: tuple | None = None
     loops: bool = False  # its returned state is a valid input of its own (same signature)
     live: bool = True  # False once `jn.cache_reset()` dropped it
@@ -292,6 +295,8 @@ class _Fast:
         return (
             self.loops
             and self.live
+            and self.flags == context.jax_flags()
+            and self.env == context.environment()
             and self.loss_fn is loss_fn
             and self.model is model
             and (self.code is None or self.code is loss_fn.__code__)
@@ -347,6 +352,8 @@ def _program(
         cache.freeze(models.structure_key(model)),
         cache.optimizer_key(tx),
         cache.avals(([state.params, state.state, state.opt_state, state.step, state.rng], batch)),
+        context.jax_flags(),
+        context.environment(),
     )
     step_fn = make_train_step(inner, tx)
 
