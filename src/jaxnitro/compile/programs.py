@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect as pyinspect
 import sys
+import time
 import types
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -243,8 +244,9 @@ class ProgramSet:
         train: (kind, steps per call) -> the train program of the current entry point.
         slots: the planned program slots already filled (a second compile of one warns).
         rebound: the classes of this run already named as re-defined (said once each).
-        verified: the keys whose cached program this entry-point call has checked against a
-            trace of the current code (cleared at each entry point but `jn.predict`).
+        verified: key -> (when, seconds) its cached program was last checked against a trace
+            of the current code, and what the check cost (cleared at each entry point but
+            `jn.predict`, which checks again once `recheck_after` has passed).
         parts: (hooks, helpers) of `explain.hook_parts` for `prints` (naming an edit).
     """
 
@@ -256,7 +258,7 @@ class ProgramSet:
     train: dict = dataclasses.field(default_factory=dict)
     slots: set = dataclasses.field(default_factory=set)
     rebound: set = dataclasses.field(default_factory=set)
-    verified: set = dataclasses.field(default_factory=set)
+    verified: dict = dataclasses.field(default_factory=dict)
     parts: tuple | None = None
 
     def reset_train(self) -> None:
@@ -517,7 +519,7 @@ def check_stale(spec: RunSpec, ps: ProgramSet, *, begin: bool = True) -> None:
     checks a program once per handle, then trusts its key (the fast path of a predict loop).
     """
     if begin:
-        ps.verified = set()
+        ps.verified = {}
     check_rebound(spec, ps)
     old = ps.prints
     if old is None:
@@ -547,7 +549,7 @@ def check_stale(spec: RunSpec, ps: ProgramSet, *, begin: bool = True) -> None:
     ps.reset_train()
     ps.prints, ps.parts = new, parts
     ps.slots = set()  # the recompiles that follow are explained here, not again
-    ps.verified = set()
+    ps.verified = {}
     which = f" (the {' and '.join(kinds)} program{'s' * (len(kinds) > 1)})" if kinds else ""
     warn_user(
         f"{spec.cls.__name__}: {', '.join(named)} changed since this Nitro compiled its "
@@ -600,6 +602,9 @@ def _acquire(
     """get_or_compile, plus this run's bookkeeping: reports, logs, recompile warnings."""
     kind = key.kind
     before = cache.cache_stats()["misses"]
+    checked = ps.verified.get(key)
+    verify = checked is None or time.monotonic() - checked[0] > recheck_after(checked[1])
+    t0 = time.perf_counter()
     prog = cache.get_or_compile(
         key,
         lower,
@@ -609,11 +614,16 @@ def _acquire(
         hooks=tuple(h for h in _KIND_HOOKS[kind] if h in spec.routes),
         compile_options=dict(spec.compile_options),
         on_compile=ps.on_compile,
-        # once per entry-point call (per handle for predict), the cached program is checked
-        # against a trace of the current code: what a fingerprint cannot see, the text can
-        verify=key not in ps.verified,
+        # once per entry-point call (in a predict loop: when `recheck_after` has passed), the
+        # cached program is checked against a trace of the current code: what a fingerprint
+        # cannot see, the program text can
+        verify=verify,
     )
-    ps.verified.add(key)
+    if verify:  # (what the check cost: the trace and lowering, not a compile)
+        spent = time.perf_counter() - t0
+        if cache.cache_stats()["misses"] > before:
+            spent -= prog.compile_seconds
+        ps.verified[key] = (time.monotonic(), max(spent, 0.0))
     # A planned variant (the ragged last eval batch, a tail of single steps) is its own slot.
     slot = (kind, key.split, key.option("rows"), key.option("steps_per_call"), bucket)
     if cache.cache_stats()["misses"] > before:
@@ -627,6 +637,17 @@ def _acquire(
     ps.slots.add(slot)
     ps.used[(kind, label)] = prog
     return prog
+
+
+#: A program used again within this many seconds of its last check runs on its key alone
+#: (a loop of `jn.predict` calls); after it, its next use traces the current code again.
+RECHECK_SECONDS = 2.0
+
+
+def recheck_after(cost: float) -> float:
+    """Seconds a checked program runs on its key alone: `RECHECK_SECONDS`, or longer where a
+    check costs more, so that checks take at most 5% of a loop's time."""
+    return max(RECHECK_SECONDS, 20.0 * cost)
 
 
 def _compile_line(prog: cache.Program) -> dict:
