@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from conftest import Tiny, make_data
 from flax import nnx
 
@@ -330,4 +329,3 @@ if __name__ == "__main__":  # pragma: no cover - the long run: python test_compi
 
     with tempfile.TemporaryDirectory() as d:
         print(run_fuzz(Path(d), EDITS, SEED))
-    pytest  # (imported for the test runner)
