@@ -158,9 +158,10 @@ def train_step(
     A call is one lookup by the function object, model, optimizer and shapes, then the
     dispatch. A redefined `loss_fn` (a notebook cell run again, `importlib.reload`) is a new
     object, and a function whose code is replaced in place (IPython's autoreload) has new
-    code: either compiles anew. A module-level value, helper function or closure variable the
-    *same* function object reads is not re-checked on each call: after changing one, call
-    `jn.cache_reset()`.
+    code: either compiles anew, and so does a change of JAX's trace-time flags
+    (`jax_enable_x64`, ...) or of the environment. A module-level value, helper function or
+    closure variable the *same* function object reads is not re-checked on each call: after
+    changing one, re-run the cell that defines `loss_fn`, or call `jn.cache_reset()`.
 
     Example:
         >>> def loss_fn(model, params, state, batch):
