@@ -45,6 +45,7 @@ class Program:
     reasons: tuple[str, ...] = ()  # why this was a miss, against the closest earlier program
     deps: tuple = ()  # (function name, fingerprint) of the user code traced into it
     text_key: str = ""  # digest of its StableHLO text, devices and pytree signature
+    text_digest: str = ""  # the same digest for a program with host callbacks too
 
     def __call__(self, *args: Any) -> Any:
         return self.compiled(*args)
@@ -233,9 +234,11 @@ def get_or_compile(
             _remember(key)
             return prog
     lowered, trace_seconds, lower_seconds = _lower(lower)
-    text_key = _text_key(lowered, devices, compile_options)
+    text_key, text_digest = _text_key(lowered, devices, compile_options)
     with _lock:
-        if prog is not None and prog.text_key == text_key:
+        # (a program that calls back into Python is shared by no other key, but its own key
+        # with the same text is its own program: the key names the Python function)
+        if prog is not None and prog.text_digest == text_digest:
             _stats["hits"] += 1
             _stats["verified"] += 1
             _remember(key)
@@ -283,6 +286,7 @@ def get_or_compile(
             why,
             deps,
             text_key,
+            text_digest,
         )
         _stats["misses"] += 1
         _stats["persistent_hits"] += int(loaded)
@@ -357,12 +361,13 @@ def _host_callbacks(lowered: jax.stages.Lowered, text: str) -> bool:
     return bool(_CALLBACK_TARGET.search(text))
 
 
-def _text_key(lowered: jax.stages.Lowered, devices: tuple, compile_options: dict | None) -> str:
-    """Same text, devices and pytree signature => the same executable is correct to share,
-    unless it calls back into Python: then it is shared by its own key only."""
+def _text_key(
+    lowered: jax.stages.Lowered, devices: tuple, compile_options: dict | None
+) -> tuple[str, str]:
+    """(sharing key, digest). Same text, devices and pytree signature => the same executable
+    is correct to share, unless it calls back into Python: then it is shared by its own key
+    only (the sharing key is unique; the digest is the text's)."""
     text = lowered.as_text()
-    if _host_callbacks(lowered, text):
-        return f"callbacks:{next(_callback_programs)}"
     ident = (
         text,
         repr(devices),
@@ -370,7 +375,10 @@ def _text_key(lowered: jax.stages.Lowered, devices: tuple, compile_options: dict
         repr(lowered.out_tree),
         repr(sorted((compile_options or {}).items())),
     )
-    return hashlib.sha256("\x00".join(ident).encode()).hexdigest()
+    digest = hashlib.sha256("\x00".join(ident).encode()).hexdigest()
+    if _host_callbacks(lowered, text):
+        return f"callbacks:{next(_callback_programs)}", digest
+    return digest, digest
 
 
 def _why(parts: Any) -> tuple[str, ...]:

@@ -473,3 +473,24 @@ def test_9_live_warning_names_the_helper_not_the_hook(tmp_path):
     text = " ".join(str(w.message) for w in seen)
     assert "module-level value `penalty_mod.SCALE`" in text or "`SCALE`" in text, text
     assert "`loss` changed" not in text, text
+
+
+# -- the check itself -----------------------------------------------------------------------
+
+
+def test_a_program_with_a_host_callback_is_not_recompiled_by_the_check(tmp_path):
+    """Its text names the callback by position: the check compares the text (not the key
+    that keeps such programs unshared), so calling an entry point again compiles nothing."""
+
+    @jn.experiment
+    class Prints(Tiny):
+        def loss(self, logits, *, y):
+            jax.debug.callback(lambda v: None, logits.sum())
+            return Tiny.loss(self, logits, y=y)
+
+    n = handle(Prints(max_epochs=1, n_val=0), tmp_path / "a")
+    jn.train(n)
+    compiled = misses()
+    n.max_epochs = 2
+    jn.train(n)
+    assert misses() == compiled
