@@ -304,6 +304,8 @@ def run_fuzz(tmp_path, edits: int, seed: int) -> dict:
                 _close(loss, want, f"stale train_step; {where}")
                 slot = "train_step"
             counts[entry] += 1
+            if edits > 200 and step % 100 == 99:  # a long run says how far it got
+                print(f"fuzz seed {seed}: {step + 1} edits, {counts}", flush=True)
             compiled = jn.cache_stats()["misses"] - before
             expected = int(program not in seen[slot])
             seen[slot].add(program)
