@@ -16,6 +16,7 @@ import functools
 import inspect
 import re
 import reprlib
+import typing
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -221,7 +222,7 @@ def _state_reasons(old: KeyParts, new: KeyParts) -> list[str]:
     """Dtype changes among the arrays that are not batch or Device inputs (parameters,
     optimizer state): what `jax_enable_x64` or a cast of the parameters does."""
     try:
-        (tree0, leaves0), (tree1, leaves1) = old.avals, new.avals
+        (tree0, leaves0), (tree1, leaves1) = typing.cast(Any, (old.avals, new.avals))
     except (TypeError, ValueError):
         return []
     if tree0 != tree1 or len(leaves0) != len(leaves1):

@@ -434,7 +434,7 @@ def live_optimizer(exp, optimizer: Optimizer) -> Optimizer:
         )
     groups = {}
     for g, spec in optimizer.groups.items():
-        new = {
+        new: dict[str, Any] = {
             "rate": _number("learning_rate", g, rate_of(g)),
             "weight_decay": _number("weight_decay", g, decay_of(g)),
         }
