@@ -227,8 +227,10 @@ def _state_reasons(old: KeyParts, new: KeyParts) -> list[str]:
         return []
     if tree0 != tree1 or len(leaves0) != len(leaves1):
         return []
-    pairs = collections.Counter(
-        (a[1], b[1]) for a, b in zip(leaves0, leaves1, strict=True) if a[1] != b[1]
+    pairs = collections.Counter(  # (shape, dtype, weak type, sharding) of arrays only
+        (a[1], b[1])
+        for a, b in zip(leaves0, leaves1, strict=True)
+        if len(a) == len(b) == 4 and a[0] == b[0] and a[1] != b[1]
     )
     inputs = {(a[2], b[2]) for a, b in zip(old.inputs, new.inputs, strict=False) if a[2] != b[2]}
     return [
