@@ -494,3 +494,32 @@ def test_a_program_with_a_host_callback_is_not_recompiled_by_the_check(tmp_path)
     n.max_epochs = 2
     jn.train(n)
     assert misses() == compiled
+
+
+HOLDER = {"w": np.ones(4, np.float32)}
+
+
+@jn.experiment
+class Hidden(Tiny):
+    def forward(self, model, params, state, *, x):
+        out, state = jn.apply(model, params, state, x)
+        table = globals()["HOLDER"]  # reached around the names in the code: no fingerprint
+        return out * jnp.asarray(table["w"]), state
+
+
+def test_predict_rechecks_a_loop_against_the_trace_once_its_window_passed(tmp_path, monkeypatch):
+    from jaxnitro.compile import programs
+
+    HOLDER["w"][:] = 1.0
+    n = handle(Hidden(n_val=0), tmp_path / "a")
+    np.testing.assert_allclose(predicted(n), eager(n), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(programs, "recheck_after", lambda cost: 0.0)  # the window has passed
+    HOLDER["w"][:] = 3.0  # in place: the key cannot see it, the program text can
+    np.testing.assert_allclose(predicted(n), eager(n, lambda o: o * 3.0), rtol=1e-5, atol=1e-5)
+    assert "traced program changed though nothing in its key did" in reasons(n)
+    # any other entry point checks at once, whatever the predict window
+    monkeypatch.setattr(programs, "recheck_after", lambda cost: 1e9)
+    m = handle(Hidden(), tmp_path / "b")
+    first = jn.validate(m)["val_loss"]
+    HOLDER["w"][:] = 0.0  # every logit 0: the loss of a uniform guess
+    assert jn.validate(m)["val_loss"] == pytest.approx(np.log(4), rel=1e-5) != first
