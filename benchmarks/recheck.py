@@ -9,7 +9,8 @@ program already cached (no compile in any timed part):
 - `gpt12_train_ms`: the same for a 12-layer GPT (`benchmarks/gpt.py`'s tiny width, 1 step);
 - `predict_loop_ms`: 100 `jn.predict` calls on a live handle of the MLP (a batch of 32);
 
-each the median of `--repeats`. Run it on two trees, interleaved, to compare:
+each the median of `--repeats`, in CPU time of the process (all its threads: on a shared
+machine, wall time measures the neighbours). Run it on two trees, interleaved, to compare:
 
     PYTHONPATH=src python benchmarks/recheck.py --repeats 5
 """
@@ -73,9 +74,9 @@ def _train_ms(exp, tmp: Path, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         n = handle()
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         jn.train(n)
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     assert jn.cache_stats()["misses"] == misses, "a timed run compiled"
     return 1e3 * statistics.median(times)
 
@@ -86,10 +87,10 @@ def _predict_ms(exp, tmp: Path, repeats: int) -> float:
     jn.predict(n, x)  # compiles the predict program
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(100):
             jn.predict(n, x)
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return 1e3 * statistics.median(times)
 
 

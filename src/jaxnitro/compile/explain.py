@@ -76,9 +76,20 @@ class ProgramKey:
     avals: Hashable = None
     graph_shown: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
 
+    def __hash__(self) -> int:
+        # Computed once: a model structure hashes slowly (an NNX graphdef's attributes), and a
+        # key is hashed several times per program request (a predict loop's every call).
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in _HASHED))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     def option(self, name: str, default: Any = None) -> Any:
         return dict(self.options).get(name, default)
 
+
+_HASHED = tuple(f for f in dataclasses.fields(ProgramKey) if f.compare)
 
 #: The name the explanations were first written against.
 KeyParts = ProgramKey

@@ -482,6 +482,20 @@ def held_functions(model: Any) -> dict[str, Any]:
         >>> sorted(held_functions(jn.split_model(Net(act=my_act, ...))[0]))
         ['Net.act']
     """
+    hit = _held.get(id(model))
+    if hit is not None and hit[0] is model:  # a split model's static half never changes
+        return dict(hit[1])
+    found = _held_functions(model)
+    _held[id(model)] = (model, found)  # (holding the model keeps its id from being reused)
+    while len(_held) > 32:
+        _held.pop(next(iter(_held)))
+    return dict(found)
+
+
+_held: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+
+def _held_functions(model: Any) -> dict[str, Any]:
     from jaxnitro.compile.fingerprint import is_user_function
 
     found: dict[str, Any] = {}
