@@ -44,6 +44,8 @@ class Program:
     record: Any = None  # report.CompileRecord
     reasons: tuple[str, ...] = ()  # why this was a miss, against the closest earlier program
     deps: tuple = ()  # (function name, fingerprint) of the user code traced into it
+    text_key: str = ""  # digest of its StableHLO text, devices and pytree signature
+    text_digest: str = ""  # the same digest for a program with host callbacks too
 
     def __call__(self, *args: Any) -> Any:
         return self.compiled(*args)
@@ -53,7 +55,7 @@ _lock = threading.RLock()
 _entries: dict[Hashable, Program] = {}
 _by_text: dict[str, Program] = {}
 _callback_programs = itertools.count()  # text keys of programs never shared by text
-_stats = {"hits": 0, "misses": 0, "persistent_hits": 0}
+_stats = {"hits": 0, "misses": 0, "persistent_hits": 0, "verified": 0, "unseen": 0}
 # The keys programs were asked for, newest last, kept after their programs are dropped (a
 # stale program) or when they were served by a twin's text (a copied experiment): a later
 # miss is explained against them. Bounded: old keys only explain old programs.
@@ -102,7 +104,8 @@ def cache_reset() -> None:
         _entries.clear()
         _by_text.clear()
         _seen.clear()
-        _stats["hits"] = _stats["misses"] = _stats["persistent_hits"] = 0
+        for name in _stats:
+            _stats[name] = 0
         for hook in _reset_hooks:
             hook()
 
@@ -208,6 +211,7 @@ def get_or_compile(
     hooks: tuple[str, ...] = (),
     compile_options: dict | None = None,
     on_compile: Callable[[str, str], Any] | None = None,
+    verify: bool = False,
 ) -> Program:
     """Return the cached program for `key`, compiling it (once per process) on a miss.
 
@@ -217,22 +221,35 @@ def get_or_compile(
     executable: the program text is the authoritative identity (except for a program that
     calls back into Python, whose text does not name the function). `on_compile(kind, label)` is
     a context-manager factory the caller uses to show progress.
+
+    With `verify`, a key hit is not trusted: the current code is traced and lowered, and the
+    cached executable runs only if its program text is the same (else the new text is
+    compiled, or found under another key). A key is a fingerprint of the code, which cannot
+    see everything a trace reads; the text can.
     """
     with _lock:
-        prog = _entries.get(key)
-        if prog is not None:
+        prog = _safe_get(key)
+        if prog is not None and not verify:
             _stats["hits"] += 1
             _remember(key)
             return prog
     lowered, trace_seconds, lower_seconds = _lower(lower)
-    text_key = _text_key(lowered, devices, compile_options)
+    text_key, text_digest = _text_key(lowered, devices, compile_options)
     with _lock:
+        # (a program that calls back into Python is shared by no other key, but its own key
+        # with the same text is its own program: the key names the Python function)
+        if prog is not None and prog.text_digest == text_digest:
+            _stats["hits"] += 1
+            _stats["verified"] += 1
+            _remember(key)
+            return prog
         twin = _by_text.get(text_key)
         if twin is not None:
             _entries[key] = twin
             _stats["hits"] += 1
             _remember(key)
             return twin
+    stale = prog  # the key's program traced to another text: its key missed a change
     t0 = time.perf_counter()
     ctx = on_compile(kind, label) if on_compile is not None else contextlib.nullcontext()
     loads = getattr(_loads, "count", 0)
@@ -255,24 +272,66 @@ def get_or_compile(
     )
     parts = key if isinstance(key, explain.ProgramKey) else None
     with _lock:
-        why, deps = _why(parts), parts.deps if parts is not None else ()
+        why = (UNSEEN_CHANGE,) if stale is not None else _why(parts)
+        deps = parts.deps if parts is not None else ()
         prog = Program(
-            kind, key, compiled, lower_seconds, compile_seconds, label, parts, rec, why, deps
+            kind,
+            key,
+            compiled,
+            lower_seconds,
+            compile_seconds,
+            label,
+            parts,
+            rec,
+            why,
+            deps,
+            text_key,
+            text_digest,
         )
         _stats["misses"] += 1
         _stats["persistent_hits"] += int(loaded)
+        _stats["unseen"] += int(stale is not None)
         _entries[key] = prog
         _by_text[text_key] = prog
         _remember(key)
     return prog
 
 
+#: Why a program recompiled though its key was a hit: the trace of the current code differs.
+UNSEEN_CHANGE = (
+    "the traced program changed though nothing in its key did: code or a value the "
+    "fingerprints do not follow changed (an object mutated in place, a value read through "
+    "getattr, globals() or a module imported inside a function); the current code was compiled"
+)
+
+
+def _safe_get(key: Hashable) -> Program | None:
+    """`_entries.get(key)`; a key that cannot be hashed or compared is a miss, never an error."""
+    try:
+        return _entries.get(key)
+    except Exception:
+        return None
+
+
 def _remember(key: Hashable) -> None:
-    """Note a key asked for (under the lock), for explaining later misses."""
+    """Note a key asked for (under the lock), for explaining later misses. A key whose hash
+    changed after it was stored (a mutable object inside it) is dropped from the table, never
+    raised: one experiment's bad key must not break the other programs of the process."""
     if not isinstance(key, explain.ProgramKey):
         return
-    _seen[key] = None
-    _seen.move_to_end(key)
+    try:
+        _seen[key] = None
+        _seen.move_to_end(key)
+    except Exception:
+        kept = []
+        for k in list(_seen):
+            try:
+                kept.append((hash(k), k))
+            except Exception:
+                continue
+        _seen.clear()
+        _seen.update((k, None) for _, k in kept)
+        return
     if len(_seen) > _SEEN_MAX:
         _seen.popitem(last=False)
 
@@ -302,12 +361,13 @@ def _host_callbacks(lowered: jax.stages.Lowered, text: str) -> bool:
     return bool(_CALLBACK_TARGET.search(text))
 
 
-def _text_key(lowered: jax.stages.Lowered, devices: tuple, compile_options: dict | None) -> str:
-    """Same text, devices and pytree signature => the same executable is correct to share,
-    unless it calls back into Python: then it is shared by its own key only."""
+def _text_key(
+    lowered: jax.stages.Lowered, devices: tuple, compile_options: dict | None
+) -> tuple[str, str]:
+    """(sharing key, digest). Same text, devices and pytree signature => the same executable
+    is correct to share, unless it calls back into Python: then it is shared by its own key
+    only (the sharing key is unique; the digest is the text's)."""
     text = lowered.as_text()
-    if _host_callbacks(lowered, text):
-        return f"callbacks:{next(_callback_programs)}"
     ident = (
         text,
         repr(devices),
@@ -315,7 +375,10 @@ def _text_key(lowered: jax.stages.Lowered, devices: tuple, compile_options: dict
         repr(lowered.out_tree),
         repr(sorted((compile_options or {}).items())),
     )
-    return hashlib.sha256("\x00".join(ident).encode()).hexdigest()
+    digest = hashlib.sha256("\x00".join(ident).encode()).hexdigest()
+    if _host_callbacks(lowered, text):
+        return f"callbacks:{next(_callback_programs)}", digest
+    return digest, digest
 
 
 def _why(parts: Any) -> tuple[str, ...]:
@@ -332,12 +395,16 @@ def _why(parts: Any) -> tuple[str, ...]:
     return tuple(explain.reasons(old, parts)) if old is not None else ()
 
 
-def drop(predicate: Callable[[Program], bool]) -> int:
-    """Drop every cached program for which `predicate(program)` holds; returns how many."""
+def drop(predicate: Callable[[Program], bool], *, by_text: bool = True) -> int:
+    """Drop every cached program for which `predicate(program)` holds; returns how many.
+
+    With `by_text=False` only their keys go: an executable stays findable by its program
+    text (an edit that traces to the same text, a docstring, reuses it)."""
     with _lock:
         doomed = [k for k, p in _entries.items() if predicate(p)]
-        for k in doomed:
-            _entries.pop(k)
+        programs = {id(_entries.pop(k)) for k in doomed}
+        if not by_text:
+            return len(programs)
         texts = [t for t, p in _by_text.items() if predicate(p)]
         for t in texts:
             _by_text.pop(t)

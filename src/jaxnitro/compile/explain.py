@@ -10,9 +10,13 @@ the new one most resembles and `reasons` says what changed: "GraphConst `width` 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import inspect
+import re
 import reprlib
+import typing
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -29,7 +33,9 @@ class ProgramKey:
     Attributes:
       kind: ``"train"``, ``"eval"`` or ``"predict"``.
       experiment: the experiment class's qualname.
-      graph_consts: ``(field, value)`` for every GraphConst.
+      graph_consts: ``(field, content digest)`` for every GraphConst (its methods and the
+        code of the functions it holds included; a digest, so mutating the value in place
+        after the key was made cannot change the key's hash).
       model: the model's structure key (Linen module, NNX graphdef, Equinox static part).
       optimizer: the optimizer's structure key, None for programs without one.
       hooks: ``(hook, digest of the hook's own code)``.
@@ -49,6 +55,8 @@ class ProgramKey:
         detection compares these by name).
       avals: the input tree structure with every leaf's shape, dtype, weak type and
         sharding (what `inputs` names, plus shardings).
+      graph_shown: ``(field, short repr)`` of every GraphConst as it was when the key was
+        made (for explanations only: not compared, not hashed).
     """
 
     kind: str
@@ -66,13 +74,37 @@ class ProgramKey:
     routes: tuple = ()
     deps: tuple[tuple[str, str], ...] = ()
     avals: Hashable = None
+    graph_shown: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
+
+    def __hash__(self) -> int:
+        # Computed once: a model structure hashes slowly (an NNX graphdef's attributes), and a
+        # key is hashed several times per program request (a predict loop's every call).
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in _HASHED))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     def option(self, name: str, default: Any = None) -> Any:
         return dict(self.options).get(name, default)
 
 
+_HASHED = tuple(f for f in dataclasses.fields(ProgramKey) if f.compare)
+
 #: The name the explanations were first written against.
 KeyParts = ProgramKey
+
+#: Option names: a JAX flag (``"jax config jax_enable_x64"``) and the environment's digest.
+JAX_FLAG = "jax config "
+ENVIRONMENT = "environment"
+
+
+def shown(value: Any) -> str:
+    """A GraphConst value as an explanation shows it (short; taken when the key is made)."""
+    try:
+        return _repr.repr(value)
+    except Exception:  # a repr that fails
+        return f"<{type(value).__name__}>"
 
 
 def hook_parts(
@@ -86,7 +118,8 @@ def hook_parts(
     """
     own, reached = [], []
     for name, fn in hooks.items():
-        if not callable(fn):  # a class value read as `self.NAME`: one digest, nothing reached
+        if not callable(fn) and not isinstance(fn, functools.partialmethod):
+            # a class value read as `self.NAME`: one digest, nothing reached
             own.append((name, fingerprint_value(getattr(fn, "value", fn), strict=False)))
             continue
         reach = describe_reach(fn)
@@ -105,11 +138,7 @@ def reasons(old: KeyParts, new: KeyParts) -> list[str]:
       >>> reasons(cached, missed)
       ['GraphConst `width` changed 128 → 256', 'the model structure changed (layers, ...)']
     """
-    out = [
-        f"GraphConst `{name}` changed {_show(a)} → {_show(b)}"
-        for name, a, b in _changed(old.graph_consts, new.graph_consts)
-    ]
-    changed = {name for name, *_ in _changed(old.graph_consts, new.graph_consts)}
+    out, changed = _graph_reasons(old, new)
     out += [
         f"GraphConst `{name}` changed type {a} → {b}"
         for name, a, b in _changed(old.graph_types, new.graph_types)
@@ -117,9 +146,17 @@ def reasons(old: KeyParts, new: KeyParts) -> list[str]:
     ]
     out += _code_reasons(old, new)
     out += _input_reasons(old, new, _leading(old), _leading(new))
+    out += _state_reasons(old, new)
     if old.split != new.split:
         out.append(f"split {_show(old.split)} → {_show(new.split)}")
-    out += [f"{name} {_show(a)} → {_show(b)}" for name, a, b in _changed(old.options, new.options)]
+    for name, a, b in _changed(old.options, new.options):
+        if name == ENVIRONMENT:
+            out.append(_environment_reason(a, b))
+        elif name.startswith(JAX_FLAG):
+            flag = name.removeprefix(JAX_FLAG)
+            out.append(f"jax config `{flag}` {_flag(a)} → {_flag(b)} (jax.config.update)")
+        else:
+            out.append(f"{name} {_show(a)} → {_show(b)}")
     out += _optimizer_reasons(old.optimizer, new.optimizer)
     if old.routes and new.routes and old.routes != new.routes:
         out.append("the batch fields a hook takes changed (its signature)")
@@ -149,6 +186,69 @@ def closest(new: KeyParts, candidates: list[KeyParts]) -> KeyParts | None:
 
 
 # --- the parts of `reasons` ----------------------------------------------------------------
+
+
+def _graph_reasons(old: KeyParts, new: KeyParts) -> tuple[list[str], set[str]]:
+    """GraphConst sentences, and the fields whose value (not only type) they name."""
+    shown_old, shown_new = dict(old.graph_shown), dict(new.graph_shown)
+    types_old, types_new = dict(old.graph_types), dict(new.graph_types)
+    out, changed = [], set()
+    for name, a, b in _changed(old.graph_consts, new.graph_consts):
+        sa = shown_old[name] if name in shown_old else _show(a)
+        sb = shown_new[name] if name in shown_new else _show(b)
+        if sa != sb:
+            out.append(f"GraphConst `{name}` changed {sa} → {sb}")
+            changed.add(name)
+        elif types_old.get(name) == types_new.get(name):
+            what = _DIGEST.sub("", sb)
+            out.append(
+                f"GraphConst `{name}` changed by content, not by its repr ({what}): the code "
+                f"of a function it is or holds, what that code reads (a module-level value, a "
+                f"helper), a method of its class, or a value inside it"
+            )
+            changed.add(name)
+    return out, changed
+
+
+def _flag(value: Any) -> str:
+    return value if isinstance(value, str) else _show(value)
+
+
+def _environment_reason(old: Any, new: Any) -> str:
+    from jaxnitro.compile import context
+
+    names = context.environment_changes(str(old), str(new)) if old is not _MISSING else []
+    if not names:
+        return "the environment (os.environ) changed"
+    shown = ", ".join(
+        f"`{k}` {_show(context.environment_value(str(old), k))} → "
+        f"{_show(context.environment_value(str(new), k))}"
+        for k in names[:4]
+    )
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return f"environment variable {shown}{more} (os.environ, read while tracing)"
+
+
+def _state_reasons(old: KeyParts, new: KeyParts) -> list[str]:
+    """Dtype changes among the arrays that are not batch or Device inputs (parameters,
+    optimizer state): what `jax_enable_x64` or a cast of the parameters does."""
+    try:
+        (tree0, leaves0), (tree1, leaves1) = typing.cast(Any, (old.avals, new.avals))
+    except (TypeError, ValueError):
+        return []
+    if tree0 != tree1 or len(leaves0) != len(leaves1):
+        return []
+    pairs = collections.Counter(  # (shape, dtype, weak type, sharding) of arrays only
+        (a[1], b[1])
+        for a, b in zip(leaves0, leaves1, strict=True)
+        if len(a) == len(b) == 4 and a[0] == b[0] and a[1] != b[1]
+    )
+    inputs = {(a[2], b[2]) for a, b in zip(old.inputs, new.inputs, strict=False) if a[2] != b[2]}
+    return [
+        f"dtype of {count} parameter or state array{'s' * (count > 1)} changed {a} → {b}"
+        for (a, b), count in pairs.items()
+        if (a, b) not in inputs or count > 1
+    ]
 
 
 def _optimizer_reasons(old: Any, new: Any) -> list[str]:
@@ -184,6 +284,13 @@ def _root_sentence(root: str, a: Any, b: Any) -> str:
     """What changed in one traced root: a hook, a class value read as `self.NAME`, or a
     model class (``model:Qualname``, whose own digest covers its name, bases and the names
     of its attributes)."""
+    if root.startswith("model-fn:"):
+        name = root.removeprefix("model-fn:")
+        if a is _MISSING:
+            return f"the model now holds function `{name}`"
+        if b is _MISSING:
+            return f"the model no longer holds function `{name}`"
+        return f"the model's code changed: function `{name}` (held by the model) was edited"
     if root.startswith("model:"):
         cls = root.removeprefix("model:")
         if a is _MISSING:
@@ -218,6 +325,13 @@ def _helper_sentence(root: str, item: str, verb: str) -> str:
             return f"the model's code changed: `{name}` {how}"
         where = f" (reached from hook `{root}`)" if root else ""
         return f"method `{name}`{where} {how}"
+    if root.startswith("model-fn:"):
+        held = root.removeprefix("model-fn:")
+        what = {"global": "module-level value", "closure": "closure variable"}.get(kind, "helper")
+        return (
+            f"the model's code changed: {what} `{name}` (reached from function `{held}` the "
+            f"model holds) {verb}"
+        )
     if root.startswith("model:"):
         cls = root.removeprefix("model:")
         if not kind and name.startswith(f"{cls}."):
@@ -263,7 +377,7 @@ def _code_reasons(old: KeyParts, new: KeyParts) -> list[str]:
 
 def _model_code_changed(old: KeyParts, new: KeyParts) -> bool:
     return any(
-        key.startswith("model:")
+        key.startswith(("model:", "model-fn:"))
         for key, *_ in (*_changed(old.hooks, new.hooks), *_changed(old.helpers, new.helpers))
     )
 
@@ -271,10 +385,13 @@ def _model_code_changed(old: KeyParts, new: KeyParts) -> bool:
 def _same_shape(old: KeyParts, new: KeyParts) -> bool:
     """Whether two model structures print alike: the same layers and widths, only other
     class objects of the same names."""
-    try:
-        return repr(old.model) == repr(new.model)
+    try:  # (a function in the structure is keyed by its fingerprint: the code part names it)
+        return _DIGEST.sub("#", repr(old.model)) == _DIGEST.sub("#", repr(new.model))
     except Exception:  # a structure without a usable repr
         return False
+
+
+_DIGEST = re.compile(r"\b[0-9a-f]{64}\b| at 0x[0-9a-f]+")
 
 
 def _leading(parts: KeyParts) -> int:

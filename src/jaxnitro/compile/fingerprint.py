@@ -63,6 +63,7 @@ __all__ = [
     "fingerprint",
     "fingerprint_value",
     "is_library_class",
+    "is_user_function",
 ]
 
 #: Arrays up to this many bytes are hashed by content; bigger ones by dtype, shape and identity.
@@ -103,6 +104,7 @@ _FUNCTION_TYPES = (
     types.MethodType,
     types.BuiltinFunctionType,
     functools.partial,
+    functools.partialmethod,
     classmethod,
     staticmethod,
     np.ufunc,
@@ -161,7 +163,8 @@ def fingerprint(obj: Any, *, depth: int = 2) -> str:
         >>> fingerprint(loss) == fingerprint(loss), len(fingerprint(loss))
         (True, 64)
     """
-    if not (callable(obj) or isinstance(obj, classmethod)):  # classmethod objects aren't callable
+    if not (callable(obj) or isinstance(obj, (classmethod, functools.partialmethod))):
+        # (classmethod and partialmethod objects are not callable themselves)
         raise ConfigArgumentError(
             f"fingerprint() takes a callable, got {type(obj).__qualname__}; "
             f"use fingerprint_value() for plain values"
@@ -255,7 +258,7 @@ class _Hasher:
         return digest
 
     def _unwrap(self, obj: Any, depth: int) -> str:
-        if isinstance(obj, functools.partial):
+        if isinstance(obj, (functools.partial, functools.partialmethod)):
             args = self.value((obj.args, obj.keywords), depth - 1, strict=False)
             self._record(args, obj, f"partial:{_names(obj.func)[1]}")
             return _h("partial", self.callable_(obj.func, depth), args)
@@ -754,8 +757,11 @@ def _code_info(
         return entry[1:]
     names, bare, paths = _scan_loads(code)
     consts = []
-    for const in code.co_consts:  # lambdas, comprehensions and inner defs live here
-        if isinstance(const, types.CodeType):
+    doc = _docstring_slot(code)
+    for i, const in enumerate(code.co_consts):  # lambdas, comprehensions and inner defs here
+        if i == 0 and doc:
+            digest = "docstring"  # never loaded by the code: editing it changes nothing
+        elif isinstance(const, types.CodeType):
             digest, inner_names, inner_bare, inner_paths = _code_info(const)
             names |= inner_names
             bare |= inner_bare
@@ -783,6 +789,23 @@ def _code_info(
         return result
     _codes[id(code)] = (ref, *result)
     return result
+
+
+_COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
+
+
+def _docstring_slot(code: types.CodeType) -> bool:
+    """Whether `co_consts[0]` is the function's docstring slot. A function's first constant
+    is its docstring, or None without one (before Python 3.14, which keeps it out of
+    `co_consts` unless used); comprehensions and class bodies have no such slot. (A None there
+    that the code also loads is seen in the bytecode, which then differs.)"""
+    return (
+        bool(code.co_consts)
+        and (code.co_consts[0] is None or isinstance(code.co_consts[0], str))
+        and bool(code.co_flags & 0x1)  # CO_OPTIMIZED: a function, not module or class code
+        and code.co_name not in _COMPREHENSIONS
+        and sys.version_info < (3, 14)
+    )
 
 
 def _scan_loads(code: types.CodeType) -> tuple[set[str], set[tuple], set[tuple]]:
@@ -859,6 +882,14 @@ def _is_function_like(v: Any) -> bool:
     return not isinstance(v, type) and (
         isinstance(v, _FUNCTION_TYPES) or (callable(v) and _wrapped(v) is not None)
     )
+
+
+def is_user_function(obj: Any) -> bool:
+    """Whether `obj` is a function (or a partial of one) of user code, not of a library."""
+    while isinstance(obj, (functools.partial, functools.partialmethod)):
+        obj = obj.func
+    obj = getattr(obj, "__func__", obj)
+    return isinstance(obj, types.FunctionType) and not _is_library(obj)
 
 
 def _is_library(fn: types.FunctionType) -> bool:

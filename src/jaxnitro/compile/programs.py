@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect as pyinspect
 import sys
+import time
 import types
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from jaxnitro.compile import cache, explain
+from jaxnitro.compile import cache, context, explain
 from jaxnitro.compile.fingerprint import fingerprint, fingerprint_value, is_library_class
 from jaxnitro.core.errors import HookError, JaxnitroError, warn_user
 from jaxnitro.dist.devices import mesh_id
@@ -242,6 +244,10 @@ class ProgramSet:
         train: (kind, steps per call) -> the train program of the current entry point.
         slots: the planned program slots already filled (a second compile of one warns).
         rebound: the classes of this run already named as re-defined (said once each).
+        verified: key -> (when, seconds) its cached program was last checked against a trace
+            of the current code, and what the check cost (cleared at each entry point but
+            `jn.predict`, which checks again once `recheck_after` has passed).
+        parts: (hooks, helpers) of `explain.hook_parts` for `prints` (naming an edit).
     """
 
     log: Callable[[dict], Any] = lambda values: None
@@ -252,6 +258,8 @@ class ProgramSet:
     train: dict = dataclasses.field(default_factory=dict)
     slots: set = dataclasses.field(default_factory=set)
     rebound: set = dataclasses.field(default_factory=set)
+    verified: dict = dataclasses.field(default_factory=dict)
+    parts: tuple | None = None
 
     def reset_train(self) -> None:
         """Drop the run's train-program map (re-fetched from the cache, keyed anew)."""
@@ -282,12 +290,27 @@ def traced_functions(spec: RunSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> d
                 continue
             attr = pyinspect.getattr_static(spec.cls, name, None)
             fn = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+            if isinstance(fn, (functools.partial, functools.partialmethod)):
+                # `loss = functools.partialmethod(generic, k=1.0)`: the partial is the hook
+                # (its arguments are in its fingerprint); follow the function underneath
+                out[name] = fn
+                inner = _partial_root(fn)
+                if pyinspect.isfunction(inner):
+                    nxt += sorted(_code_names(inner.__code__))
+                continue
             if not pyinspect.isfunction(fn):
                 continue
             out[name] = fn
             nxt += sorted(_code_names(fn.__code__))
         frontier = nxt
     return out
+
+
+def _partial_root(fn: Any) -> Any:
+    """The function under nested partials and partialmethods."""
+    while isinstance(fn, (functools.partial, functools.partialmethod)):
+        fn = fn.func
+    return getattr(fn, "__func__", fn)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -309,7 +332,9 @@ def class_values(spec: RunSpec, functions: dict[str, Any]) -> dict[str, ClassVal
     fields = spec.cls.__jn_fields__
     names: set[str] = set()
     for fn in functions.values():
-        names |= _code_names(fn.__code__)
+        code = getattr(_partial_root(fn), "__code__", None)
+        if code is not None:
+            names |= _code_names(code)
     out = {}
     for name in sorted(names):
         if name in fields or name in functions or name.startswith("__"):
@@ -342,13 +367,25 @@ def model_classes(spec: RunSpec) -> dict[str, type]:
     }
 
 
+def model_functions(spec: RunSpec) -> dict[str, Any]:
+    """``model-fn:Owner.attr`` -> every user function the model holds as a value (an NNX
+    module's `self.act = act`, a Linen module given `act=...`, an Equinox static field): the
+    model's structure keys them by identity, so their code, globals and closures go here."""
+    return {f"model-fn:{name}": fn for name, fn in models.held_functions(spec.model).items()}
+
+
 def traced_code(spec: RunSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
     """Everything whose content a program built from `hooks` depends on beyond its key's
     other parts: the hooks and the methods they reach (`traced_functions`), the class-level
-    values they read through `self` (`class_values`), and the model's classes
-    (`model_classes`)."""
+    values they read through `self` (`class_values`), the model's classes (`model_classes`)
+    and the functions the model holds (`model_functions`)."""
     functions = traced_functions(spec, hooks)
-    return {**functions, **class_values(spec, functions), **model_classes(spec)}
+    return {
+        **functions,
+        **class_values(spec, functions),
+        **model_classes(spec),
+        **model_functions(spec),
+    }
 
 
 def code_print(obj: Any) -> str:
@@ -383,6 +420,7 @@ def program_key(
     """The key of one program: every part that changes its graph, named for explanations."""
     if ps.prints is None:
         ps.prints = hook_prints(spec)
+        ps.parts = explain.hook_parts(traced_code(spec))
     hooks, helpers = explain.hook_parts(traced_code(spec, _kind_hooks(spec, kind)))
     rows = tuple(
         (jax.tree_util.keystr(path), *cache.input_spec(leaf))
@@ -392,7 +430,11 @@ def program_key(
     return explain.ProgramKey(
         kind=kind,
         experiment=spec.cls.__qualname__,
-        graph_consts=tuple(graph.items()),
+        # by content: a config's methods, a function's code and globals (not `==`, which
+        # ignores a dataclass's methods and compares functions by identity); a digest, so a
+        # value mutated in place later cannot change a stored key's hash
+        graph_consts=tuple((k, fingerprint_value(v, strict=False)) for k, v in graph.items()),
+        graph_shown=tuple((k, explain.shown(v)) for k, v in graph.items()),
         model=cache.freeze(models.structure_key(spec.model)),
         optimizer=optimizer,
         hooks=hooks,
@@ -405,6 +447,8 @@ def program_key(
                     **options,
                     "mesh": mesh_id(spec.mesh),
                     **{f"compile option {k}": v for k, v in spec.compile_options.items()},
+                    **{f"{explain.JAX_FLAG}{k}": v for k, v in context.jax_flags()},
+                    explain.ENVIRONMENT: context.environment(),
                 }.items()
             )
         ),
@@ -422,6 +466,8 @@ def _shown(name: str) -> str:
     """A `traced_code` name as the user wrote it."""
     if name.startswith("model:"):
         return f"the model class `{name.removeprefix('model:')}`"
+    if name.startswith("model-fn:"):
+        return f"the function `{name.removeprefix('model-fn:')}` the model holds"
     return f"`{name}`"
 
 
@@ -462,10 +508,18 @@ def check_rebound(spec: RunSpec, ps: ProgramSet) -> None:
         )
 
 
-def check_stale(spec: RunSpec, ps: ProgramSet) -> None:
+def check_stale(spec: RunSpec, ps: ProgramSet, *, begin: bool = True) -> None:
     """At an entry point: if a traced hook or helper was edited since this run compiled,
-    drop the programs built from the old code and say so once, naming what changed. Also
-    names a class re-defined since the handle was made (`check_rebound`)."""
+    drop the keys of the programs built from the old code and say so once, naming what
+    changed (the hook, or the helper, module value or closure variable under it). Also names
+    a class re-defined since the handle was made (`check_rebound`).
+
+    `begin`: a new entry-point call, whose programs are each checked once against a trace of
+    the current code before they run (`ProgramSet.verified`); `jn.predict` passes False and
+    checks a program once per handle, then trusts its key (the fast path of a predict loop).
+    """
+    if begin:
+        ps.verified = {}
     check_rebound(spec, ps)
     old = ps.prints
     if old is None:
@@ -475,27 +529,65 @@ def check_stale(spec: RunSpec, ps: ProgramSet) -> None:
         return
     was, now = dict(old), dict(new)
     edited = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    parts = explain.hook_parts(traced_code(spec))
+    named = _edits(ps.parts, parts) or [_shown(name) for name in edited]
 
     def stale(p: Any) -> bool:  # only programs that trace the edited code; the others stay valid
         return any(now.get(name) != digest for name, digest in p.deps)
 
     kinds = sorted({p.kind for p in ps.used.values() if stale(p)})
+    # Their keys go; the executables stay findable by program text, so an edit that traces to
+    # the same program (a docstring, a renamed local) compiles nothing.
     dropped = cache.drop(
         lambda p: (
             isinstance(p.key, explain.ProgramKey)
             and (p.key.module, p.key.experiment) == (spec.cls.__module__, spec.cls.__qualname__)
             and stale(p)
-        )
+        ),
+        by_text=False,
     )
     ps.reset_train()
-    ps.prints = new
+    ps.prints, ps.parts = new, parts
     ps.slots = set()  # the recompiles that follow are explained here, not again
+    ps.verified = {}
     which = f" (the {' and '.join(kinds)} program{'s' * (len(kinds) > 1)})" if kinds else ""
     warn_user(
-        f"{spec.cls.__name__}: {', '.join(map(_shown, edited))} changed since this Nitro "
-        f"compiled its programs; {dropped} stale program(s) dropped{which}, they will be "
-        f"recompiled; programs that do not call it are kept.",
+        f"{spec.cls.__name__}: {', '.join(named)} changed since this Nitro compiled its "
+        f"programs; {dropped} stale program(s) dropped{which}, they will be traced again from "
+        f"the current code and recompiled where the program changed; programs that do not "
+        f"call it are kept.",
     )
+
+
+_REACHED = {
+    "global": "module-level value",
+    "closure": "closure variable",
+    "wrapper": "wrapper",
+    "method": "method",
+    "partial": "the arguments of partial",
+}
+
+
+def _edits(old: tuple | None, new: tuple) -> list[str]:
+    """What changed between two `explain.hook_parts`, as the user wrote it: a hook, class
+    value or model class by its name; a helper (module value, closure variable) under a hook
+    whose own code is unchanged by its name and where it was reached from."""
+    if old is None:
+        return []
+    (old_own, old_reach), (new_own, new_reach) = (map(dict, old), map(dict, new))
+    roots = sorted(k for k in old_own.keys() | new_own.keys() if old_own.get(k) != new_own.get(k))
+    out = [_shown(k) for k in roots]
+    for key in sorted(old_reach.keys() | new_reach.keys()):
+        if old_reach.get(key) == new_reach.get(key):
+            continue
+        root, _, item = key.partition("/")
+        if root in roots or key not in old_reach or key not in new_reach:
+            continue  # (what an edited function now uses or no longer uses: its consequence)
+        kind, _, name = item.rpartition(":")
+        line = f"{_REACHED.get(kind, 'helper')} `{name}` (reached from {_shown(root)})"
+        if line not in out:
+            out.append(line)
+    return out
 
 
 def _acquire(
@@ -510,6 +602,9 @@ def _acquire(
     """get_or_compile, plus this run's bookkeeping: reports, logs, recompile warnings."""
     kind = key.kind
     before = cache.cache_stats()["misses"]
+    checked = ps.verified.get(key)
+    verify = checked is None or time.monotonic() - checked[0] > recheck_after(checked[1])
+    t0 = time.perf_counter()
     prog = cache.get_or_compile(
         key,
         lower,
@@ -519,7 +614,16 @@ def _acquire(
         hooks=tuple(h for h in _KIND_HOOKS[kind] if h in spec.routes),
         compile_options=dict(spec.compile_options),
         on_compile=ps.on_compile,
+        # once per entry-point call (in a predict loop: when `recheck_after` has passed), the
+        # cached program is checked against a trace of the current code: what a fingerprint
+        # cannot see, the program text can
+        verify=verify,
     )
+    if verify:  # (what the check cost: the trace and lowering, not a compile)
+        spent = time.perf_counter() - t0
+        if cache.cache_stats()["misses"] > before:
+            spent -= prog.compile_seconds
+        ps.verified[key] = (time.monotonic(), max(spent, 0.0))
     # A planned variant (the ragged last eval batch, a tail of single steps) is its own slot.
     slot = (kind, key.split, key.option("rows"), key.option("steps_per_call"), bucket)
     if cache.cache_stats()["misses"] > before:
@@ -533,6 +637,17 @@ def _acquire(
     ps.slots.add(slot)
     ps.used[(kind, label)] = prog
     return prog
+
+
+#: A program used again within this many seconds of its last check runs on its key alone
+#: (a loop of `jn.predict` calls); after it, its next use traces the current code again.
+RECHECK_SECONDS = 2.0
+
+
+def recheck_after(cost: float) -> float:
+    """Seconds a checked program runs on its key alone: `RECHECK_SECONDS`, or longer where a
+    check costs more, so that checks take at most 5% of a loop's time."""
+    return max(RECHECK_SECONDS, 20.0 * cost)
 
 
 def _compile_line(prog: cache.Program) -> dict:

@@ -471,6 +471,69 @@ def model_classes(model: Any) -> tuple[type, ...]:
     return tuple(found)
 
 
+def held_functions(model: Any) -> dict[str, Any]:
+    """Return ``Owner.attr`` -> every user function (or `functools.partial` of one) a split
+    model holds as a value: an NNX module's `self.act = act` (a static attribute of the
+    graphdef), a Linen module's field `act=...`, an Equinox module's function field. The
+    structure key holds such a function by identity; its code and what it reads is fingerprinted
+    by the caller. Library functions (`jax.nn.relu`) are left out: they cannot change.
+
+    Example:
+        >>> sorted(held_functions(jn.split_model(Net(act=my_act, ...))[0]))
+        ['Net.act']
+    """
+    hit = _held.get(id(model))
+    if hit is not None and hit[0] is model:  # a split model's static half never changes
+        return dict(hit[1])
+    found = _held_functions(model)
+    _held[id(model)] = (model, found)  # (holding the model keeps its id from being reused)
+    while len(_held) > 32:
+        _held.pop(next(iter(_held)))
+    return dict(found)
+
+
+_held: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+
+def _held_functions(model: Any) -> dict[str, Any]:
+    from jaxnitro.compile.fingerprint import is_user_function
+
+    found: dict[str, Any] = {}
+    if isinstance(model, NNXModel):
+        nodes = [getattr(n, "type", None) for n in getattr(model.graphdef, "nodes", ())]
+        owner = "/".join(sorted({getattr(t, "__name__", str(t)) for t in nodes[:1] if t}))
+        for name, attr in getattr(model.graphdef, "attributes", ()) or ():
+            value = getattr(attr, "value", None)
+            if is_user_function(value):
+                found.setdefault(f"{owner or 'model'}.{name}", value)
+        return found
+    if isinstance(model, LinenModel):
+        root = model.module
+    elif isinstance(model, EqxModel):
+        root = model.static
+    else:
+        return found
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [(type(root).__name__, root)]
+    while stack:
+        where, obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type):
+            continue
+        seen.add(id(obj))
+        if is_user_function(obj):
+            found.setdefault(where, obj)
+        elif dataclasses.is_dataclass(obj):
+            owner = type(obj).__name__
+            for f in dataclasses.fields(obj):
+                if f.name not in ("parent", "name"):
+                    stack.append((f"{owner}.{f.name}", getattr(obj, f.name, None)))
+        elif isinstance(obj, (list, tuple)):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(obj)]
+        elif isinstance(obj, dict):
+            stack += [(f"{where}[{k!r}]", v) for k, v in obj.items()]
+    return found
+
+
 def _module_tree(root: Any, base: type, found: dict[type, None]) -> None:
     """Add the class of every `base` instance reachable from `root` through dataclass fields
     and containers (iteratively: a deep model must not hit the recursion limit)."""

@@ -412,6 +412,51 @@ def _injected_rule(hooks: _Hooks, g, rule, rate, wd, anchor, scheduled):
     return tx, ("learning_rate", *hps)
 
 
+def live_optimizer(exp, optimizer: Optimizer) -> Optimizer:
+    """`optimizer` with each group's learning rate and weight decay as the experiment's hooks
+    give them now. A hook that reads a Device field changed by `jn.set_device` moves them with
+    no recompile: both travel to the step as inputs. A change that needs another program (a
+    group frozen with rate 0 given a rate, decay turned on where it was off, a ready optax
+    transformation, a new clip norm) raises a ConfigError naming it and the fix.
+
+    Example:
+        >>> live_optimizer(replace(exp, lr=0.05), n.optimizer).groups["default"].rate
+        0.05
+    """
+    rate_of = _hook(exp, "learning_rate") or (lambda group: 1e-3)
+    decay_of = _hook(exp, "weight_decay") or (lambda group: 0.0)
+    clip_hook = _hook(exp, "gradient_clip_norm")
+    clip = float(clip_hook()) if clip_hook is not None else 0.0
+    if clip != optimizer.clip:
+        raise ConfigError(
+            f"this change moves gradient_clip_norm() from {optimizer.clip} to {clip}, which is "
+            f"built into the optimizer: build a new Nitro with it (one recompile)."
+        )
+    groups = {}
+    for g, spec in optimizer.groups.items():
+        new: dict[str, Any] = {
+            "rate": _number("learning_rate", g, rate_of(g)),
+            "weight_decay": _number("weight_decay", g, decay_of(g)),
+        }
+        for field, hp in (("rate", "learning_rate"), ("weight_decay", "weight_decay")):
+            old = getattr(spec, field)
+            if new[field] != old and f"opt.{g}.{hp}" not in optimizer.hyper_paths:
+                why = (
+                    "the group is frozen (rate 0 at setup)"
+                    if spec.rate == 0.0 and spec.factory is not None
+                    else "its optimizer is a ready optax transformation"
+                    if spec.factory is None
+                    else "weight decay was off at setup"
+                )
+                raise ConfigError(
+                    f"this change moves {hp}({g!r}) from {old} to {new[field]}, which cannot "
+                    f"reach the running optimizer: {why}. Build a new Nitro with it (one "
+                    f"recompile), or schedule it (schedules={{'opt.{hp}': ...}})."
+                )
+        groups[g] = dataclasses.replace(spec, **new)
+    return dataclasses.replace(optimizer, groups=groups)
+
+
 def _number(hook: str, group: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ConfigError(

@@ -10,6 +10,7 @@ import numpy as np
 from jaxnitro.core.errors import ConfigError, did_you_mean
 from jaxnitro.dist.sharding import to_sharding
 from jaxnitro.experiment.markers import DEVICE, GRAPH, fields, replace
+from jaxnitro.optim.groups import live_optimizer
 from jaxnitro.run.setup import device_array
 from jaxnitro.train.history import History
 
@@ -80,6 +81,8 @@ def checked_device(n: Nitro, values: dict) -> dict:
                 f"(schedule key 'device.{name}'). Change the schedule instead."
             )
         new[name] = arr
+    if values and spec.optimizer is not None:  # a rate hook reading the field: refused here
+        live_optimizer(replace(n.experiment, **values), spec.optimizer)
     return new
 
 

@@ -34,6 +34,7 @@ from jaxnitro.experiment.markers import is_experiment, replace
 from jaxnitro.observe.events.phases import set_phase
 from jaxnitro.observe.events.signals import SetupTerminated, terminate_during_setup
 from jaxnitro.observe.plot import preload as preload_plotting
+from jaxnitro.optim import groups as optim_groups
 from jaxnitro.run import config as config_mod
 from jaxnitro.run import options
 from jaxnitro.run import settings as settings_mod
@@ -245,11 +246,14 @@ class Nitro:
         """New Device values (checked by `jn.set_device`), and the experiment showing them."""
         merged = {**self._device.values, **values}
         spec = self._spec
+        # a learning_rate / weight_decay hook that reads a Device field: its value travels
+        # with the step's hyperparameters, as the hooks give it now (checked by set_device)
+        optimizer = optim_groups.live_optimizer(experiment, spec.optimizer)
         base: Mapping[str, Any] | tuple[Mapping[str, Any], ...]
         if spec.population is None:
-            base = spec.hyper.base(spec.optimizer, merged)
+            base = spec.hyper.base(optimizer, merged)
         else:  # (the values carry a member axis)
-            base = population.member_bases(spec.population, spec.hyper, spec.optimizer, merged)
+            base = population.member_bases(spec.population, spec.hyper, optimizer, merged)
         self._device = dataclasses.replace(self._device, values=merged, hyper_base=base)
         self._experiment = experiment
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxnitro.compile import cache
+from jaxnitro.compile import cache, context
 from jaxnitro.core.errors import ConfigArgumentError, HookError
 from jaxnitro.experiment import models
 from jaxnitro.steps.step import make_train_step, scalar_loss
@@ -158,9 +158,10 @@ def train_step(
     A call is one lookup by the function object, model, optimizer and shapes, then the
     dispatch. A redefined `loss_fn` (a notebook cell run again, `importlib.reload`) is a new
     object, and a function whose code is replaced in place (IPython's autoreload) has new
-    code: either compiles anew. A module-level value, helper function or closure variable the
-    *same* function object reads is not re-checked on each call: after changing one, call
-    `jn.cache_reset()`.
+    code: either compiles anew, and so does a change of JAX's trace-time flags
+    (`jax_enable_x64`, ...) or of the environment. A module-level value, helper function or
+    closure variable the *same* function object reads is not re-checked on each call: after
+    changing one, re-run the cell that defines `loss_fn`, or call `jn.cache_reset()`.
 
     Example:
         >>> def loss_fn(model, params, state, batch):
@@ -222,14 +223,15 @@ def _lookup(
     program. An unread `state` has its fields built only for the full path.
     """
     model, tx = state.model, state.tx
-    key = (id(loss_fn), id(model), id(tx), treedef, batch_def, state_sig, batch_sig)
+    flags, env = context.jax_flags(), context.environment()
+    key = (id(loss_fn), id(model), id(tx), treedef, batch_def, state_sig, batch_sig, flags, env)
     hit = _fast.get(key)
     if hit is not None and hit.fits(loss_fn, model):
         return hit
     if unread:
         state = jax.tree.unflatten(treedef, leaves)
     call = _program(loss_fn, state, leaves, treedef, batch).compiled
-    hit = _Fast(loss_fn, _code(loss_fn), model, _code(model), tx, call, state_sig)
+    hit = _Fast(loss_fn, _code(loss_fn), model, _code(model), tx, call, state_sig, flags, env)
     _remember(key, hit)
     return hit
 
@@ -270,6 +272,8 @@ class _Fast:
     tx: Any
     call: Any
     state_sig: tuple
+    flags: tuple = ()  # the JAX flags it was traced under (`context.jax_flags`)
+    env: str = ""  # and the environment's digest
     out_sig: tuple | None = None
     loops: bool = False  # its returned state is a valid input of its own (same signature)
     live: bool = True  # False once `jn.cache_reset()` dropped it
@@ -292,6 +296,8 @@ class _Fast:
         return (
             self.loops
             and self.live
+            and self.flags == context.jax_flags()
+            and self.env == context.environment()
             and self.loss_fn is loss_fn
             and self.model is model
             and (self.code is None or self.code is loss_fn.__code__)
@@ -347,6 +353,8 @@ def _program(
         cache.freeze(models.structure_key(model)),
         cache.optimizer_key(tx),
         cache.avals(([state.params, state.state, state.opt_state, state.step, state.rng], batch)),
+        context.jax_flags(),
+        context.environment(),
     )
     step_fn = make_train_step(inner, tx)
 

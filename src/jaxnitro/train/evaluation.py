@@ -34,12 +34,15 @@ def check_split(n: Nitro, split: str) -> None:
         )
 
 
-def run_eval(n: Nitro, split: str, weights: str | None = None) -> dict[str, Any]:
+def run_eval(
+    n: Nitro, split: str, weights: str | None = None, *, begin: bool = True
+) -> dict[str, Any]:
     """The metrics of `split` (no logging): totals on the device, divided once. `weights`:
-    "ema", "raw" or None (those validation uses)."""
+    "ema", "raw" or None (those validation uses). `begin`: an entry-point call of its own
+    (False: the validation of a running `jn.train`, which checked its programs already)."""
     check_split(n, split)
     spec, ps = n.spec, n.programs
-    check_stale(spec, ps)
+    check_stale(spec, ps, begin=begin)
     params, model_state = ema.pick(n, weights)
     set_phase(n, "Evaluating", info={"split": split})
     bs = spec.split_specs[split].batch_size
@@ -116,10 +119,10 @@ def validation(n: Nitro) -> dict[str, Any]:
     """The training loop's validation row: the metrics of the weights validation uses (the
     checkpointer ranks by these); with `ema_eval="both"` also the raw weights' as
     `val_raw_<name>` (`acc` -> `val_raw_acc`, `val_loss` -> `val_raw_loss`)."""
-    row = run_eval(n, "val")
+    row = run_eval(n, "val", begin=False)
     avg = n.spec.ema
     if avg is not None and avg.eval == "both":
-        raw = run_eval(n, "val", "raw")
+        raw = run_eval(n, "val", "raw", begin=False)
         row.update({f"val_raw_{k.removeprefix('val_')}": v for k, v in raw.items()})
     return row
 
