@@ -107,6 +107,7 @@ PLACES: dict[str, str] = {
     "test_public_surface.py": "unit",
     "test_docs.py": "unit",
     "test_typed_spine.py": "unit",
+    "test_tiers.py": "unit",
     "test_cli.py": "e2e",
     "test_crash_safety.py": "e2e",
     "test_multi_device.py": "e2e",
