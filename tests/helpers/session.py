@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - Windows: this process only
     resource = None  # type: ignore[assignment]
 
 SLOW_TIER = ("slow", "multi_device")
-DEFAULT_BUDGET = 10.0  # CPU seconds; the fast tier's tests take 0.2 s on average
+DEFAULT_BUDGET = 10.0  # CPU seconds; most fast-tier tests take well under one
 _start = pytest.StashKey[tuple]()
 
 
