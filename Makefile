@@ -28,7 +28,7 @@ test: $(VENV)/.dev
 
 # The fast tier, the loop while working: unit tests and the quick end-to-end runs, every test
 # not marked slow or multi_device (the aim: under 3 minutes on 2 idle cores). An unmarked test
-# that takes more than 10 CPU seconds fails (tests/README.md, "Tiers and timings").
+# that takes more than 15 CPU seconds fails (tests/README.md, "Tiers and timings").
 test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not slow and not multi_device"
 

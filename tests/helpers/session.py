@@ -7,7 +7,7 @@ does not use it: a test that counts its compiles must not depend on which tests 
 
 Tiers: `make test-fast` runs the tests not marked `slow` or `multi_device`. This plugin
 fails such a test when its setup and call take more CPU seconds than
-``$JAXNITRO_TIER_BUDGET`` (default 10; ``0`` turns the check off): mark it `slow`, or make it
+``$JAXNITRO_TIER_BUDGET`` (default 15; ``0`` turns the check off): mark it `slow`, or make it
 cheaper. CPU time, not wall time: this process's and that of the child processes it waited
 for, so a machine busy with other work hardly changes it. ``$JAXNITRO_TIER_LOG=path`` appends
 one line per test (CPU seconds, wall seconds, tier, test id), the measure in tests/README.md.
@@ -27,7 +27,8 @@ except ImportError:  # pragma: no cover - Windows: this process only
     resource = None  # type: ignore[assignment]
 
 SLOW_TIER = ("slow", "multi_device")
-DEFAULT_BUDGET = 10.0  # CPU seconds; most fast-tier tests take well under one
+DEFAULT_BUDGET = 15.0  # CPU seconds: most fast-tier tests take well under one, the costliest
+# unmarked ones 9 to 10 (tests/README.md); the margin keeps a busy machine from flapping it
 _start = pytest.StashKey[tuple]()
 
 
