@@ -22,10 +22,13 @@ $(VENV)/.dev: pyproject.toml | $(VENV)/bin/python
 demo: $(VENV)/.examples
 	$(PY) examples/mnist.py
 
+# Every test (both tiers), as CI runs it; the aim is under 15 minutes on 2 idle cores.
 test: $(VENV)/.dev
 	$(PY) -m pytest -q
 
-# Unit tests and the quick end-to-end runs: about 3 minutes on 2 cores.
+# The fast tier, the loop while working: unit tests and the quick end-to-end runs, every test
+# not marked slow or multi_device (the aim: under 3 minutes on 2 idle cores). An unmarked test
+# that takes more than 15 CPU seconds fails (tests/README.md, "Tiers and timings").
 test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not slow and not multi_device"
 

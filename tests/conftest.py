@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -13,15 +16,22 @@ from flax import nnx
 
 import jaxnitro as jn
 
+# The test process without the persistent cache; the fast tier's budget (helpers/session.py);
 # CI (JAXNITRO_FAIL_ON_MISSING_DEV=1) fails a run in which a test skipped for a missing module.
-pytest_plugins = ("helpers.missing_dev",)
+pytest_plugins = ["helpers.session", "helpers.missing_dev"]
 
 jax.config.update("jax_platforms", "cpu")
 # The end-of-train curves.png costs ~0.5 s a run; the tests that check it turn it back on.
 os.environ.setdefault("JAXNITRO_NO_PLOT", "1")
-# No persistent compilation cache (on by default for users): a test's compiles must not
-# depend on what an earlier run left in ~/.cache; tests of the cache turn it on themselves.
-os.environ["JAXNITRO_COMPILATION_CACHE"] = "0"
+# One persistent compilation cache per session for the child processes tests start (the test
+# process itself compiles without it: helpers/session.py): each compiles the same small
+# programs, and a child loads what an earlier one compiled. A fresh private (0700) directory,
+# so nothing depends on ~/.cache or an earlier session; JAXNITRO_SUITE_CACHE=0 turns it off,
+# and the tests of the cache itself use directories of their own.
+if not os.environ.get("JAXNITRO_SUITE_CACHE"):  # the session's first process makes it
+    os.environ["JAXNITRO_SUITE_CACHE"] = tempfile.mkdtemp(prefix="jaxnitro-suite-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAXNITRO_SUITE_CACHE"], ignore_errors=True)
+os.environ["JAXNITRO_COMPILATION_CACHE"] = os.environ["JAXNITRO_SUITE_CACHE"]
 
 
 class TinyMLP(nnx.Module):

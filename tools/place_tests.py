@@ -112,6 +112,7 @@ PLACES: dict[str, str] = {
     "test_checkpoint_commit.py": "unit/checkpoint",
     "test_typed_spine.py": "unit",
     "test_manifests.py": "unit",  # Kubernetes and KServe manifests (deploy/, examples/)
+    "test_tiers.py": "unit",
     "test_cli.py": "e2e",
     "test_crash_safety.py": "e2e",
     "test_multi_device.py": "e2e",

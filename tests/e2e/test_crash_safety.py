@@ -1,11 +1,12 @@
 """Crash safety: SIGKILL at random times (many during a checkpoint write), restart, finish.
 
 The slow test trains a tiny experiment in a child process with `resume="auto"`, kills it
-with SIGKILL again and again (at random, seeded times, and right after a checkpoint's
-`*.tmp-*` directory appears), restarts it each time, and finally lets it finish. Every restart
-must resume from the newest complete checkpoint, and the final parameters must equal, bit for
-bit, those of an uninterrupted run. The other tests cover the pieces: verification of a
-checkpoint, `latest_valid()` skipping a corrupted newest one, and the JSONL log after a kill.
+with SIGKILL again and again (in start-up, at random seeded times, and right after a
+checkpoint's `*.tmp-*` directory appears), restarts it each time, and finally lets it finish.
+Every restart must resume from the newest complete checkpoint, and the final parameters must
+equal, bit for bit, those of an uninterrupted run. The other tests cover the pieces:
+verification of a checkpoint, `latest_valid()` skipping a corrupted newest one, and the JSONL
+log after a kill.
 """
 
 from __future__ import annotations
@@ -50,8 +51,13 @@ os.replace(out + ".part.npz", out)
 print(f"DONE {{n.step}} {{result.stop_reason}}", flush=True)
 """
 
-EPOCHS = 120  # x 8 steps; an epoch (steps, validation, checkpoint) takes ~50 ms here
-KILLS = 22  # SIGKILLs before the run is allowed to finish
+EPOCHS = 60  # x 8 steps; an epoch (steps, validation, checkpoint) takes ~50 ms here
+KILLS = 10  # SIGKILLs before the run is allowed to finish
+# Where they land, in a seeded random order: in start-up (imports, setup, restore), at a random
+# time in training, right after a checkpoint write begins. Each kind of point at least twice;
+# test_checkpoint_files.py and the tests below cover the pieces (temp entries, a truncated
+# newest checkpoint) one by one.
+MODES = ["startup"] * 2 + ["random"] * 3 + ["save"] * 5
 STEPS_PER_EPOCH = 8  # Tiny: 256 samples / 32
 
 
@@ -128,7 +134,7 @@ class _Child:
         return self.err_path.read_text()[-3000:]
 
 
-def _run_to_end(script, run_dir, out, err, env, timeout=120) -> tuple[int, tuple | None, str]:
+def _run_to_end(script, run_dir, out, err, env, timeout=300) -> tuple[int, tuple | None, str]:
     child = _Child(script, run_dir, out, err, env)
     child.wait_start(timeout)
     rc = child.finish(timeout)
@@ -136,17 +142,14 @@ def _run_to_end(script, run_dir, out, err, env, timeout=120) -> tuple[int, tuple
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # generous: a loaded machine; ~12 child processes
 def test_sigkill_at_random_times_then_resume_matches_an_uninterrupted_run(tmp_path):
     t_begin = time.monotonic()
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(tests=str(TESTS)))
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        # Shared by every child: the reference run compiles, the restarts only read.
-        "JAXNITRO_COMPILATION_CACHE": str(tmp_path / "xla-cache"),
-    }
+    # Every child imports conftest, so uses the suite's compilation cache: the restarts load
+    # the programs the reference run (or an earlier test) compiled.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
 
     # 1. The uninterrupted reference run (it also fills the compilation cache).
@@ -157,6 +160,7 @@ def test_sigkill_at_random_times_then_resume_matches_an_uninterrupted_run(tmp_pa
 
     # 2. Kill, restart, kill, ... at seeded random times.
     rng = random.Random(20240611)
+    schedule = rng.sample(MODES, len(MODES))
     run_dir, out = tmp_path / "killed", tmp_path / "killed.npz"
     ckdir = run_dir / "checkpoints"
     kills, mid_write, resumed_from, log = 0, 0, set(), []
@@ -167,21 +171,21 @@ def test_sigkill_at_random_times_then_resume_matches_an_uninterrupted_run(tmp_pa
         steps = _complete_steps(ckdir)
         expected = max(steps, default=0)  # newest complete checkpoint; 0 = a fresh start
         near_end = expected >= (EPOCHS - 8) * STEPS_PER_EPOCH
-        mode = rng.choices(["startup", "random", "save"], weights=[2, 5, 5])[0]
+        mode = schedule[kills]
         if near_end:
             mode = "save"  # kill at the first write: no progress, so kills remain to be done
         child = _Child(script, run_dir, out, tmp_path / f"child-{cycle}.err", env)
         if mode == "startup":  # anywhere in imports, setup, restore, or the first epochs
             time.sleep(rng.uniform(0.05, 2.0))
         else:
-            assert child.wait_start(60), f"cycle {cycle}: no START line\n{child.stderr()}"
+            assert child.wait_start(120), f"cycle {cycle}: no START line\n{child.stderr()}"
             if mode == "random":
                 time.sleep(rng.uniform(0.0, 0.8))
             else:  # right after the n-th temporary checkpoint entry appears
                 nth = 1 if near_end else rng.randint(1, 3)
                 extra = rng.choice([0.0, 0.0, rng.uniform(0.0, 0.03)])
                 seen: set[str] = set()
-                deadline = time.monotonic() + 30
+                deadline = time.monotonic() + 120  # generous: a loaded machine
                 while child.proc.poll() is None and time.monotonic() < deadline:
                     new = set(_tmp_entries(ckdir)) - seen
                     if new:
@@ -223,9 +227,9 @@ def test_sigkill_at_random_times_then_resume_matches_an_uninterrupted_run(tmp_pa
         f"{kills} kills ({mid_write} mid-write), resumed from {len(resumed_from)} "
         f"checkpoints, {time.monotonic() - t_begin:.0f}s; {log}"
     )
-    assert kills >= 20, log
-    assert mid_write >= 5, f"only {mid_write} kills hit a checkpoint write: {log}"
-    assert len(resumed_from) >= 5, f"restarts resumed from too few checkpoints: {log}"
+    assert kills >= KILLS - 1, log
+    assert mid_write >= 3, f"only {mid_write} kills hit a checkpoint write: {log}"
+    assert len(resumed_from) >= 3, f"restarts resumed from too few checkpoints: {log}"
     ref, got = np.load(ref_out), np.load(out)
     assert len(ref.files) == len(got.files) > 0
     for k in ref.files:

@@ -72,6 +72,28 @@ def test_setup_compiles_the_init_once_not_per_operation():
     assert 1 <= len(compiled) <= 3, compiled
 
 
+def test_a_populations_members_share_one_init_program():
+    """The members' builds (other seeds, same experiment) run the init program the first one
+    compiled, with the same values as a build of their own."""
+    compiled: list[str] = []
+
+    def listen(event: str, duration: float, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    rep, init = replicated(make_mesh(1)), {}
+    setup.build_model(Tiny(width=20), 1, rep, init=init)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        member = setup.build_model(Tiny(width=20), 2, rep, init=init)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled == []
+    alone = setup.build_model(Tiny(width=20), 2, rep)
+    for a, b in zip(_bits(member[1:]), _bits(alone[1:]), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
 class _HostWork(Tiny):
     def build_model(self, rng):
         model, params, state = super().build_model(rng)

@@ -28,12 +28,17 @@ if TYPE_CHECKING:
     from jaxnitro.optim.groups import Optimizer, Schedules
 
 
-def build_model(exp: Experiment, seed: int, rep: NamedSharding) -> tuple[Any, Any, Any, jax.Array]:
+def build_model(
+    exp: Experiment, seed: int, rep: NamedSharding, *, init: dict | None = None
+) -> tuple[Any, Any, Any, jax.Array]:
     """(model, params, model state, the run's RNG key). The model state and key are
     replicated on the mesh; the params are placed once, by their shardings, in
-    `initial_state` (a replicated copy first would hold every parameter twice)."""
+    `initial_state` (a replicated copy first would hold every parameter twice).
+
+    `init`: a dict shared by the builds of one experiment with several seeds (a population's
+    members): its init program is compiled once, then run with each seed's key."""
     key = jax.random.PRNGKey(seed)
-    built, rng = _init_traced(exp, key) or _init_eager(exp, key)
+    built, rng = _init_traced(exp, key, init) or _init_eager(exp, key)
     state = built[2] if built[2] is not None else {}
     state = sharding_mod.place(state, jax.tree.map(lambda _: rep, state))
     return built[0], built[1], state, sharding_mod.to_sharding(rng, rep)
@@ -55,7 +60,9 @@ def _init_eager(exp: Experiment, key: jax.Array) -> tuple[tuple, jax.Array]:
     return built, rng
 
 
-def _init_traced(exp: Experiment, key: jax.Array) -> tuple[tuple, jax.Array] | None:
+def _init_traced(
+    exp: Experiment, key: jax.Array, init: dict | None = None
+) -> tuple[tuple, jax.Array] | None:
     """`build_model` as one program (the key split, every initializer), or None where it
     cannot be one, and the caller runs it eagerly.
 
@@ -65,7 +72,12 @@ def _init_traced(exp: Experiment, key: jax.Array) -> tuple[tuple, jax.Array] | N
     the same values bit for bit. Not traced: a `build_model` that does host work on values or
     fails under tracing (it then runs eagerly, so its own error is the one raised), whose
     params or state hold anything but arrays it computed, or that bakes in more than
-    `INIT_CONSTANTS_MAX` bytes of arrays (weights it loaded: they stay out of the program)."""
+    `INIT_CONSTANTS_MAX` bytes of arrays (weights it loaded: they stay out of the program).
+    With `init`, a program compiled by an earlier call is run again with this key."""
+    if init and "program" in init:
+        module, program = init["program"]
+        (params, state), rng = program(key)
+        return (module, params, state), rng
     model: list = []
 
     def arrays(key: jax.Array) -> tuple[tuple, jax.Array]:
@@ -87,7 +99,10 @@ def _init_traced(exp: Experiment, key: jax.Array) -> tuple[tuple, jax.Array] | N
     leaked = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(model[0]))
     if consts > INIT_CONSTANTS_MAX or leaked:
         return None
-    (params, state), rng = traced.lower().compile()(key)
+    program = traced.lower().compile()
+    if init is not None:
+        init["program"] = (model[0], program)
+    (params, state), rng = program(key)
     return (model[0], params, state), rng
 
 

@@ -59,7 +59,8 @@ def member_trees(exp: Experiment, pop: Population, rep: NamedSharding, first: tu
     if len(set(pop.seeds)) == 1:
         stacked = population_mod.broadcast(first, pop.size)
     else:
-        built = [first] + [build_model(exp, sd, rep)[1:] for sd in pop.seeds[1:]]
+        init: dict = {}  # the members' init program, compiled once
+        built = [first] + [build_model(exp, sd, rep, init=init)[1:] for sd in pop.seeds[1:]]
         stacked = population_mod.stack(built)
     return jax.tree.map(lambda x: sharding_mod.to_sharding(x, rep), stacked)
 

@@ -1,0 +1,73 @@
+"""The suite's own rules (helpers/session.py): the fast tier's CPU budget, and the test
+process compiling without the session's persistent cache while its children use it."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+from helpers.paths import TESTS
+from helpers.procs import child_env
+
+from jaxnitro.dist.devices import apply_env, cache_in_use
+
+SUITE = """
+    import sys
+    sys.path.insert(0, {tests!r})
+    pytest_plugins = ["helpers.session"]
+"""
+TESTS_OF_A_SUITE = """
+    import time
+    import pytest
+
+    def burn():
+        end = time.process_time() + 0.5
+        while time.process_time() < end:
+            pass
+
+    def test_unmarked_and_costly():
+        burn()
+
+    @pytest.mark.slow
+    def test_marked_and_costly():
+        burn()
+
+    def test_unmarked_and_cheap():
+        pass
+"""
+
+
+def test_an_unmarked_test_over_the_budget_fails_and_a_marked_one_passes(tmp_path):
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(SUITE.format(tests=str(TESTS))))
+    (tmp_path / "test_suite.py").write_text(textwrap.dedent(TESTS_OF_A_SUITE))
+    log = tmp_path / "tiers.txt"
+    got = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=child_env(JAXNITRO_TIER_BUDGET="0.2", JAXNITRO_TIER_LOG=str(log)),
+        timeout=300,
+    )
+    assert got.returncode == 1, got.stdout[-3000:] + got.stderr[-3000:]
+    assert "1 failed, 2 passed" in got.stdout, got.stdout[-3000:]
+    assert "test_unmarked_and_costly took" in got.stdout
+    assert "over the fast tier's 0.2 (JAXNITRO_TIER_BUDGET)" in got.stdout
+    assert "@pytest.mark.slow" in got.stdout
+    rows = {line.split()[3].split("::")[1]: line.split() for line in log.read_text().splitlines()}
+    assert (
+        rows["test_marked_and_costly"][2] == "slow"
+        and float(rows["test_marked_and_costly"][0]) >= 0.5
+    )
+    assert rows["test_unmarked_and_cheap"][2] == "fast"
+
+
+def test_the_test_process_compiles_without_the_sessions_cache():
+    suite_cache = os.environ["JAXNITRO_SUITE_CACHE"]
+    assert os.environ["JAXNITRO_COMPILATION_CACHE"] == suite_cache  # what children inherit
+    assert stat.S_IMODE(os.stat(suite_cache).st_mode) == 0o700  # private, as mkdtemp makes it
+    apply_env()  # what a run's setup does: decided already (off), the environment is not read
+    assert cache_in_use() is None  # this process: compile counts do not depend on test order
