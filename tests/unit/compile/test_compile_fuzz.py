@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import Tiny, make_data
 from flax import nnx
 
@@ -319,6 +320,7 @@ def run_fuzz(tmp_path, edits: int, seed: int) -> dict:
     return {"edits": edits, "seed": seed, **counts}
 
 
+@pytest.mark.slow  # 200 edits: ~26 CPU seconds, over the fast tier's budget
 def test_random_edits_never_reach_a_stale_program_nor_recompile_needlessly(tmp_path):
     summary = run_fuzz(tmp_path, EDITS, SEED)
     print(summary)
