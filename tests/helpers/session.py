@@ -82,3 +82,17 @@ def pytest_runtest_call(item: pytest.Item):
             pytrace=False,
         )
     return result
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Whatever a test turned on in this process (`jn.setup_devices`, an in-process
+    `jaxnitro --compilation-cache DIR ...`, `jaxnitro serve`), the next test again compiles
+    without the persistent cache: a compile count must not depend on the tests before it."""
+    from jaxnitro.dist.devices import cache_in_use, configure_cache
+
+    if cache_in_use() is not None:
+        configure_cache(False)
+    suite = os.environ.get("JAXNITRO_SUITE_CACHE", "0")
+    if suite != "0":  # an in-process `jaxnitro --compilation-cache X` rewrote what children get
+        os.environ["JAXNITRO_COMPILATION_CACHE"] = suite
