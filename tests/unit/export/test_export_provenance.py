@@ -109,7 +109,8 @@ def test_provenance_runs_nothing_the_repository_configures(tmp_path, what):
     state = git_state(repo / "runs" / "tiny")
     assert not [m for m in markers if m.exists()], f"provenance ran the planted {what} program"
     assert state["commit"] == head
-    assert state["dirty"] is (what == "filter")
+    if what != "filter":  # a clean filter's dirt is seen only when git's stat data is racy
+        assert state["dirty"] is False
 
 
 def test_export_model_runs_no_fsmonitor_of_the_run_dirs_repository(tmp_path):
