@@ -34,20 +34,10 @@ import jaxnitro as jn  # noqa: E402
 
 
 def _mlp():
-    import mnist  # examples/mnist.py: the quick start's MLP
+    """The quick start's MLP on 64 random rows (startup.py's experiment)."""
+    from startup import _experiment
 
-    @jn.experiment
-    class Quick(mnist.MnistMLP):
-        n_rows: int = 64
-
-        def build_data(self, dist):
-            rng = np.random.default_rng(0)
-            x = rng.normal(size=(self.n_rows, 784)).astype(np.float32)
-            y = rng.integers(0, 10, size=self.n_rows).astype(np.int32)
-            loader = jn.DataLoader({"img": x, "label": y}, batch_size=32, drop_last=True)
-            return {"train": loader}
-
-    return Quick()
+    return _experiment()()
 
 
 def _gpt():
