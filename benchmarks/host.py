@@ -44,9 +44,9 @@ sys.path.insert(1, str(HERE.parent / "src"))
 import run as bench  # noqa: E402  (the MLP, its data and the hand loop)
 
 import jaxnitro as jn  # noqa: E402
-from jaxnitro.data import feed as feed_mod  # noqa: E402
-from jaxnitro.data import loader as loader_mod  # noqa: E402
-from jaxnitro.train import epoch as epoch_mod  # noqa: E402
+from jaxnitro._src.data import feed as feed_mod  # noqa: E402
+from jaxnitro._src.data import loader as loader_mod  # noqa: E402
+from jaxnitro._src.train import epoch as epoch_mod  # noqa: E402
 
 SAMPLES = {32: 32 * 2048, 1024: 1024 * 64}  # run.py's CPU profile: 2048 and 64 steps
 
@@ -138,7 +138,7 @@ _LAST_CLOCK: dict[str, float] = {}
 
 def _keep_clock() -> None:
     """Keep each epoch's clock, for `items`, and its process CPU time."""
-    from jaxnitro.train import driver
+    from jaxnitro._src.train import driver
 
     real = epoch_mod.run_epoch
 

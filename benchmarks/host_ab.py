@@ -37,9 +37,9 @@ import numpy as np  # noqa: E402
 import run as bench  # noqa: E402
 
 import jaxnitro as jn  # noqa: E402
-from jaxnitro.data import waits  # noqa: E402
-from jaxnitro.train import epoch  # noqa: E402
-from jaxnitro.train.readback import InFlight, read_back, read_columns, step_rows  # noqa: E402
+from jaxnitro._src.data import waits  # noqa: E402
+from jaxnitro._src.train import epoch  # noqa: E402
+from jaxnitro._src.train.readback import InFlight, read_back, read_columns, step_rows  # noqa: E402
 
 
 def old_module(name: str, path: str, rev: str):
@@ -84,8 +84,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--chunks", type=int, default=200, help="read-back chunks per repeat")
     args = ap.parse_args()
-    old_epoch = old_module("old_epoch", "src/jaxnitro/train/epoch.py", args.before)
-    old_waits = old_module("old_waits", "src/jaxnitro/data/waits.py", args.before)
+    old_epoch = old_module("old_epoch", "src/jaxnitro/_src/train/epoch.py", args.before)
+    old_waits = old_module("old_waits", "src/jaxnitro/_src/data/waits.py", args.before)
 
     case = dict(name="mlp32", kind="mlp", batch=32, samples=32 * 2048)
     data = bench.make_data(case)

@@ -51,8 +51,8 @@ sys.path.insert(1, str(ROOT / "src"))  # jaxnitro from this checkout, installed 
 import gpt  # noqa: E402
 
 import jaxnitro as jn  # noqa: E402
-from jaxnitro.core.units import format_bytes  # noqa: E402
-from jaxnitro.dist.devices import cache_in_use  # noqa: E402
+from jaxnitro._src.core.units import format_bytes  # noqa: E402
+from jaxnitro._src.dist.devices import cache_in_use  # noqa: E402
 
 H100_CLASS_PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200 SXM, the MFU denominator there
 SCAN_K = 32  # steps fused per call: the hand-written lax.scan loop and jaxnitro's steps_per_call

@@ -362,14 +362,14 @@ def _no_extra_ports(src: str | None) -> list[str]:
     by default since the model repository; an older checkout has neither the flags nor
     the ports), so both servers listen on their REST port only."""
     env = {**os.environ, **({"PYTHONPATH": src} if src else {})}
-    cmd = [sys.executable, "-m", "jaxnitro.serve", "--help"]
+    cmd = [sys.executable, "-m", "jaxnitro._src.serve", "--help"]
     text = subprocess.run(cmd, capture_output=True, text=True, env=env).stdout
     return ["--no-grpc", "--no-metrics-port"] if "--no-grpc" in text else []
 
 
 def start_servers(bundle: Path, src: str | None) -> dict[str, Process]:
     py = sys.executable
-    serve = [py, "-m", "jaxnitro.serve", str(bundle), "--port", "0", *_no_extra_ports(src)]
+    serve = [py, "-m", "jaxnitro._src.serve", str(bundle), "--port", "0", *_no_extra_ports(src)]
     pattern = r"REST:\s+http://127\.0\.0\.1:(\d+)/v2"
     hand_port = free_port()
     servers = {

@@ -30,7 +30,7 @@ def child(steps: int) -> None:
     from gpt import GPTLM, GPTConfig
 
     import jaxnitro as jn
-    from jaxnitro.dist.sharding import device_bytes
+    from jaxnitro._src.dist.sharding import device_bytes
 
     cfg = GPTConfig(vocab=8192, seq=64, layers=2, d=768, heads=12)
     rows = {}

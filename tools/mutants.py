@@ -52,7 +52,7 @@ class Target:
 TARGETS: dict[str, Target] = {
     # The narrow targets: the code of a resume, a checkpoint commit and a program key.
     "resume": Target(
-        "src/jaxnitro/run/setup/rundir.py",
+        "src/jaxnitro/_src/run/setup/rundir.py",
         functions=("resume_record", "identity", "read_meta", "restore_loggers"),
         tests=(
             "tests/unit/core/test_errors.py::test_resume_true_without_a_checkpoint",
@@ -63,7 +63,7 @@ TARGETS: dict[str, Target] = {
         ),
     ),
     "checkpoint-commit": Target(
-        "src/jaxnitro/checkpoint/store.py",
+        "src/jaxnitro/_src/checkpoint/store.py",
         functions=("_free_name", "_write_atomically", "_commit"),
         tests=(
             "tests/unit/checkpoint/test_checkpoint_commit.py",
@@ -76,7 +76,7 @@ TARGETS: dict[str, Target] = {
         ),
     ),
     "fingerprint-key": Target(
-        "src/jaxnitro/compile/fingerprint.py",
+        "src/jaxnitro/_src/compile/fingerprint.py",
         functions=("_identity", "_forget", "_array_digest"),
         tests=(
             "tests/unit/compile/test_fingerprint.py",
@@ -84,11 +84,13 @@ TARGETS: dict[str, Target] = {
         ),
     ),
     # The packages, whole, against their folders' fast tests (not run yet: hours each).
-    "compile": Target("src/jaxnitro/compile", tests=("tests/unit/compile", "-m", FAST)),
-    "run-setup": Target("src/jaxnitro/run/setup", tests=("tests/unit/run", "-m", FAST)),
-    "checkpoint": Target("src/jaxnitro/checkpoint", tests=("tests/unit/checkpoint", "-m", FAST)),
-    "steps": Target("src/jaxnitro/steps", tests=("tests/unit/steps", "-m", FAST)),
-    "dist": Target("src/jaxnitro/dist", tests=("tests/unit/dist", "-m", FAST)),
+    "compile": Target("src/jaxnitro/_src/compile", tests=("tests/unit/compile", "-m", FAST)),
+    "run-setup": Target("src/jaxnitro/_src/run/setup", tests=("tests/unit/run", "-m", FAST)),
+    "checkpoint": Target(
+        "src/jaxnitro/_src/checkpoint", tests=("tests/unit/checkpoint", "-m", FAST)
+    ),
+    "steps": Target("src/jaxnitro/_src/steps", tests=("tests/unit/steps", "-m", FAST)),
+    "dist": Target("src/jaxnitro/_src/dist", tests=("tests/unit/dist", "-m", FAST)),
 }
 
 

@@ -1,9 +1,9 @@
 """jaxnitro: declare the experiment, compile once, train without boilerplate."""
 
 from jaxnitro import datasets, distributed, schedules
-from jaxnitro.checkpoint.store import TopKCheckpointer, load_checkpoint, read_manifest
-from jaxnitro.compile.cache import cache_reset, cache_stats
-from jaxnitro.core.errors import (
+from jaxnitro._src.checkpoint.store import TopKCheckpointer, load_checkpoint, read_manifest
+from jaxnitro._src.compile.cache import cache_reset, cache_stats
+from jaxnitro._src.core.errors import (
     BundleError,
     BundleInputError,
     CheckpointError,
@@ -19,17 +19,17 @@ from jaxnitro.core.errors import (
     RoutingError,
     RunLockedError,
 )
-from jaxnitro.core.version import __version__ as __version__
-from jaxnitro.data.grain_source import shard_options
-from jaxnitro.data.loader import DataLoader
-from jaxnitro.dist.devices import setup_devices
-from jaxnitro.dist.sharding import Sharding
-from jaxnitro.experiment.markers import Device, GraphConst, Host, experiment, fields
-from jaxnitro.experiment.models import apply, split_model
-from jaxnitro.export import Bundle, TensorSpec, export_model, load_bundle
-from jaxnitro.observe.events import Preempted, StepRecord, every, on_phase
-from jaxnitro.observe.introspect import compile, compile_report, explain, inspect, memory_plan
-from jaxnitro.observe.loggers import (
+from jaxnitro._src.core.version import __version__ as __version__
+from jaxnitro._src.data.grain_source import shard_options
+from jaxnitro._src.data.loader import DataLoader
+from jaxnitro._src.dist.devices import setup_devices
+from jaxnitro._src.dist.sharding import Sharding
+from jaxnitro._src.experiment.markers import Device, GraphConst, Host, experiment, fields
+from jaxnitro._src.experiment.models import apply, split_model
+from jaxnitro._src.export import Bundle, TensorSpec, export_model, load_bundle
+from jaxnitro._src.observe.events import Preempted, StepRecord, every, on_phase
+from jaxnitro._src.observe.introspect import compile, compile_report, explain, inspect, memory_plan
+from jaxnitro._src.observe.loggers import (
     CSVLogger,
     JSONLogger,
     Logger,
@@ -38,19 +38,19 @@ from jaxnitro.observe.loggers import (
     WandbLogger,
     read_jsonl,
 )
-from jaxnitro.observe.plot import plot
-from jaxnitro.observe.render import render
-from jaxnitro.run.background import RunHandle, runs, start
-from jaxnitro.run.live import device_value, history, request_stop, set_device
-from jaxnitro.run.nitro import Dist, Nitro, member
-from jaxnitro.steps.custom import group_grad, optimizer_step
-from jaxnitro.steps.state import TrainState, train_step
-from jaxnitro.train.driver import TrainResult, train
-from jaxnitro.train.early_stop import EarlyStopping
-from jaxnitro.train.evaluation import evaluate, validate
-from jaxnitro.train.history import History
-from jaxnitro.train.lr_find import LRFindResult, lr_find
-from jaxnitro.train.prediction import predict
+from jaxnitro._src.observe.plot import plot
+from jaxnitro._src.observe.render import render
+from jaxnitro._src.run.background import RunHandle, runs, start
+from jaxnitro._src.run.live import device_value, history, request_stop, set_device
+from jaxnitro._src.run.nitro import Dist, Nitro, member
+from jaxnitro._src.steps.custom import group_grad, optimizer_step
+from jaxnitro._src.steps.state import TrainState, train_step
+from jaxnitro._src.train.driver import TrainResult, train
+from jaxnitro._src.train.early_stop import EarlyStopping
+from jaxnitro._src.train.evaluation import evaluate, validate
+from jaxnitro._src.train.history import History
+from jaxnitro._src.train.lr_find import LRFindResult, lr_find
+from jaxnitro._src.train.prediction import predict
 
 __all__ = [
     "BundleError",

@@ -1,6 +1,6 @@
 """`python -m jaxnitro ...`: the `jaxnitro` command."""
 
-from jaxnitro.cli import main
+from jaxnitro._src.cli import main
 
 if __name__ == "__main__":
     main()

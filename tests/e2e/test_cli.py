@@ -16,8 +16,8 @@ import pytest
 from helpers import cli
 
 import jaxnitro as jn
-from jaxnitro.checkpoint.runlock import RunLock
-from jaxnitro.observe.runs import list_runs
+from jaxnitro._src.checkpoint.runlock import RunLock
+from jaxnitro._src.observe.runs import list_runs
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

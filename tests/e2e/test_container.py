@@ -25,7 +25,7 @@ from helpers.paths import SRC, TESTS
 from helpers.procs import until
 
 import jaxnitro as jn
-from jaxnitro.dist.launcher import free_port
+from jaxnitro._src.dist.launcher import free_port
 
 KSERVE_CLIENT = str(TESTS / "e2e" / "kserve_client.py")
 
@@ -54,7 +54,7 @@ def test_the_image_follows_kserves_conventions():
 def test_later_flags_override_the_images_and_help_shows_both_port_names(tmp_path):
     from click.testing import CliRunner
 
-    from jaxnitro.cli import cli
+    from jaxnitro._src.cli import cli
 
     got = CliRunner().invoke(cli, ["serve", "--help"])
     assert got.exit_code == 0 and "--port, --http-port" in got.output

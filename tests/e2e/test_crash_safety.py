@@ -29,9 +29,9 @@ from conftest import Tiny, nitro
 from helpers.paths import TESTS
 
 import jaxnitro as jn
-from jaxnitro.checkpoint.store import TopKCheckpointer, verify_checkpoint
-from jaxnitro.core.errors import CheckpointError, CheckpointWarning
-from jaxnitro.observe.loggers import JSONLogger, read_jsonl
+from jaxnitro._src.checkpoint.store import TopKCheckpointer, verify_checkpoint
+from jaxnitro._src.core.errors import CheckpointError, CheckpointWarning
+from jaxnitro._src.observe.loggers import JSONLogger, read_jsonl
 
 CHILD = r"""
 import os, sys

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro.cli.drive import PathError, Workspace
+from jaxnitro._src.cli.drive import PathError, Workspace
 
 pytest.importorskip("mcp")
 from mcp import ClientSession  # noqa: E402
@@ -250,7 +250,7 @@ def test_a_missing_sdk_names_the_extra(tmp_path):
 
     code = (
         "import sys; sys.modules['mcp'] = None\n"  # an import of it fails, as when absent
-        "from jaxnitro.cli import main; main(['mcp', '--root', '.'])"
+        "from jaxnitro._src.cli import main; main(['mcp', '--root', '.'])"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(

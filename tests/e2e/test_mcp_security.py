@@ -459,7 +459,7 @@ def test_the_server_forgets_its_working_directory(tmp_path):
     (tmp_path / "exp.py").write_text(EXPERIMENT)
     code = (
         "import sys, os\n"
-        "from jaxnitro.cli import mcp_server\n"
+        "from jaxnitro._src.cli import mcp_server\n"
         "class Stop(Exception): pass\n"
         "def fake(*a, **k): raise Stop\n"
         "mcp_server.build_server = fake\n"

@@ -15,7 +15,7 @@ import pytest
 from helpers.paths import SRC
 
 import jaxnitro as jn
-from jaxnitro.dist import distributed, launcher
+from jaxnitro._src.dist import distributed, launcher
 from jaxnitro.distributed import resolve_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -154,7 +154,7 @@ def test_free_ports_are_free():
 def test_launch_refuses_what_it_cannot_run(tmp_path):
     from click.testing import CliRunner
 
-    from jaxnitro.cli import cli
+    from jaxnitro._src.cli import cli
 
     runner = CliRunner()
     got = runner.invoke(cli, ["launch", "--nproc", "2", str(tmp_path / "nope.py")])

@@ -16,8 +16,8 @@ import pytest
 from helpers.paths import SRC
 from helpers.procs import alive
 
-from jaxnitro.checkpoint.runlock import RunLock
-from jaxnitro.dist import launcher
+from jaxnitro._src.checkpoint.runlock import RunLock
+from jaxnitro._src.dist import launcher
 
 STACK_TRACE = "Check failure stack trace"
 
@@ -26,7 +26,7 @@ STACK_TRACE = "Check failure stack trace"
 LOCKED = """
     import sys
     import jaxnitro as jn
-    from jaxnitro.checkpoint.runlock import RunLock
+    from jaxnitro._src.checkpoint.runlock import RunLock
     jn.distributed.initialize()
     if jn.distributed.process_index() == 0:
         RunLock(sys.argv[1]).acquire("train", what=f"run directory {sys.argv[1]}")
@@ -146,7 +146,7 @@ def test_a_jaxnitro_command_that_fails_on_one_rank_stops_the_launch_at_once(tmp_
         """
         import sys
         import jaxnitro as jn
-        from jaxnitro.cli import main
+        from jaxnitro._src.cli import main
         jn.distributed.initialize()
         if jn.distributed.process_index() == 0:
             main(["plot", sys.argv[1], "-o", sys.argv[1] + "/curves.png"])

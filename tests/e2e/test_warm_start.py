@@ -20,8 +20,8 @@ import pytest
 from helpers.paths import TESTS
 
 import jaxnitro as jn
-from jaxnitro.compile import persistent
-from jaxnitro.dist.devices import cache_dir_choice, default_cache_dir
+from jaxnitro._src.compile import persistent
+from jaxnitro._src.dist.devices import cache_dir_choice, default_cache_dir
 
 RUN = """
 import json, os, sys

@@ -33,7 +33,7 @@ _start = pytest.StashKey[tuple]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from jaxnitro.dist.devices import configure_cache
+    from jaxnitro._src.dist.devices import configure_cache
 
     configure_cache(False)
 
@@ -89,7 +89,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """Whatever a test turned on in this process (`jn.setup_devices`, an in-process
     `jaxnitro --compilation-cache DIR ...`, `jaxnitro serve`), the next test again compiles
     without the persistent cache: a compile count must not depend on the tests before it."""
-    from jaxnitro.dist.devices import cache_in_use, configure_cache
+    from jaxnitro._src.dist.devices import cache_in_use, configure_cache
 
     if cache_in_use() is not None:
         configure_cache(False)

@@ -59,7 +59,7 @@ def resolve(identifier: str) -> object:
         return getattr(importlib.import_module(module), name)
 
 
-# jn.train, jn.compile and jn.experiment share their names with subpackages (jaxnitro/train/
+# jn.train, jn.compile and jn.experiment share their names with subpackages (jaxnitro/_src/train/
 # ...), which `::: jaxnitro.train` would document instead: their entries name the definition.
 def documented(name: str, entries: dict[str, str]) -> bool:
     public = getattr(jn, name)
@@ -89,7 +89,7 @@ def test_the_api_reference_documents_only_public_names():
     assert not stale, (
         f"API entries that are not jn.__all__ names: {stale}. Document a public name as "
         "'::: jaxnitro.<name>', or by the module that defines it where a subpackage has the "
-        "same name ('::: jaxnitro.train.driver.train'), or remove the line."
+        "same name ('::: jaxnitro._src.train.driver.train'), or remove the line."
     )
 
 

@@ -62,7 +62,7 @@ def test_test_file_names_are_unique():
         ("test_errors.py", "", "unit/core"),  # a known file: the mapping decides
         (
             "test_new_thing.py",
-            "from jaxnitro.serve.batcher import x\nimport jaxnitro.serve\n",
+            "from jaxnitro._src.serve.batcher import x\nimport jaxnitro._src.serve\n",
             "unit/serve",
         ),
         ("test_checkpoint_tls.py", "import jaxnitro as jn\n", "unit/checkpoint"),

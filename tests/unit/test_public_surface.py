@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 import jaxnitro as jn
-from jaxnitro.cli import cli
+from jaxnitro._src.cli import cli
 
 SRC = Path(jn.__file__).resolve().parent.parent
 

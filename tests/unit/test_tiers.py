@@ -12,7 +12,7 @@ import textwrap
 from helpers.paths import TESTS
 from helpers.procs import child_env
 
-from jaxnitro.dist.devices import apply_env, cache_in_use
+from jaxnitro._src.dist.devices import apply_env, cache_in_use
 
 SUITE = """
     import sys

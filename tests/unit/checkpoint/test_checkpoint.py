@@ -17,8 +17,8 @@ from conftest import Tiny, nitro
 from flax import nnx
 
 import jaxnitro as jn
-from jaxnitro.checkpoint.store import TopKCheckpointer, load_checkpoint, read_manifest
-from jaxnitro.core.errors import CheckpointError, ConfigError
+from jaxnitro._src.checkpoint.store import TopKCheckpointer, load_checkpoint, read_manifest
+from jaxnitro._src.core.errors import CheckpointError, ConfigError
 
 
 def _bits(x) -> bytes:

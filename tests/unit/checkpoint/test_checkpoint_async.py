@@ -9,7 +9,7 @@ import numpy as np
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
-from jaxnitro.checkpoint.store import TopKCheckpointer, load_checkpoint
+from jaxnitro._src.checkpoint.store import TopKCheckpointer, load_checkpoint
 
 
 def test_a_background_save_writes_the_same_checkpoint(tmp_path):

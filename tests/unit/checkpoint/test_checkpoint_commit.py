@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro.checkpoint import store
+from jaxnitro._src.checkpoint import store
 
 
 def save(ck, step=1):

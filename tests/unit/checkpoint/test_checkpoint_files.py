@@ -21,18 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxnitro.checkpoint import format as ckformat
-from jaxnitro.checkpoint import orbax_io, store
-from jaxnitro.checkpoint.store import (
+from jaxnitro._src.checkpoint import format as ckformat
+from jaxnitro._src.checkpoint import orbax_io, store
+from jaxnitro._src.checkpoint.store import (
     TopKCheckpointer,
     load_checkpoint,
     read_manifest,
     validate_int,
     verify_checkpoint,
 )
-from jaxnitro.core.errors import CheckpointError, CheckpointWarning
+from jaxnitro._src.core.errors import CheckpointError, CheckpointWarning
 
-FREE = r"\d+(\.\d)? [KMGTP]?i?B free"  # jaxnitro.core.units.format_bytes, then "free"
+FREE = r"\d+(\.\d)? [KMGTP]?i?B free"  # jaxnitro._src.core.units.format_bytes, then "free"
 
 
 def _trees(step: int = 1):
@@ -516,8 +516,8 @@ FSIZE_CHILD = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 import jax.numpy as jnp, numpy as np
-from jaxnitro.checkpoint.store import TopKCheckpointer
-from jaxnitro.core.errors import CheckpointError
+from jaxnitro._src.checkpoint.store import TopKCheckpointer
+from jaxnitro._src.core.errors import CheckpointError
 ck = TopKCheckpointer(dir=sys.argv[1])
 ck.bind(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))

@@ -14,8 +14,8 @@ import pytest
 from conftest import Tiny
 
 import jaxnitro as jn
-from jaxnitro.checkpoint import orbax_io
-from jaxnitro.checkpoint.store import TopKCheckpointer, load_checkpoint
+from jaxnitro._src.checkpoint import orbax_io
+from jaxnitro._src.checkpoint.store import TopKCheckpointer, load_checkpoint
 
 
 class _Bars:

@@ -15,7 +15,7 @@ from helpers.logs import lines
 from helpers.paths import TESTS
 
 import jaxnitro as jn
-from jaxnitro.checkpoint.runlock import RunLock, RunLockedError
+from jaxnitro._src.checkpoint.runlock import RunLock, RunLockedError
 
 
 def test_two_handles_in_one_process_cannot_both_write(run_dir):
@@ -49,7 +49,7 @@ def test_stale_lock_of_a_killed_process_is_taken_over(run_dir):
     run_dir.mkdir(parents=True)
     code = (
         f"import sys, time; sys.path.insert(0, {os.path.dirname(jn.__file__)!r}+'/..');"
-        f"from jaxnitro.checkpoint.runlock import RunLock; l = RunLock({str(run_dir)!r}); "
+        f"from jaxnitro._src.checkpoint.runlock import RunLock; l = RunLock({str(run_dir)!r}); "
         f"assert l.try_acquire('train'); print('HELD', flush=True); time.sleep(60)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro.checkpoint import shards as checkpoint_shards
-from jaxnitro.checkpoint.format import checksum
+from jaxnitro._src.checkpoint import shards as checkpoint_shards
+from jaxnitro._src.checkpoint.format import checksum
 
 
 def test_shard_checksums_catch_a_changed_or_missing_shard(tmp_path):

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from jaxnitro.cli.export import _text
+from jaxnitro._src.cli.export import _text
 
 
 @pytest.mark.parametrize("where", ["my bundles/tiny [v1]", "b*", "it's $HOME", "-x"])

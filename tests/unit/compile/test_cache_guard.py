@@ -14,8 +14,8 @@ import threading
 import pytest
 from jax._src.lru_cache import LRUCache
 
-from jaxnitro.compile import cache_guard
-from jaxnitro.compile.cache_guard import KEY_FILE, SignedCache, prepare, sign
+from jaxnitro._src.compile import cache_guard
+from jaxnitro._src.compile.cache_guard import KEY_FILE, SignedCache, prepare, sign
 
 OTHER = 64123  # a uid no one on this machine has
 

@@ -27,7 +27,7 @@ from conftest import Tiny, make_data
 from flax import nnx
 
 import jaxnitro as jn
-from jaxnitro.optim import hyper
+from jaxnitro._src.optim import hyper
 
 
 @pytest.fixture(autouse=True)
@@ -508,7 +508,7 @@ class Hidden(Tiny):
 
 
 def test_predict_rechecks_a_loop_against_the_trace_once_its_window_passed(tmp_path, monkeypatch):
-    from jaxnitro.compile import programs
+    from jaxnitro._src.compile import programs
 
     HOLDER["w"][:] = 1.0
     n = handle(Hidden(n_val=0), tmp_path / "a")

@@ -13,7 +13,7 @@ import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
-from jaxnitro.compile import report
+from jaxnitro._src.compile import report
 
 
 def compile_record(fn, *args, kind=None, **jit_kw):
@@ -191,7 +191,7 @@ def test_the_run_prints_the_report_to_fit_the_terminal(tmp_path):
 
     from rich.console import Console
 
-    from jaxnitro.observe.display import Display
+    from jaxnitro._src.observe.display import Display
 
     n = jn.Nitro(Tiny(max_epochs=1), run_dir=tmp_path / "r", progress=False)
     buf = io.StringIO()

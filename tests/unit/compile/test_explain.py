@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxnitro.compile.explain import KeyParts, closest, hook_parts, reasons
+from jaxnitro._src.compile.explain import KeyParts, closest, hook_parts, reasons
 
 BASE = KeyParts(
     kind="train",

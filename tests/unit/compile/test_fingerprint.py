@@ -17,8 +17,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxnitro.compile import fingerprint as fp
-from jaxnitro.compile.fingerprint import describe_reach, fingerprint, fingerprint_value
+from jaxnitro._src.compile import fingerprint as fp
+from jaxnitro._src.compile.fingerprint import describe_reach, fingerprint, fingerprint_value
 
 HOOK = """
 SCALE = 2.0

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
-from jaxnitro.compile.explain import KeyParts, hook_parts, reasons
-from jaxnitro.compile.fingerprint import describe_reach, fingerprint
+from jaxnitro._src.compile.explain import KeyParts, hook_parts, reasons
+from jaxnitro._src.compile.fingerprint import describe_reach, fingerprint
 
 
 def load(source: str, ns: dict | None = None, *, name: str = "user_ns") -> dict:

@@ -11,8 +11,8 @@ import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
-from jaxnitro.compile import memory
-from jaxnitro.core.errors import MemoryPlanError
+from jaxnitro._src.compile import memory
+from jaxnitro._src.core.errors import MemoryPlanError
 
 TX = optax.adam(1e-3)
 BATCH = 256

@@ -25,10 +25,10 @@ from conftest import Tiny, leaves_equal, make_data, nitro
 from helpers.paths import TESTS
 
 import jaxnitro as jn
-from jaxnitro.checkpoint.runlock import LOCK_NAME as RUN_LOCK
-from jaxnitro.checkpoint.runlock import RunLockedError
-from jaxnitro.core.errors import ConfigArgumentError, JaxnitroError
-from jaxnitro.train.early_stop import EarlyStopping
+from jaxnitro._src.checkpoint.runlock import LOCK_NAME as RUN_LOCK
+from jaxnitro._src.checkpoint.runlock import RunLockedError
+from jaxnitro._src.core.errors import ConfigArgumentError, JaxnitroError
+from jaxnitro._src.train.early_stop import EarlyStopping
 
 SRC = Path(jn.__file__).resolve().parent
 

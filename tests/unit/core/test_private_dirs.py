@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from jaxnitro.core.private_dirs import SUPPORTED, make_private, problems
+from jaxnitro._src.core.private_dirs import SUPPORTED, make_private, problems
 
 OTHER = 64123  # a uid no one on this machine has
 
@@ -95,7 +95,7 @@ def test_a_user_private_group_may_write_on_the_way(tmp_path, monkeypatch):
     import pwd
     from types import SimpleNamespace
 
-    from jaxnitro.core import private_dirs
+    from jaxnitro._src.core import private_dirs
 
     members = {1000: ("ann", ["bob"]), 50: ("staff", [])}
     monkeypatch.setattr(os, "getuid", lambda: 1000)

@@ -1,4 +1,4 @@
-"""Tests for jaxnitro.data.loader: DataLoader, batch checks, padding, and the prefetch thread."""
+"""Tests for data.loader: DataLoader, batch checks, padding, and the prefetch thread."""
 
 import threading
 import time
@@ -10,7 +10,7 @@ import pytest
 from conftest import Tiny, make_data, nitro
 
 import jaxnitro as jn
-from jaxnitro.data.loader import DataLoader, Prefetcher, check_batch, pad_batch, skip
+from jaxnitro._src.data.loader import DataLoader, Prefetcher, check_batch, pad_batch, skip
 
 
 def data(n=10, d=3):

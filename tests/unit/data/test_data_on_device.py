@@ -100,7 +100,7 @@ def test_another_dataset_size_is_explained_as_the_arrays_on_the_device(tmp_path)
 @pytest.fixture
 def cut_any_batch(monkeypatch):
     """Tiny's batches (1 KiB) are far below the size from which an in-order split is cut."""
-    from jaxnitro.run.setup import resident
+    from jaxnitro._src.run.setup import resident
 
     monkeypatch.setattr(resident, "CUT_MIN_CALL_BYTES", 0)
 
@@ -159,7 +159,7 @@ def test_a_resume_mid_call_cuts_other_pieces_and_trains_bitwise(tmp_path, cut_an
 
 
 def test_pieces_that_overlap_a_new_one_are_dropped():
-    from jaxnitro.data.device_batches import DeviceBatches
+    from jaxnitro._src.data.device_batches import DeviceBatches
 
     x = np.arange(40, dtype=np.float32).reshape(20, 2)
     kept = DeviceBatches({"x": x}, 2, None)

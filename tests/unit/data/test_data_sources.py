@@ -14,7 +14,7 @@ from conftest import Tiny, leaves_equal, make_data, nitro
 from helpers.procs import alive, child_env, gone
 
 import jaxnitro as jn
-from jaxnitro.data import tables
+from jaxnitro._src.data import tables
 
 N_TRAIN, BS, AT = 64, 8, 3  # 8 steps an epoch; the mid-epoch checkpoint is at step 3
 
@@ -203,7 +203,7 @@ def test_an_abandoned_pass_does_not_leak_into_the_next():
 
 
 def test_a_transform_gets_an_rng_of_seed_epoch_and_index_only():
-    from jaxnitro.data.loader import sample_rng
+    from jaxnitro._src.data.loader import sample_rng
 
     assert sample_rng(1, 2, 3).random() == sample_rng(1, 2, 3).random()
     assert sample_rng(1, 2, 3).random() != sample_rng(1, 2, 4).random()
@@ -336,7 +336,7 @@ def grain_loader(source, shard=None):
 def test_grain_map_dataset_resume_is_bitwise_and_epochs_differ(tmp_path):
     a, _ = straight_and_resumed(tmp_path, lambda: grain_map(CountingSource()))
     ds = grain_map(CountingSource())
-    from jaxnitro.data.grain_source import batches
+    from jaxnitro._src.data.grain_source import batches
 
     e0 = np.concatenate([b["i"] for b, _ in batches(ds, 0, 0, None)])
     e1 = np.concatenate([b["i"] for b, _ in batches(ds, 1, 0, None)])
@@ -351,7 +351,7 @@ def test_grain_map_dataset_resume_reads_nothing_before_the_position(tmp_path):
         return grain_map(sources[-1])
 
     straight_and_resumed(tmp_path, train, max_epochs=1)
-    from jaxnitro.data.grain_source import batches
+    from jaxnitro._src.data.grain_source import batches
 
     order = np.concatenate([b["i"] for b, _ in batches(grain_map(CountingSource()), 0, 0, None)])
     before, after = set(order[: AT * BS].tolist()), set(order[AT * BS :].tolist())
@@ -380,8 +380,8 @@ def test_grain_loader_resume_is_bitwise_and_reads_nothing_before_the_position(tm
 
 def test_grain_shards_follow_dist_and_an_unsharded_loader_is_refused():
     pytest.importorskip("grain")
-    from jaxnitro.data import grain_source
-    from jaxnitro.run.setup import Dist
+    from jaxnitro._src.data import grain_source
+    from jaxnitro._src.run.setup import Dist
 
     reads = []
     for p in (0, 1):

@@ -11,8 +11,8 @@ from conftest import nitro
 from helpers.slow_step import SlowStep
 
 import jaxnitro as jn
-from jaxnitro.data import waits
-from jaxnitro.data.loader import Prefetcher
+from jaxnitro._src.data import waits
+from jaxnitro._src.data.loader import Prefetcher
 
 
 class FakeStep:

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from jaxnitro.dist.devices import check_cache_trust
+from jaxnitro._src.dist.devices import check_cache_trust
 
 
 def test_a_shared_compilation_cache_dir_warns(tmp_path):

@@ -1,4 +1,4 @@
-"""The process layout (`jaxnitro.dist.layout`) in each cluster environment, faked with its
+"""The process layout (`jaxnitro._src.dist.layout`) in each cluster environment, faked with its
 exact variables, and `jaxnitro env` printing it: nothing is started."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from helpers.clusters import LAYOUT_VARIABLES, PORT_BASE, fake
 
 import jaxnitro as jn
-from jaxnitro.cli import cli
-from jaxnitro.dist.layout import resolve
+from jaxnitro._src.cli import cli
+from jaxnitro._src.dist.layout import resolve
 
 
 @pytest.fixture
@@ -174,7 +174,7 @@ def test_explicit_processes_without_a_coordinator_say_what_to_pass(environ):
 
 
 def test_launch_removes_the_clusters_placement_from_its_ranks():
-    from jaxnitro.dist import launcher
+    from jaxnitro._src.dist import launcher
 
     base = {**fake("slurm", rank=3, nproc=4, port=PORT), "OTHER": "kept"}
     env = launcher.rank_env(base, rank=1, nproc=2, coordinator="h:1", devices_per_process=None)

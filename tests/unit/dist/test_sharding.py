@@ -14,7 +14,7 @@ from helpers.paths import TESTS
 from jax.sharding import PartitionSpec as P
 
 import jaxnitro as jn
-from jaxnitro.dist.sharding import param_specs, resolve, spec_for
+from jaxnitro._src.dist.sharding import param_specs, resolve, spec_for
 
 MIB = 2**20
 

@@ -1,4 +1,4 @@
-"""Tests for jaxnitro.experiment.markers: @experiment, the markers, presets and the compile view."""
+"""Tests for experiment.markers: @experiment, the markers, presets and the compile view."""
 
 import dataclasses
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro.experiment.markers import DRIVER_FIELDS, CompileView
+from jaxnitro._src.experiment.markers import DRIVER_FIELDS, CompileView
 
 
 @jn.experiment
@@ -380,7 +380,7 @@ def test_dataclasses_replace_works_and_revalidates():
 
 
 def test_replace_helper_refuses_unknown_fields():
-    from jaxnitro.experiment.markers import replace
+    from jaxnitro._src.experiment.markers import replace
 
     assert replace(Exp(), depth=3).depth == 3
     with pytest.raises(jn.ConfigError, match="'dpeth'.*Did you mean 'depth'"):

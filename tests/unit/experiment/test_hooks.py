@@ -1,11 +1,11 @@
-"""Tests for jaxnitro.experiment.hooks: hook discovery, signature checks and keyword routing."""
+"""Tests for experiment.hooks: hook discovery, signature checks and keyword routing."""
 
 import dataclasses
 
 import pytest
 
 import jaxnitro as jn
-from jaxnitro.experiment.hooks import Route, check_batch, check_hooks, device_fields
+from jaxnitro._src.experiment.hooks import Route, check_batch, check_hooks, device_fields
 
 
 class Base:

@@ -1,4 +1,4 @@
-"""Tests for jaxnitro.experiment.models: one interface over NNX, Linen, Equinox and plain models."""
+"""Tests for experiment.models: one interface over NNX, Linen, Equinox and plain models."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxnitro.core.errors import ConfigError
-from jaxnitro.experiment.models import apply, is_training, mode, split_model, structure_key
+from jaxnitro._src.core.errors import ConfigError
+from jaxnitro._src.experiment.models import apply, is_training, mode, split_model, structure_key
 
 IN, HIDDEN, OUT, BATCH = 3, 16, 2, 32
 

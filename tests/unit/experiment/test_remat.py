@@ -12,7 +12,7 @@ from conftest import host_copy, make_data, nitro
 from flax import nnx
 
 import jaxnitro as jn
-from jaxnitro.compile import cache
+from jaxnitro._src.compile import cache
 
 
 class Block(nnx.Module):

@@ -21,9 +21,9 @@ from flax import nnx
 from helpers.paths import TESTS
 
 import jaxnitro as jn
-from jaxnitro.core.errors import BundleError, BundleInputError, ExportError, HookError
-from jaxnitro.experiment.hooks import check_hooks
-from jaxnitro.export import compat
+from jaxnitro._src.core.errors import BundleError, BundleInputError, ExportError, HookError
+from jaxnitro._src.experiment.hooks import check_hooks
+from jaxnitro._src.export import compat
 
 # Most tests export an untrained handle on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:export_model.*no optimizer step")
@@ -480,7 +480,7 @@ def test_export_inputs_must_feed_forward(run_dir):
 
 
 def test_git_provenance(tmp_path):
-    from jaxnitro.export.provenance import git_state
+    from jaxnitro._src.export.provenance import git_state
 
     assert git_state(tmp_path) is None  # not inside a work tree
     repo = tmp_path / "repo"

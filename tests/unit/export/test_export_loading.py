@@ -13,7 +13,7 @@ import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
-from jaxnitro.core.errors import BundleError
+from jaxnitro._src.core.errors import BundleError
 
 pytestmark = pytest.mark.filterwarnings("ignore:export_model.*no optimizer step")
 

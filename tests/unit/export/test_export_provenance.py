@@ -19,7 +19,7 @@ import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
-from jaxnitro.export.provenance import git_state
+from jaxnitro._src.export.provenance import git_state
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("git") is None, reason="needs git"),

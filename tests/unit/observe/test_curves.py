@@ -18,7 +18,7 @@ from helpers.paths import SRC, TESTS
 
 import jaxnitro as jn
 
-plot = importlib.import_module("jaxnitro.observe.plot")  # the module, not jn.plot
+plot = importlib.import_module("jaxnitro._src.observe.plot")  # the module, not jn.plot
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -32,7 +32,7 @@ def _fresh_process(script: str, *, draw: bool) -> dict:
         sys.path.insert(0, {str(TESTS)!r})
         from conftest import Tiny, nitro
         import jaxnitro as jn
-        plot = sys.modules["jaxnitro.observe.plot"]
+        plot = sys.modules["jaxnitro._src.observe.plot"]
         """
     )
     if draw:

@@ -24,7 +24,7 @@ from helpers.paths import SRC, TESTS
 from rich.console import Console
 
 import jaxnitro as jn
-from jaxnitro.observe.display import Display, in_notebook
+from jaxnitro._src.observe.display import Display, in_notebook
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 
@@ -251,7 +251,7 @@ def test_outside_a_kernel_nothing_imports_ipython(tmp_path):
         sys.path.insert(0, {str(TESTS)!r})
         from conftest import Tiny
         import jaxnitro as jn
-        from jaxnitro.observe.display import in_notebook
+        from jaxnitro._src.observe.display import in_notebook
         assert not in_notebook()
         n = jn.Nitro(Tiny(max_epochs=1), run_dir={str(tmp_path / "run")!r})
         jn.train(n)
@@ -362,7 +362,7 @@ def test_the_cli_runs_and_plot_over_many_runs_show_progress_on_stderr(tmp_path):
 
 
 def test_the_runs_listing_is_an_html_table_in_a_notebook(tmp_path):
-    from jaxnitro.observe.runs import list_runs
+    from jaxnitro._src.observe.runs import list_runs
 
     _fake_runs(tmp_path, 3)
     rows = list_runs(tmp_path)

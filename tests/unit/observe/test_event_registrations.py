@@ -4,8 +4,8 @@ definition (a notebook cell run again) replaces the earlier one (issue 42)."""
 from __future__ import annotations
 
 import jaxnitro as jn
-from jaxnitro.observe.events.phases import PhaseTracker
-from jaxnitro.observe.events.steps import has_callbacks
+from jaxnitro._src.observe.events.phases import PhaseTracker
+from jaxnitro._src.observe.events.steps import has_callbacks
 
 
 def _cell(seen: list) -> tuple:

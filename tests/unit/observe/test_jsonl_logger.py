@@ -20,9 +20,9 @@ from conftest import Tiny, nitro
 from helpers.paths import TESTS
 
 import jaxnitro as jn
-from jaxnitro.core.errors import ConfigError, JaxnitroError
-from jaxnitro.observe.loggers import JSONLogger, LogWarning, LogWriteError, read_jsonl
-from jaxnitro.train.history import History
+from jaxnitro._src.core.errors import ConfigError, JaxnitroError
+from jaxnitro._src.observe.loggers import JSONLogger, LogWarning, LogWriteError, read_jsonl
+from jaxnitro._src.train.history import History
 
 
 def _log_warnings(record):
@@ -316,7 +316,7 @@ def test_log_write_error_str_is_its_message():
 
 _FSIZE_CHILD = textwrap.dedent("""
     import json, resource, signal, sys, warnings
-    from jaxnitro.observe.loggers import JSONLogger, LogWarning
+    from jaxnitro._src.observe.loggers import JSONLogger, LogWarning
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
     run_dir = sys.argv[1]
     log = JSONLogger()

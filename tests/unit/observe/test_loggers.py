@@ -17,8 +17,14 @@ import pytest
 from conftest import Recorder, Tiny, nitro
 
 import jaxnitro as jn
-from jaxnitro.observe.loggers import FanoutLogger, LogWarning, NullLogger, make_logger, read_jsonl
-from jaxnitro.run.setup import read_meta
+from jaxnitro._src.observe.loggers import (
+    FanoutLogger,
+    LogWarning,
+    NullLogger,
+    make_logger,
+    read_jsonl,
+)
+from jaxnitro._src.run.setup import read_meta
 
 TRAIN_STEPS = 8  # Tiny: 256 samples, batch 32, drop_last
 

@@ -1,4 +1,4 @@
-"""Tests for jaxnitro.steps.metrics, the loggers, jaxnitro.train.history and jaxnitro.datasets."""
+"""Tests for steps.metrics, the loggers, jaxnitro._src.train.history and jaxnitro.datasets."""
 
 import json
 import math
@@ -10,9 +10,9 @@ from conftest import Tiny, nitro
 from helpers.logs import lines
 
 import jaxnitro as jn
-from jaxnitro.observe.loggers import JSONLogger, read_jsonl
-from jaxnitro.steps import metrics
-from jaxnitro.train.history import History
+from jaxnitro._src.observe.loggers import JSONLogger, read_jsonl
+from jaxnitro._src.steps import metrics
+from jaxnitro._src.train.history import History
 
 # ---------------------------------------------------------------- metrics.normalize
 

@@ -17,7 +17,7 @@ from flax import nnx
 from helpers.slow_step import SlowStep
 
 import jaxnitro as jn
-from jaxnitro.observe import throughput
+from jaxnitro._src.observe import throughput
 
 
 # -- the peak table ---------------------------------------------------------------------------
@@ -253,14 +253,14 @@ def test_csv_and_tensorboard_get_the_epoch_split_and_throughput(tmp_path):
     report = jn.inspect(jn.Nitro(Tiny(), run_dir=tmp_path, logger=False), show=False)
     (line,) = [x for x in report.text().splitlines() if x.startswith("time (last epoch): ")]
     assert "device" in line and "host" in line and line.endswith("s")
-    from jaxnitro.observe.runs import list_runs
+    from jaxnitro._src.observe.runs import list_runs
 
     (info,) = list_runs(tmp_path)  # what `jaxnitro runs` shows
     assert info.time_split is not None and info.time_split["device_s"] > 0
 
 
 def test_the_host_bound_hint_names_steps_per_call_past_a_fifth_of_the_step():
-    from jaxnitro.observe.timing import host_bound_hint
+    from jaxnitro._src.observe.timing import host_bound_hint
 
     hint = host_bound_hint({"host_s": 1.0, "device_s": 3.0}, 1, steps=100)
     assert hint is not None and "25% of the train time" in hint
@@ -274,7 +274,7 @@ def test_the_host_bound_hint_names_steps_per_call_past_a_fifth_of_the_step():
 
 
 def test_the_host_bound_hint_comes_only_from_epochs_that_measure_dispatch():
-    from jaxnitro.observe.timing import host_bound_hint
+    from jaxnitro._src.observe.timing import host_bound_hint
 
     split = {"host_s": 2.0, "device_s": 1.0}  # host-bound, by the numbers
     assert host_bound_hint(split, 1, steps=1) is None  # a run stopped after one step

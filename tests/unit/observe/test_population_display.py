@@ -13,9 +13,9 @@ from helpers.notebook import DisplayRecorder
 from rich.console import Console
 
 import jaxnitro as jn
-from jaxnitro.observe import members as population_view
-from jaxnitro.observe.display import Display
-from jaxnitro.steps.population import Population
+from jaxnitro._src.observe import members as population_view
+from jaxnitro._src.observe.display import Display
+from jaxnitro._src.steps.population import Population
 
 SMOOTHING = [0.0, 0.1, 0.2]
 

@@ -8,7 +8,7 @@ from conftest import Recorder
 from helpers.logs import lines
 
 import jaxnitro as jn
-from jaxnitro.observe.loggers import LogWarning, base, jsonl
+from jaxnitro._src.observe.loggers import LogWarning, base, jsonl
 
 ROWS = [
     {"loss": 0.5, "grad_norm": 1.25, "lr": 1e-05, "samples_per_s": 1234.5},

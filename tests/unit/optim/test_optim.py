@@ -15,10 +15,10 @@ import pytest
 from conftest import Tiny, host_copy, leaves_equal, make_data, nitro
 
 import jaxnitro as jn
-from jaxnitro.optim import groups as optim
-from jaxnitro.optim import hyper
-from jaxnitro.train import epoch as epoch_mod
-from jaxnitro.train.epoch import train_program
+from jaxnitro._src.optim import groups as optim
+from jaxnitro._src.optim import hyper
+from jaxnitro._src.train import epoch as epoch_mod
+from jaxnitro._src.train.epoch import train_program
 
 
 def allclose(a, b, atol=1e-6):

@@ -19,8 +19,8 @@ from helpers.logs import lines
 from helpers.paths import SRC, TESTS
 
 import jaxnitro as jn
-from jaxnitro.optim import groups as optim
-from jaxnitro.run.setup import read_meta
+from jaxnitro._src.optim import groups as optim
+from jaxnitro._src.run.setup import read_meta
 
 
 def phases_of(n, **kw):

@@ -1,4 +1,4 @@
-"""Options declared once (`jaxnitro.run.options`): as keywords, experiment fields, flags of
+"""Options declared once (`jaxnitro._src.run.options`): as keywords, experiment fields, flags of
 `jaxnitro train`, entries of a TOML config file, in `help(jn.Nitro)` and docs/options.md."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from helpers.cli import jaxnitro
 from helpers.paths import ROOT
 
 import jaxnitro as jn
-from jaxnitro.cli import cli
-from jaxnitro.run import config, options, settings
+from jaxnitro._src.cli import cli
+from jaxnitro._src.run import config, options, settings
 
 #: A good value per value option, other than its default (a new option needs one here).
 GOOD = {
@@ -155,7 +155,7 @@ def test_help_and_signature_list_every_option_with_default_and_doc():
 
 
 def test_docs_options_md_is_up_to_date():
-    """Regenerate with: python -m jaxnitro.run.options > docs/options.md"""
+    """Regenerate with: python -m jaxnitro._src.run.options > docs/options.md"""
     assert (ROOT / "docs" / "options.md").read_text() == options.markdown()
 
 
@@ -463,8 +463,8 @@ BOOL_OPTIONS = [o.name for o in options.OPTIONS if o.value and "bool" in o.type]
 
 @pytest.mark.parametrize("name", BOOL_OPTIONS)
 def test_every_bool_option_reads_the_one_vocabulary(name):
-    from jaxnitro.cli.values import parse
-    from jaxnitro.core.words import FALSE_WORDS, TRUE_WORDS
+    from jaxnitro._src.cli.values import parse
+    from jaxnitro._src.core.words import FALSE_WORDS, TRUE_WORDS
 
     o = options.BY_NAME[name]
     for words, meant in ((TRUE_WORDS, True), (FALSE_WORDS, False)):

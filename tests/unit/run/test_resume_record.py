@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro.checkpoint.runlock import RunLock
-from jaxnitro.run.setup.rundir import identity, read_meta, restore_loggers, resume_record
+from jaxnitro._src.checkpoint.runlock import RunLock
+from jaxnitro._src.run.setup.rundir import identity, read_meta, restore_loggers, resume_record
 
 
 def services(run_dir):

@@ -14,22 +14,27 @@ import pytest
 from conftest import Tiny, make_data
 
 import jaxnitro as jn
-from jaxnitro.checkpoint.runlock import RunLock
-from jaxnitro.compile import cache, explain
-from jaxnitro.compile.programs import ProgramSet, eval_metric_shapes, eval_program, train_program
-from jaxnitro.data import feed
-from jaxnitro.data.loader import batch_sharding
-from jaxnitro.dist.devices import make_mesh, replicated
-from jaxnitro.experiment import hooks
-from jaxnitro.observe.display import Display
-from jaxnitro.observe.loggers import NullLogger
-from jaxnitro.optim import groups as optim
-from jaxnitro.optim import hyper
-from jaxnitro.optim.hyper import HyperLayout
-from jaxnitro.run import setup as setup_mod
-from jaxnitro.run.progress import Progress
-from jaxnitro.run.services import NoCheckpointer, Services
-from jaxnitro.run.spec import DeviceValues, RunSpec
+from jaxnitro._src.checkpoint.runlock import RunLock
+from jaxnitro._src.compile import cache, explain
+from jaxnitro._src.compile.programs import (
+    ProgramSet,
+    eval_metric_shapes,
+    eval_program,
+    train_program,
+)
+from jaxnitro._src.data import feed
+from jaxnitro._src.data.loader import batch_sharding
+from jaxnitro._src.dist.devices import make_mesh, replicated
+from jaxnitro._src.experiment import hooks
+from jaxnitro._src.observe.display import Display
+from jaxnitro._src.observe.loggers import NullLogger
+from jaxnitro._src.optim import groups as optim
+from jaxnitro._src.optim import hyper
+from jaxnitro._src.optim.hyper import HyperLayout
+from jaxnitro._src.run import setup as setup_mod
+from jaxnitro._src.run.progress import Progress
+from jaxnitro._src.run.services import NoCheckpointer, Services
+from jaxnitro._src.run.spec import DeviceValues, RunSpec
 
 
 @jn.experiment
@@ -218,7 +223,7 @@ class Parts:
 
 
 def test_one_epoch_of_the_loop_advances_state_and_progress(tmp_path):
-    from jaxnitro.train.epoch import run_epoch
+    from jaxnitro._src.train.epoch import run_epoch
 
     spec, ts, device = make_spec(tmp=tmp_path)
     parts = Parts(spec, ts, device, tmp_path)
@@ -233,7 +238,7 @@ def test_one_epoch_of_the_loop_advances_state_and_progress(tmp_path):
 
 
 def test_a_stop_request_ends_the_epoch_mid_way_and_keeps_the_position(tmp_path):
-    from jaxnitro.train.epoch import run_epoch
+    from jaxnitro._src.train.epoch import run_epoch
 
     spec, ts, device = make_spec(tmp=tmp_path)
     parts = Parts(spec, ts, device, tmp_path)

@@ -24,9 +24,9 @@ from flax import nnx
 from helpers import paths
 
 import jaxnitro as jn
-from jaxnitro.data import datasets
-from jaxnitro.dist.devices import make_mesh, replicated
-from jaxnitro.run.setup import model as setup
+from jaxnitro._src.data import datasets
+from jaxnitro._src.dist.devices import make_mesh, replicated
+from jaxnitro._src.run.setup import model as setup
 
 TESTS = str(paths.TESTS)
 

@@ -2,7 +2,7 @@
 
 Quick tests run the codec, the batcher and the Starlette app in-process on a fake bundle.
 The slow ones export real bundles (Tiny, and a BF16-input variant), start
-``python -m jaxnitro.serve`` in a subprocess on free ports and talk to it with the standard
+``python -m jaxnitro._src.serve`` in a subprocess on free ports and talk to it with the standard
 clients (tritonclient.http binary and JSON, tritonclient.grpc, plain urllib JSON), then
 throw the bad inputs of serving.md §5 at it, load it from 16 threads, and stop it with
 SIGTERM while requests are in flight.
@@ -33,12 +33,12 @@ import pytest
 from conftest import Tiny, nitro
 
 import jaxnitro as jn
-from jaxnitro.serve import body, build_app, codec, registry
-from jaxnitro.serve.codec import InferRequest
-from jaxnitro.serve.errors import InvalidRequest, PayloadTooLarge, Unavailable
-from jaxnitro.serve.metrics import parse as parse_metrics
-from jaxnitro.serve.registry import Registry, ServedModel
-from jaxnitro.serve.runtime import Runtime
+from jaxnitro._src.serve import body, build_app, codec, registry
+from jaxnitro._src.serve.codec import InferRequest
+from jaxnitro._src.serve.errors import InvalidRequest, PayloadTooLarge, Unavailable
+from jaxnitro._src.serve.metrics import parse as parse_metrics
+from jaxnitro._src.serve.registry import Registry, ServedModel
+from jaxnitro._src.serve.runtime import Runtime
 
 
 # -- a fake bundle for the in-process tests -----------------------------------------------------
@@ -354,11 +354,11 @@ def bundles(tmp_path_factory):
 
 
 class Server:
-    """``python -m jaxnitro.serve`` in a subprocess, on ports it picks itself."""
+    """``python -m jaxnitro._src.serve`` in a subprocess, on ports it picks itself."""
 
     def __init__(self, dirs, *args: str):
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        cmd = [sys.executable, "-m", "jaxnitro.serve", *map(str, dirs), "--port", "0"]
+        cmd = [sys.executable, "-m", "jaxnitro._src.serve", *map(str, dirs), "--port", "0"]
         self.proc = subprocess.Popen(
             [*cmd, "--grpc-port", "0", "--metrics-port", "0", *args],
             stdout=subprocess.PIPE,
@@ -815,7 +815,7 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(bundles):
 @pytest.mark.slow
 def test_bundle_dir_errors_exit_1_with_a_message(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxnitro.serve", str(tmp_path), "--port", "0"],
+        [sys.executable, "-m", "jaxnitro._src.serve", str(tmp_path), "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,

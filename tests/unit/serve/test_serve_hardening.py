@@ -32,13 +32,13 @@ from helpers.procs import until
 from test_serve import FakeBundle, Server
 
 import jaxnitro as jn
-from jaxnitro.core.errors import ConfigError
-from jaxnitro.serve import command, repository
-from jaxnitro.serve.errors import InvalidRequest
-from jaxnitro.serve.modelconfig import model_settings, repository_parameters
-from jaxnitro.serve.registry import Registry, ServedModel
-from jaxnitro.serve.repository import Repository
-from jaxnitro.serve.runtime import Runtime
+from jaxnitro._src.core.errors import ConfigError
+from jaxnitro._src.serve import command, repository
+from jaxnitro._src.serve.errors import InvalidRequest
+from jaxnitro._src.serve.modelconfig import model_settings, repository_parameters
+from jaxnitro._src.serve.registry import Registry, ServedModel
+from jaxnitro._src.serve.repository import Repository
+from jaxnitro._src.serve.runtime import Runtime
 
 X = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
 
@@ -159,7 +159,7 @@ class Proc(Server):
 
     def __init__(self, *args: str, prefix: list[str] | None = None):
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        cmd = prefix or [sys.executable, "-m", "jaxnitro.serve"]
+        cmd = prefix or [sys.executable, "-m", "jaxnitro._src.serve"]
         self.proc = subprocess.Popen(
             [*cmd, "--port", "0", "--grpc-port", "0", "--metrics-port", "0", *args],
             stdout=subprocess.PIPE,
@@ -315,8 +315,8 @@ def test_readiness_needs_every_named_model_and_the_intact_older_version_serves(t
 #: returns), as a compile or a model call that never ends would.
 HANGING = """
 import threading, sys
-from jaxnitro.serve import registry
-from jaxnitro.serve.command import serve_command
+from jaxnitro._src.serve import registry
+from jaxnitro._src.serve.command import serve_command
 warm_up = registry.ServedModel.warm_up
 def hangs(self, done=None):
     if self.name == "hang":

@@ -4,7 +4,7 @@ decode to many times its bytes, too many bytes in flight, a client that never re
 response when SIGTERM comes, and booleans mixed with numbers.
 
 The quick tests run the codec, the tensors and the byte budget in-process; the slow ones
-start ``python -m jaxnitro.serve`` (test_serve's `Server`) and use raw sockets.
+start ``python -m jaxnitro._src.serve`` (test_serve's `Server`) and use raw sockets.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from conftest import Tiny, nitro
 from test_serve import INFER, Server, _json_infer, _raw, _x
 
 import jaxnitro as jn
-from jaxnitro.core.errors import ConfigError
-from jaxnitro.serve import codec, command, connections, server, tensors
-from jaxnitro.serve.body import InflightBytes
-from jaxnitro.serve.errors import InvalidRequest, PayloadTooLarge, Unavailable
+from jaxnitro._src.core.errors import ConfigError
+from jaxnitro._src.serve import codec, command, connections, server, tensors
+from jaxnitro._src.serve.body import InflightBytes
+from jaxnitro._src.serve.errors import InvalidRequest, PayloadTooLarge, Unavailable
 
 F32 = np.dtype(np.float32)
 

@@ -4,7 +4,7 @@ with its control modes and version policies, version swaps that fail no request,
 metrics through prometheus_client.
 
 The quick tests run the app in-process on a fake bundle; the slow ones export two real
-versions of a small model and start ``python -m jaxnitro.serve --model-repository`` in a
+versions of a small model and start ``python -m jaxnitro._src.serve --model-repository`` in a
 subprocess on free ports.
 """
 
@@ -33,9 +33,9 @@ from starlette.testclient import TestClient
 from test_serve import FakeBundle, Server
 
 import jaxnitro as jn
-from jaxnitro.core.errors import ConfigError
-from jaxnitro.serve import build_app
-from jaxnitro.serve.repository import parse_policy, select
+from jaxnitro._src.core.errors import ConfigError
+from jaxnitro._src.serve import build_app
+from jaxnitro._src.serve.repository import parse_policy, select
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -404,7 +404,7 @@ def test_default_grpc_port_taken_names_the_port_and_the_flags(versions, tmp_path
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        cmd = [sys.executable, "-m", "jaxnitro.serve", "--model-repository", str(repo)]
+        cmd = [sys.executable, "-m", "jaxnitro._src.serve", "--model-repository", str(repo)]
         cmd += ["--port", "0", "--metrics-port", "0", "--grpc-port", str(port)]
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

@@ -19,8 +19,8 @@ from flax import nnx
 from helpers.paths import TESTS
 
 import jaxnitro as jn
-from jaxnitro.core.errors import CheckpointError, ConfigError
-from jaxnitro.steps.ema import pick
+from jaxnitro._src.core.errors import CheckpointError, ConfigError
+from jaxnitro._src.steps.ema import pick
 
 
 def _checkpoints(run_dir: Path) -> dict[int, dict]:

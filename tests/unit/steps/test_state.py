@@ -95,7 +95,7 @@ def test_train_step_rejects_a_non_scalar_loss():
 
 
 def test_optimizer_key_is_kept_per_transformation_and_tells_rates_apart():
-    from jaxnitro.compile import cache
+    from jaxnitro._src.compile import cache
 
     a, b = optax.adam(1e-3), optax.adam(1e-2)
     assert cache.optimizer_key(a) is cache.optimizer_key(a)  # computed once per object
@@ -104,7 +104,7 @@ def test_optimizer_key_is_kept_per_transformation_and_tells_rates_apart():
 
 
 def test_the_fast_path_recompiles_a_redefined_loss_and_cache_reset_clears_it():
-    from jaxnitro.steps import state as state_mod
+    from jaxnitro._src.steps import state as state_mod
 
     model, params, state = jn.split_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
     ts = jn.TrainState.create(model, params, state, optax.sgd(0.1))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxnitro.train.readback import InFlight, read_back
+from jaxnitro._src.train.readback import InFlight, read_back
 
 
 def _runs():

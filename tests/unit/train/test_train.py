@@ -289,7 +289,7 @@ def test_stop_mid_epoch_then_resume_equals_straight_run(run_dir):
 def test_rich_display_runs_on_a_terminal_like_stream(run_dir):
     import io
 
-    from jaxnitro.observe.display import Display
+    from jaxnitro._src.observe.display import Display
 
     buf = io.StringIO()
     d = Display("rich", file=buf)
@@ -601,7 +601,7 @@ def test_a_stop_mid_epoch_then_the_rest_gives_the_straight_runs_history(tmp_path
 
 
 def test_one_step_has_one_epoch_in_every_report(run_dir):
-    from jaxnitro.train.epoch import mid_epoch
+    from jaxnitro._src.train.epoch import mid_epoch
 
     n = nitro(Tiny(max_epochs=1), run_dir=run_dir)  # 8 steps per epoch
     jn.train(n)

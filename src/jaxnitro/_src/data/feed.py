@@ -1,0 +1,348 @@
+"""Feeding a run's programs: host batches to device payloads, in the prefetch thread.
+
+Train batches are grouped into dispatch units (`steps_per_call` × `accum` batches), checked,
+stacked to (steps, micro-batches, batch, ...) and transferred, with the packed per-step
+hyperparameters (scheduled rates, scalar Device values) evaluated for the unit's steps.
+Everything here reads a `RunSpec`; nothing writes the handle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxnitro._src.core.errors import DataError
+from jaxnitro._src.data import grain_source
+from jaxnitro._src.data import loader as data_mod
+
+
+def put(spec, array, sharding):
+    """To the device; on a single CPU device the compiled call takes numpy directly, which
+    costs far less than an explicit transfer (the device memory *is* host memory). With
+    several processes, `array` is this process's part and the result a global array."""
+    if spec.direct_feed:
+        return array
+    if jax.process_count() > 1:
+        return global_array(array, sharding)
+    return jax.device_put(array, sharding)
+
+
+def global_array(local: np.ndarray, sharding) -> jax.Array:
+    """This process's rows -> the global array (the processes' rows in process order).
+
+    A replicated input (hyperparameters) is the same on every process: each process places
+    its copy, with no cross-process check. A batch passes `global_shape` explicitly: inferred,
+    a process with other rows would silently build another global batch than its peers.
+    """
+    if sharding.is_fully_replicated:
+        return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
+    shape = list(local.shape)
+    axis, factor = _process_split(sharding)
+    shape[axis] *= factor
+    return jax.make_array_from_process_local_data(sharding, local, tuple(shape))
+
+
+def _process_split(sharding) -> tuple[int, int]:
+    """(the axis split over `data`, by how many process-local parts it is split): the data
+    positions of the mesh over those this process addresses (with a `model` axis across
+    processes, several processes hold the same rows)."""
+    spec = tuple(sharding.spec)
+    axis = next(i for i, entry in enumerate(spec) if entry == "data")
+    mesh = sharding.mesh
+    data = mesh.axis_names.index("data")
+    me = jax.process_index()
+    mine = {index[data] for index, d in np.ndenumerate(mesh.devices) if d.process_index == me}
+    return axis, mesh.shape["data"] // max(1, len(mine))
+
+
+class ShapeCheck:
+    """With several processes, a batch whose shape differs from the other processes' fails
+    naming both shapes, before it is turned into a global array (which would otherwise hang
+    in the program's first collective, or compute on a batch the peers never saw).
+
+    The shapes are compared through the coordination service (with a timeout) at the first
+    batch of each feed and at every batch whose shape differs from the last compared one: a
+    cost per distinct shape, not per batch. A process whose shape changes alone waits for
+    its peers' report of the same batch; it never comes, and the timeout names both shapes.
+    """
+
+    def __init__(self, spec, split: str):
+        self.active = jax.process_count() > 1
+        self.split = split
+        self.last: dict | None = None
+
+    def __call__(self, index: int, batch: dict) -> None:
+        if not self.active:
+            return
+        shapes = {f: [list(np.shape(a)), str(np.asarray(a).dtype)] for f, a in batch.items()}
+        if shapes == self.last:
+            return
+        from jaxnitro._src.dist import distributed
+
+        try:
+            distributed.check_same(
+                f"batch-shape/{self.split}/{index}",
+                shapes,
+                what=f"the shape of {self.split!r} batch {index} ({{field: [shape, dtype]}})",
+                fix="Every process must yield batches of the same shape (the global batch is "
+                "their concatenation): give each process an equal share of the rows, with "
+                "drop_last=True for training.",
+            )
+        except distributed.DistributedError as e:
+            if self.last is None or "waited for" not in str(e):
+                raise DataError(str(e)) from e
+            raise DataError(
+                f"the {self.split!r} batch {index} of process {jax.process_index()} has "
+                f"shape {shapes}, but its earlier batches had {self.last}, and the other "
+                f"processes did not change shape at this batch (they still have "
+                f"{self.last}). Every process must yield batches of the same shape: give "
+                f"each an equal share of the rows (drop_last=True for training)."
+            ) from e
+        self.last = shapes
+
+
+def eval_prepare(spec, split: str, pad_to: int | None, keys: frozenset | None = None):
+    """Host batch -> (device batch padded to `pad_to`, real rows), for eval and predict.
+    `keys`: the fields every batch carries (default: those of the split's first batch)."""
+    info = spec.split_specs[split]
+    index = [0]
+    expect = info.keys if keys is None else keys
+
+    same = ShapeCheck(spec, split)
+
+    def prepare(host):
+        size = data_mod.check_batch(host, split, expect_fields=expect)
+        data_mod.check_specs(host, split, index[0], info.specs)
+        same(index[0], {f: host[f] for f in info.fields})
+        index[0] += 1
+        if pad_to is not None and size < pad_to:
+            host = data_mod.pad_batch({k: host[k] for k in info.fields}, pad_to)
+        return {f: put(spec, np.asarray(host[f]), spec.batch_sharding) for f in info.fields}, size
+
+    return prepare
+
+
+class Unit(NamedTuple):
+    """A dispatch unit: `steps_per_call` × `accum` train batches (fewer at an epoch's end)."""
+
+    batches: dict[str, Any]  # field -> (size, batch, ...) on the host (or the rows to gather)
+    size: int  # batches in the unit
+    states: list | None = None  # a stream's iterator state after each batch (grain)
+
+
+class Call(NamedTuple):
+    """One train program call prepared from a unit: its inputs and how many steps it runs."""
+
+    batch: dict[str, Any]  # on the device, shaped (steps, micro-batches, batch, ...)
+    hyper: Any  # the packed hyperparameters of its steps, on the device
+    steps: int  # optimizer steps in the call
+
+
+def eval_batches(spec, split: str) -> tuple[Iterable, frozenset | None]:
+    """(the split's batches, the fields they carry): a DataLoader reads only the fields a
+    hook names (a field no hook names is never read from disk); others yield what they do."""
+    loader = spec.splits[split]
+    if isinstance(loader, data_mod.DataLoader):
+        fields = spec.split_specs[split].fields
+        return loader.iter_from(0, fields=fields), frozenset(fields)
+    return iter(loader), None
+
+
+def train_units(spec, loader, start: int, epoch: int, state=None):
+    """Dispatch units (`Unit`) of `steps_per_call` × `accum` train batches from batch `start`
+    (for a source with an iterator state, grain streams, with the state after each batch). A
+    DataLoader gathers each unit at once (only
+    the fields the hooks name); any other source is checked batch by batch and stacked."""
+    info = spec.split_specs["train"]
+    size = spec.accum * spec.steps_per_call
+    pop = spec.population
+    if pop is not None and pop.own_data:  # each member's own order: (k, members, batch, ...)
+        for mine in pop.loaders:
+            mine.set_epoch(epoch)
+        units = [mine.iter_stacked(start, size, info.fields) for mine in pop.loaders]
+        for parts in zip(*units, strict=True):
+            yield Unit(
+                {f: np.stack([p[0][f] for p in parts], axis=1) for f in info.fields}, parts[0][1]
+            )
+        return
+    if spec.resident is not None or spec.device_batches is not None:  # the rows only: the
+        for rows, k in loader.iter_rows(start, size):  # batches are on the device already
+            yield Unit(rows, k)
+        return
+    if isinstance(loader, data_mod.DataLoader):
+        for stacked, k in loader.iter_stacked(start, size, info.fields):
+            yield Unit(stacked, k)
+        return
+    stateful = grain_source.kind(loader) in ("iter", "loader")
+    if grain_source.kind(loader) is not None:
+        pairs = grain_source.batches(loader, epoch, start, state)
+    else:
+        pairs = ((host, None) for host in data_mod.skip(loader, start))
+    bs = info.batch_size
+    group: list = []
+    states: list = []
+    for index, (host, after) in enumerate(pairs, start):
+        got = data_mod.check_batch(host, "train", expect_fields=info.keys)
+        data_mod.check_specs(host, "train", index, info.specs)
+        if got != bs:
+            raise DataError(
+                f"a train batch of epoch {epoch + 1} has {got} samples, not {bs}: a short "
+                f"train batch would need its own program. Drop it (drop_last=True) or make "
+                f"the split divide by the batch size."
+            )
+        group.append(host)
+        states.append(after)
+        if len(group) == size:
+            yield Unit(_stack(group, info.fields), size, states if stateful else None)
+            group, states = [], []
+    if group:
+        yield Unit(_stack(group, info.fields), len(group), states if stateful else None)
+
+
+def first_unit(spec, loader) -> Unit:
+    """The first dispatch unit, for planning programs: a DataLoader gathers it (no side
+    effects); any other source repeats its peeked first batch (only the shapes matter), so
+    planning never iterates a source the run is about to train on."""
+    info = spec.split_specs["train"]
+    size = spec.accum * spec.steps_per_call
+    pop = spec.population
+    if pop is not None and pop.own_data:
+        unit, k = next(loader.iter_stacked(0, size, info.fields))
+        return Unit({f: np.stack([a] * pop.size, axis=1) for f, a in unit.items()}, k)
+    if spec.resident is not None or spec.device_batches is not None:
+        return Unit(*next(loader.iter_rows(0, size)))
+    if isinstance(loader, data_mod.DataLoader):
+        return Unit(*next(loader.iter_stacked(0, size, info.fields)))
+    k = min(size, len(loader)) if hasattr(loader, "__len__") else size
+    return Unit(_stack([info.first] * k, info.fields), k)
+
+
+def _stack(group, fields) -> dict:
+    if len(group) == 1:  # a view, no copy
+        return {f: np.asarray(group[0][f])[None] for f in fields}
+    return {f: np.stack([np.asarray(h[f]) for h in group]) for f in fields}
+
+
+def call_splits(steps: int, accum: int, spc: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """A unit of `steps` optimizer steps as calls: [(first batch, steps in the call, the
+    call's leading batch axes (steps, micro-batches), those of size 1 dropped)]. A tail that
+    does not fill a call runs step by step (the single-step program)."""
+    calls = [(0, spc)] if steps == spc else [(i * accum, 1) for i in range(steps)]
+    return [(offset, s, (s,) * (s > 1) + (accum,) * (accum > 1)) for offset, s in calls]
+
+
+def stage_train(spec, loader, start: int) -> int:
+    """Put an in-order epoch's batches from batch `start` on the device before its first
+    step (`data/device_batches.py`); returns how many pieces were transferred (0 when they are
+    there from an earlier epoch, or the split's batches are not kept on the device)."""
+    kept = spec.device_batches
+    if kept is None:
+        return 0
+    accum, wanted = spec.accum, []
+    for rows, k in loader.iter_rows(start, spec.accum * spec.steps_per_call):
+        if k % accum:  # the feed refuses the unit, naming it
+            break
+        for offset, _, lead in call_splits(k // accum, accum, spec.steps_per_call):
+            wanted.append((int(rows["rows"][offset, 0]), lead))
+    put = kept.put(wanted)
+    if put:
+        jax.block_until_ready(kept.get(*wanted[-1]))  # transferred before the epoch's clock
+    return put
+
+
+def train_prepare(spec, first_step: int, base):
+    """A `Unit` -> ([`Call`], batches in it): the unit's train calls, in order.
+
+    Runs in the prefetch thread: reshapes the unit to (steps, micro-batches, batch, ...)
+    (leading axes of size 1 dropped), transfers it, and packs the per-step hyperparameters of
+    its steps (from `first_step` on; `base` holds the unscheduled values).
+    """
+    accum, spc = spec.accum, spec.steps_per_call
+    next_step = [first_step]
+    hyper = HyperFeed(spec, base)
+    shardings: dict[int, object] = {}
+    members = spec.population is not None and spec.population.own_data
+    same = ShapeCheck(spec, "train")
+    kept = spec.device_batches
+    splits: dict[int, list] = {}  # batches in a unit -> its calls (the same for every full unit)
+
+    def prepare(item: Unit) -> tuple[list[Call], int]:
+        stacked, k = item.batches, item.size
+        if same.active:
+            same(next_step[0], stacked)
+        if k % accum:
+            raise DataError(
+                f"the train split ended with {k % accum} batch(es) that do not fill an "
+                f"accumulation group of accum={accum}. Make the number of batches per epoch a "
+                f"multiple of accum."
+            )
+        calls = splits.get(k)
+        if calls is None:
+            calls = splits[k] = call_splits(k // accum, accum, spc)
+        payloads = []
+        for offset, s, lead in calls:
+            if kept is not None:  # cut once, in the program's shape: taken as it is
+                batch = kept.get(int(stacked["rows"][offset, 0]), lead)
+                payloads.append(Call(batch, hyper.at(next_step[0], s), s))
+                next_step[0] += s
+                continue
+            axis = len(lead) + members  # the batch axis (after a member axis)
+            sharding = shardings.get(axis)
+            if sharding is None:
+                sharding = shardings[axis] = data_mod.batch_sharding(spec.mesh, axis=axis)
+            batch = {}
+            for f, arr in stacked.items():
+                if not lead:  # one step, one micro-batch: the batch itself
+                    batch[f] = put(spec, arr[offset], sharding)
+                    continue
+                part = arr[offset : offset + s * accum]
+                if members:  # (s·accum, members, batch, ...) -> (s, members, accum, batch, ...)
+                    m, tail = part.shape[1], part.shape[2:]
+                    shaped = part.reshape((s, accum, m) + tail).swapaxes(1, 2)
+                    lead_m = (s,) * (s > 1) + (m,) + (accum,) * (accum > 1)
+                    batch[f] = put(spec, shaped.reshape(lead_m + tail), sharding)
+                    continue
+                batch[f] = put(spec, part.reshape(lead + part.shape[1:]), sharding)
+            if spec.resident is not None:  # the rows, and the arrays to gather them from
+                batch = {"rows": batch["rows"], "data": spec.resident}
+            payloads.append(Call(batch, hyper.at(next_step[0], s), s))
+            next_step[0] += s
+        return payloads, k
+
+    return prepare
+
+
+class HyperFeed:
+    """The packed hyperparameters of `s` steps from a step on, on the device. Nothing
+    scheduled: one array per `s` serves every call."""
+
+    def __init__(self, spec, base):
+        self.spec, self.base = spec, base
+        self.scheduled = bool(spec.schedules.fns)
+        self.constant: dict[int, object] = {}
+
+    def at(self, first: int, s: int):
+        if s in self.constant:  # nothing scheduled: the array made for the first call
+            return self.constant[s]
+        spec, scheduled = self.spec, self.scheduled
+        pack = _packer(spec, self.base)
+        hv = np.stack([pack(t) for t in range(first, first + s)]) if s > 1 else pack(first)
+        # Scheduled or constant, the same kind of input: the program must not depend on it.
+        arr = put(spec, hv, spec.replicated)
+        if not scheduled:
+            self.constant[s] = arr
+        return arr
+
+
+def _packer(spec, base):
+    """step -> the packed hyperparameters; for a population, (members, slots) from each
+    member's own values and schedules."""
+    pop, pack = spec.population, spec.hyper.pack
+    if pop is None:
+        return lambda t: pack(t, spec.schedules, base)
+    return lambda t: np.stack(
+        [pack(t, sched, b) for sched, b in zip(pop.schedules, base, strict=True)]
+    )

@@ -1,0 +1,396 @@
+"""`Nitro(exp, ...)`: the handle of one run, made of a few typed parts.
+
+- `spec` (`RunSpec`, frozen): everything setup decided (`run/setup/` builds it).
+- the `TrainState` (params, model state, optimizer state, step, RNG), kept as its flat leaves
+  because the train program takes them so;
+- `progress` (`Progress`, frozen): epoch, batch, step, history; the loop returns new ones;
+- `services` (`Services`): logger, checkpointer, display, run lock, phase, stop request;
+- `programs` (`ProgramSet`): the run's compiled programs.
+
+Only this module assigns the handle's attributes: the loop hands back a new state and progress
+through `_commit`, `jn.set_device` new Device values through `_set_device`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from jaxnitro._src.checkpoint.runlock import RunLock
+from jaxnitro._src.checkpoint.store import read_manifest
+from jaxnitro._src.compile.programs import ProgramSet
+from jaxnitro._src.core.errors import ConfigArgumentError, ConfigError, did_you_mean
+from jaxnitro._src.dist.sharding import to_sharding
+from jaxnitro._src.experiment import hooks
+from jaxnitro._src.experiment.markers import is_experiment, replace
+from jaxnitro._src.observe.events.phases import set_phase
+from jaxnitro._src.observe.events.signals import SetupTerminated, terminate_during_setup
+from jaxnitro._src.observe.plot import preload as preload_plotting
+from jaxnitro._src.optim import groups as optim_groups
+from jaxnitro._src.run import config as config_mod
+from jaxnitro._src.run import options
+from jaxnitro._src.run import settings as settings_mod
+from jaxnitro._src.run import setup as setup_mod
+from jaxnitro._src.run.progress import Progress
+from jaxnitro._src.run.setup import Dist
+from jaxnitro._src.run.spec import DeviceValues, RunSpec
+from jaxnitro._src.steps import population
+from jaxnitro._src.steps.state import TrainState
+from jaxnitro.schedules import constant
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from jax.sharding import Mesh
+
+    from jaxnitro._src.core.types import Experiment, Model, PyTree
+    from jaxnitro._src.observe.display import Display
+    from jaxnitro._src.observe.loggers.base import Logger
+    from jaxnitro._src.optim.groups import Optimizer
+    from jaxnitro._src.run.services import Checkpointer, Services
+    from jaxnitro._src.run.settings import Settings
+
+
+class Nitro:
+    """The handle of one run. `Nitro(exp, ...)` runs setup only; see `jn.train`.
+
+    Example:
+        >>> n = jn.Nitro(MnistMLP(), checkpointer=jn.TopKCheckpointer(metric="acc", mode="max"))
+        >>> result = jn.train(n)
+        >>> n.step, n.epoch, n.run_dir
+    """
+
+    __slots__ = (
+        "_spec",
+        "_leaves",
+        "_state_def",
+        "_progress",
+        "_device",
+        "_experiment",
+        "services",
+        "programs",
+        "_config",
+    )
+
+    def __init__(self, exp: Experiment, **given: Any) -> None:
+        _check_arguments(exp, given)
+        routes = hooks.check_hooks(type(exp))
+        s = settings_mod.settings(exp, given)
+        with terminate_during_setup():
+            try:
+                setup_mod.make_run_dir(s.run_dir)
+                self.services, named = setup_mod.services(s)
+                built = setup_mod.build(exp, s, self.services, named, routes)
+            except SetupTerminated:
+                _log_terminated(getattr(self, "services", None), s)
+                raise SystemExit(143) from None
+        self._spec: RunSpec = built.spec
+        self._commit(state=built.state, progress=built.progress)
+        self._device: DeviceValues = built.device
+        self._experiment = built.spec.experiment
+        self.programs = ProgramSet(log=self.services.log_other, on_compile=self._compiling)
+        self.services.describe(setup_mod.params_line(built.spec), built.spec.resume_path)
+        if built.spec.resume_path is not None:
+            self.display.line(f"resumed from {built.spec.resume_path} ({self.progress.where()})")
+        self._config = config_mod.run_config(exp, given)
+
+    # -- the parts ------------------------------------------------------------------------
+    @property
+    def spec(self) -> RunSpec:
+        """What setup decided (frozen)."""
+        return self._spec
+
+    @property
+    def progress(self) -> Progress:
+        """Where the run is (frozen): epoch, batch, step, history."""
+        return self._progress
+
+    @property
+    def device(self) -> DeviceValues:
+        """The current Device values (traced inputs; `jn.set_device` replaces them)."""
+        return self._device
+
+    @property
+    def train_state(self) -> TrainState:
+        """All training state as one `jn.TrainState` pytree."""
+        return jax.tree.unflatten(self._state_def, self._leaves)
+
+    @property
+    def state_leaves(self) -> list:
+        """The train state as the train program takes it: a flat list of arrays (flattening
+        NNX states and optax states on every call would cost more than a small step)."""
+        return self._leaves
+
+    # -- read-only views ------------------------------------------------------------------
+    @property
+    def params(self) -> PyTree:
+        return self.train_state.params
+
+    @property
+    def state(self) -> PyTree:
+        """The model state (batch statistics, RNG streams)."""
+        return self.train_state.state
+
+    @property
+    def opt_state(self) -> PyTree:
+        return self.train_state.opt_state
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (counted on the host: reading the device would wait)."""
+        return self._progress.step
+
+    @property
+    def epoch(self) -> int:
+        """Completed epochs (the loop's count; reports name `progress.epoch_number`, the
+        epoch of the last step taken)."""
+        return self._progress.epoch
+
+    @property
+    def run_dir(self) -> Path:
+        return self._spec.run_dir
+
+    @property
+    def experiment(self) -> Experiment:
+        """The experiment, with the current Device values."""
+        return self._experiment
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return self._spec.optimizer
+
+    @property
+    def model(self) -> Model:
+        return self._spec.model
+
+    @property
+    def splits(self) -> Mapping[str, Any]:
+        """The data splits (read-only: the run's batch specs and programs were set up from
+        them; pass other data with `jn.Nitro(exp, data=...)`)."""
+        return MappingProxyType(dict(self._spec.splits))
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._spec.mesh
+
+    @property
+    def seed(self) -> int:
+        return self._spec.seed
+
+    @property
+    def total_steps(self) -> int:
+        return self._spec.total_steps
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        return self.services.checkpointer
+
+    @property
+    def logger(self) -> Logger:
+        return self.services.logger
+
+    @property
+    def display(self) -> Display:
+        return self.services.display
+
+    @property
+    def phase(self) -> str:
+        return self.services.phases.current
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """What `run_dir/config.toml` holds (written by `jn.train`): target, preset, fields
+        and options; `jaxnitro train --config run_dir/config.toml` repeats the run."""
+        return self._config
+
+    @property
+    def max_epochs(self) -> int:
+        return self._spec.max_epochs
+
+    @max_epochs.setter
+    def max_epochs(self, value: int) -> None:
+        """Raise it to train further with `jn.train(n)` (schedules keep their horizon)."""
+        self._spec = self._spec.replace(max_epochs=settings_mod.max_epochs(value))
+
+    def __repr__(self) -> str:
+        return (
+            f"Nitro({self._spec.cls.__name__}, step={self.step}, epoch={self.epoch}, "
+            f"phase={self.phase}, run_dir='{self.run_dir}')"
+        )
+
+    # -- the handle's own updates ---------------------------------------------------------
+    def _commit(
+        self,
+        *,
+        leaves: list | None = None,
+        state: TrainState | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        """Take the new train state (or its leaves) and progress the loop hands back."""
+        if state is not None:
+            self._leaves, self._state_def = jax.tree.flatten(state)
+        if leaves is not None:
+            self._leaves = leaves
+        if progress is not None:
+            self._progress = progress
+
+    def _set_device(self, values: dict[str, Any], experiment: Experiment) -> None:
+        """New Device values (checked by `jn.set_device`), and the experiment showing them."""
+        merged = {**self._device.values, **values}
+        spec = self._spec
+        # a learning_rate / weight_decay hook that reads a Device field: its value travels
+        # with the step's hyperparameters, as the hooks give it now (checked by set_device)
+        optimizer = optim_groups.live_optimizer(experiment, spec.optimizer)
+        base: Mapping[str, Any] | tuple[Mapping[str, Any], ...]
+        if spec.population is None:
+            base = spec.hyper.base(optimizer, merged)
+        else:  # (the values carry a member axis)
+            base = population.member_bases(spec.population, spec.hyper, optimizer, merged)
+        self._device = dataclasses.replace(self._device, values=merged, hyper_base=base)
+        self._experiment = experiment
+
+    def _set_steps_per_call(self, steps: int) -> None:
+        """steps_per_call="auto", measured: the steps per dispatch from now on."""
+        self._spec = self._spec.replace(steps_per_call=steps, autotune=False)
+
+    def _set_active(self, active: np.ndarray) -> None:
+        """A population's members that still train (per-member early stopping)."""
+        rep = self._spec.replicated
+        self._device = dataclasses.replace(self._device, active=to_sharding(active, rep))
+
+    @contextlib.contextmanager
+    def _compiling(self, kind: str, label: str) -> Iterator[Any]:
+        """The Compiling phase (and the display) while XLA compiles; the phase before, after."""
+        previous = self.phase
+        set_phase(self, "Compiling", info={"program": kind, "label": label})
+        preload_plotting()  # matplotlib's import, for the end-of-train curves, meanwhile
+        try:
+            with self.display.compiling(kind, label) as note:
+                yield note
+        finally:
+            if previous in ("Training", "Evaluating"):  # a compile mid-run returns to it
+                set_phase(self, previous)
+
+
+def _check_arguments(exp: Experiment, given: dict) -> None:
+    if not is_experiment(exp) or isinstance(exp, type):
+        what = f"the class {exp.__name__}" if isinstance(exp, type) else type(exp).__name__
+        raise ConfigError(
+            f"Nitro takes an experiment instance, got {what}. Decorate the class with "
+            f"@jn.experiment and pass an instance: jn.Nitro(MyExp())."
+        )
+    unknown = [name for name in given if name not in options.BY_NAME]
+    if unknown:
+        name = unknown[0]
+        names = sorted(options.NAMES)
+        raise ConfigArgumentError(
+            f"Nitro has no option {name!r}; options: {names}." + did_you_mean(name, names)
+        )
+
+
+def _log_terminated(services: Services | None, s: Settings) -> None:
+    """SIGTERM during setup: a `finish` line (status preempted) if the run dir is free."""
+    with contextlib.suppress(Exception):
+        log = services.logger if services is not None else setup_mod.logger_of(s.logger)
+        lock = RunLock(s.run_dir)
+        if lock.try_acquire("setup"):
+            try:
+                log.open(s.run_dir, resume=True)
+                log.finish("preempted", phase="setup", step=0)
+                log.close()
+            finally:
+                lock.release()
+
+
+Nitro.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("exp", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *(
+            inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default)
+            for o in options.OPTIONS
+        ),
+    ]
+)
+Nitro.__doc__ = f"{Nitro.__doc__}\n{options.docstring()}\n"
+
+
+def member(n: Nitro, i: int) -> Nitro:
+    """A normal handle for member `i` of a population: its parameters, model and optimizer
+    state, its seed and values; to predict, evaluate, export or serve (or train further).
+
+    The handle reads the run's data and writes nothing of its own (no logger, no
+    checkpointer); its run dir is `<run_dir>/members/<i>`.
+
+    Example:
+        >>> result = jn.train(jn.Nitro(exp, population=8))
+        >>> best = jn.member(n, result.members[0]["member"])
+        >>> jn.export_model(best, "bundles/best")
+    """
+    pop = n.spec.population
+    if pop is None:
+        raise ConfigError(
+            "jn.member(n, i) picks one member of a population (jn.Nitro(exp, population=...)); "
+            "this handle trains one model: use it as it is."
+        )
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < pop.size:
+        raise ConfigError(f"member {i!r}: the population has members 0..{pop.size - 1}.")
+    spec = n.spec
+    splits = dict(spec.splits)
+    if pop.loaders is not None:  # own_data: each member's own train loader
+        splits["train"] = pop.loaders[i]
+    m = Nitro(
+        replace(n.experiment, **pop.member_values(i)),
+        seed=pop.seeds[i],
+        run_dir=spec.run_dir / "members" / str(i),
+        data=splits,
+        logger=False,
+        checkpointer=False,
+        progress=False,
+        max_epochs=spec.max_epochs,
+        accum=spec.accum,
+        steps_per_call=spec.steps_per_call,
+        on_nonfinite=spec.on_nonfinite,
+        schedules=_member_schedules(spec, pop, int(i), constant),
+        **(spec.ema.options() if spec.ema is not None else {}),
+    )
+    ts = n.train_state
+    mine = m.train_state.replace(
+        params=population.take(ts.params, i),
+        state=population.take(ts.state, i),
+        opt_state=population.take(ts.opt_state, i),
+        step=ts.step[i],
+        rng=ts.rng[i],
+        ema=population.take(ts.ema, i),  # (each member keeps its own average)
+    )
+    m._commit(state=mine, progress=n.progress.replace(early_stop=None))  # it has no rule
+    return m
+
+
+def _member_schedules(
+    spec: RunSpec, pop: population.Population, i: int, constant: Callable[..., Any]
+) -> dict:
+    """The run's schedules as member i follows them (its own rates as constant multipliers
+    of the group's rate), for a handle that trains on like the member."""
+    out: dict[str, Any] = {}
+    sched = pop.schedules[i] if pop.schedules is not None else spec.schedules
+    for key, fn in sched.fns.items():
+        scale = sched.multiplier.get(key, 1.0) / spec.schedules.multiplier.get(key, 1.0)
+        out[key] = lambda total, fn=fn, scale=scale: lambda t: fn(t) * scale
+    for key, rates in pop.rates.items():
+        if key not in out:
+            group, _ = spec.optimizer.hyper_paths[key]
+            rate = spec.optimizer.groups[group].rate
+            out[key] = constant(rates[i] / rate) if rate else constant(0.0)
+    return out
+
+
+__all__ = ["Dist", "Nitro", "member", "read_manifest"]

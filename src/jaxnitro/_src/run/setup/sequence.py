@@ -1,0 +1,206 @@
+"""Setup's sequence: `build`, every step after the services in the documented order (see the
+package docstring), returning the frozen parts of a run (`Built`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from jaxnitro._src.core.errors import ConfigError
+from jaxnitro._src.data import loader as data_mod
+from jaxnitro._src.dist import distributed
+from jaxnitro._src.dist import sharding as sharding_mod
+from jaxnitro._src.dist.devices import apply_env, replicated
+from jaxnitro._src.experiment import remat
+from jaxnitro._src.experiment.markers import DEVICE, field_values
+from jaxnitro._src.optim import groups as optim
+from jaxnitro._src.optim.hyper import HyperLayout
+from jaxnitro._src.run import options
+from jaxnitro._src.run.progress import Progress
+from jaxnitro._src.run.services import Services
+from jaxnitro._src.run.settings import Settings
+from jaxnitro._src.run.setup.data import (
+    Dist,
+    build_data,
+    check_processes_agree,
+    check_splits,
+    data_share,
+    derive,
+    device_array,
+    steps_per_epoch,
+)
+from jaxnitro._src.run.setup.metrics import check_metrics
+from jaxnitro._src.run.setup.model import (
+    build_model,
+    check_custom_step,
+    grad_norm_setting,
+    initial_state,
+    schedules_of,
+)
+from jaxnitro._src.run.setup.population import member_device_values, member_trees, population_of
+from jaxnitro._src.run.setup.resident import resident_data
+from jaxnitro._src.run.setup.restore import (
+    early_stop_start,
+    restore,
+    resume_position,
+    warn_horizon,
+    warn_replay,
+)
+from jaxnitro._src.run.setup.rundir import identity, restore_loggers, shared_resume_record
+from jaxnitro._src.run.setup.weights import load_weights, loaded_weights, weights_path
+from jaxnitro._src.run.spec import DeviceValues, RunSpec
+from jaxnitro._src.steps import ema as ema_mod
+from jaxnitro._src.steps.state import TrainState
+from jaxnitro._src.train.early_stop import EarlyStopConfig, EarlyStopping
+
+if TYPE_CHECKING:
+    from jaxnitro._src.core.types import Experiment
+    from jaxnitro._src.experiment.hooks import Route
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """The parts of a run that setup returns to the handle."""
+
+    spec: RunSpec
+    state: TrainState
+    progress: Progress
+    device: DeviceValues
+
+
+def build(
+    exp: Experiment, s: Settings, svc: Services, named: bool, routes: Mapping[str, Route]
+) -> Built:
+    """Everything after the services, in the documented order."""
+    resume_path = shared_resume_record(svc, s.run_dir, s.resume)
+    run_id, seed = identity(resume_path, s.seed)
+    run_id = distributed.broadcast("run-id", run_id)  # process 0's: one run, one id
+    svc.checkpointer.for_run(run_id)
+    restore_loggers(svc, resume_path)
+    apply_env()
+    sharding = sharding_mod.resolve(s.sharding)
+    mesh = sharding_mod.make_mesh(sharding, s.n_devices)
+    me = jax.process_index()
+    local = tuple(d for d in mesh.devices.flat if d.process_index == me)
+    dist = Dist(me, jax.process_count(), mesh.size, mesh, local, *data_share(mesh, me))
+    splits = build_data(exp, s.data, dist, seed)
+    position = resume_position(resume_path)
+    warn_replay(splits, position)
+    exp = derive(exp, splits)
+    rep = replicated(mesh)
+    values = {k: device_array(k, v, rep) for k, v in field_values(exp, DEVICE).items()}
+    model, params, mstate, rng = build_model(exp, seed, rep)
+    split_specs = check_splits(splits, routes, len(local), position)
+    check_processes_agree(splits, split_specs)
+    custom = check_custom_step(s, routes)
+    optimizer = optim.build(exp, params, scheduled=set(s.schedules), separate=custom)
+    spe = steps_per_epoch(splits, s.accum)
+    schedules, total = schedules_of(s, exp, optimizer, spe)
+    layout = HyperLayout.build(optimizer, values, schedules)
+    pop = population_of(s, exp, seed, optimizer, splits["train"], schedules)
+    resident, device_batches = resident_data(s, splits, split_specs, mesh, dist, pop)
+    if s.weights is not None and s.checkpoint is None:
+        raise ConfigError(
+            f"weights={s.weights!r} without checkpoint=; weights picks which weights a "
+            f"checkpoint loads. Pass checkpoint='runs/...' with it, or drop weights."
+        )
+    decided = {  # the options setup turns into something else; the rest are kept as they are
+        "seed": seed,
+        "run_dir": s.run_dir,
+        "log_grad_norm": grad_norm_setting(s.log_grad_norm, optimizer) and not custom,
+        "sharding": sharding,
+        "remat": remat.plan(s.remat, s.remat_policy, model, params, mstate),
+        "population": pop,
+        "schedules": schedules,
+        "ema": ema_mod.setting(s.ema, s.ema_warmup, s.ema_every, s.ema_state, s.ema_eval),
+        "early_stop": early_stop_rule(s.early_stop),
+    }
+    spec = RunSpec(
+        experiment=exp,
+        cls=type(exp),
+        routes=routes,
+        splits=splits,
+        split_specs=split_specs,
+        dist=dist,
+        model=model,
+        mesh=mesh,
+        replicated=rep,
+        batch_sharding=data_mod.batch_sharding(mesh),
+        direct_feed=(
+            mesh.size == 1 and mesh.devices.flat[0].platform == "cpu" and dist.process_count == 1
+        ),
+        optimizer=optimizer,
+        hyper=layout,
+        steps_per_epoch=spe,
+        total_steps=total,
+        run_id=run_id,
+        resume_path=resume_path,
+        resident=resident,
+        device_batches=device_batches,
+        **decided,
+        **_options(s, decided),
+    )
+    if pop is None:
+        device = DeviceValues(values, layout.base(optimizer, values))
+        shardings = sharding_mod.param_shardings(params, sharding, mesh)
+        ts = initial_state(model, params, mstate, optimizer.tx, rng, rep, shardings)
+    else:
+        device = member_device_values(pop, layout, optimizer, values, rep)
+        params, mstate, rng = member_trees(exp, pop, rep, (params, mstate, rng))
+        ts = initial_state(model, params, mstate, optimizer.tx, rng, rep, members=pop.size)
+        if spec.early_stop is not None:  # each member stops on its own metric
+            active = sharding_mod.to_sharding(np.ones(pop.size, bool), rep)
+            device = dataclasses.replace(device, active=active)
+    if spec.ema is not None:  # placed and sharded as the params (their copy, in f32)
+        ts = ts.replace(ema=ema_mod.init(spec.ema, ts.params, ts.state, ts.step))
+    sharding_mod.check_fsdp(ts.params, sharding, mesh.size)
+    check_metrics(spec, ts, device, svc, named)
+    return _restored(spec, ts, device, s, svc)
+
+
+def _options(s: Settings, decided: Mapping[str, Any]) -> dict[str, Any]:
+    """The options a RunSpec keeps as validated: its fields named like an option that setup
+    has not `decided` (steps_per_call='auto' starts at 1; the first train measures and picks,
+    `compile/autotune.py`)."""
+    kept = {f.name for f in dataclasses.fields(RunSpec)} & set(options.NAMES)
+    out = {k: getattr(s, k) for k in kept - set(decided)}
+    if s.steps_per_call == "auto":
+        out.update(steps_per_call=1, autotune=True)
+    return out
+
+
+def _restored(
+    spec: RunSpec, ts: TrainState, device: DeviceValues, s: Settings, svc: Services
+) -> Built:
+    progress = Progress(early_stop=early_stop_start(spec))
+    if spec.resume_path is not None:
+        ts, progress, horizon = restore(spec, ts, spec.resume_path, svc.display.bar)
+        spec = spec.replace(resumed_total_steps=horizon)
+        warn_horizon(spec, progress, horizon)
+    elif s.checkpoint is not None:
+        path = weights_path(Path(s.checkpoint).absolute())
+        ts = load_weights(spec, ts, path, s.weights, svc.display.bar)
+        spec = spec.replace(weights_path=path, weights_loaded=loaded_weights(path, s.weights))
+    if spec.early_stop is not None and isinstance(progress.early_stop, tuple):
+        # the members that had stopped stay frozen
+        active = spec.early_stop.active(progress.early_stop)
+        rep = spec.replicated
+        device = dataclasses.replace(device, active=sharding_mod.to_sharding(active, rep))
+    return Built(spec, ts, progress, device)
+
+
+def early_stop_rule(value: Any) -> EarlyStopConfig | None:
+    """The frozen rule of the `early_stop=` option (a `jn.EarlyStopping`, or None)."""
+    if value is None or isinstance(value, EarlyStopConfig):
+        return value
+    if not isinstance(value, EarlyStopping):
+        raise ConfigError(
+            f"early_stop must be a jn.EarlyStopping, got {type(value).__name__}; pass "
+            f"jn.EarlyStopping(metric='val_loss', patience=3)."
+        )
+    return value.config

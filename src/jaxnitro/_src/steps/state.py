@@ -1,0 +1,372 @@
+"""The low-level layer: `TrainState` and `train_step(loss_fn, state, batch)`.
+
+Usable alone (the way Lux's Training API is), compiled and cached exactly like the programs of
+a `Nitro`: one fused program per (loss function, model structure, optimizer, batch shapes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxnitro._src.compile import cache, context
+from jaxnitro._src.core.errors import ConfigArgumentError, HookError
+from jaxnitro._src.experiment import models
+from jaxnitro._src.steps.step import make_train_step, scalar_loss
+
+if TYPE_CHECKING:
+    import types
+    from collections.abc import Callable
+
+    from jaxnitro._src.core.types import Batch, Model, PyTree
+
+
+def default_optimizer(learning_rate: float = 1e-3) -> optax.GradientTransformation:
+    """RAdam with its learning rate held in the optimizer state (a traced, strong f32)."""
+    return optax.inject_hyperparams(optax.radam)(learning_rate=jnp.float32(learning_rate))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Model structure, parameters, model state, optimizer and its state, step and RNG; with
+    `Nitro(ema=...)` also `ema`, the average of the weights (`{"decay", "params"[, "state"]}`).
+
+    Example:
+        >>> ts = jn.TrainState.create(model, params, state, optax.adam(1e-3))
+        >>> ts, loss, aux = jn.train_step(loss_fn, ts, {"x": x, "y": y})
+    """
+
+    params: Any
+    state: Any
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+    model: Any = dataclasses.field(metadata={"static": True})
+    tx: Any = dataclasses.field(metadata={"static": True})
+    ema: Any = None  # weight averaging (ema.py): None when off
+
+    @classmethod
+    def create(
+        cls,
+        model: Model,
+        params: PyTree,
+        state: PyTree = None,
+        tx: optax.GradientTransformation | None = None,
+        *,
+        seed: int = 0,
+    ) -> TrainState:
+        """Initialize the optimizer state (default RAdam at 1e-3) and the step counter."""
+        tx = tx if tx is not None else default_optimizer()
+        if not hasattr(tx, "init") or not hasattr(tx, "update"):
+            raise ConfigArgumentError(
+                f"tx must be an optax.GradientTransformation, got {type(tx).__name__}; "
+                f"pass one, e.g. jn.TrainState.create(model, params, state, optax.adam(1e-3))."
+            )
+        state = {} if state is None else state
+        return cls(
+            params=params,
+            state=state,
+            opt_state=jax.jit(tx.init)(params),
+            step=jnp.zeros((), jnp.int32),
+            rng=jax.random.PRNGKey(seed),
+            model=model,
+            tx=tx,
+        )
+
+    def replace(self, **changes: Any) -> TrainState:
+        return dataclasses.replace(self, **changes)
+
+    def __getstate__(self) -> dict:
+        # copy, deepcopy and pickle see an ordinary state (an unread one builds its fields).
+        for field in _ARRAY_FIELDS:
+            getattr(self, field)
+        return dict(self.__dict__)
+
+    if not TYPE_CHECKING:  # hidden from the type checker, which would then accept any name
+
+        def __getattr__(self, name: str):
+            # Reached only for an attribute the instance lacks: the array fields of a state
+            # `train_step` returned and nobody has read yet. Its leaves wait in `_unread`
+            # and become the fields on the first read (see `_unread_state`).
+            if name not in _ARRAY_FIELDS or "_unread" not in self.__dict__:
+                raise AttributeError(f"'TrainState' object has no attribute {name!r}")
+            with _materializing:  # two threads reading at once get the same objects
+                unread = self.__dict__.pop("_unread", None)
+                if unread is not None:
+                    full = jax.tree.unflatten(unread[1], unread[0])
+                    for field in _ARRAY_FIELDS:
+                        object.__setattr__(self, field, getattr(full, field))
+            return self.__dict__[name]
+
+
+_ARRAY_FIELDS = ("params", "state", "opt_state", "step", "rng")
+_materializing = threading.Lock()
+
+
+def _unread_state(
+    model: Model,
+    tx: optax.GradientTransformation,
+    leaves: Any,
+    treedef: jax.tree_util.PyTreeDef,
+    program: _Fast,
+) -> TrainState:
+    """A `TrainState` that holds its leaves unflattened until a field is first read.
+
+    A training loop passes each returned state straight back to `train_step` and reads a
+    field only now and then; rebuilding the pytree every step and flattening it again on the
+    next call costs more than a small step itself when the parameters are NNX `State`s
+    (every `Variable` is rebuilt in Python). An unread state goes back as its leaves. Once a
+    field is read, the state is an ordinary one (its containers may since have been edited
+    in place, so it is flattened again like any other).
+    """
+    ts = object.__new__(TrainState)
+    ts.__dict__.update(model=model, tx=tx, _unread=(leaves, treedef, program))
+    return ts
+
+
+def _split_loss_output(out: Any) -> tuple[Any, Any, Any]:
+    """loss | (loss, new_state) | (loss, new_state, aux) -> (loss, new_state or None, aux)."""
+    if isinstance(out, tuple) and len(out) in (2, 3):
+        loss, new_state, *rest = out
+        aux = rest[0] if rest else {}
+        if not isinstance(aux, dict):
+            raise HookError(
+                f"the loss function's aux output must be a dict, got {type(aux).__name__}."
+            )
+        return loss, new_state, aux
+    return out, None, {}
+
+
+def train_step(
+    loss_fn: Callable[..., Any], state: TrainState, batch: Batch
+) -> tuple[TrainState, jax.Array, dict]:
+    """One fused, compiled optimizer step: `(state, batch) -> (state, loss, aux)`.
+
+    `loss_fn(model, params, model_state, batch)` returns `loss`, `(loss, new_model_state)` or
+    `(loss, new_model_state, aux_dict)`. Inside it, `jn.apply` runs the model in training mode
+    with a fresh per-step RNG. The input state's buffers are donated: keep the returned state.
+    Batch arrays may be numpy or JAX arrays; numpy ones go to the device as the program starts.
+
+    A call is one lookup by the function object, model, optimizer and shapes, then the
+    dispatch. A redefined `loss_fn` (a notebook cell run again, `importlib.reload`) is a new
+    object, and a function whose code is replaced in place (IPython's autoreload) has new
+    code: either compiles anew, and so does a change of JAX's trace-time flags
+    (`jax_enable_x64`, ...) or of the environment. A module-level value, helper function or
+    closure variable the *same* function object reads is not re-checked on each call: after
+    changing one, re-run the cell that defines `loss_fn`, or call `jn.cache_reset()`.
+
+    Example:
+        >>> def loss_fn(model, params, state, batch):
+        ...     logits, state = jn.apply(model, params, state, batch["x"])
+        ...     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        ...     return loss.mean(), state
+        >>> ts, loss, aux = jn.train_step(loss_fn, ts, {"x": x, "y": y})
+    """
+    # The batch goes to the compiled call as it comes: the call flattens it and checks its
+    # shapes and dtypes in C++, and moves numpy arrays to the device itself (a `jnp.asarray`
+    # per field in Python cost more than a small step).
+    unread = state.__dict__.get("_unread") if type(state) is TrainState else None
+    if unread is not None:  # a state this function returned, not read since: no flatten
+        leaves, treedef, program = unread
+        if program.takes_back(loss_fn, state.model):
+            try:
+                new_leaves, out = program.call(leaves, batch)
+            except TypeError:
+                # Another batch structure, shape or dtype: the call refused it before running
+                # (nothing donated); the keyed path below finds or compiles its program.
+                pass
+            else:
+                loss = out.pop("loss")
+                return _unread_state(state.model, state.tx, new_leaves, treedef, program), loss, out
+        state_sig = program.out_sig
+    else:
+        leaves, treedef = jax.tree.flatten(state)
+        state_sig = _state_sig(leaves)
+    batch_leaves, batch_def = jax.tree.flatten(batch)
+    sigs = (state_sig, batch_def, tuple(map(_input_sig, batch_leaves)))
+    program = _lookup(loss_fn, state, leaves, treedef, batch, *sigs, unread=unread is not None)
+    leaves, out = program.call(leaves, batch)
+    if program.out_sig is None:  # the program's output avals, the same on every call
+        program.returned(_state_sig(leaves))
+    loss = out.pop("loss")
+    if type(state) is not TrainState:  # a subclass: its own fields, rebuilt as it is
+        return jax.tree.unflatten(treedef, leaves), loss, out
+    return _unread_state(state.model, state.tx, leaves, treedef, program), loss, out
+
+
+def _lookup(
+    loss_fn: Callable[..., Any],
+    state: PyTree,
+    leaves: Any,
+    treedef: jax.tree_util.PyTreeDef,
+    batch: Batch,
+    state_sig: Any,
+    batch_def: Any,
+    batch_sig: Any,
+    *,
+    unread: bool,
+) -> _Fast:
+    """The program for these inputs: from the table of the fast path, else the full path.
+
+    The table is keyed by the ids of the function, model and optimizer (each entry holds
+    them, so an id stays theirs) and the input signatures. A new or redefined function, model
+    or optimizer is a new object, and code edited in place is a new code object, so each
+    takes the full path (fingerprints and structure keys): an edit never reuses a stale
+    program. An unread `state` has its fields built only for the full path.
+    """
+    model, tx = state.model, state.tx
+    flags, env = context.jax_flags(), context.environment()
+    key = (id(loss_fn), id(model), id(tx), treedef, batch_def, state_sig, batch_sig, flags, env)
+    hit = _fast.get(key)
+    if hit is not None and hit.fits(loss_fn, model):
+        return hit
+    if unread:
+        state = jax.tree.unflatten(treedef, leaves)
+    call = _program(loss_fn, state, leaves, treedef, batch).compiled
+    hit = _Fast(loss_fn, _code(loss_fn), model, _code(model), tx, call, state_sig, flags, env)
+    _remember(key, hit)
+    return hit
+
+
+def _code(fn: Any) -> types.CodeType | None:
+    """The code object of a plain function (None for other callables and model objects)."""
+    return getattr(fn, "__code__", None)
+
+
+def _input_sig(x: Any) -> Any:
+    """What the compiled call checks of one input: a JAX array's aval (shape, dtype, weak
+    type); for anything else its type, shape and dtype (a numpy array, a Python scalar)."""
+    if type(x) is np.ndarray:
+        return (np.ndarray, x.shape, x.dtype)
+    aval = getattr(x, "aval", None)
+    if aval is not None:
+        return aval
+    return (type(x), np.shape(x), getattr(x, "dtype", None))
+
+
+def _state_sig(leaves: Any) -> tuple:
+    try:
+        return tuple([x.aval for x in leaves])
+    except AttributeError:  # a numpy or Python leaf (e.g. parameters built with numpy)
+        return tuple(map(_input_sig, leaves))
+
+
+@dataclasses.dataclass(eq=False)
+class _Fast:
+    """A compiled train step as the fast path keeps it: the function, model and optimizer
+    it was compiled for (held, so their ids stay theirs while it lives), their code objects,
+    and the signatures of its inputs and outputs."""
+
+    loss_fn: Any
+    code: Any
+    model: Any
+    model_code: Any
+    tx: Any
+    call: Any
+    state_sig: tuple
+    flags: tuple = ()  # the JAX flags it was traced under (`context.jax_flags`)
+    env: str = ""  # and the environment's digest
+    out_sig: tuple | None = None
+    loops: bool = False  # its returned state is a valid input of its own (same signature)
+    live: bool = True  # False once `jn.cache_reset()` dropped it
+
+    def fits(self, loss_fn: Callable[..., Any], model: Model) -> bool:
+        """Still this function's and model's program: alive, and their code unchanged."""
+        return (
+            self.live
+            and self.loss_fn is loss_fn
+            and self.code is _code(loss_fn)
+            and self.model_code is _code(model)
+        )
+
+    def returned(self, out_sig: tuple) -> None:
+        self.out_sig, self.loops = out_sig, out_sig == self.state_sig
+
+    def takes_back(self, loss_fn: Callable[..., Any], model: Model) -> bool:
+        """Whether a state this program returned goes back into it (the usual loop: the
+        same function and model every step; the compiled call itself checks the batch)."""
+        return (
+            self.loops
+            and self.live
+            and self.flags == context.jax_flags()
+            and self.env == context.environment()
+            and self.loss_fn is loss_fn
+            and self.model is model
+            and (self.code is None or self.code is loss_fn.__code__)
+            and (self.model_code is None or self.model_code is model.__code__)
+        )
+
+
+_fast: collections.OrderedDict = collections.OrderedDict()
+_FAST_ENTRIES = 64
+
+
+def _reset_fast() -> None:
+    for program in _fast.values():  # an unread state may still point at one
+        program.live = False
+    _fast.clear()
+
+
+cache.on_reset(_reset_fast)
+
+
+def _remember(key: Any, entry: _Fast) -> None:
+    _fast[key] = entry
+    _fast.move_to_end(key)
+    while len(_fast) > _FAST_ENTRIES:
+        _fast.popitem(last=False)
+
+
+def _program(
+    loss_fn: Callable[..., Any],
+    state: TrainState,
+    leaves: Any,
+    treedef: jax.tree_util.PyTreeDef,
+    batch: Batch,
+) -> cache.Program:
+    """The train-step program, from the process-wide cache (keyed by fingerprints).
+
+    It takes the state's leaves (a flat list: the call flattens it in C++, where an NNX
+    `State` would call back into Python) and the batch, and returns the new state's leaves
+    and the outputs.
+    """
+    model, tx = state.model, state.tx
+
+    def inner(
+        params: PyTree, model_state: PyTree, batch: Batch, extras: dict[str, Any], rng: jax.Array
+    ) -> tuple[Any, Any]:
+        with models.mode(train=True, rng=rng):
+            loss, new_state, aux = _split_loss_output(loss_fn(model, params, model_state, batch))
+        return scalar_loss(loss, "loss_fn"), (model_state if new_state is None else new_state, aux)
+
+    key = (
+        "train_step",
+        cache.freeze(loss_fn),
+        cache.freeze(models.structure_key(model)),
+        cache.optimizer_key(tx),
+        cache.avals(([state.params, state.state, state.opt_state, state.step, state.rng], batch)),
+        context.jax_flags(),
+        context.environment(),
+    )
+    step_fn = make_train_step(inner, tx)
+
+    def flat_step(
+        leaves: Any, batch: Batch
+    ) -> tuple[list[Any], Any]:  # model and tx are static: only leaves travel
+        new, out = step_fn(jax.tree.unflatten(treedef, leaves), batch, {}, {})
+        return jax.tree.leaves(new), out
+
+    return cache.get_or_compile(
+        key,
+        lambda: jax.jit(flat_step, donate_argnums=(0,)).lower(leaves, batch),
+        kind="train_step",
+        label=getattr(loss_fn, "__qualname__", "loss_fn"),
+    )

@@ -1,0 +1,229 @@
+"""`jn.lr_find`: the learning-rate range test, on a copy of the state, in the run's own program.
+
+The rate rises exponentially from `min_lr` to `max_lr` over `steps` optimizer steps. It is a
+traced input (the per-step hyperparameter vector), so the test reuses the run's compiled train
+program: no new compile. It runs on a copy of the train state and hands nothing back, so the
+handle's parameters, optimizer state and progress are exactly as before (Lightning's finder
+leaves them changed). It stops early once the smoothed loss diverges, and suggests the rate
+where the smoothed loss falls fastest, before the divergence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxnitro._src.compile.programs import check_stale, train_program
+from jaxnitro._src.core.errors import ConfigError, DataError
+from jaxnitro._src.data import feed
+from jaxnitro._src.steps import population
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any
+
+    from jaxnitro._src.compile.cache import Program
+    from jaxnitro._src.core.types import Batch
+    from jaxnitro._src.run.nitro import Nitro
+    from jaxnitro._src.run.spec import RunSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LRFindResult:
+    """The range test's result (what `jn.lr_find` returns).
+
+    Attributes:
+        rates: the learning rate of each step run, rising from `min_lr` (for several groups:
+            the largest group's rate; the others keep their ratio to it).
+        losses: the training loss of each step, one per rate.
+        smoothed: the bias-corrected exponential moving average of `losses` (what the
+            suggestion and the divergence stop read).
+        suggestion: the rate where the smoothed loss falls fastest, before any divergence;
+            None when the test ran too few steps to tell.
+        stopped_early: True when the smoothed loss diverged (or a loss was not finite)
+            before `steps` steps.
+        plot: `run_dir/lr_find.png` (loss against rate, the suggestion marked), or None
+            without matplotlib.
+
+    Example:
+        >>> found = jn.lr_find(n, min_lr=1e-6, max_lr=1.0, steps=100)
+        >>> found.suggestion, len(found.rates) == len(found.losses)
+        (0.0031622776, True)
+    """
+
+    rates: tuple[float, ...]
+    losses: tuple[float, ...]
+    smoothed: tuple[float, ...]
+    suggestion: float | None
+    stopped_early: bool
+    plot: Path | None
+
+
+def lr_find(
+    n: Nitro,
+    min_lr: float = 1e-7,
+    max_lr: float = 1.0,
+    steps: int = 100,
+    *,
+    smoothing: float = 0.9,
+    diverge: float = 4.0,
+) -> LRFindResult:
+    """Run the range test on a copy of the run's state; the handle is left untouched.
+
+    Every parameter group keeps its ratio to the largest group rate; the largest follows the
+    exponential ramp. `diverge`: stop when the smoothed loss exceeds that many times its best.
+
+    Returns:
+        An `LRFindResult`: `rates` (one per step run), `losses` (each step's training
+        loss), `smoothed` (their moving average), `suggestion` (a rate, or None),
+        `stopped_early` (the loss diverged first) and `plot` (`run_dir/lr_find.png`, or
+        None without matplotlib).
+
+    Example:
+        To use the suggestion, give the experiment a field its `learning_rate` hook returns:
+
+        >>> @jn.experiment
+        ... class Tuned(MnistMLP):
+        ...     lr: float = 1e-3
+        ...
+        ...     def learning_rate(self, group):
+        ...         return self.lr
+        >>> found = jn.lr_find(jn.Nitro(Tuned()))
+        >>> found.suggestion, found.stopped_early
+        (0.0031622776, True)
+        >>> result = jn.train(jn.Nitro(Tuned(lr=found.suggestion)))
+    """
+    spec = n.spec
+    population.refuse(n, "jn.lr_find")
+    if "train_step" in spec.routes:
+        raise ConfigError(
+            f"jn.lr_find needs one training loss, but {spec.cls.__name__} has its own "
+            f"train_step (several optimizers and metrics). Run the range test on each model "
+            f"with a plain experiment, or sweep the rates with `jaxnitro sweep`."
+        )
+    _check(spec, min_lr, max_lr, steps)
+    check_stale(spec, n.programs)
+    ramp = np.geomspace(min_lr, max_lr, steps)
+    lr_slots = spec.hyper.learning_rates()
+    base = n.device.hyper_base
+    assert not isinstance(base, tuple)  # one model's: a population was refused above
+    top = max(float(base[spec.hyper.slots[i][1]]) for i, _ in lr_slots) or 1.0
+    ratio = {i: float(base[spec.hyper.slots[i][1]]) / top for i, _ in lr_slots}
+    leaves = [jnp.copy(x) for x in n.state_leaves]  # the handle's buffers are never donated
+    rates: list[float] = []
+    losses: list[float] = []
+    smoothed: list[float] = []
+    avg, best, stopped, call = 0.0, math.inf, False, None
+    with n.display.bar("lr_find", steps) as advance:  # each step reads its loss anyway
+        for batch, hyper, _ in _payloads(spec, n, steps):
+            t = len(rates)
+            vec = np.array(hyper, np.float32)
+            for i, r in ratio.items():
+                vec[i] = ramp[t] * r
+            if call is None:  # the run's own train program (a cache hit after training)
+                call = _program(spec, n, batch, vec).compiled
+            leaves, out = call(leaves, batch, n.device.extras, feed.put(spec, vec, spec.replicated))
+            loss = float(jax.device_get(out["loss"]))
+            rates.append(float(ramp[t]))
+            losses.append(loss)
+            avg = smoothing * avg + (1 - smoothing) * loss
+            smooth = avg / (1 - smoothing ** (t + 1))
+            smoothed.append(smooth)
+            advance(1)
+            best = min(best, smooth)
+            if not math.isfinite(loss) or (t > 5 and smooth > diverge * best):
+                stopped = True
+                break
+            if len(rates) == steps:
+                break
+    result = LRFindResult(
+        tuple(rates), tuple(losses), tuple(smoothed), _suggest(rates, smoothed), stopped, None
+    )
+    return dataclasses.replace(result, plot=_plot(n, result))
+
+
+def _check(spec: RunSpec, min_lr: Any, max_lr: Any, steps: Any) -> None:
+    if "train" not in spec.splits:
+        raise DataError("jn.lr_find needs a 'train' split; return one from build_data.")
+    if not (0 < min_lr < max_lr) or not math.isfinite(max_lr):
+        raise ConfigError(
+            f"lr_find needs 0 < min_lr < max_lr, got min_lr={min_lr}, max_lr={max_lr}; e.g. "
+            f"jn.lr_find(n, min_lr=1e-7, max_lr=1.0)."
+        )
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 10:
+        raise ConfigError(f"lr_find steps={steps!r}; give at least 10 steps, e.g. steps=100.")
+    if spec.steps_per_call != 1:
+        raise ConfigError(
+            f"lr_find runs one optimizer step per call, but this run fuses "
+            f"steps_per_call={spec.steps_per_call}; build the handle with steps_per_call=1 "
+            f"for the range test."
+        )
+    if not spec.hyper.learning_rates():
+        raise ConfigError(
+            "lr_find found no learning rate to ramp: every group is frozen or a ready optax "
+            "transformation. Return the optax factory from optimizer(self, group)."
+        )
+
+
+def _payloads(spec: RunSpec, n: Nitro, steps: int) -> Iterator[Any]:
+    """(device batch, packed hyperparameters, steps) for `steps` optimizer steps, over as
+    many epochs of the train split as that takes (a copy of the shuffle: epochs 0, 1, ...)."""
+    loader = spec.splits["train"]
+    prepare = feed.train_prepare(spec, 0, n.device.hyper_base)
+    for epoch in itertools.count():
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        taken = 0
+        for unit in feed.train_units(spec, loader, 0, epoch):
+            for payload in prepare(unit)[0]:
+                taken += 1
+                yield payload
+        if not taken:
+            raise DataError("lr_find: the 'train' split yielded no batch.")
+        if epoch > steps:  # cannot happen with a non-empty split; a guard against a loop
+            return
+
+
+def _program(spec: RunSpec, n: Nitro, batch: Batch, vec: Any) -> Program:
+    return train_program(spec, n.programs, n.train_state, batch, n.device.extras, vec, 1)
+
+
+def _suggest(rates: list[float], smoothed: list[float]) -> float | None:
+    """The rate where the smoothed loss falls fastest per log-rate, before its minimum's
+    divergence (skipping the noisy first tenth)."""
+    if len(rates) < 10:
+        return None
+    end = int(np.argmin(smoothed)) + 1
+    start = max(1, len(rates) // 10)
+    if end - start < 3:
+        return None
+    grad = np.gradient(np.asarray(smoothed[start:end]), np.log(rates[start:end]))
+    return float(rates[start + int(np.argmin(grad))])
+
+
+def _plot(n: Nitro, r: LRFindResult) -> Path | None:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    from jaxnitro._src.observe.render import save
+
+    fig = Figure(figsize=(5, 3.5))
+    ax = fig.add_subplot()
+    ax.plot(r.rates, r.losses, color="C0", alpha=0.3, lw=1, label="loss")
+    ax.plot(r.rates, r.smoothed, color="C0", lw=1.6, label="smoothed")
+    if r.suggestion is not None:
+        ax.axvline(r.suggestion, color="C3", ls="--", label=f"suggested {r.suggestion:.2g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize="small")
+    fig.subplots_adjust(left=0.15, bottom=0.15, right=0.97, top=0.95)
+    return save(fig, Path(n.run_dir) / "lr_find.png")
