@@ -4,7 +4,7 @@
     python tools/place_tests.py --apply    # `git mv` them there
 
 A file named in PLACES goes where PLACES says. Any other file is placed by what it imports:
-the subpackage of jaxnitro it imports most (`from jaxnitro.data... import`), else the area its
+the subpackage of jaxnitro it imports most (`from jaxnitro._src.data... import`), else the area its
 name starts with (`test_serve_tls.py` -> serve), else `train`. A file that starts processes
 with `jaxnitro launch` or `jax.distributed`, or a notebook kernel, goes to e2e. Check a guess
 before committing it; add the file to PLACES when the guess is wrong.
@@ -136,7 +136,7 @@ PLACES: dict[str, str] = {
 TOP_LEVEL = {"conftest.py", "README.md"}
 
 _E2E = re.compile(r"jaxnitro launch|\"launch\"|jax\.distributed|nbclient|multi_device")
-_IMPORT = re.compile(r"^\s*(?:from|import) jaxnitro\.(\w+)", re.MULTILINE)
+_IMPORT = re.compile(r"^\s*(?:from|import) jaxnitro\._src\.(\w+)", re.MULTILINE)
 
 
 def place(path: Path) -> str:
