@@ -15,7 +15,7 @@ from jaxnitro._src.serve.batcher import MAX_QUEUE_SIZE
 from jaxnitro._src.serve.body import MAX_BODY_BYTES, READ_TIMEOUT_S
 
 # the defaults of serve(), repeated so that --help needs neither uvicorn nor grpcio:
-# tests/test_serve.py checks they agree
+# tests/unit/serve/test_serve_limits.py checks they agree
 HEADER_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 1000
 DRAIN_TIMEOUT_S = 30.0
