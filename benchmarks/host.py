@@ -45,7 +45,7 @@ import run as bench  # noqa: E402  (the MLP, its data and the hand loop)
 
 import jaxnitro as jn  # noqa: E402
 from jaxnitro._src.data import feed as feed_mod  # noqa: E402
-from jaxnitro._src.data import loader as loader_mod  # noqa: E402
+from jaxnitro._src.data import prefetch as prefetch_mod  # noqa: E402
 from jaxnitro._src.train import epoch as epoch_mod  # noqa: E402
 
 SAMPLES = {32: 32 * 2048, 1024: 1024 * 64}  # run.py's CPU profile: 2048 and 64 steps
@@ -110,7 +110,7 @@ def items(n, steps: int) -> dict[str, float]:
     t.wrap(epoch_mod, "read_back", "read_back")
     if hasattr(epoch_mod, "read_columns"):  # the chunk's transfer, read as columns
         t.wrap(epoch_mod, "read_columns", "read_back")
-    t.wrap(loader_mod.InlineFeed, "__next__", "feed")
+    t.wrap(prefetch_mod.InlineFeed, "__next__", "feed")
     feed_mod.train_prepare = train_prepare
     try:
         one_epoch(n)

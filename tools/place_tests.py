@@ -107,6 +107,8 @@ PLACES: dict[str, str] = {
     "test_layout.py": "unit",
     "test_public_surface.py": "unit",
     "test_docs.py": "unit",
+    "test_doc_paths.py": "unit",  # every repository path the docs name exists
+    "test_docstrings.py": "unit",  # public functions document Args/Returns
     "test_skips.py": "unit",
     "test_resume_record.py": "unit/run",
     "test_checkpoint_commit.py": "unit/checkpoint",

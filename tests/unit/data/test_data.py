@@ -1,4 +1,5 @@
-"""Tests for data.loader: DataLoader, batch checks, padding, and the prefetch thread."""
+"""Tests for data.loader, data.batches and data.prefetch: DataLoader, batch checks, padding,
+and the prefetch thread."""
 
 import threading
 import time
@@ -10,7 +11,9 @@ import pytest
 from conftest import Tiny, make_data, nitro
 
 import jaxnitro as jn
-from jaxnitro._src.data.loader import DataLoader, Prefetcher, check_batch, pad_batch, skip
+from jaxnitro._src.data.batches import check_batch, pad_batch
+from jaxnitro._src.data.loader import DataLoader, skip
+from jaxnitro._src.data.prefetch import Prefetcher
 
 
 def data(n=10, d=3):

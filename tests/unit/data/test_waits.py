@@ -12,7 +12,7 @@ from helpers.slow_step import SlowStep
 
 import jaxnitro as jn
 from jaxnitro._src.data import waits
-from jaxnitro._src.data.loader import Prefetcher
+from jaxnitro._src.data.prefetch import Prefetcher
 
 
 class FakeStep:

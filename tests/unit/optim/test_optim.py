@@ -15,8 +15,7 @@ import pytest
 from conftest import Tiny, host_copy, leaves_equal, make_data, nitro
 
 import jaxnitro as jn
-from jaxnitro._src.optim import groups as optim
-from jaxnitro._src.optim import hyper
+from jaxnitro._src.optim import hyper, schedules
 from jaxnitro._src.train import epoch as epoch_mod
 from jaxnitro._src.train.epoch import train_program
 
@@ -163,7 +162,7 @@ def test_decay_toward_initial_weights(run_dir):
 
 def test_schedules_never_recompile_and_follow_the_factory(run_dir):
     jn.cache_reset()
-    sched = optim.warmup_cosine(warmup=2)
+    sched = schedules.warmup_cosine(warmup=2)
     n = nitro(Opt(max_epochs=2), run_dir=run_dir, schedules={"opt.learning_rate": sched})
     assert n.total_steps == 16
     jn.train(nitro(Opt(max_epochs=1), run_dir=run_dir / "x"))  # the constant-rate program
@@ -180,7 +179,7 @@ def test_device_schedule_and_replacement_semantics(run_dir):
     @jn.experiment
     class Sched(Opt):
         def schedules(self):
-            return {"device.smoothing": optim.linear(0.0, 0.5)}
+            return {"device.smoothing": schedules.linear(0.0, 0.5)}
 
     a = nitro(Sched(max_epochs=1), run_dir=run_dir / "a")
     assert "device.smoothing" in a.spec.schedules.fns
@@ -208,7 +207,9 @@ def test_schedule_key_errors(run_dir):
 
 def test_schedule_past_the_horizon_holds_and_warns(run_dir):
     n = nitro(
-        Opt(max_epochs=1), run_dir=run_dir, schedules={"opt.learning_rate": optim.linear(1.0, 0.5)}
+        Opt(max_epochs=1),
+        run_dir=run_dir,
+        schedules={"opt.learning_rate": schedules.linear(1.0, 0.5)},
     )
     n.max_epochs = 2  # train past the horizon the schedule was built for
     with pytest.warns(UserWarning, match="horizon"):
@@ -365,7 +366,7 @@ def test_a_factorys_own_weight_decay_is_neutralised(run_dir):
 
 
 def test_rule_hyperparameter_schedule_and_ambiguous_keys(run_dir):
-    sched = {"opt.b1": optim.linear(0.9, 0.5)}
+    sched = {"opt.b1": schedules.linear(0.9, 0.5)}
     n = nitro(Opt(max_epochs=1, rule="adam"), run_dir=run_dir, schedules=sched)
     assert "opt.default.b1" in n.optimizer.hyper_paths
     jn.train(n)

@@ -19,7 +19,7 @@ from helpers.logs import lines
 from helpers.paths import SRC, TESTS
 
 import jaxnitro as jn
-from jaxnitro._src.optim import groups as optim
+from jaxnitro._src.optim import schedules
 from jaxnitro._src.run.setup import read_meta
 
 
@@ -104,7 +104,7 @@ def test_resume_is_exact_with_accumulation_schedules_and_dropout(run_dir):
             Tiny(dropout=0.2, max_epochs=epochs, n_val=0),
             run_dir=run_dir / where,
             accum=2,
-            schedules={"opt.learning_rate": optim.warmup_cosine(2)},
+            schedules={"opt.learning_rate": schedules.warmup_cosine(2)},
             **kw,
         )
 

@@ -23,7 +23,7 @@ from jaxnitro._src.compile.programs import (
     train_program,
 )
 from jaxnitro._src.data import feed
-from jaxnitro._src.data.loader import batch_sharding
+from jaxnitro._src.data.batches import batch_sharding
 from jaxnitro._src.dist.devices import make_mesh, replicated
 from jaxnitro._src.experiment import hooks
 from jaxnitro._src.observe.display import Display
@@ -31,6 +31,7 @@ from jaxnitro._src.observe.loggers import NullLogger
 from jaxnitro._src.optim import groups as optim
 from jaxnitro._src.optim import hyper
 from jaxnitro._src.optim.hyper import HyperLayout
+from jaxnitro._src.optim.schedules import Schedules, resolve_schedules
 from jaxnitro._src.run import setup as setup_mod
 from jaxnitro._src.run.progress import Progress
 from jaxnitro._src.run.services import NoCheckpointer, Services
@@ -63,7 +64,7 @@ def make_spec(exp=None, *, accum=1, steps_per_call=1, schedules=None, n=64, batc
     opt = optim.build(exp, params, scheduled=set(schedules or {}))
     spe = setup_mod.steps_per_epoch(splits, accum)
     fields_ = {f.name: f.marker for f in jn.fields(exp)}
-    resolved = optim.resolve_schedules(
+    resolved = resolve_schedules(
         schedules or {}, opt=opt, device_fields=fields_, total_steps=spe * 2
     )
     values = {"smoothing": setup_mod.device_array("smoothing", 0.0, rep)}
@@ -131,7 +132,7 @@ def test_a_schedule_wins_over_the_base_value_and_the_clip_is_named():
 
 def test_a_schedule_on_a_non_scalar_device_field_is_refused():
     opt = optim.build(Tiny(), {"w": jnp.ones((2, 2))})
-    sched = optim.Schedules({"device.mask": lambda t: 1.0}, 4, {})
+    sched = Schedules({"device.mask": lambda t: 1.0}, 4, {})
     with pytest.raises(jn.ConfigError, match="only scalar float Device fields"):
         HyperLayout.build(opt, {"mask": jnp.ones((3,), jnp.float32)}, sched)
 

@@ -29,15 +29,27 @@ def load_checkpoint(
 ) -> tuple[dict[str, Any], dict]:
     """Load ``(trees, meta)`` from a checkpoint directory, verifying its checksums.
 
-    Each tree named in ``templates`` (a pytree of arrays or ``jax.ShapeDtypeStruct``) comes back
-    with the template's treedef; its leaves become jax arrays (on the template leaf's sharding,
-    if any), while numpy and Python-scalar template leaves keep their kind. Trees without a
-    template come back as nested dicts/lists of numpy arrays (PRNG keys as raw key data).
-    ``meta`` is the user meta given to ``save`` plus "epoch", "step", "metrics" (user keys win).
-    Templates are compared with meta.json before any array is read, and arrays are read only in
-    the shapes meta.json records, so a mismatched or crafted checkpoint fails fast.
-    ``bar``: a progress bar factory such as a run's ``n.display.bar``; the arrays are then read
-    in parts (about 64 MiB or more each) and the bar counts them.
+    Each tree named in ``templates`` comes back with the template's treedef; its leaves
+    become jax arrays (on the template leaf's sharding, if any), while numpy and
+    Python-scalar template leaves keep their kind. Trees without a template come back as
+    nested dicts/lists of numpy arrays (PRNG keys as raw key data). Templates are compared
+    with meta.json before any array is read, and arrays are read only in the shapes
+    meta.json records, so a mismatched or crafted checkpoint fails fast.
+
+    Args:
+        path: the checkpoint directory (e.g. `ck.best()`, `ck.latest()`).
+        templates: tree name -> a pytree of arrays or ``jax.ShapeDtypeStruct`` to restore
+            into; None: every tree as numpy.
+        bar: a progress bar factory such as a run's ``n.display.bar``; the arrays are then
+            read in parts (about 64 MiB or more each) and the bar counts them.
+
+    Returns:
+        ``(trees, meta)``: tree name -> tree, and the user meta given to ``save`` plus
+        "epoch", "step", "metrics" (user keys win).
+
+    Raises:
+        CheckpointError: the checkpoint is missing, corrupted (a checksum or leaf spec does
+            not match), or has no tree a template names.
 
     Example:
         >>> trees, meta = jn.load_checkpoint(ck.best(), {"params": {"w": np.zeros(3)}})

@@ -92,8 +92,16 @@ def _read_rows(root: Path, *, quiet: bool = False) -> tuple[list[dict], int]:
 def read_manifest(dir: str | os.PathLike) -> list[dict]:
     """Rows of ``<dir>/manifest.json``, oldest first, without loading any array; [] if none.
 
-    Rows that do not name a plain entry of ``dir`` are dropped with a CheckpointWarning; a
-    manifest of the wrong shape raises CheckpointError.
+    Rows that do not name a plain entry of ``dir`` are dropped with a CheckpointWarning.
+
+    Args:
+        dir: a checkpointer's directory (`ck.dir`).
+
+    Returns:
+        One dict per checkpoint (``name``, ``score``, ``epoch``, ``step``, ``metrics``, ...).
+
+    Raises:
+        CheckpointError: the manifest is not of the expected shape.
 
     Example:
         >>> [(row["name"], row["score"]) for row in jn.read_manifest(ck.dir)]

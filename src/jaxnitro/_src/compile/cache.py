@@ -79,6 +79,10 @@ def cache_stats() -> dict[str, int]:
     A miss is a program this process had not built; `persistent_hits` counts the misses
     JAX loaded from its persistent compilation cache instead of compiling (a warm start).
 
+    Returns:
+        A dict of counts: ``hits``, ``misses``, ``entries`` (programs held now) and
+        ``persistent_hits``.
+
     Example:
         >>> jn.cache_stats()
         {'hits': 3, 'misses': 2, 'entries': 2, 'persistent_hits': 0}
@@ -94,6 +98,10 @@ def cache_stats() -> dict[str, int]:
 
 def cache_reset() -> None:
     """Drop every cached program (the escape hatch when a key cannot see a change).
+
+    Returns:
+        None; the next call of each program compiles it again (or loads it from JAX's
+        persistent compilation cache).
 
     Example:
         >>> jn.cache_reset()

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jaxnitro._src.core.errors import DataError
-from jaxnitro._src.data import grain_source
+from jaxnitro._src.data import batches, grain_source
 from jaxnitro._src.data import loader as data_mod
 
 
@@ -114,12 +114,12 @@ def eval_prepare(spec, split: str, pad_to: int | None, keys: frozenset | None = 
     same = ShapeCheck(spec, split)
 
     def prepare(host):
-        size = data_mod.check_batch(host, split, expect_fields=expect)
-        data_mod.check_specs(host, split, index[0], info.specs)
+        size = batches.check_batch(host, split, expect_fields=expect)
+        batches.check_specs(host, split, index[0], info.specs)
         same(index[0], {f: host[f] for f in info.fields})
         index[0] += 1
         if pad_to is not None and size < pad_to:
-            host = data_mod.pad_batch({k: host[k] for k in info.fields}, pad_to)
+            host = batches.pad_batch({k: host[k] for k in info.fields}, pad_to)
         return {f: put(spec, np.asarray(host[f]), spec.batch_sharding) for f in info.fields}, size
 
     return prepare
@@ -185,8 +185,8 @@ def train_units(spec, loader, start: int, epoch: int, state=None):
     group: list = []
     states: list = []
     for index, (host, after) in enumerate(pairs, start):
-        got = data_mod.check_batch(host, "train", expect_fields=info.keys)
-        data_mod.check_specs(host, "train", index, info.specs)
+        got = batches.check_batch(host, "train", expect_fields=info.keys)
+        batches.check_specs(host, "train", index, info.specs)
         if got != bs:
             raise DataError(
                 f"a train batch of epoch {epoch + 1} has {got} samples, not {bs}: a short "
@@ -292,7 +292,7 @@ def train_prepare(spec, first_step: int, base):
             axis = len(lead) + members  # the batch axis (after a member axis)
             sharding = shardings.get(axis)
             if sharding is None:
-                sharding = shardings[axis] = data_mod.batch_sharding(spec.mesh, axis=axis)
+                sharding = shardings[axis] = batches.batch_sharding(spec.mesh, axis=axis)
             batch = {}
             for f, arr in stacked.items():
                 if not lead:  # one step, one micro-batch: the batch itself

@@ -52,6 +52,13 @@ def shard_options(dist):
     """grain's shard options for this process (from `dist` in `build_data`): each process
     reads only its shard of the records.
 
+    Args:
+        dist: the `jn.Dist` that `build_data(self, dist)` receives.
+
+    Returns:
+        A `grain.sharding.ShardOptions` for this process's shard (the remainder dropped, so
+        every process reads as many records).
+
     Example:
         >>> def build_data(self, dist):
         ...     sampler = grain.samplers.IndexSampler(

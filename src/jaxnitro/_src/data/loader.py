@@ -1,7 +1,9 @@
-"""Batches: the DataLoader, batch checks, padding, and prefetch to device in a background thread.
+"""`DataLoader`: batches from arrays or a Hugging Face dataset, re-iterable, with an
+epoch-seeded shuffle and per-sample transforms; and where a resume starts reading a split
+(`skip`, `replays`).
 
-A batch is a dict of batch-first arrays. Batches are placed on the 1-D `data` mesh with a
-`NamedSharding` that splits the leading axis, so multi-device runs change nothing here.
+What a batch is and how it is checked lives in `batches`; feeding batches to the device
+ahead of the step in `prefetch`.
 """
 
 from __future__ import annotations
@@ -9,17 +11,21 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import queue
-import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxnitro._src.core.errors import DataError, check_int, warn_user
-from jaxnitro._src.data import tables, waits
+from jaxnitro._src.core.errors import DataError, check_int
+from jaxnitro._src.data import tables
+
+# train/epoch.py and run/setup/sequence.py still read these as `loader.X` (they belong to
+# other open work); new code imports them from `batches` and `prefetch`.
+from jaxnitro._src.data.batches import (
+    as_array,
+    batch_sharding,  # noqa: F401
+)
+from jaxnitro._src.data.prefetch import InlineFeed, Prefetcher  # noqa: F401
 
 
 class DataLoader:
@@ -110,16 +116,7 @@ class DataLoader:
         self.epoch = 0
         self.transform, self.workers = transform, workers
         self._pool: Any = None  # workers.TransformPool, started on the first iteration
-        if transform is not None and not callable(transform):
-            raise DataError(
-                f"DataLoader transform={transform!r} is not callable; pass a function "
-                f"fn(example: dict, rng: np.random.Generator) -> dict."
-            )
-        if workers and transform is None:
-            raise DataError(
-                f"DataLoader workers={workers} runs transforms in processes, but no transform= "
-                f"is given: without one, batches are gathered in this process (workers=0)."
-            )
+        _check_transform(transform, workers)
         #: {field: (per-sample shape, dtype)} of the transform's output (None: no transform)
         self.out_specs = self._probe() if transform is not None else None
         self.fields: tuple[str, ...] = (
@@ -260,7 +257,7 @@ class DataLoader:
                 f"must return a non-empty dict of per-sample arrays, e.g. {{'img': img, "
                 f"'label': label}}."
             )
-        return {k: _as_array(k, v) for k, v in out.items()}
+        return {k: as_array(k, v) for k, v in out.items()}
 
     def transform_rows(
         self, rows, epoch: int, seed: int, fields, *, on_sample=None
@@ -310,6 +307,20 @@ class DataLoader:
             f"shuffle={self.shuffle}, drop_last={self.drop_last}, fields={sorted(self.fields)}"
             + (f", workers={self.workers}" if self.transform is not None else "")
             + ")"
+        )
+
+
+def _check_transform(transform: Any, workers: int) -> None:
+    """A transform is callable; workers run one (without it they would have nothing to do)."""
+    if transform is not None and not callable(transform):
+        raise DataError(
+            f"DataLoader transform={transform!r} is not callable; pass a function "
+            f"fn(example: dict, rng: np.random.Generator) -> dict."
+        )
+    if workers and transform is None:
+        raise DataError(
+            f"DataLoader workers={workers} runs transforms in processes, but no transform= "
+            f"is given: without one, batches are gathered in this process (workers=0)."
         )
 
 
@@ -366,7 +377,7 @@ def _arrays(data) -> dict[str, np.ndarray]:
             f"{type(data).__name__}. Example: jn.DataLoader({{'img': x, 'label': y}}, 32) "
             f"(a Hugging Face datasets.Dataset works too, read by columns=)."
         )
-    arrays = {k: _as_array(k, v) for k, v in data.items()}
+    arrays = {k: as_array(k, v) for k, v in data.items()}
     scalars = [k for k, v in arrays.items() if v.ndim == 0]
     if scalars:
         raise DataError(
@@ -383,256 +394,6 @@ def _arrays(data) -> dict[str, np.ndarray]:
             f"or slice the ones that differ)."
         )
     return arrays
-
-
-def _as_array(name: str, value) -> np.ndarray:
-    if isinstance(value, jax.Array):
-        value = np.asarray(value)
-    if not isinstance(value, np.ndarray):
-        # Numbers (numpy scalars included) become 0-d arrays, which the callers refuse as
-        # scalars ("batch dimension first"), not as "not an array".
-        if isinstance(value, (list, tuple, np.generic, int, float, complex)):
-            value = np.asarray(value)
-        else:
-            raise DataError(
-                f"batch field {name!r} is a {type(value).__name__}, not an array. Batch fields "
-                f"are numpy/jax arrays; convert it with np.asarray, or drop it from the batch."
-            )
-    if value.dtype == object or value.dtype.kind in "OUSV":
-        raise DataError(
-            f"batch field {name!r} has dtype {value.dtype}, which cannot go to a device. Encode "
-            f"it as numbers (e.g. token ids or class indices) before batching."
-        )
-    return value
-
-
-def check_batch(batch, split: str, *, expect_fields: frozenset | None = None) -> int:
-    """Validate one host batch; return its batch size (the shared leading dimension).
-
-    Example:
-        >>> check_batch({"img": np.zeros((8, 784)), "label": np.zeros(8)}, "train")
-        8
-    """
-    if not isinstance(batch, Mapping):
-        raise DataError(
-            f"the {split!r} split yielded a {type(batch).__name__}; batches are dicts of arrays "
-            f"such as {{'img': x, 'label': y}}. Wrap your arrays in jn.DataLoader."
-        )
-    if expect_fields is not None and frozenset(batch) != expect_fields:
-        raise DataError(
-            f"the {split!r} batch fields changed mid-run: expected {sorted(expect_fields)}, got "
-            f"{sorted(batch)}. Every batch of a split must carry the same fields."
-        )
-    sizes = {}
-    for k, v in batch.items():
-        v = _as_array(k, v)
-        if v.ndim == 0:
-            raise DataError(
-                f"batch field {k!r} of split {split!r} is a scalar; batch dimension "
-                f"first: give it one row per sample (e.g. np.full(batch_size, value)), "
-                f"or make it an experiment field (jn.Device for a traced value)."
-            )
-        sizes[k] = v.shape[0]
-    if len(set(sizes.values())) > 1:
-        raise DataError(
-            f"the {split!r} batch fields disagree on the batch size (leading dimension): {sizes}. "
-            f"Every field of a batch needs one row per sample (batch dimension first): slice "
-            f"all fields with the same indices, or use jn.DataLoader, which does."
-        )
-    if not sizes:
-        raise DataError(
-            f"the {split!r} split yielded an empty batch (a dict with no fields). "
-            f"Yield dicts of arrays such as {{'img': x, 'label': y}}."
-        )
-    return next(iter(sizes.values()))
-
-
-def batch_specs(batch: Mapping[str, Any], split: str) -> dict[str, tuple[tuple, np.dtype]]:
-    """{field: (per-sample shape, dtype as the device sees it)} of a split's first batch.
-
-    With x64 off (JAX's default) float64 and int64 arrays run as float32 and int32; a float64
-    field says so once, since it doubles every transfer and hides a precision choice.
-    """
-    specs = {}
-    for k, v in batch.items():
-        dtype = np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
-        canonical = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-        if dtype == np.float64 and canonical != dtype:
-            warn_user(
-                f"split {split!r}: field {k!r} is float64; JAX computes in float32 (x64 is "
-                f"off), so every batch is cast. Convert it once (x.astype(np.float32)) to "
-                f"silence this and halve the transfer.",
-            )
-        specs[k] = (tuple(np.shape(v)[1:]), canonical)
-    return specs
-
-
-def check_specs(batch: Mapping[str, Any], split: str, index: int, specs: Mapping) -> None:
-    """A later batch must match the first one's per-sample shapes and dtypes (one program)."""
-    for k, (shape, dtype) in specs.items():
-        v = batch[k]
-        got_shape = tuple(np.shape(v)[1:])
-        raw = np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
-        got = np.dtype(jax.dtypes.canonicalize_dtype(raw))
-        if got_shape != shape or got != dtype:
-            raise DataError(
-                f"batch {index} of split {split!r}: field {k!r} has per-sample shape "
-                f"{got_shape} and dtype {raw}, but the split's first batch had {shape} and "
-                f"{dtype}. Every batch of a split shares one program: make the field the same "
-                f"shape and dtype in every batch (pad or crop features, cast with .astype)."
-            )
-
-
-def check_same_specs(
-    specs: Mapping, reference: Mapping, split: str, against: str = "train"
-) -> None:
-    """Fields a split shares with the `against` split must match its per-sample shape and
-    dtype (the model is the same): said at setup, before JAX fails inside `forward`."""
-    for k in sorted(specs.keys() & reference.keys()):
-        (shape, dtype), (ref_shape, ref_dtype) = specs[k], reference[k]
-        if shape != ref_shape or dtype != ref_dtype:
-            raise DataError(
-                f"split {split!r}: field {k!r} has per-sample shape {shape} and dtype {dtype}, "
-                f"but the {against!r} split has {ref_shape} and {ref_dtype}. The same model "
-                f"reads both: build the splits with the same features (same preprocessing)."
-            )
-
-
-def pad_batch(batch: Mapping[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
-    """Pad to `size` rows by repeating the last row (real values: no NaN from zeros).
-
-    Example:
-        >>> pad_batch({"x": np.arange(3)}, 5)["x"]
-        array([0, 1, 2, 2, 2])
-    """
-    out = {}
-    for k, v in batch.items():
-        n = v.shape[0]
-        if n == size:
-            out[k] = v
-        else:
-            fill = np.repeat(v[-1:], size - n, axis=0)
-            out[k] = np.concatenate([np.asarray(v), fill], axis=0)
-    return out
-
-
-def batch_sharding(mesh, *, axis: int = 0) -> NamedSharding:
-    """The batch axis (leading, or after `axis` stacking axes) split over the `data` mesh axis."""
-    return NamedSharding(mesh, PartitionSpec(*([None] * axis), "data"))
-
-
-class InlineFeed:
-    """The same interface as `Prefetcher`, preparing each batch when it is asked for.
-
-    For a single CPU device, where batches need no transfer: a second Python thread would only
-    contend for the GIL with the dispatching one. `wait_seconds` is the time the device sat
-    idle while a batch was prepared (`waits`); `in_flight` gives an output of the step last
-    dispatched (None: none in flight).
-    """
-
-    def __init__(self, source: Iterable, prepare, *, in_flight=None):
-        self._source, self._prepare = iter(source), prepare
-        self._clock = waits.WaitClock(in_flight)
-
-    @property
-    def wait_seconds(self) -> float:
-        return self._clock.seconds
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self._clock.run(self._next)
-
-    def _next(self):
-        host = next(self._source)
-        return (*self._prepare(host), host)
-
-    def close(self) -> None:
-        close = getattr(self._source, "close", None)
-        if close is not None:
-            close()
-
-
-class Prefetcher:
-    """Produces device batches in order from a background thread, a bounded number ahead.
-
-    Iterating yields `(device_batch, n_valid, host_batch)`. `wait_seconds` accumulates the
-    time the device sat idle for want of the next batch, for `data_wait_frac` (`waits`):
-    `in_flight` gives an output of the step last dispatched (None: none in flight).
-    """
-
-    _DONE = object()
-
-    def __init__(self, source: Iterable, prepare, *, depth: int = 2, in_flight=None):
-        self._source = source
-        self._prepare = prepare  # host batch -> (device batch, n_valid)
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
-        self._clock = waits.WaitClock(in_flight)
-        self._finished = False  # set once DONE/an error was consumed, or on close()
-        self._thread = threading.Thread(target=self._run, name="jaxnitro-prefetch", daemon=True)
-        self._thread.start()
-
-    @property
-    def wait_seconds(self) -> float:
-        return self._clock.seconds
-
-    def _run(self) -> None:
-        try:
-            for host in self._source:
-                if self._stop.is_set():
-                    return
-                item = (*self._prepare(host), host)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-            self._put_final(self._DONE)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer thread
-            self._put_final(e)
-
-    def _put_final(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        # After the end, an error, or close() the producer puts nothing more: a blocking get()
-        # would wait forever, so an exhausted or closed prefetcher keeps raising StopIteration.
-        if self._finished:
-            raise StopIteration
-        try:
-            item = self._queue.get_nowait()
-        except queue.Empty:  # not ready: a wait, once the step in flight has ended
-            item = self._clock.run(self._queue.get, blocking=True)
-        if item is self._DONE:
-            self._finished = True
-            self._thread.join()
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self._finished = True
-            self._thread.join()
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._finished = True
-        self._stop.set()
-        try:
-            while True:
-                self._queue.get_nowait()
-        except queue.Empty:
-            pass
-        self._thread.join(timeout=5)
 
 
 def skip(source: Iterable, start: int) -> Iterator:

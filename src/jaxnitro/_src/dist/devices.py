@@ -45,6 +45,13 @@ def setup_devices(
             recently used entries are evicted beyond it. Default 2 GiB (also from
             ``$JAXNITRO_COMPILATION_CACHE_MAX_SIZE``).
 
+    Returns:
+        A `DeviceInfo`: the backend, the devices it shows, the pinned count.
+
+    Raises:
+        ConfigError: JAX has already chosen another backend, or `n_devices` is not
+            between 1 and the devices visible.
+
     Example:
         >>> info = jn.setup_devices(backend="cpu", n_devices=1, compilation_cache=False)
         >>> info.backend, info.n_devices

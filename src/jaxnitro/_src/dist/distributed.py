@@ -117,25 +117,7 @@ def initialize(
         >>> jn.Nitro(MyExp())                       # the mesh spans every process's devices
     """
     if _state:
-        given = {
-            "coordinator_address": coordinator_address,
-            "num_processes": num_processes,
-            "process_id": process_id,
-            "local_device_ids": [local_device_ids]
-            if isinstance(local_device_ids, int)
-            else None
-            if local_device_ids is None
-            else list(local_device_ids),
-        }
-        clash = {
-            k: (_state[k], v) for k, v in given.items() if v is not None and _state.get(k) != v
-        }
-        if clash:
-            raise ConfigError(
-                f"jn.distributed.initialize was already called with other arguments "
-                f"(name: then → now): {clash}. Call it once, first thing in the script."
-            )
-        return _state["layout"]
+        return _started_before(coordinator_address, num_processes, process_id, local_device_ids)
     timeout = _env_int("JAXNITRO_INIT_TIMEOUT") or 300
     found = _layout.resolve(
         coordinator_address, num_processes, process_id, local_device_ids, timeout_s=timeout
@@ -148,6 +130,41 @@ def initialize(
         _remember(found)
         return found
     _check_backends_untouched()
+    _start_runtime(found, timeout)
+    _remember(found)
+    _watch_peers()
+    return found
+
+
+def _started_before(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    local_device_ids: int | Sequence[int] | None,
+) -> Layout:
+    """The layout started already, when the arguments given agree with it; else
+    `ConfigError` naming each that differs."""
+    given = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+        "local_device_ids": [local_device_ids]
+        if isinstance(local_device_ids, int)
+        else None
+        if local_device_ids is None
+        else list(local_device_ids),
+    }
+    clash = {k: (_state[k], v) for k, v in given.items() if v is not None and _state.get(k) != v}
+    if clash:
+        raise ConfigError(
+            f"jn.distributed.initialize was already called with other arguments "
+            f"(name: then → now): {clash}. Call it once, first thing in the script."
+        )
+    return _state["layout"]
+
+
+def _start_runtime(found: Layout, timeout: int) -> None:
+    """`jax.distributed.initialize` with the resolved layout (gloo for CPU collectives)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
@@ -164,9 +181,6 @@ def initialize(
             f"{found.source}): {e}. If the coordinator port is in use, pick another (jaxnitro "
             f"launch picks a free one); `jaxnitro env` shows where each value comes from."
         ) from e
-    _remember(found)
-    _watch_peers()
-    return found
 
 
 def _remember(found: Layout) -> None:

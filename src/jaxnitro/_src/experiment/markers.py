@@ -88,6 +88,15 @@ class FieldInfo:
 def fields(cls_or_instance) -> tuple[FieldInfo, ...]:
     """Describe an experiment's fields: name, type, marker, default, doc.
 
+    Args:
+        cls_or_instance: an experiment class or an instance of one.
+
+    Returns:
+        One `FieldInfo` per field, in declaration order.
+
+    Raises:
+        ConfigError: the class is not decorated with `@jn.experiment`.
+
     Example:
         >>> [f.marker for f in jn.fields(MnistMLP)]
         ['GraphConst', 'Device', 'Host']
@@ -278,6 +287,15 @@ def _type_hints(cls) -> dict[str, Any]:
 
 def experiment(cls: Any = None, /):
     """Make a class an experiment: a frozen keyword-only dataclass with marked fields.
+
+    Args:
+        cls: the class (`@jn.experiment` and `@jn.experiment()` both work).
+
+    Returns:
+        The class, now a frozen keyword-only dataclass that `jn.Nitro` accepts.
+
+    Raises:
+        ConfigError: `cls` is not a class, or a field's marker or default is invalid.
 
     Example:
         >>> @jn.experiment

@@ -3,9 +3,9 @@
 `split_model` turns a model into `(model, params, state)`: a hashable description of
 the computation plus two pytrees, so a train step can differentiate `params`, thread
 `state` (batch statistics, RNG counters) and donate both. `apply` runs the model in
-the mode set by `mode(...)`, which the framework enters while tracing a step: inside
-`mode(train=True, rng=key)` dropout is active and batch statistics update; anywhere
-else the call is deterministic inference.
+the mode set by `mode(...)` (`training_mode`, re-exported here), which the framework
+enters while tracing a step: inside `mode(train=True, rng=key)` dropout is active and
+batch statistics update; anywhere else the call is deterministic inference.
 
 Flax and Equinox are looked up in `sys.modules` rather than imported, so an Equinox
 user never pays for importing Flax and vice versa: an object cannot be an instance of
@@ -14,19 +14,18 @@ a library's class unless that library has been imported.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
 import sys
-import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxnitro._src.core.errors import ConfigError
+from jaxnitro._src.experiment.training_mode import is_training, mode, next_key
 
 __all__ = [
     "EqxModel",
@@ -45,72 +44,6 @@ _ACCEPTED = (
     "an equinox.Module, optionally followed by its eqx.nn.State; "
     "or a plain (apply_fn, params, state) triple"
 )
-
-
-# --------------------------------------------------------------------------- mode
-
-
-@dataclasses.dataclass
-class _Mode:
-    train: bool
-    rng: jax.Array | None
-    calls: int = 0  # apply() calls so far in this block; folded into each call's key
-
-
-_local = threading.local()
-
-
-def _current() -> _Mode | None:
-    return getattr(_local, "mode", None)
-
-
-@contextlib.contextmanager
-def mode(*, train: bool, rng: jax.Array | None = None) -> Iterator[None]:
-    """Set train/eval mode and the dropout key for `apply` calls in this thread.
-
-    Blocks nest; leaving one restores the enclosing mode. The per-call key counter
-    starts afresh on entry, so tracing the same step twice yields the same keys.
-
-    Example:
-        >>> with mode(train=True, rng=jax.random.key(0)):
-        ...     outputs, state = jn.apply(model, params, state, x)  # dropout active
-    """
-    if not isinstance(train, bool):
-        # A traced or array flag cannot choose a Python code path at trace time.
-        raise ConfigError(
-            f"mode(train=...) needs a Python bool, got {type(train).__name__}. "
-            "Pass train=True or train=False."
-        )
-    previous = _current()
-    _local.mode = _Mode(train, rng)
-    try:
-        yield
-    finally:
-        _local.mode = previous
-
-
-def is_training() -> bool:
-    """Return whether the current thread is inside `mode(train=True)`.
-
-    Example:
-        >>> with mode(train=True):
-        ...     is_training()
-        True
-    """
-    current = _current()
-    return current is not None and current.train
-
-
-def _next_key() -> jax.Array | None:
-    """Return a fresh key for one `apply` call, or None when the mode has no rng."""
-    current = _current()
-    if current is None or current.rng is None:
-        return None
-    # Two applications of one model in a step (e.g. two augmented views) must not
-    # share a dropout mask, so every call gets its own key.
-    key = jax.random.fold_in(current.rng, current.calls)
-    current.calls += 1
-    return key
 
 
 # ------------------------------------------------------------------ model wrappers
@@ -174,6 +107,20 @@ def split_model(module: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
     `params` are the trainable arrays, `state` the non-trainable ones (batch
     statistics, RNG counters; `{}`/`None` when there are none), and `model` a
     hashable object that `apply` and `structure_key` understand.
+
+    Args:
+        module: an initialized `flax.nnx.Module`; a `flax.linen.Module`; an `equinox.Module`;
+            or a plain `(apply_fn, params, state)` triple (returned as it is).
+        *args: for Linen, the init rng and example inputs; for Equinox, optionally its
+            `eqx.nn.State`. Nothing for the others.
+        **kwargs: for Linen, keyword arguments of `init`.
+
+    Returns:
+        `(model, params, state)`.
+
+    Raises:
+        ConfigError: `module` is none of the kinds above, or takes no extra arguments and got
+            some.
 
     Example:
         >>> model, params, state = jn.split_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
@@ -281,13 +228,30 @@ def apply(
     (`method="generator"`) or a function `(module, *inputs) -> outputs` — how one model with
     several parts (a GAN's generator and discriminator) is run part by part.
 
+    Args:
+        model: the first value `jn.split_model` returned (or a plain
+            `apply_fn(params, state, *inputs)`).
+        params: the trainable arrays (`split_model`'s second value, or as updated).
+        state: the non-trainable arrays (batch statistics, RNG counters).
+        *inputs: the model call's positional inputs.
+        method: a method name or a function `(module, *inputs) -> outputs`; None: the model.
+        **kwargs: keyword arguments of the model call.
+
+    Returns:
+        `(outputs, new_state)`: what the model returned, and its state after the call (the
+        same `state` in inference mode).
+
+    Raises:
+        ConfigError: `model` is not a split model or a callable, or `method` is given for a
+            plain function.
+
     Example:
         >>> model, params, state = jn.split_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
         >>> outputs, state = jn.apply(model, params, state, jnp.ones((4, 3)))
         >>> outputs.shape
         (4, 2)
     """
-    training, key = is_training(), _next_key()
+    training, key = is_training(), next_key()
     if isinstance(model, NNXModel):
         return _apply_nnx(model, params, state, training, inputs, kwargs, method)
     if isinstance(model, LinenModel):

@@ -42,6 +42,14 @@ def load_bundle(
         allow_incompatible_jaxlib: load even if this jaxlib is outside jax.export's
             compatibility window for the bundle (it may then fail, or compute wrongly).
 
+    Returns:
+        A `jn.Bundle`: call it with the inputs (positional, or by name) for the outputs;
+        `inputs`, `outputs` and `name` describe it.
+
+    Raises:
+        BundleError: a file is missing, altered (checksum) or unreadable, or the bundle
+            was exported by a jaxlib outside this one's compatibility window.
+
     Example:
         >>> bundle = jn.load_bundle("bundles/mnist")
         >>> probs = bundle(images)                # or bundle(img=images)

@@ -83,22 +83,21 @@ def export_model(
     Returns:
         The bundle directory.
 
+    Raises:
+        ExportError: the destination holds something else than a bundle, the program
+            calls back into Python or an unstable custom call, or the fresh process does
+            not reproduce `jn.predict`.
+        ConfigError: `n` is a population (export `jn.member(n, i)`), or `weights` is not
+            available.
+
     Example:
         >>> path = jn.export_model(n, "bundles/mnist")
         >>> jn.load_bundle(path)(x_test[:3]).shape
         (3, 10)
     """
-    population.refuse(n, "jn.export_model")
-    ema.pick(n, weights)  # a bad or unavailable choice fails before anything is written
     root = Path(dir)
     where = root.absolute()
-    if n.step == 0 and n.spec.weights_path is None:
-        warn_user(
-            f"export_model: {n.spec.cls.__name__} has taken no optimizer step, so the bundle "
-            f"holds its initial weights. Train first (jn.train(n)), or load trained weights "
-            f"with jn.Nitro(exp, checkpoint='runs/...').",
-        )
-    _check_destination(where)  # before anything is traced: fail fast
+    _check_exportable(n, weights, where)  # before anything is traced: fail fast
     platforms = _platforms(platforms)
     name = _name(name, n.spec.cls)
     check_stale(n.spec, n.programs)
@@ -106,20 +105,51 @@ def export_model(
     steps = 2 + (compat.platform() in platforms)
     with n.display.bar(f"exporting {name}", steps, lines=True) as advance:
         with n.programs.on_compile("export", name):
-            allow = (
-                (allow_custom_calls,) if isinstance(allow_custom_calls, str) else allow_custom_calls
-            )
-            manifest, files, wire = _build(n, name, platforms, tuple(allow), weights)
+            manifest, files, wire = _build(n, name, platforms, _names(allow_custom_calls), weights)
         advance(1, f"lowered for {', '.join(platforms)}")
-        staging = where.parent / f".{where.name}.tmp-{uuid.uuid4().hex[:8]}"
-        staging.mkdir(parents=True)
-        try:
-            _write_checked(n, staging, manifest, files, wire, platforms, weights, advance)
-            _publish(staging, where)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        _write_staged(n, where, manifest, files, wire, platforms, weights, advance)
     return root
+
+
+def _write_staged(
+    n: Nitro,
+    where: Path,
+    manifest: dict,
+    files: dict,
+    wire,
+    platforms,
+    weights: str | None,
+    advance: Callable[..., None],
+) -> None:
+    """Write and check the bundle in a staging directory beside ``where``, then move it
+    into place; a failure (Ctrl-C included) leaves nothing behind."""
+    staging = where.parent / f".{where.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    try:
+        _write_checked(n, staging, manifest, files, wire, platforms, weights, advance)
+        _publish(staging, where)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _names(names: str | Sequence[str]) -> tuple[str, ...]:
+    """One name or several, as a tuple (a bare string is one name, not its letters)."""
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
+def _check_exportable(n: Nitro, weights: str | None, where: Path) -> None:
+    """Raise before anything is written for what cannot be exported (a population, a weights
+    choice not available, a destination not writable); warn for untrained weights."""
+    population.refuse(n, "jn.export_model")
+    ema.pick(n, weights)  # a bad or unavailable choice fails before anything is written
+    if n.step == 0 and n.spec.weights_path is None:
+        warn_user(
+            f"export_model: {n.spec.cls.__name__} has taken no optimizer step, so the bundle "
+            f"holds its initial weights. Train first (jn.train(n)), or load trained weights "
+            f"with jn.Nitro(exp, checkpoint='runs/...').",
+        )
+    _check_destination(where)
 
 
 def _write_checked(

@@ -29,6 +29,16 @@ if TYPE_CHECKING:
 def compile(n: Nitro) -> dict:  # noqa: A001 - the public name
     """Compile (or fetch from the cache) every program the run will use; no training.
 
+    Args:
+        n: the run (`jn.Nitro`).
+
+    Returns:
+        The programs planned for the run, by kind (``"train"``, ``"eval"``, ...).
+
+    Raises:
+        MemoryPlanError: the programs would not fit in the device's memory (the message holds
+            the table and what to change).
+
     Example:
         >>> sorted(jn.compile(n))
         ['eval', 'train']
@@ -40,6 +50,12 @@ def compile(n: Nitro) -> dict:  # noqa: A001 - the public name
 def compile_report(n: Nitro) -> report.CompileReport:
     """One record per program this Nitro compiled: seconds, op counts, constants, memory.
 
+    Args:
+        n: the run (`jn.Nitro`).
+
+    Returns:
+        A `CompileReport`: a list of records that prints as a table (HTML in a notebook).
+
     Example:
         >>> [r.kind for r in jn.compile_report(n)]
         ['train', 'eval']
@@ -49,6 +65,13 @@ def compile_report(n: Nitro) -> report.CompileReport:
 
 def explain(n: Nitro) -> list[dict]:
     """Why each program this Nitro compiled differs from the closest one compiled before.
+
+    Args:
+        n: the run (`jn.Nitro`).
+
+    Returns:
+        One dict per recompiled program: ``kind``, ``label`` and ``reasons`` (sentences in
+        the experiment's terms); programs compiled for the first time are left out.
 
     Example:
         >>> jn.explain(n)
@@ -63,6 +86,15 @@ def explain(n: Nitro) -> list[dict]:
 
 def memory_plan(n: Nitro, *, prefetch_depth: int = 2) -> memory.MemoryPlan:
     """Where the bytes go, from the compiled programs' memory analysis, against capacity.
+
+    Args:
+        n: the run (`jn.Nitro`); its programs are compiled if they are not yet.
+        prefetch_depth: how many batches ahead the prefetch thread puts on the device (each
+            is counted).
+
+    Returns:
+        A `MemoryPlan`: the bytes per part (weights, optimizer state, activations, batches,
+        ...), the capacity and whether it fits; `.table()` formats it.
 
     Example:
         >>> print(jn.memory_plan(n).table())
@@ -144,6 +176,14 @@ def inspect(n: Nitro, *, show: bool = True) -> Inspection:
     Shows it once: printed, or in a notebook displayed as HTML; the returned report, shown
     again (`print(jn.inspect(n))`, or as a cell's value), is only a one-line note;
     `show=False` returns it unshown, its `str()` the whole text and HTML in a notebook.
+
+    Args:
+        n: the run (`jn.Nitro`); its programs are compiled if they are not yet.
+        show: print (or display) the report now.
+
+    Returns:
+        An `Inspection`, one attribute per section (``binding``, ``groups``,
+        ``compile_report``, ``memory``, ``sharding``); `.text()` is the whole report.
 
     Example:
         >>> report = jn.inspect(n, show=False)

@@ -70,6 +70,13 @@ def plot(
         x: "step" (optimizer steps) or "epoch" (train values averaged per epoch).
         display: shows a bar while the logs are read (`jaxnitro plot` passes one).
 
+    Returns:
+        A `Figure`: the PNG's `Path`, shown as the image in a notebook.
+
+    Raises:
+        ConfigError: no runs given, a run without a log, or `x` is neither "step" nor
+            "epoch".
+
     Example:
         >>> jn.plot(["runs/a", "runs/b"], metrics="loss,acc", out="curves.png")
         PosixPath('curves.png')

@@ -39,7 +39,21 @@ def render(
     n: Nitro, split: str = "val", batches: int = 1, out_dir=None, *, max_samples: int = _SAMPLES
 ) -> list[Path]:
     """Write one PNG per sample of the first `batches` batches of `split`, drawn by the
-    experiment's `visualize(self, outputs, **batch)` hook; returns the paths.
+    experiment's `visualize(self, outputs, **batch)` hook.
+
+    Args:
+        n: the run (`jn.Nitro`).
+        split: the split whose batches are drawn.
+        batches: how many of its batches.
+        out_dir: where the PNGs go; None: `<run_dir>/viz`.
+        max_samples: at most this many samples per batch.
+
+    Returns:
+        The paths of the PNGs written, also sent to the run's loggers.
+
+    Raises:
+        HookError: the experiment has no `visualize` hook.
+        ConfigError: the data has no such split, or `n` is a population.
 
     Example:
         >>> paths = jn.render(n, split="val", batches=1)

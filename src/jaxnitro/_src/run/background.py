@@ -176,6 +176,15 @@ def start(n: Nitro) -> RunHandle:
     Ctrl-C and SIGTERM keep their meaning only for a foreground `jn.train`: a background run
     installs no handlers (stop it with `handle.stop()`).
 
+    Args:
+        n: the run (`jn.Nitro`) to train, as `jn.train(n)` would.
+
+    Returns:
+        A `jn.RunHandle`: its status, `wait()` for the `TrainResult`, `stop()`.
+
+    Raises:
+        ConfigError: `n` is already training in the background.
+
     Example:
         >>> h = jn.start(jn.Nitro(MnistMLP()))
         >>> result = h.wait()
@@ -238,6 +247,10 @@ class RunTable(list):
 
 def runs() -> RunTable:
     """This process's background runs (`jn.start`), oldest first.
+
+    Returns:
+        A `RunTable`: a list of `jn.RunHandle` that prints as a table (phase, epoch, step,
+        speed, latest metrics).
 
     Example:
         >>> jn.runs()

@@ -23,6 +23,17 @@ if TYPE_CHECKING:
 def set_device(n: Nitro, **values: Any) -> None:
     """Change Device fields of a live handle; no recompile.
 
+    Args:
+        n: the run (`jn.Nitro`), idle or training in the background.
+        **values: new values by field name, e.g. ``smoothing=0.1``.
+
+    Returns:
+        None; the next step uses the new values, and `n.experiment` holds them.
+
+    Raises:
+        ConfigError: a name is not a Device field, or a value does not fit its field (shape,
+            dtype).
+
     Example:
         >>> jn.set_device(n, smoothing=0.1)
     """
@@ -89,6 +100,16 @@ def checked_device(n: Nitro, values: dict) -> dict:
 def device_value(n: Nitro, name: str) -> Any:
     """The current host value of a Device field.
 
+    Args:
+        n: the run (`jn.Nitro`).
+        name: the Device field's name.
+
+    Returns:
+        A Python scalar for a scalar field, else a numpy array.
+
+    Raises:
+        ConfigError: `name` is not a Device field of the experiment (close names suggested).
+
     Example:
         >>> jn.device_value(n, "smoothing")
         0.1
@@ -106,6 +127,13 @@ def device_value(n: Nitro, name: str) -> Any:
 def request_stop(n: Nitro) -> None:
     """Ask a running `train` to stop after the current step (validates and checkpoints).
 
+    Args:
+        n: the run (`jn.Nitro`) being trained, in this thread (from a callback) or another.
+
+    Returns:
+        None; `jn.train` returns at the next step boundary with the stop reason
+        ``"requested"``.
+
     Example:
         >>> jn.every(500, lambda record: jn.request_stop(n), nitro=n)
     """
@@ -115,6 +143,12 @@ def request_stop(n: Nitro) -> None:
 def history(n: Nitro) -> History:
     """A row per validation (epoch, step, val metrics; at an epoch's end also train_loss),
     best row by the checkpointer's metric.
+
+    Args:
+        n: the run (`jn.Nitro`).
+
+    Returns:
+        A `History`: `.rows` in order, `.best` (the best row by the checkpointer's metric).
 
     Example:
         >>> jn.history(n).best["acc"]

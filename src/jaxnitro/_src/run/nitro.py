@@ -330,6 +330,16 @@ def member(n: Nitro, i: int) -> Nitro:
     The handle reads the run's data and writes nothing of its own (no logger, no
     checkpointer); its run dir is `<run_dir>/members/<i>`.
 
+    Args:
+        n: a population run (`jn.Nitro(exp, population=...)`).
+        i: the member's index, 0 ... population size - 1.
+
+    Returns:
+        A `jn.Nitro` of one model, member `i`'s.
+
+    Raises:
+        ConfigError: `n` is not a population, or `i` is out of range.
+
     Example:
         >>> result = jn.train(jn.Nitro(exp, population=8))
         >>> best = jn.member(n, result.members[0]["member"])

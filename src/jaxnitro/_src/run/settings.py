@@ -38,9 +38,6 @@ class Settings:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Settings are frozen")
 
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self._values)
-
 
 def settings(exp: Experiment, given: Mapping[str, Any]) -> Settings:
     """Validate the keywords of `jn.Nitro(exp, **given)` against the experiment's fields."""

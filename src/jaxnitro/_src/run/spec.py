@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from jaxnitro._src.dist.sharding.rules import Sharding
     from jaxnitro._src.experiment.hooks import Route
     from jaxnitro._src.experiment.remat import RematPlan
-    from jaxnitro._src.optim.groups import Optimizer, Schedules
+    from jaxnitro._src.optim.groups import Optimizer
     from jaxnitro._src.optim.hyper import HyperLayout
+    from jaxnitro._src.optim.schedules import Schedules
     from jaxnitro._src.run.setup.data import Dist
     from jaxnitro._src.steps.ema import Ema
     from jaxnitro._src.steps.population import Population

@@ -15,7 +15,7 @@ from jaxnitro._src.serve.batcher import MAX_QUEUE_SIZE
 from jaxnitro._src.serve.body import MAX_BODY_BYTES, READ_TIMEOUT_S
 
 # the defaults of serve(), repeated so that --help needs neither uvicorn nor grpcio:
-# tests/test_serve.py checks they agree
+# tests/unit/serve/test_serve_limits.py checks they agree
 HEADER_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 1000
 DRAIN_TIMEOUT_S = 30.0
@@ -167,27 +167,9 @@ METRICS_PORT = 8002
 def serve_command(
     dirs: tuple[Path, ...],
     model_repository: Path | None,
-    model_control_mode: str,
-    repository_poll_secs: float,
-    load_model: tuple[str, ...],
-    version_policy: str | None,
-    model_load_timeout: float,
-    host: str,
-    port: int,
-    grpc_port: int,
     no_grpc: bool,
-    metrics_port: int,
     no_metrics_port: bool,
-    max_batch_size: int | None,
-    max_batch_delay_ms: float,
-    max_body_bytes: int,
-    max_queue_size: int,
-    max_inflight_bytes: int | None,
-    body_timeout: float,
-    header_timeout: float,
-    max_connections: int,
-    drain_timeout: float,
-    log_requests: bool,
+    **options: Any,
 ) -> None:
     """Serve exported bundles over the Open Inference Protocol (KServe V2).
 
@@ -210,35 +192,37 @@ def serve_command(
         )
     from jaxnitro._src.serve.server import serve  # starlette, uvicorn, grpcio: only when serving
 
-    repository: dict[str, Any] = {}
+    cut = serve(list(dirs), **_serve_options(model_repository, no_grpc, no_metrics_port, options))
+    _exit(EXIT_CUT if cut else 0)
+
+
+#: The options that apply to a model repository only: passed on only with one.
+REPOSITORY_OPTIONS = (
+    "model_control_mode",
+    "repository_poll_secs",
+    "load_model",
+    "version_policy",
+    "model_load_timeout",
+)
+
+
+def _serve_options(
+    model_repository: Path | None, no_grpc: bool, no_metrics_port: bool, options: dict[str, Any]
+) -> dict[str, Any]:
+    """The keywords of `serve` from the command line's options."""
+    given = dict(options)
+    repository = {name: given.pop(name) for name in REPOSITORY_OPTIONS}
     if model_repository is not None:
-        repository = dict(
-            model_repository=model_repository,
-            model_control_mode=model_control_mode,
-            repository_poll_secs=repository_poll_secs,
-            load_model=load_model,
-            version_policy=version_policy,
-            model_load_timeout=model_load_timeout,
-        )
-    cut = serve(
-        list(dirs),
-        **repository,
-        host=host,
-        port=port,
-        grpc_port=None if no_grpc else grpc_port,
-        metrics_port=None if no_metrics_port else metrics_port,
-        max_batch_size=max_batch_size,
-        max_batch_delay_ms=max_batch_delay_ms,
-        max_body_bytes=max_body_bytes,
-        max_queue_size=max_queue_size,
-        max_inflight_bytes=max_inflight_bytes,
-        body_timeout=body_timeout,
-        header_timeout=header_timeout,
-        max_connections=max_connections,
-        drain_timeout=drain_timeout,
-        log_requests=log_requests,
-    )
-    code = EXIT_CUT if cut else 0
+        given.update(model_repository=model_repository, **repository)
+    if no_grpc:
+        given["grpc_port"] = None
+    if no_metrics_port:
+        given["metrics_port"] = None
+    return given
+
+
+def _exit(code: int) -> None:
+    """Return (exit 0) or raise SystemExit(code); without waiting for a hung model thread."""
     # a model worker still running now is a load or warm-up left behind (hung): exiting
     # normally would wait for it forever (the interpreter joins executor threads at exit)
     left = [

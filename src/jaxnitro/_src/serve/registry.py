@@ -21,7 +21,7 @@ from jaxnitro._src.core.errors import ConfigError, did_you_mean
 from jaxnitro._src.export import load_bundle
 from jaxnitro._src.serve import tensors
 from jaxnitro._src.serve.codec import InferRequest, TensorIn
-from jaxnitro._src.serve.errors import InvalidRequest, NotFound, Unavailable
+from jaxnitro._src.serve.errors import InvalidRequest, NotFound
 from jaxnitro._src.serve.stats import ModelStats
 
 #: The largest batch one compiled program takes when dynamic batching is off (the bundle's
@@ -121,13 +121,6 @@ class ServedModel:
         if self.repository_version is not None or self.version == "1":
             return (self.version,)
         return ("1", self.version)
-
-    def check_version(self, version: str | None) -> None:
-        if version and version not in self.versions:
-            raise NotFound(
-                f"model {self.name!r} has no version {version!r}; this server has "
-                f"{list(self.versions)} (or leave the version out)."
-            )
 
     def metadata(self) -> dict:
         return {
@@ -390,12 +383,6 @@ class Registry:
             return model
         ready = [m for m in versions.values() if m.ready]
         return max(ready or versions.values(), key=lambda m: _order(m.version))
-
-    def get_ready(self, name: str, version: str | None = None) -> ServedModel:
-        model = self.get(name, version)
-        if not model.ready:
-            raise Unavailable(f"model {name!r} is loading or warming up; retry shortly.")
-        return model
 
     def acquire(self, name: str, version: str | None = None) -> ServedModel:
         """`get`, and hold the version until `release`: it is not unloaded meanwhile."""

@@ -34,7 +34,7 @@ import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jaxnitro._src.core.errors import ConfigError, did_you_mean
 from jaxnitro._src.serve.errors import InvalidRequest, NotFound
@@ -46,6 +46,9 @@ from jaxnitro._src.serve.modelconfig import (
     read_config,
     select,
 )
+
+if TYPE_CHECKING:
+    from jaxnitro._src.serve.registry import ServedModel
 
 log = logging.getLogger("jaxnitro.serve")
 
@@ -362,20 +365,8 @@ class Repository:
             return
         policy = settings.get("version_policy", self.policy)
         loaded = {int(v): m for v, m in self.runtime.registry.table.get(name, {}).items()}
-        for version, model in list(loaded.items()):
-            if (
-                versions
-                and model.settings is not None
-                and _batching(model.settings) != _batching(settings)
-            ):
-                # its config.pbtxt (or a load's config) changed: it loads again with it
-                log.info(
-                    "model %s version %s: its configuration changed; loading it again",
-                    quoted(name),
-                    version,
-                )
-                del loaded[version]
-                await self.runtime.retire(model)
+        if versions:
+            await self._retire_reconfigured(name, loaded, settings)
         broken: set[int] = set()
         while True:
             serve = select([v for v in versions or {} if v not in broken], policy)
@@ -393,6 +384,33 @@ class Repository:
             if not failed:
                 break
             broken.update(failed)
+        await self._unload_unserved(name, versions, serve, loaded)
+
+    async def _retire_reconfigured(
+        self, name: str, loaded: dict[int, ServedModel], settings: dict
+    ) -> None:
+        """Retire (and drop from ``loaded``) the versions whose batching settings changed."""
+        for version, model in list(loaded.items()):
+            if model.settings is not None and _batching(model.settings) != _batching(settings):
+                # its config.pbtxt (or a load's config) changed: it loads again with it
+                log.info(
+                    "model %s version %s: its configuration changed; loading it again",
+                    quoted(name),
+                    version,
+                )
+                del loaded[version]
+                await self.runtime.retire(model)
+
+    async def _unload_unserved(
+        self,
+        name: str,
+        versions: dict[int, Path] | None,
+        serve: list[int],
+        loaded: dict[int, ServedModel],
+    ) -> None:
+        """Unload the ``loaded`` versions the policy no longer serves, once a served one is
+        ready (or at once when their files are gone), and drop from the index the versions
+        neither on disk nor loaded."""
         now = self.runtime.registry.table.get(name, {})
         some_ready = any(int(v) in serve and m.ready for v, m in now.items())
         for version, model in list(loaded.items()):

@@ -31,6 +31,7 @@ from jaxnitro._src.serve import body, codec
 from jaxnitro._src.serve.errors import InvalidRequest, PayloadTooLarge, ServeError
 from jaxnitro._src.serve.metrics import CONTENT_TYPE
 from jaxnitro._src.serve.modelconfig import repository_parameters
+from jaxnitro._src.serve.registry import Prepared, ServedModel
 from jaxnitro._src.serve.repository import quoted
 from jaxnitro._src.serve.runtime import OFFLOAD_BYTES, Runtime, server_metadata
 
@@ -234,30 +235,13 @@ class _Api:
                 timeout=runtime.body_timeout,
                 share=share,
             )
-            header_length = request.headers.get(codec.HEADER_LENGTH)
-            served = model
-
-            def decode():
-                parsed = codec.parse_request(data, header_length)
-                return parsed, served.prepare(parsed)
-
             decoding = time.perf_counter()
-            if len(data) < OFFLOAD_BYTES:
-                parsed, prepared = decode()
-            else:
-                parsed, prepared = await asyncio.to_thread(decode)
+            parsed, prepared = await _decoded(model, data, request.headers.get(codec.HEADER_LENGTH))
             input_s = time.perf_counter() - decoding
             rows = prepared.rows
             outputs = await runtime.run(model, prepared)
             encoding = time.perf_counter()
-            content, headers = codec.encode_response(
-                model=model.name,
-                version=model.version,
-                request=parsed,
-                outputs=outputs,
-                binary=codec.binary_choice(parsed, list(outputs), model_dtypes(model)),
-            )
-            response = _compressed(content, headers, request.headers.get("accept-encoding"))
+            response = _encoded(model, parsed, outputs, request.headers.get("accept-encoding"))
             output_s = time.perf_counter() - encoding
         except ServeError as e:
             response = error_response(e)
@@ -280,6 +264,35 @@ class _Api:
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.runtime.render_metrics(), media_type=CONTENT_TYPE)
+
+
+async def _decoded(
+    model: ServedModel, data: bytes, header_length: str | None
+) -> tuple[codec.InferRequest, Prepared]:
+    """The parsed request and the model's prepared inputs; a large body is decoded in a
+    thread, so it does not stall the event loop."""
+
+    def decode() -> tuple[codec.InferRequest, Prepared]:
+        parsed = codec.parse_request(data, header_length)
+        return parsed, model.prepare(parsed)
+
+    if len(data) < OFFLOAD_BYTES:
+        return decode()
+    return await asyncio.to_thread(decode)
+
+
+def _encoded(
+    model: ServedModel, parsed: codec.InferRequest, outputs: dict, accept_encoding: str | None
+) -> Response:
+    """The response to ``parsed``: its outputs, binary where asked, compressed where accepted."""
+    content, headers = codec.encode_response(
+        model=model.name,
+        version=model.version,
+        request=parsed,
+        outputs=outputs,
+        binary=codec.binary_choice(parsed, list(outputs), model_dtypes(model)),
+    )
+    return _compressed(content, headers, accept_encoding)
 
 
 def _version(request: Request) -> str | None:

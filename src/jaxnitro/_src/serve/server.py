@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import math
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 try:
@@ -39,7 +38,12 @@ except ImportError as e:  # pragma: no cover - the `serve` extra is missing
     ) from e
 
 from jaxnitro._src.core.errors import ConfigError, check_int
-from jaxnitro._src.export import load_bundle
+from jaxnitro._src.serve.assembly import (
+    REPOSITORY_POLL_SECS,
+    Sources,
+    build_runtime,
+    check_seconds,
+)
 from jaxnitro._src.serve.batcher import MAX_QUEUE_SIZE
 from jaxnitro._src.serve.body import MAX_BODY_BYTES, READ_TIMEOUT_S
 from jaxnitro._src.serve.connections import (
@@ -49,17 +53,8 @@ from jaxnitro._src.serve.connections import (
     ConnectionLimits,
     protocol_class,
 )
-from jaxnitro._src.serve.modelconfig import check_io, parse_policy
-from jaxnitro._src.serve.registry import (
-    DEFAULT_BUCKET_CAP,
-    Registry,
-    Servable,
-    ServedModel,
-    load_models,
-)
 from jaxnitro._src.serve.repository import (
     MODEL_LOAD_TIMEOUT_S,
-    Repository,
     describe,
     printable,
     quoted,
@@ -69,8 +64,6 @@ from jaxnitro._src.serve.runtime import Runtime
 
 #: Seconds the requests in progress get to finish after SIGTERM (REST and gRPC).
 DRAIN_TIMEOUT_S = 30.0
-#: Seconds between rescans of a model repository in ``poll`` mode.
-REPOSITORY_POLL_SECS = 15.0
 #: The exit status of `jaxnitro serve` when the drain timeout cut requests.
 EXIT_CUT = 3
 #: File descriptors kept for the server's own files, gRPC, and refused connections that
@@ -78,7 +71,6 @@ EXIT_CUT = 3
 _RESERVED_FDS = 64 + LINGER_MAX
 
 log = logging.getLogger("jaxnitro.serve")
-Sources = Sequence[str | os.PathLike | Servable] | str | os.PathLike
 
 
 def build_app(
@@ -121,7 +113,7 @@ def build_app(
         ...     client.get("/v2/models/mnistmlp").json()["inputs"]
         [{'name': 'img', 'datatype': 'UINT8', 'shape': [-1, 28, 28]}]
     """
-    runtime = _runtime(
+    runtime = build_runtime(
         dirs,
         max_batch_size=max_batch_size,
         max_batch_delay_ms=max_batch_delay_ms,
@@ -132,19 +124,20 @@ def build_app(
         log_requests=log_requests,
         **repository,
     )
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        runtime.start()
-        await _load(runtime)
-        try:
-            yield
-        finally:
-            await runtime.close()
-
-    app = create_app(runtime, lifespan=lifespan)
+    app = create_app(runtime, lifespan=functools.partial(_lifespan, runtime))
     app.state.runtime = runtime
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(runtime: Runtime, app: Any) -> AsyncIterator[None]:
+    """The app's life: batchers started and every model warmed up, then closed."""
+    runtime.start()
+    await _load(runtime)
+    try:
+        yield
+    finally:
+        await runtime.close()
 
 
 def serve(
@@ -214,23 +207,11 @@ def serve(
     Example:
         >>> jn.serve.serve(["bundles/mnist"], port=8000, grpc_port=8001, max_batch_size=32)
     """
-    for name, value in (("port", port), ("grpc_port", grpc_port), ("metrics_port", metrics_port)):
-        if value is not None and not (
-            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535
-        ):
-            raise ConfigError(f"{name} must be an int in [0, 65535], got {value!r}.")
-    ports = [("port", port), ("grpc_port", grpc_port), ("metrics_port", metrics_port)]
-    taken = [(k, v) for k, v in ports if v]
-    for i, (name, value) in enumerate(taken):
-        for other, same in taken[:i]:
-            if value == same:
-                raise ConfigError(
-                    f"{other} and {name} are both {value}; give each protocol its own port."
-                )
+    _check_ports(port=port, grpc_port=grpc_port, metrics_port=metrics_port)
     for name, seconds in (("header_timeout", header_timeout), ("drain_timeout", drain_timeout)):
-        _check_seconds(name, seconds)
+        check_seconds(name, seconds)
     check_int("max_connections", max_connections, fix="pass e.g. 1000")
-    runtime = _runtime(
+    runtime = build_runtime(
         dirs,
         max_batch_size=max_batch_size,
         max_batch_delay_ms=max_batch_delay_ms,
@@ -256,11 +237,20 @@ def serve(
         )
 
 
-def _check_seconds(name: str, seconds: Any) -> None:
-    if isinstance(seconds, bool) or not (
-        isinstance(seconds, (int, float)) and 0 < seconds < math.inf
-    ):
-        raise ConfigError(f"{name} must be a number of seconds > 0, got {seconds!r}; e.g. 10.")
+def _check_ports(**ports: int | None) -> None:
+    """Raise `ConfigError` for a port out of range, or one port given to two protocols."""
+    for name, value in ports.items():
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535
+        ):
+            raise ConfigError(f"{name} must be an int in [0, 65535], got {value!r}.")
+    taken = [(k, v) for k, v in ports.items() if v]
+    for i, (name, value) in enumerate(taken):
+        for other, same in taken[:i]:
+            if value == same:
+                raise ConfigError(
+                    f"{other} and {name} are both {value}; give each protocol its own port."
+                )
 
 
 def _loop_factory():
@@ -270,129 +260,6 @@ def _loop_factory():
     except ImportError:
         return None
     return uvloop.new_event_loop
-
-
-def _runtime(
-    dirs: Sources,
-    *,
-    max_batch_size: int | None,
-    max_batch_delay_ms: float,
-    max_body_bytes: int,
-    max_queue_size: int,
-    max_inflight_bytes: int | None,
-    body_timeout: float,
-    log_requests: bool,
-    model_repository: str | os.PathLike | None = None,
-    model_control_mode: str = "none",
-    repository_poll_secs: float = REPOSITORY_POLL_SECS,
-    load_model: Sequence[str] = (),
-    version_policy: str | dict | None = None,
-    model_load_timeout: float = MODEL_LOAD_TIMEOUT_S,
-) -> Runtime:
-    if max_batch_size is not None:
-        check_int("max_batch_size", max_batch_size, fix="pass e.g. 32, or None for no batching")
-    if isinstance(max_batch_delay_ms, bool) or not (
-        isinstance(max_batch_delay_ms, (int, float)) and 0 <= max_batch_delay_ms < math.inf
-    ):
-        raise ConfigError(
-            f"max_batch_delay_ms must be a number of milliseconds >= 0, got "
-            f"{max_batch_delay_ms!r}; e.g. 2.0."
-        )
-    check_int("max_body_bytes", max_body_bytes, fix="pass e.g. 64 << 20 (64 MiB)")
-    _check_seconds("body_timeout", body_timeout)
-    check_int("max_queue_size", max_queue_size, fix="pass e.g. 1024")
-    if max_inflight_bytes is not None:
-        check_int("max_inflight_bytes", max_inflight_bytes, fix="pass e.g. 256 << 20 (256 MiB)")
-        if max_inflight_bytes < max_body_bytes:
-            raise ConfigError(
-                f"max_inflight_bytes ({max_inflight_bytes}) is smaller than max_body_bytes "
-                f"({max_body_bytes}), so the largest request could never be answered; raise "
-                f"it to at least {max_body_bytes}, or leave it out (4 x max_body_bytes)."
-            )
-    _check_seconds("model_load_timeout", model_load_timeout)
-    if model_repository is None:
-        if load_model or model_control_mode != "none" or version_policy is not None:
-            raise ConfigError(
-                "load_model, model_control_mode and version_policy apply to a model "
-                "repository; add model_repository=DIR (--model-repository DIR)."
-            )
-        models = load_models(
-            dirs,
-            bucket_cap=max_batch_size,
-            max_tensor_bytes=max_body_bytes,
-            max_batch_delay_ms=float(max_batch_delay_ms),
-        )
-    elif isinstance(dirs, (str, os.PathLike)) or dirs:
-        raise ConfigError(
-            "serve takes bundle directories or a model repository, not both; put the bundles "
-            "in the repository as <model>/<version>/, or serve them without one."
-        )
-    else:
-        models = []
-    runtime = Runtime(
-        Registry(models),
-        max_batch_size=max_batch_size,
-        max_batch_delay_ms=float(max_batch_delay_ms),
-        max_body_bytes=max_body_bytes,
-        max_queue_size=max_queue_size,
-        max_inflight_bytes=max_inflight_bytes,
-        body_timeout=float(body_timeout),
-        log_requests=log_requests,
-    )
-    if model_repository is not None:
-        if isinstance(repository_poll_secs, bool) or not (
-            isinstance(repository_poll_secs, (int, float)) and 0 < repository_poll_secs < math.inf
-        ):
-            raise ConfigError(
-                f"repository_poll_secs must be a number of seconds > 0, got "
-                f"{repository_poll_secs!r}; e.g. 15."
-            )
-
-        def make_model(name: str, version: str, path: Path, settings: dict) -> ServedModel:
-            # the model's config.pbtxt (or a load request's config) over the server's flags
-            cap = settings.get("max_batch_size") or max_batch_size or DEFAULT_BUCKET_CAP
-            batching = settings.get("batching", max_batch_size is not None)
-            if "max_batch_size" in settings and "batching" not in settings:
-                batching = False  # Triton: without dynamic_batching, each request alone
-            model = ServedModel(
-                load_bundle(path, max_batch_size=cap),
-                name=name,
-                version=version,
-                bucket_cap=cap,
-                max_tensor_bytes=max_body_bytes,
-                batching=batching,
-                max_batch_delay_ms=settings.get("max_batch_delay_ms", float(max_batch_delay_ms)),
-                version_policy=settings["version_policy"],
-            )
-            model.configured = bool({"max_batch_size", "batching"} & set(settings))
-            model.settings = settings
-            where = f"model {name!r} version {version}"
-            odd = sorted(set(settings.get("preferred", ())) - set(model.bucket_sizes()))
-            if odd:
-                raise ConfigError(
-                    f"{where}: preferred_batch_size {odd} is not among the batch sizes this "
-                    f"server compiles ({model.bucket_sizes()}: powers of two up to "
-                    f"max_batch_size); leave it out or use those."
-                )
-            if "io" in settings:
-                check_io(model.config(), settings["io"], where=where)
-            return model
-
-        policy = None
-        if version_policy is not None:
-            policy = parse_policy(version_policy, where="--version-policy")
-        runtime.repository = Repository(
-            Path(model_repository),
-            runtime=runtime,
-            make_model=make_model,
-            mode=model_control_mode,
-            poll_secs=float(repository_poll_secs),
-            load=tuple(load_model),
-            policy=policy,
-            load_timeout=float(model_load_timeout),
-        )
-        runtime.starting = True
-    return runtime
 
 
 async def _load(runtime: Runtime) -> None:
@@ -448,6 +315,12 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # ours handle SIGTERM/SIGINT, and exit 0 afterwards
+        yield
+
+
 async def _serve(
     runtime: Runtime,
     host: str,
@@ -457,14 +330,8 @@ async def _serve(
     limits: ConnectionLimits,
     drain_timeout: float,
 ) -> int:
-    class _Uvicorn(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):  # ours handle SIGTERM/SIGINT, and exit 0 afterwards
-            yield
-
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    _handle_signals(loop, stop)
+    _handle_signals(asyncio.get_running_loop(), stop)
     sock = _bind(host, port)
     runtime.start()
     config = uvicorn.Config(
@@ -482,59 +349,19 @@ async def _serve(
     metrics_server: uvicorn.Server | None = None
     warm: asyncio.Task | None = None
     try:
-        while not http.started and not http_task.done():
-            await asyncio.sleep(0.01)
+        await _started(http, http_task)
         if http_task.done():
-            http_task.result()
             raise ConfigError(f"the REST server on {host}:{port} did not start.")
-        rest_port = sock.getsockname()[1]
-        grpc_bound = None
-        if grpc_port is not None:
-            try:
-                from jaxnitro._src.serve.grpc_service import start_grpc
-            except ImportError as e:
-                raise ConfigError(
-                    f"gRPC needs grpcio and protobuf ({e}); pip install 'jaxnitro[serve]', or "
-                    f"leave out grpc_port."
-                ) from e
-            try:
-                grpc_server, grpc_bound = await start_grpc(runtime, host, grpc_port)
-            except OSError as e:
-                raise ConfigError(
-                    f"{e}: is another server using port {grpc_port}? Choose another one with "
-                    f"--grpc-port (0 picks a free one), or turn gRPC off with --no-grpc."
-                ) from None
-        metrics_bound = None
-        if metrics_port is not None:
-            metrics_sock = _bind(host, metrics_port, flag="--metrics-port")
-            metrics_server = _Uvicorn(  # with the REST port's guards: it is as reachable
-                uvicorn.Config(
-                    create_metrics_app(runtime),
-                    http=protocol_class(limits),
-                    lifespan="off",
-                    log_level="warning",
-                )
-            )
-            metrics_task = asyncio.create_task(metrics_server.serve(sockets=[metrics_sock]))
-            while not metrics_server.started and not metrics_task.done():
-                await asyncio.sleep(0.01)
-            if metrics_task.done():
-                metrics_task.result()
-            metrics_bound = metrics_sock.getsockname()[1]
-        _banner(runtime, host, rest_port, grpc_bound, metrics_bound)
+        grpc_server, grpc_bound = await _start_grpc(runtime, host, grpc_port)
+        metrics_server, metrics_bound = await _start_metrics(runtime, host, metrics_port, limits)
+        _banner(runtime, host, sock.getsockname()[1], grpc_bound, metrics_bound)
         started = time.perf_counter()
         warm = asyncio.create_task(_load(runtime))
         waiting = {warm, http_task, asyncio.create_task(stop.wait())}
         done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if warm in done:
             warm.result()
-            loaded = "every model warmed up" if runtime.ready else "done loading (not ready)"
-            _say(f"ready: {loaded} in {time.perf_counter() - started:.1f}s")
-            for entry in runtime.index() if runtime.repository is not None else ():
-                version = f" version {entry['version']}" if entry["version"] else ""
-                state = "serving" if entry["state"] == "READY" else "not serving"
-                reason = f": {printable(entry['reason'])}" if entry.get("reason") else ""
-                _say(f"  {state} {quoted(entry['name'])}{version}{reason}")
+            _report_ready(runtime, time.perf_counter() - started)
             await asyncio.wait({http_task, *waiting - {warm}}, return_when="FIRST_COMPLETED")
     finally:
         if warm is not None and not warm.done():  # SIGTERM while loading: stop waiting
@@ -544,6 +371,64 @@ async def _serve(
         if metrics_server is not None:
             metrics_server.should_exit = True
     return cut
+
+
+async def _started(server: uvicorn.Server, task: asyncio.Task) -> None:
+    """Wait until ``server`` listens, or its ``task`` ended (then raise what ended it)."""
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if task.done():
+        task.result()
+
+
+async def _start_grpc(runtime: Runtime, host: str, port: int | None) -> tuple[Any, int | None]:
+    """The gRPC server on ``port`` and the port it bound; ``(None, None)`` for no gRPC."""
+    if port is None:
+        return None, None
+    try:
+        from jaxnitro._src.serve.grpc_service import start_grpc
+    except ImportError as e:
+        raise ConfigError(
+            f"gRPC needs grpcio and protobuf ({e}); pip install 'jaxnitro[serve]', or "
+            f"leave out grpc_port."
+        ) from e
+    try:
+        return await start_grpc(runtime, host, port)
+    except OSError as e:
+        raise ConfigError(
+            f"{e}: is another server using port {port}? Choose another one with "
+            f"--grpc-port (0 picks a free one), or turn gRPC off with --no-grpc."
+        ) from None
+
+
+async def _start_metrics(
+    runtime: Runtime, host: str, port: int | None, limits: ConnectionLimits
+) -> tuple[uvicorn.Server | None, int | None]:
+    """The ``/metrics`` server on ``port`` and the port it bound; ``(None, None)`` for none."""
+    if port is None:
+        return None, None
+    sock = _bind(host, port, flag="--metrics-port")
+    server = _Uvicorn(  # with the REST port's guards: it is as reachable
+        uvicorn.Config(
+            create_metrics_app(runtime),
+            http=protocol_class(limits),
+            lifespan="off",
+            log_level="warning",
+        )
+    )
+    await _started(server, asyncio.create_task(server.serve(sockets=[sock])))
+    return server, sock.getsockname()[1]
+
+
+def _report_ready(runtime: Runtime, seconds: float) -> None:
+    """The line saying the server is ready, and each repository model's state."""
+    loaded = "every model warmed up" if runtime.ready else "done loading (not ready)"
+    _say(f"ready: {loaded} in {seconds:.1f}s")
+    for entry in runtime.index() if runtime.repository is not None else ():
+        version = f" version {entry['version']}" if entry["version"] else ""
+        state = "serving" if entry["state"] == "READY" else "not serving"
+        reason = f": {printable(entry['reason'])}" if entry.get("reason") else ""
+        _say(f"  {state} {quoted(entry['name'])}{version}{reason}")
 
 
 async def _warm_up(runtime: Runtime) -> None:

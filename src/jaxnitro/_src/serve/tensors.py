@@ -137,25 +137,8 @@ def from_list(
             )
         may_hold_bools = data.may_hold_bools()
         data = data.parse()
-    if not isinstance(data, list):
-        raise InvalidRequest(
-            f"input {name!r}: 'data' must be a JSON list of {datatype} values, got "
-            f"{type(data).__name__}."
-        )
+    values = _shaped_values(name, data, datatype, shape)
     count = element_count(shape)
-    try:
-        values = np.asarray(data)
-    except (ValueError, TypeError):
-        raise InvalidRequest(
-            f"input {name!r}: 'data' is ragged; give it flat ({count} values) or nested as the "
-            f"shape {list(shape)}."
-        ) from None
-    if values.size != count or (values.ndim != 1 and values.shape != shape):
-        raise InvalidRequest(
-            f"input {name!r}: 'data' holds {values.size} values in shape {list(values.shape)}, "
-            f"but the declared shape {list(shape)} has {count}; give it flat or nested as "
-            f"the shape."
-        )
     if count and values.dtype.kind not in _JSON_KINDS[dtype.kind]:
         raise InvalidRequest(
             f"input {name!r}: {datatype} data must be "
@@ -177,6 +160,31 @@ def from_list(
                 f"[{info.min}, {info.max}]."
             )
     return values.astype(dtype).reshape(shape)
+
+
+def _shaped_values(name: str, data: Any, datatype: str | None, shape: tuple) -> np.ndarray:
+    """``data`` as an array, when it is a list of ``shape``'s count of values, flat or nested
+    as ``shape``; else `InvalidRequest` saying which."""
+    if not isinstance(data, list):
+        raise InvalidRequest(
+            f"input {name!r}: 'data' must be a JSON list of {datatype} values, got "
+            f"{type(data).__name__}."
+        )
+    count = element_count(shape)
+    try:
+        values = np.asarray(data)
+    except (ValueError, TypeError):
+        raise InvalidRequest(
+            f"input {name!r}: 'data' is ragged; give it flat ({count} values) or nested as the "
+            f"shape {list(shape)}."
+        ) from None
+    if values.size != count or (values.ndim != 1 and values.shape != shape):
+        raise InvalidRequest(
+            f"input {name!r}: 'data' holds {values.size} values in shape {list(values.shape)}, "
+            f"but the declared shape {list(shape)} has {count}; give it flat or nested as "
+            f"the shape."
+        )
+    return values
 
 
 def _check_size(name: str, datatype: str | None, dtype: np.dtype, shape: tuple, limit: int):

@@ -110,10 +110,15 @@ def group_grad(
             `(scalar, aux)`).
         params: the whole parameter tree, as train_step received it or after an update.
         group: the parameter group to differentiate (a key of `optimizers(self)`).
+        *args: further arguments of `fn` (a batch, a key), not differentiated.
         has_aux: `fn` returns `(value, aux)`; the result is then `((value, aux), grads)`.
 
     Returns:
         (value, grads), grads shaped like `params`.
+
+    Raises:
+        HookError: called outside an experiment's `train_step` hook, or `group` is not a
+            parameter group.
 
     Example:
         >>> d_loss, grads = jn.group_grad(disc_loss, params, "disc", x, z)
@@ -146,6 +151,10 @@ def optimizer_step(
 
     Returns:
         (params, opt_state) with the group's parameters and optimizer state updated.
+
+    Raises:
+        HookError: called outside an experiment's `train_step` hook, `group` is not a
+            parameter group, or `opt_state` is not the dict `train_step` received.
     """
     tools = _tools("optimizer_step", group)
     if not isinstance(opt_state, Mapping) or group not in opt_state:

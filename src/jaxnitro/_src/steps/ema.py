@@ -133,12 +133,6 @@ def init(ema: Ema, params: PyTree, state: PyTree, step: Any) -> dict:
     return {"decay": decay, **copied}
 
 
-def with_decay(tree: dict, ema: Ema) -> dict:
-    """`tree` with this run's decay (a resume or a loaded average keeps its own arrays)."""
-    d = tree["decay"]
-    return {**tree, "decay": jax.device_put(jnp.full(d.shape, ema.decay, jnp.float32), d.sharding)}
-
-
 def averaging(one: Any, ema: Ema) -> StepFn:
     """Wrap one optimizer step `(ts, batch, extras, hyper) -> (ts, out)` so it updates the
     average from the step's new params: built-in and custom steps alike. A skipped step

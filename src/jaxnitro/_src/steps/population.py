@@ -31,8 +31,9 @@ from jaxnitro._src.experiment.markers import DEVICE
 
 if TYPE_CHECKING:
     from jaxnitro._src.core.types import PyTree, Source
-    from jaxnitro._src.optim.groups import Optimizer, Schedules
+    from jaxnitro._src.optim.groups import Optimizer
     from jaxnitro._src.optim.hyper import HyperLayout
+    from jaxnitro._src.optim.schedules import Schedules
     from jaxnitro._src.run.nitro import Nitro
 
 

@@ -150,18 +150,23 @@ def train_step(
 ) -> tuple[TrainState, jax.Array, dict]:
     """One fused, compiled optimizer step: `(state, batch) -> (state, loss, aux)`.
 
-    `loss_fn(model, params, model_state, batch)` returns `loss`, `(loss, new_model_state)` or
-    `(loss, new_model_state, aux_dict)`. Inside it, `jn.apply` runs the model in training mode
-    with a fresh per-step RNG. The input state's buffers are donated: keep the returned state.
-    Batch arrays may be numpy or JAX arrays; numpy ones go to the device as the program starts.
+    The input state's buffers are donated: keep the returned state. A redefined `loss_fn`
+    (a cell run again, a reload, autoreload's new code) compiles anew, as does a change of
+    JAX's trace-time flags or of the environment; a module-level value, helper or closure
+    variable the *same* function reads is not re-checked on each call: after changing one,
+    re-run the cell that defines `loss_fn`, or call `jn.cache_reset()`.
 
-    A call is one lookup by the function object, model, optimizer and shapes, then the
-    dispatch. A redefined `loss_fn` (a notebook cell run again, `importlib.reload`) is a new
-    object, and a function whose code is replaced in place (IPython's autoreload) has new
-    code: either compiles anew, and so does a change of JAX's trace-time flags
-    (`jax_enable_x64`, ...) or of the environment. A module-level value, helper function or
-    closure variable the *same* function object reads is not re-checked on each call: after
-    changing one, re-run the cell that defines `loss_fn`, or call `jn.cache_reset()`.
+    Args:
+        loss_fn: `loss_fn(model, params, model_state, batch)` returning `loss`,
+            `(loss, new_model_state)` or `(loss, new_model_state, aux_dict)`; inside it,
+            `jn.apply` runs the model in training mode with a fresh per-step RNG.
+        state: the `jn.TrainState` (from `TrainState.create`, or the last call).
+        batch: a dict of numpy or JAX arrays, batch first (numpy ones go to the device as
+            the program starts).
+
+    Returns:
+        `(state, loss, aux)`: the updated state (step, params, optimizer and model state),
+        the loss, and `loss_fn`'s aux dict (``{}`` without one).
 
     Example:
         >>> def loss_fn(model, params, state, batch):

@@ -27,9 +27,38 @@ def save_checkpoint(
 ) -> float:
     """Checkpoint the run at its current step; returns the seconds training stalled for it.
     `requested`: the user asked for it (`handle.checkpoint()`): retention keeps it."""
-    spec, progress, ts = n.spec, n.progress, n.train_state
+    spec, ts = n.spec, n.train_state
     metrics = {k: v for k, v in row.items() if isinstance(v, float)}
-    meta = {
+    meta = _meta(n, stop_reason=stop_reason, validated=validated)
+    if requested:
+        meta["requested"] = True
+    trees = {"params": ts.params, "model_state": ts.state, "opt_state": ts.opt_state}
+    if ts.ema is not None and spec.ema is not None:  # the average (not its decay: a setting)
+        trees["ema"] = {k: v for k, v in ts.ema.items() if k != "decay"}
+        meta["weights"] = spec.ema.validates  # what `checkpoint=` loads by default
+    ck = n.checkpointer
+    t0 = time.perf_counter()
+    # A resume from this checkpoint replays only the steps after it: what a logger still holds
+    # (MLflow's batch, TensorBoard's file buffer) is written or sent first, or a kill after
+    # the checkpoint would lose it for good.
+    flush_logger(n.logger)
+    if not isinstance(ck, TopKCheckpointer) or stop_reason is not None or jax.process_count() > 1:
+        ck.save(epoch=row["epoch"], step=n.step, metrics=metrics, trees=trees, meta=meta)
+        return time.perf_counter() - t0
+    # A checkpoint during training is written in the background: training waits only for the
+    # copy to host memory (the stall, logged per checkpoint) and for the previous write.
+    path = ck.save(
+        epoch=row["epoch"], step=n.step, metrics=metrics, trees=trees, meta=meta, background=True
+    )
+    stall = time.perf_counter() - t0
+    n.logger.log_other({"checkpoint": path.name, "checkpoint_stall_s": stall})
+    return stall
+
+
+def _meta(n: Nitro, *, stop_reason: str | None, validated: bool) -> dict[str, Any]:
+    """The checkpoint's record of the run: where it is, what it trained with, its history."""
+    spec, progress = n.spec, n.progress
+    return {
         "run_id": spec.run_id,
         "validated": validated,
         "total_steps": spec.total_steps,
@@ -55,29 +84,6 @@ def save_checkpoint(
         ),
         "loggers": logger_state(n),
     }
-    if requested:
-        meta["requested"] = True
-    trees = {"params": ts.params, "model_state": ts.state, "opt_state": ts.opt_state}
-    if ts.ema is not None and spec.ema is not None:  # the average (not its decay: a setting)
-        trees["ema"] = {k: v for k, v in ts.ema.items() if k != "decay"}
-        meta["weights"] = spec.ema.validates  # what `checkpoint=` loads by default
-    ck = n.checkpointer
-    t0 = time.perf_counter()
-    # A resume from this checkpoint replays only the steps after it: what a logger still holds
-    # (MLflow's batch, TensorBoard's file buffer) is written or sent first, or a kill after
-    # the checkpoint would lose it for good.
-    flush_logger(n.logger)
-    if not isinstance(ck, TopKCheckpointer) or stop_reason is not None or jax.process_count() > 1:
-        ck.save(epoch=row["epoch"], step=n.step, metrics=metrics, trees=trees, meta=meta)
-        return time.perf_counter() - t0
-    # A checkpoint during training is written in the background: training waits only for the
-    # copy to host memory (the stall, logged per checkpoint) and for the previous write.
-    path = ck.save(
-        epoch=row["epoch"], step=n.step, metrics=metrics, trees=trees, meta=meta, background=True
-    )
-    stall = time.perf_counter() - t0
-    n.logger.log_other({"checkpoint": path.name, "checkpoint_stall_s": stall})
-    return stall
 
 
 def logger_state(n: Nitro) -> Any:

@@ -73,6 +73,19 @@ def train(n: Nitro) -> TrainResult:
     checkpoint, early-stopping check, stop check. Ctrl-C stops after the current step (twice
     aborts); SIGTERM checkpoints the current step and raises `jn.Preempted` (exit status 143).
 
+    Args:
+        n: the run (`jn.Nitro`); training resumes from where it stands.
+
+    Returns:
+        A `TrainResult`: the history, the best checkpoint and its metric, the stop reason,
+        steps per second, programs compiled and wall seconds.
+
+    Raises:
+        MemoryPlanError: the programs would not fit in the device's memory (before step 1).
+        NonFiniteLossError: the loss became NaN or inf (with `on_nonfinite="raise"`).
+        Preempted: SIGTERM arrived; the run was checkpointed and resumes with
+            `resume="auto"`.
+
     Example:
         >>> result = jn.train(jn.Nitro(MnistMLP()))
         >>> result.history.best["acc"]

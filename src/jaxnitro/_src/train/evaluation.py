@@ -16,8 +16,7 @@ import numpy as np
 
 from jaxnitro._src.compile.programs import check_stale, eval_program, eval_totals
 from jaxnitro._src.core.errors import ConfigError, DataError, did_you_mean
-from jaxnitro._src.data import feed
-from jaxnitro._src.data import loader as data_mod
+from jaxnitro._src.data import feed, prefetch
 from jaxnitro._src.observe.events.phases import set_phase
 from jaxnitro._src.steps import ema, population
 from jaxnitro._src.steps import metrics as metrics_mod
@@ -49,7 +48,7 @@ def run_eval(
     # (the average has the params' shapes and dtypes: the same eval program serves both)
     ts, extras = n.train_state.replace(params=params, state=model_state), n.device.extras
     batches, keys = feed.eval_batches(spec, split)
-    stream = data_mod.Prefetcher(batches, feed.eval_prepare(spec, split, bs, keys))
+    stream = prefetch.Prefetcher(batches, feed.eval_prepare(spec, split, bs, keys))
     totals = eval_totals(spec, ts, split, extras)
     progs: dict = {}
     loader = spec.splits[split]
@@ -130,6 +129,16 @@ def validation(n: Nitro) -> dict[str, Any]:
 def validate(n: Nitro, *, weights: str | None = None) -> dict[str, Any]:
     """Evaluate the 'val' split; returns {metric: value} (exact: totals divided once).
 
+    Args:
+        n: the run (`jn.Nitro`).
+        weights: as in `jn.evaluate`.
+
+    Returns:
+        {metric: value}, the experiment's metrics and the validation loss.
+
+    Raises:
+        DataError: the data has no 'val' split.
+
     Example:
         >>> jn.validate(n)
         {'acc': 0.91, 'val_loss': 0.31}
@@ -142,10 +151,17 @@ def evaluate(n: Nitro, split: str = "test", *, weights: str | None = None) -> di
     the run dir is free to write.
 
     Args:
-        n: the run.
+        n: the run (`jn.Nitro`).
         split: the split to evaluate.
         weights: with `Nitro(ema=...)`, "ema" (the averaged weights) or "raw" (the trained
             ones); None: those validation uses.
+
+    Returns:
+        {metric: value}: the experiment's metrics over the whole split (totals divided once).
+
+    Raises:
+        DataError: the data has no such split (close names suggested).
+        ConfigError: `weights` is not available (no `Nitro(ema=...)`, or an unknown choice).
 
     Example:
         >>> jn.evaluate(n, split="test")["acc"]

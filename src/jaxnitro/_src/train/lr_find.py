@@ -78,13 +78,26 @@ def lr_find(
     """Run the range test on a copy of the run's state; the handle is left untouched.
 
     Every parameter group keeps its ratio to the largest group rate; the largest follows the
-    exponential ramp. `diverge`: stop when the smoothed loss exceeds that many times its best.
+    exponential ramp.
+
+    Args:
+        n: the run (`jn.Nitro`), with a 'train' split.
+        min_lr: the first rate of the ramp.
+        max_lr: the last rate of the ramp.
+        steps: the steps of the ramp (>= 10).
+        smoothing: the loss's moving-average factor.
+        diverge: stop when the smoothed loss exceeds that many times its best.
 
     Returns:
         An `LRFindResult`: `rates` (one per step run), `losses` (each step's training
         loss), `smoothed` (their moving average), `suggestion` (a rate, or None),
         `stopped_early` (the loss diverged first) and `plot` (`run_dir/lr_find.png`, or
         None without matplotlib).
+
+    Raises:
+        ConfigError: the ramp is out of range, the experiment has its own `train_step`, or
+            `n` is a population.
+        DataError: the data has no 'train' split.
 
     Example:
         To use the suggestion, give the experiment a field its `learning_rate` hook returns:
@@ -100,6 +113,17 @@ def lr_find(
         (0.0031622776, True)
         >>> result = jn.train(jn.Nitro(Tuned(lr=found.suggestion)))
     """
+    _check_runnable(n, min_lr, max_lr, steps)
+    ramp = np.geomspace(min_lr, max_lr, steps)
+    rates, losses, smoothed, stopped = _ramp(n, ramp, smoothing=smoothing, diverge=diverge)
+    result = LRFindResult(
+        tuple(rates), tuple(losses), tuple(smoothed), _suggest(rates, smoothed), stopped, None
+    )
+    return dataclasses.replace(result, plot=_plot(n, result))
+
+
+def _check_runnable(n: Nitro, min_lr: Any, max_lr: Any, steps: Any) -> None:
+    """Raise for a run the range test cannot take, or a ramp out of range, before any step."""
     spec = n.spec
     population.refuse(n, "jn.lr_find")
     if "train_step" in spec.routes:
@@ -110,12 +134,25 @@ def lr_find(
         )
     _check(spec, min_lr, max_lr, steps)
     check_stale(spec, n.programs)
-    ramp = np.geomspace(min_lr, max_lr, steps)
+
+
+def _group_ratios(n: Nitro) -> dict[int, float]:
+    """Each learning-rate slot's rate over the largest: the ratio it keeps along the ramp."""
+    spec = n.spec
     lr_slots = spec.hyper.learning_rates()
     base = n.device.hyper_base
     assert not isinstance(base, tuple)  # one model's: a population was refused above
     top = max(float(base[spec.hyper.slots[i][1]]) for i, _ in lr_slots) or 1.0
-    ratio = {i: float(base[spec.hyper.slots[i][1]]) / top for i, _ in lr_slots}
+    return {i: float(base[spec.hyper.slots[i][1]]) / top for i, _ in lr_slots}
+
+
+def _ramp(
+    n: Nitro, ramp: np.ndarray, *, smoothing: float, diverge: float
+) -> tuple[list[float], list[float], list[float], bool]:
+    """One step per rate of ``ramp`` on a copy of the state: the rates run, their losses,
+    the smoothed losses, and whether the loss diverged before the ramp's end."""
+    spec, steps = n.spec, len(ramp)
+    ratio = _group_ratios(n)
     leaves = [jnp.copy(x) for x in n.state_leaves]  # the handle's buffers are never donated
     rates: list[float] = []
     losses: list[float] = []
@@ -143,10 +180,7 @@ def lr_find(
                 break
             if len(rates) == steps:
                 break
-    result = LRFindResult(
-        tuple(rates), tuple(losses), tuple(smoothed), _suggest(rates, smoothed), stopped, None
-    )
-    return dataclasses.replace(result, plot=_plot(n, result))
+    return rates, losses, smoothed, stopped
 
 
 def _check(spec: RunSpec, min_lr: Any, max_lr: Any, steps: Any) -> None:

@@ -15,8 +15,7 @@ import numpy as np
 
 from jaxnitro._src.compile.programs import check_stale, predict_program
 from jaxnitro._src.core.errors import DataError, closest
-from jaxnitro._src.data import feed
-from jaxnitro._src.data import loader as data_mod
+from jaxnitro._src.data import batches, feed
 from jaxnitro._src.steps import ema, population
 
 if TYPE_CHECKING:
@@ -31,8 +30,21 @@ def predict(n: Nitro, batch_or_loader: Any, *, weights: str | None = None) -> An
     """Run `forward` in inference mode; host outputs with any padding sliced away.
 
     A dict batch returns the outputs for it; a loader (any re-iterable of dict batches)
-    returns a lazy iterator of per-batch outputs. With `Nitro(ema=...)`, `weights="ema"` or
-    `"raw"` picks the averaged or the trained weights (None: those validation uses).
+    returns a lazy iterator of per-batch outputs.
+
+    Args:
+        n: the run (`jn.Nitro`).
+        batch_or_loader: a dict batch of arrays, or a re-iterable of them.
+        weights: with `Nitro(ema=...)`, "ema" (the averaged weights) or "raw" (the trained
+            ones); None: those validation uses.
+
+    Returns:
+        `forward`'s outputs as numpy arrays (for a loader: an iterator of them per batch).
+
+    Raises:
+        DataError: the input is a bare array rather than a dict batch, or a batch does not
+            fit the split `forward` was compiled for.
+        ConfigError: `n` is a population (use `jn.member`), or `weights` is not available.
 
     Example:
         >>> logits = jn.predict(n, {"x": x_test[:10]})
@@ -88,10 +100,10 @@ def _predict_batch(
 ) -> Any:
     spec = n.spec
     fields = _fields(n, batch)
-    size = data_mod.check_batch({f: batch[f] for f in fields}, "predict")
+    size = batches.check_batch({f: batch[f] for f in fields}, "predict")
     if "train" in spec.split_specs:
-        data_mod.check_same_specs(
-            data_mod.batch_specs({f: batch[f] for f in fields}, "predict"),
+        batches.check_same_specs(
+            batches.batch_specs({f: batch[f] for f in fields}, "predict"),
             spec.split_specs["train"].specs,
             "predict",
         )
@@ -110,7 +122,7 @@ def _predict_batch(
     rem = target % spec.n_devices
     if rem:
         target += spec.n_devices - rem
-    host = data_mod.pad_batch({f: np.asarray(batch[f]) for f in fields}, target)
+    host = batches.pad_batch({f: np.asarray(batch[f]) for f in fields}, target)
     dev = {f: feed.put(spec, host[f], spec.batch_sharding) for f in fields}
     params, model_state = ema.pick(n, weights)
     ts, extras = n.train_state.replace(params=params, state=model_state), n.device.extras

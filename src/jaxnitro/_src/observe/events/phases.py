@@ -18,10 +18,20 @@ def on_phase(fn: Callable, *, nitro=None) -> Callable[[], None]:
     """Call `fn(phase, step, epoch, info)` on each phase change (of one run, or of all runs).
 
     Phases: "Starting", "Compiling", "Training", "Evaluating", "Checkpointing", "Done",
-    "Failed". A monitor that raises is reported once and never stops the run. Returns
-    `remove()`, which unregisters it. Without `nitro` it watches every later run of the
-    process: registering a function defined at the same place again (a notebook cell run
-    again) replaces the earlier registration instead of adding a second.
+    "Failed". A monitor that raises is reported once and never stops the run. Without
+    `nitro` it watches every later run of the process: registering a function defined at
+    the same place again (a notebook cell run again) replaces the earlier registration
+    instead of adding a second.
+
+    Args:
+        fn: called as `fn(phase, step, epoch, info)`, `info` a dict of details.
+        nitro: only this run (`jn.Nitro`); None: every run of the process.
+
+    Returns:
+        `remove()`, which unregisters `fn`.
+
+    Raises:
+        ConfigError: `fn` is not callable.
 
     Example:
         >>> seen = []

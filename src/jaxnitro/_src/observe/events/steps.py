@@ -48,9 +48,20 @@ _global: list[tuple[int, Callable[[StepRecord], Any]]] = []
 def every(n_steps: int, fn: Callable[[StepRecord], Any], *, nitro=None) -> Callable[[], None]:
     """Call `fn(record)` every `n_steps` optimizer steps (of every run, or of one `nitro`).
 
-    Returns `remove()`, which unregisters it. Without `nitro` it watches every later run of
-    the process: registering a function defined at the same place again (a notebook cell
-    run again) replaces the earlier registration instead of adding a second.
+    Without `nitro` it watches every later run of the process: registering a function
+    defined at the same place again (a notebook cell run again) replaces the earlier
+    registration instead of adding a second.
+
+    Args:
+        n_steps: how many optimizer steps apart (>= 1).
+        fn: called with a `jn.StepRecord` (step, loss, learning rates, ...).
+        nitro: only this run (`jn.Nitro`); None: every run of the process.
+
+    Returns:
+        `remove()`, which unregisters `fn`.
+
+    Raises:
+        ConfigError: `n_steps` is not an int >= 1, or `fn` is not callable.
 
     Example:
         >>> remove = jn.every(100, lambda r: print(r.step, r.loss, r.learning_rates), nitro=n)

@@ -379,6 +379,13 @@ def read_jsonl(path: str | os.PathLike, *, dedupe: bool = False) -> list[dict]:
     Lines of other types (params, other, finish, the markers) are all kept, in place.
     Without markers (older logs), rule 2 alone applies.
 
+    Args:
+        path: the log, e.g. `runs/mnist/metrics.jsonl`.
+        dedupe: reduce the `metrics` lines as above.
+
+    Returns:
+        One dict per line kept, in file order.
+
     Example:
         >>> rows = jn.read_jsonl("runs/mnist/metrics.jsonl", dedupe=True)
         >>> [r["step"] for r in rows if r["type"] == "metrics" and r["context"] == "validate"]

@@ -13,6 +13,7 @@ import numpy as np
 from jaxnitro._src.core.errors import ConfigError, DataError, HookError, did_you_mean
 from jaxnitro._src.data import grain_source
 from jaxnitro._src.data import loader as data_mod
+from jaxnitro._src.data.batches import batch_specs, check_batch, check_same_specs
 from jaxnitro._src.dist import distributed
 from jaxnitro._src.dist import sharding as sharding_mod
 from jaxnitro._src.experiment import hooks
@@ -171,7 +172,7 @@ def check_splits(
     if "train" in info:  # every split feeds the same model: the same per-sample fields
         for split, sinfo in info.items():
             if split != "train":
-                data_mod.check_same_specs(sinfo.specs, info["train"].specs, split)
+                check_same_specs(sinfo.specs, info["train"].specs, split)
     return info
 
 
@@ -209,7 +210,7 @@ def _split_spec(
     split: str, src: Any, routes: Mapping[str, Route], n_devices: int, position: Any = None
 ) -> SplitSpec:
     first = _peek(split, src, position)
-    bs = data_mod.check_batch(first, split)
+    bs = check_batch(first, split)
     train = split == "train"
     if train and "train_step" in routes:  # a custom step names the fields it trains on
         needed: tuple[str, ...] = ("train_step",)
@@ -238,7 +239,7 @@ def _split_spec(
         keys=frozenset(first),
         has_loss=loss_ok,
         first=first,
-        specs=data_mod.batch_specs(first, split),
+        specs=batch_specs(first, split),
     )
 
 

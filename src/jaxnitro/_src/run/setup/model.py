@@ -12,7 +12,7 @@ from jaxnitro._src.core.errors import ConfigError, HookError
 from jaxnitro._src.core.jsonable import jsonable
 from jaxnitro._src.dist import sharding as sharding_mod
 from jaxnitro._src.experiment.markers import fields
-from jaxnitro._src.optim import groups as optim
+from jaxnitro._src.optim.schedules import resolve_schedules
 from jaxnitro._src.run.settings import Settings
 from jaxnitro._src.run.spec import RunSpec
 from jaxnitro._src.steps.state import TrainState
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
     from jaxnitro._src.core.types import Experiment, Model, PyTree
     from jaxnitro._src.experiment.hooks import Route
-    from jaxnitro._src.optim.groups import Optimizer, Schedules
+    from jaxnitro._src.optim.groups import Optimizer
+    from jaxnitro._src.optim.schedules import Schedules
 
 
 def build_model(
@@ -153,7 +154,7 @@ def schedules_of(
             "use a jn.DataLoader or give it __len__."
         )
     markers = {f.name: f.marker for f in fields(exp)}
-    resolved = optim.resolve_schedules(
+    resolved = resolve_schedules(
         s.schedules, opt=optimizer, device_fields=markers, total_steps=max(total, 1)
     )
     return resolved, total

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from jax.sharding import NamedSharding
 
     from jaxnitro._src.core.types import Experiment, PyTree, Source
-    from jaxnitro._src.optim.groups import Optimizer, Schedules
+    from jaxnitro._src.optim.groups import Optimizer
     from jaxnitro._src.optim.hyper import HyperLayout
+    from jaxnitro._src.optim.schedules import Schedules
     from jaxnitro._src.steps.population import Population
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxnitro._src.core.errors import ConfigError
+from jaxnitro._src.data import batches
 from jaxnitro._src.data import loader as data_mod
 from jaxnitro._src.data.device_batches import DeviceBatches
 from jaxnitro._src.dist.devices import replicated
@@ -61,7 +62,7 @@ def resident_data(
     if loader.shuffle or call_bytes < CUT_MIN_CALL_BYTES:
         rep = replicated(mesh)
         return {f: jax.device_put(a, rep) for f, a in arrays.items()}, None
-    kept = DeviceBatches(arrays, loader.batch_size, data_mod.batch_sharding(mesh))
+    kept = DeviceBatches(arrays, loader.batch_size, batches.batch_sharding(mesh))
     return None, kept
 
 
