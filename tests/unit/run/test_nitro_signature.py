@@ -39,7 +39,7 @@ def test_the_typed_signature_names_every_option_in_order_keyword_only():
 def test_the_typed_signature_has_the_declared_defaults():
     fn = _typed_init()
     pairs = zip(fn.args.kwonlyargs, fn.args.kw_defaults, strict=True)
-    typed = {a.arg: None if d is None else ast.literal_eval(d) for a, d in pairs}
+    typed = {a.arg: "<required>" if d is None else ast.literal_eval(d) for a, d in pairs}
     declared = {o.name: o.default for o in options.OPTIONS}
     assert typed == declared
     assert {k: type(v) for k, v in typed.items()} == {k: type(v) for k, v in declared.items()}
