@@ -7,6 +7,7 @@ it without recompiling), `max_epochs` is unmarked, so Host (driver-only).
 """
 
 import argparse
+from typing import Any
 
 import jax
 import optax
@@ -18,11 +19,11 @@ jn.setup_devices(backend="cpu")  # before the first Nitro: the backend is fixed 
 
 
 class MLP(nnx.Module):
-    def __init__(self, width: int, *, rngs: nnx.Rngs):
+    def __init__(self, width: int, *, rngs: nnx.Rngs) -> None:
         self.hidden = nnx.Linear(784, width, rngs=rngs)
         self.out = nnx.Linear(width, 10, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         return self.out(jax.nn.relu(self.hidden(x)))
 
 
@@ -33,10 +34,10 @@ class MnistMLP:
     max_epochs: int = 10  # Host: driver-only
     mnist_path: str | None = None  # Host: a local full-MNIST .npz, if you have one
 
-    def build_model(self, rng):
+    def build_model(self, rng: jax.Array) -> tuple[Any, Any, Any]:
         return jn.split_model(MLP(self.width, rngs=nnx.Rngs(rng)))
 
-    def build_data(self, dist):
+    def build_data(self, dist: jn.Dist) -> dict[str, jn.DataLoader]:
         x, y = jn.datasets.mnist(self.mnist_path)
         n_val = len(x) // 10
         train, val = slice(0, len(x) - n_val), slice(len(x) - n_val, None)
@@ -47,19 +48,19 @@ class MnistMLP:
             "val": jn.DataLoader({"img": x[val], "label": y[val]}, batch_size=100),
         }
 
-    def forward(self, model, params, state, *, img):
+    def forward(self, model: Any, params: Any, state: Any, *, img: jax.Array) -> tuple[Any, Any]:
         return jn.apply(model, params, state, img)
 
-    def loss(self, logits, *, label):
+    def loss(self, logits: jax.Array, *, label: jax.Array) -> jax.Array:
         targets = optax.smooth_labels(jax.nn.one_hot(label, 10), self.smoothing)
         return optax.softmax_cross_entropy(logits, targets).mean()
 
-    def metrics(self, logits, *, label):
+    def metrics(self, logits: jax.Array, *, label: jax.Array) -> dict[str, Any]:
         return {"acc": ((logits.argmax(-1) == label).sum(), label.shape[0])}
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--epochs", type=int, default=MnistMLP.max_epochs)
     parser.add_argument("--mnist", default=None, help="path to a full-MNIST .npz (optional)")
     args = parser.parse_args()

@@ -22,12 +22,13 @@ from mnist import MnistMLP  # noqa: E402
 import jaxnitro as jn  # noqa: E402
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--smoothing", default="0.0,0.05,0.1,0.2")
     args = parser.parse_args()
 
-    rows, dirs = [], []
+    rows: list[tuple[float, float | None, int]] = []
+    dirs: list[Path] = []
     for value in [float(v) for v in args.smoothing.split(",")]:
         run_dir = Path("runs/sweep") / f"smoothing={value}"
         n = jn.Nitro(

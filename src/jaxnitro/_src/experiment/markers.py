@@ -17,7 +17,8 @@ import io
 import textwrap
 import tokenize
 import typing
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias, TypeVar, overload
 
 from jaxnitro._src.core.errors import (
     ConfigArgumentError,
@@ -69,9 +70,19 @@ def _marker_type(kind: str) -> type:
     return _M
 
 
-GraphConst = _marker_type(GRAPH)
-Device = _marker_type(DEVICE)
-Host = _marker_type(HOST)
+_T = TypeVar("_T")
+
+if TYPE_CHECKING:
+    # What a type checker sees: `jn.GraphConst[int]` is `int` (PEP 593's `Annotated`, the way
+    # checkers take metadata they do not understand). At run time the subscript builds the same
+    # `Annotated[int, marker]` from the classes below, which also refuse a bare or a base use.
+    GraphConst: TypeAlias = Annotated[_T, GRAPH]
+    Device: TypeAlias = Annotated[_T, DEVICE]
+    Host: TypeAlias = Annotated[_T, HOST]
+else:
+    GraphConst = _marker_type(GRAPH)
+    Device = _marker_type(DEVICE)
+    Host = _marker_type(HOST)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +150,9 @@ def _split_annotation(ann) -> tuple[Any, str]:
                 )
             return base, kinds[0]
         return _split_annotation(base)
-    if ann in (GraphConst, Device, Host):
-        raise ConfigError(f"bare jn.{ann.__name__} needs a type: write jn.{ann.__name__}[float].")
+    if any(ann is marker for marker in (GraphConst, Device, Host)):
+        name = ann.__name__
+        raise ConfigError(f"bare jn.{name} needs a type: write jn.{name}[float].")
     return ann, HOST
 
 
@@ -285,7 +297,23 @@ def _type_hints(cls) -> dict[str, Any]:
         return typing.get_type_hints(cls, globalns=fns[0].__globals__, include_extras=True)
 
 
-def experiment(cls: Any = None, /):
+_Cls = TypeVar("_Cls", bound=type)
+
+
+@overload
+def experiment(cls: _Cls, /) -> _Cls: ...
+@overload
+def experiment(cls: None = None, /) -> Callable[[_Cls], _Cls]: ...
+
+
+# Checkers see the class as the frozen keyword-only dataclass it becomes (equinox's way):
+# `Exp(width=256)` checks against the fields, `Exp(widht=256)` and `exp.width = 1` do not.
+@typing.dataclass_transform(
+    kw_only_default=True,
+    frozen_default=True,  # (3.12's keyword; 3.11's dataclass_transform passes it on)
+    field_specifiers=(dataclasses.field, dataclasses.Field),
+)
+def experiment(cls: Any = None, /) -> Any:
     """Make a class an experiment: a frozen keyword-only dataclass with marked fields.
 
     Args:

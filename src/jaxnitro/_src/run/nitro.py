@@ -19,7 +19,7 @@ import inspect
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic
 
 import jax
 import numpy as np
@@ -28,6 +28,7 @@ from jaxnitro._src.checkpoint.runlock import RunLock
 from jaxnitro._src.checkpoint.store import read_manifest
 from jaxnitro._src.compile.programs import ProgramSet
 from jaxnitro._src.core.errors import ConfigArgumentError, ConfigError, did_you_mean
+from jaxnitro._src.core.types import ExperimentT
 from jaxnitro._src.dist.sharding import to_sharding
 from jaxnitro._src.experiment import hooks
 from jaxnitro._src.experiment.markers import is_experiment, replace
@@ -47,11 +48,14 @@ from jaxnitro._src.steps.state import TrainState
 from jaxnitro.schedules import constant
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    import os
+    from collections.abc import Callable, Iterator, Sequence
+    from typing import Literal
 
     from jax.sharding import Mesh
 
-    from jaxnitro._src.core.types import Experiment, Model, PyTree
+    from jaxnitro._src.core.types import Experiment, Model, PyTree, Source
+    from jaxnitro._src.dist.sharding import Sharding
     from jaxnitro._src.observe.display import Display
     from jaxnitro._src.observe.loggers.base import Logger
     from jaxnitro._src.optim.groups import Optimizer
@@ -59,7 +63,7 @@ if TYPE_CHECKING:
     from jaxnitro._src.run.settings import Settings
 
 
-class Nitro:
+class Nitro(Generic[ExperimentT]):
     """The handle of one run. `Nitro(exp, ...)` runs setup only; see `jn.train`.
 
     Example:
@@ -80,7 +84,62 @@ class Nitro:
         "_config",
     )
 
-    def __init__(self, exp: Experiment, **given: Any) -> None:
+    if TYPE_CHECKING:
+        # The signature checkers see: a misspelled option is a type error. The options are
+        # declared in `run/options.py`; this copy is kept equal to it (names, order, defaults,
+        # keyword-only) by tests/unit/run/test_nitro_signature.py. Every option takes None too:
+        # at run time None means "not given" (an experiment field of that name, else the
+        # default). At run time `__init__` takes `**given`, and `help(jn.Nitro)` shows the
+        # signature made from the declarations (`__signature__` below).
+        def __init__(
+            self,
+            exp: ExperimentT,
+            *,
+            seed: int | None = 42,
+            run_dir: str | os.PathLike[str] | None = None,
+            n_devices: int | None = None,
+            accum: int | None = 1,
+            steps_per_call: int | Literal["auto"] | None = 1,
+            max_epochs: int | None = 1,
+            schedules: Mapping[str, Callable[[int], Callable[[Any], Any]]] | None = None,
+            precision: Literal["f32", "bf16"] | None = "f32",
+            logger: str | Logger | Sequence[str | Logger] | Literal[False] | None = None,
+            checkpointer: Checkpointer | Literal[False] | None = None,
+            early_stop: str | Any | None = None,  # (a jn.EarlyStopping: train/ is above run/)
+            resume: bool | Literal["auto"] | str | os.PathLike[str] | None = False,
+            checkpoint: str | os.PathLike[str] | None = None,
+            data: Mapping[str, Source] | None = None,
+            memory_budget: int | str | None = None,
+            compile_options: Mapping[str, bool | int | float | str] | None = None,
+            progress: bool | Literal["rich", "plain", "off"] | None = None,
+            show_curves: bool | None = None,
+            on_nonfinite: Literal["error", "skip"] | None = "error",
+            val_every: int | None = None,
+            checkpoint_every: int | None = None,
+            checkpoint_every_minutes: float | None = None,
+            log_grad_norm: bool | None = None,
+            log_every_n_steps: int | None = 1,
+            sharding: Literal["dp", "fsdp"] | Sharding | None = "dp",
+            remat: Sequence[str] | None = None,
+            remat_policy: Literal["full", "dots_saveable"] | None = "full",
+            population: int | Mapping[str, Sequence[Any]] | None = None,
+            data_on_device: bool | None = None,
+            ema: float | None = None,
+            ema_warmup: bool | None = True,
+            ema_every: int | None = 1,
+            ema_state: bool | None = False,
+            ema_eval: bool | Literal["both"] | None = True,
+            peak_tflops: float | None = None,
+            profile: tuple[int, int] | str | None = None,
+            weights: Literal["ema", "raw"] | None = None,
+        ) -> None: ...
+    else:
+
+        def __init__(self, exp, **given):
+            self._setup(exp, given)
+
+    def _setup(self, exp: ExperimentT, given: dict[str, Any]) -> None:
+        """Setup: the options checked, the run dir, services, model, data, state, programs."""
         _check_arguments(exp, given)
         routes = hooks.check_hooks(type(exp))
         s = settings_mod.settings(exp, given)
@@ -159,7 +218,7 @@ class Nitro:
         return self._spec.run_dir
 
     @property
-    def experiment(self) -> Experiment:
+    def experiment(self) -> ExperimentT:
         """The experiment, with the current Device values."""
         return self._experiment
 
@@ -280,7 +339,7 @@ class Nitro:
                 set_phase(self, previous)
 
 
-def _check_arguments(exp: Experiment, given: dict) -> None:
+def _check_arguments(exp: object, given: dict) -> None:
     if not is_experiment(exp) or isinstance(exp, type):
         what = f"the class {exp.__name__}" if isinstance(exp, type) else type(exp).__name__
         raise ConfigError(

@@ -7,27 +7,22 @@ field named like a value option sets it: keyword > field > default), the flags o
 train` and `sweep`, the `[options]` of a TOML config file (`run/config.py`) and `docs/options.md`.
 Adding an option touches this list and the code that acts on it.
 
-Regenerate the docs page with `python -m jaxnitro._src.run.options > docs/options.md`.
+How a given value or a flag's text becomes a setting: `run/option_values.py`. Regenerate the
+docs page with `python -m jaxnitro._src.run.options > docs/options.md`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from jaxnitro._src.core.errors import MODES, ConfigError, check_int, did_you_mean
-from jaxnitro._src.core.units import parse_bytes
-from jaxnitro._src.core.words import bool_word, vocabulary
+from jaxnitro._src.core.errors import ConfigError, did_you_mean
+from jaxnitro._src.run import option_values as v
 
 if TYPE_CHECKING:
     from jaxnitro._src.core.types import Experiment
-    from jaxnitro._src.dist.sharding.rules import Sharding
 
 
 def _same(value: Any) -> Any:
@@ -73,394 +68,7 @@ class Option:
 
     @property
     def is_bool(self) -> bool:
-        return self.parse is _bool
-
-
-# -- checks ---------------------------------------------------------------------------------
-def _int(name: str, minimum: int) -> Callable[[Any], int]:
-    def check(value: Any) -> int:
-        return check_int(
-            name, value, minimum=minimum, fix=f"pass a whole number, e.g. {name}={max(minimum, 1)}"
-        )
-
-    return check
-
-
-def _log_every(value: Any) -> int:
-    return check_int(
-        "log_every_n_steps",
-        value,
-        minimum=1,
-        fix="pass how many optimizer steps apart the train lines are, e.g. "
-        "log_every_n_steps=50 (the default, 1, logs every step)",
-    )
-
-
-def _optional_int(name: str) -> Callable[[Any], int | None]:
-    inner = _int(name, 1)
-    return lambda value: None if value is None else inner(value)
-
-
-def _choice(name: str, options: dict[str, str]) -> Callable[[Any], str]:
-    def check(value: Any) -> Any:
-        if value not in options:
-            listed = " or ".join(f"{k!r} ({why})" for k, why in options.items())
-            raise ConfigError(
-                f"{name}={value!r}; use {listed}." + did_you_mean(str(value), options)
-            )
-        return value
-
-    return check
-
-
-def _path(name: str, *, optional: bool) -> Callable[[Any], Any]:
-    def check(value: Any) -> Path | None:
-        if value is None and optional:
-            return None
-        if not isinstance(value, (str, os.PathLike)):
-            raise ConfigError(
-                f"{name} must be a path (str or pathlib.Path), got {type(value).__name__} "
-                f"{value!r}; e.g. {name}='runs/<Class>'."
-            )
-        if not str(os.fspath(value)).strip():
-            raise ConfigError(
-                f"{name} is empty; pass a directory, e.g. {name}='runs/<Class>' (or leave it "
-                f"out for that default)."
-            )
-        return Path(value)
-
-    return check
-
-
-def _bool_or_none(name: str) -> Callable[[Any], bool | None]:
-    def check(value: Any) -> Any:
-        if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"{name}={value!r}; use True, False or None (the default).")
-        return value
-
-    return check
-
-
-def _ema_decay(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        raise ConfigError(
-            f"ema={value!r}; the decay is a number strictly between 0 and 1 (the weight of the "
-            f"old average per step), e.g. ema=0.999 (about the last 1,000 steps), or None (off)."
-        )
-    return float(value)
-
-
-def _ema_every(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"ema_every={value!r}; pass a whole number of optimizer steps >= 1 between "
-            f"updates, e.g. ema_every=10 (the decay is compounded to match)."
-        )
-    return value
-
-
-def _strict_bool(name: str) -> Callable[[Any], bool]:
-    def check(value: Any) -> Any:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name}={value!r}; use True or False.")
-        return value
-
-    return check
-
-
-def _ema_eval(value: Any) -> bool | str:
-    if value not in (True, False, "both") or (value != "both" and not isinstance(value, bool)):
-        raise ConfigError(
-            f"ema_eval={value!r}; use True (validate with the EMA weights), False (the raw "
-            f"weights) or 'both' (val_* for the EMA weights, val_raw_* for the raw ones)."
-        )
-    return value
-
-
-def _ema_eval_text(text: str) -> bool | str:
-    return "both" if text.strip().lower() == "both" else _bool(text)
-
-
-def _weights(value: Any) -> str | None:
-    from jaxnitro._src.steps.ema import weights_setting
-
-    return weights_setting(value)
-
-
-def _show_curves(value: Any) -> bool:
-    if value is None:
-        from jaxnitro._src.observe.display import in_notebook
-
-        return in_notebook()
-    if not isinstance(value, bool):
-        raise ConfigError(
-            f"show_curves={value!r}; use True (show the curves inline when jn.train returns, "
-            f"in a notebook), False, or None (on in a Jupyter kernel, off elsewhere)."
-        )
-    return value
-
-
-def _steps_per_call(value: Any) -> int | str:
-    if value == "auto":
-        return value
-    if isinstance(value, str):
-        raise ConfigError(
-            f"steps_per_call={value!r}; pass a number of optimizer steps per dispatch (e.g. "
-            f"steps_per_call=8) or 'auto' (measured at the first train)."
-        )
-    return _int("steps_per_call", 1)(value)
-
-
-def _bytes(value: Any) -> int | None:
-    """Bytes as an int, or a string such as "1GB", "512MiB", "1.5 GiB"."""
-    return None if value is None else parse_bytes("memory_budget", value, error=ConfigError)
-
-
-def _minutes(value: Any) -> float | None:
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
-    ):
-        raise ConfigError(
-            f"checkpoint_every_minutes must be a number > 0, got {value!r}; e.g. "
-            f"checkpoint_every_minutes=30."
-        )
-    return value
-
-
-def _peak_tflops(value: Any) -> float | None:
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
-    ):
-        raise ConfigError(
-            f"peak_tflops must be a number of TFLOP/s > 0 (the device's peak for the run's "
-            f"precision), got {value!r}; e.g. peak_tflops=989 for an H100 SXM in bf16."
-        )
-    return None if value is None else float(value)
-
-
-def _profile(value: Any) -> tuple[int, int] | None:
-    """`profile=`: None, (start_step, end_step) or the text 'START:END'."""
-    if value is None:
-        return None
-    pair = value.split(":") if isinstance(value, str) else value
-    try:
-        start, end = (int(v) for v in pair)
-        ok = all(not isinstance(v, bool) for v in pair) and 0 <= start < end
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigError(
-            f"profile={value!r}; give the optimizer steps to trace as (start_step, end_step) "
-            f"with 0 <= start < end, e.g. profile=(10, 20) (on the command line --profile "
-            f"10:20)."
-        )
-    return start, end
-
-
-def _progress(value: Any) -> Any:
-    if not (value is None or isinstance(value, bool) or value in ("rich", "plain", "off")):
-        raise ConfigError(
-            f"progress={value!r}; use True (a live display on a terminal, plain lines "
-            f"otherwise), 'rich', 'plain' or False/'off'."
-            + did_you_mean(str(value), ["rich", "plain", "off"])
-        )
-    return value
-
-
-def _compile_options(value: Any) -> dict:
-    if value is not None and not isinstance(value, Mapping):
-        raise ConfigError(
-            f"compile_options must be a dict of XLA options, got {type(value).__name__}; e.g. "
-            f"{{'xla_cpu_enable_fast_math': False}}."
-        )
-    options = dict(value or {})
-    for k, v in options.items():  # XLA flags: name -> bool/int/float/str
-        if not isinstance(k, str) or not isinstance(v, (bool, int, float, str)):
-            raise ConfigError(
-                f"compile_options maps XLA option names to bool, int, float or str, got "
-                f"{k!r}: {v!r}; e.g. {{'xla_cpu_enable_fast_math': False}}."
-            )
-    return options
-
-
-def _sharding(value: Any) -> Sharding:
-    from jaxnitro._src.dist.sharding import resolve
-
-    return resolve(value)
-
-
-def _remat(value: Any) -> Any:
-    from jaxnitro._src.experiment.remat import check
-
-    return check(value, "full")[0]
-
-
-def _remat_policy(value: Any) -> Any:
-    from jaxnitro._src.experiment.remat import check
-
-    return check(None, value)[1]
-
-
-def _population(value: Any) -> int | dict | None:
-    """`population=`: None, a member count >= 1, or {field: [values]} (checked at setup)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer, Mapping)):
-        raise ConfigError(
-            f"population={value!r}; pass a number of members (population=8: seeds seed..seed+7) "
-            f"or a dict of per-member values, e.g. population={{'smoothing': [0.0, 0.1]}}."
-        )
-    if isinstance(value, Mapping):
-        if not value:
-            raise ConfigError("population={} names no field; give {field: [v1, v2, ...]}.")
-        return {str(k): v for k, v in value.items()}
-    if value < 1:
-        raise ConfigError(f"population={value}; a population has at least 1 member.")
-    return int(value)
-
-
-def _data_on_device(value: Any) -> Any:
-    if value is not None and not isinstance(value, bool):
-        raise ConfigError(
-            f"data_on_device={value!r}; use None (the default: keep the train arrays on the "
-            f"device when they fit), True (require it) or False (send each batch)."
-        )
-    return value
-
-
-def _resume(value: Any) -> Any:
-    if value is None:
-        return False
-    if isinstance(value, bool) or value == "auto":
-        return value
-    if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)).strip():
-        raise ConfigError(
-            f"resume={value!r}; use False (a fresh run), 'auto' (continue from the newest "
-            f"checkpoint if any), True (one must exist) or a checkpoint path."
-        )
-    return value
-
-
-#: The loggers `logger="jsonl,csv"` (and `--logger`) name, each with its defaults.
-LOGGERS = {
-    "jsonl": "JSONLogger",
-    "csv": "CSVLogger",
-    "tensorboard": "TensorBoardLogger",
-    "mlflow": "MLflowLogger",
-    "wandb": "WandbLogger",
-}
-
-
-def _logger(value: Any) -> Any:
-    """A string or list of names ("jsonl,csv") becomes those loggers; any other value is
-    checked at setup (None: the default JSONLogger, False: none, a logger or list of them)."""
-    if isinstance(value, str):
-        value = [part.strip() for part in value.split(",") if part.strip()]
-        if not value:
-            raise ConfigError(
-                f"logger='' names no logger; use names from {sorted(LOGGERS)} (e.g. "
-                f"'jsonl,csv'), or False to log nothing."
-            )
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-        from jaxnitro._src.observe import loggers
-
-        out = []
-        for name in value:
-            if name not in LOGGERS:
-                raise ConfigError(
-                    f"logger names {name!r}; the built-in loggers are {sorted(LOGGERS)} (e.g. "
-                    f"logger='jsonl,csv')." + did_you_mean(name, LOGGERS)
-                )
-            out.append(getattr(loggers, LOGGERS[name])())
-        return out
-    return value
-
-
-def _early_stop(value: Any) -> Any:
-    """ "METRIC:PATIENCE[:min|max]" becomes a `jn.EarlyStopping`; other values pass."""
-    if not isinstance(value, str):
-        return value
-    from jaxnitro._src.observe.runs import metric_mode
-    from jaxnitro._src.train.early_stop import EarlyStopping
-
-    parts = value.split(":")
-    fix = "write METRIC:PATIENCE[:min|max], e.g. 'val_loss:3' or 'acc:5:max'"
-    if len(parts) not in (2, 3) or not parts[0].strip():
-        raise ConfigError(f"early_stop={value!r}; {fix}.")
-    metric = parts[0].strip()
-    try:
-        patience = int(parts[1])
-    except ValueError:
-        raise ConfigError(
-            f"early_stop={value!r}: patience {parts[1]!r} is no number; {fix}."
-        ) from None
-    mode = parts[2].strip() if len(parts) == 3 else metric_mode(metric)
-    if mode not in MODES:
-        raise ConfigError(
-            f"early_stop={value!r}: mode {mode!r}; {fix}." + did_you_mean(mode, MODES)
-        )
-    return EarlyStopping(metric=metric, mode=mode, patience=patience)
-
-
-# -- command-line text -> value --------------------------------------------------------------
-def _bool(text: str) -> bool:
-    value = bool_word(text)
-    if value is None:
-        raise ConfigError(f"{text!r} is not a bool; use {vocabulary()}.")
-    return value
-
-
-def _int_text(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"{text!r} is not a whole number.") from None
-
-
-def _float_text(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(f"{text!r} is not a number.") from None
-
-
-def _int_or_auto(text: str) -> int | str:
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(
-            f"{text!r} is not a number of steps >= 1 or 'auto' (e.g. --steps-per-call 8, or "
-            f"--steps-per-call auto to measure it)."
-        ) from None
-
-
-def _resume_text(text: str) -> Any:
-    """'auto', a word of the bool vocabulary (`--resume on` is True, not a path named 'on'),
-    else a checkpoint path (write `./on` for a directory named like a bool word)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    word = bool_word(text)
-    return text if word is None else word
-
-
-def _progress_text(text: str) -> Any:
-    low = text.strip().lower()
-    if low in ("auto", "rich", "plain"):
-        return None if low == "auto" else low
-    word = bool_word(low)  # "off" (and "no", "0") is False
-    return low if word is None else word
-
-
-def _names(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def _str(text: str) -> str:
-    return text
+        return self.parse is v.bool_text
 
 
 # -- the declaration ------------------------------------------------------------------------
@@ -470,8 +78,8 @@ OPTIONS: tuple[Option, ...] = (
         42,
         "int",
         "Initialization, shuffling and dropout.",
-        _int("seed", 0),
-        _int_text,
+        v.int_check("seed", 0),
+        v.int_text,
         "INT",
     ),
     Option(
@@ -479,8 +87,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "path",
         "Where the run writes (default runs/<Class>).",
-        _path("run_dir", optional=True),
-        _str,
+        v.path_check("run_dir", optional=True),
+        v.as_text,
         "DIR",
     ),
     Option(
@@ -488,8 +96,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "int",
         "Devices to use (default: all of this backend's).",
-        _optional_int("n_devices"),
-        _int_text,
+        v.optional_int("n_devices"),
+        v.int_text,
         "N",
     ),
     Option(
@@ -497,8 +105,8 @@ OPTIONS: tuple[Option, ...] = (
         1,
         "int",
         "Micro-batches per optimizer step (gradient accumulation).",
-        _int("accum", 1),
-        _int_text,
+        v.int_check("accum", 1),
+        v.int_text,
         "K",
     ),
     Option(
@@ -506,11 +114,13 @@ OPTIONS: tuple[Option, ...] = (
         1,
         "int | 'auto'",
         "Optimizer steps per compiled call; 'auto' measures at the first train.",
-        _steps_per_call,
-        _int_or_auto,
+        v.steps_per_call,
+        v.int_or_auto,
         "N|auto",
     ),
-    Option("max_epochs", 1, "int", "Epochs to train.", _int("max_epochs", 1), _int_text, "N"),
+    Option(
+        "max_epochs", 1, "int", "Epochs to train.", v.int_check("max_epochs", 1), v.int_text, "N"
+    ),
     Option(
         "schedules",
         None,
@@ -523,11 +133,11 @@ OPTIONS: tuple[Option, ...] = (
         "f32",
         "'f32' | 'bf16'",
         "bf16: bf16 compute, f32 master weights and optimizer state.",
-        _choice(
+        v.choice(
             "precision",
             {"f32": "the default", "bf16": "bf16 compute, f32 master weights and optimizer state"},
         ),
-        _str,
+        v.as_text,
         "f32|bf16",
     ),
     Option(
@@ -536,8 +146,8 @@ OPTIONS: tuple[Option, ...] = (
         "names | Logger | list | False",
         "Built-in loggers by name ('jsonl,csv,tensorboard,mlflow,wandb'), jn.Logger objects, "
         "or False (default: jsonl).",
-        _logger,
-        _str,
+        v.logger,
+        v.as_text,
         "NAME,...",
     ),
     Option(
@@ -552,8 +162,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "'METRIC:PATIENCE[:min|max]' | EarlyStopping",
         "Stop when a validation metric stops improving.",
-        _early_stop,
-        _str,
+        v.early_stop,
+        v.as_text,
         "METRIC:PATIENCE[:min|max]",
     ),
     Option(
@@ -562,8 +172,8 @@ OPTIONS: tuple[Option, ...] = (
         "bool | 'auto' | path",
         "'auto': continue from the newest checkpoint if any; True: one must exist; or a "
         "checkpoint path (a bool word is the bool: ./on for a path named 'on').",
-        _resume,
-        _resume_text,
+        v.resume,
+        v.resume_text,
         "auto|true|false|PATH",
     ),
     Option(
@@ -571,8 +181,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "path",
         "Load weights only from this checkpoint (or a run dir's best).",
-        _path("checkpoint", optional=True),
-        _str,
+        v.path_check("checkpoint", optional=True),
+        v.as_text,
         "PATH",
     ),
     Option(
@@ -587,8 +197,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "int | '2GiB'",
         "Refuse a program whose planned memory exceeds this many bytes.",
-        _bytes,
-        _str,
+        v.byte_count,
+        v.as_text,
         "BYTES",
     ),
     Option(
@@ -596,15 +206,15 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "dict",
         "XLA options for every program (Python only).",
-        _compile_options,
+        v.compile_options,
     ),
     Option(
         "progress",
         None,
         "bool | 'rich' | 'plain' | 'off'",
         "The progress display (default: live on a terminal).",
-        _progress,
-        _progress_text,
+        v.progress,
+        v.progress_text,
         "auto|rich|plain|off",
     ),
     Option(
@@ -612,19 +222,19 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "bool",
         "Show the curves inline when jn.train returns (default: in a Jupyter kernel).",
-        _show_curves,
-        _bool,
+        v.show_curves,
+        v.bool_text,
     ),
     Option(
         "on_nonfinite",
         "error",
         "'error' | 'skip'",
         "A NaN/inf loss stops the run, or skips the update and is counted.",
-        _choice(
+        v.choice(
             "on_nonfinite",
             {"error": "stop with the step and epoch", "skip": "skip the update and count it"},
         ),
-        _str,
+        v.as_text,
         "error|skip",
     ),
     Option(
@@ -632,8 +242,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "int",
         "Also validate every N optimizer steps inside an epoch.",
-        _optional_int("val_every"),
-        _int_text,
+        v.optional_int("val_every"),
+        v.int_text,
         "N",
     ),
     Option(
@@ -641,8 +251,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "int",
         "Also checkpoint every N optimizer steps inside an epoch.",
-        _optional_int("checkpoint_every"),
-        _int_text,
+        v.optional_int("checkpoint_every"),
+        v.int_text,
         "N",
     ),
     Option(
@@ -650,8 +260,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "float",
         "Also checkpoint every M minutes inside an epoch.",
-        _minutes,
-        _float_text,
+        v.minutes,
+        v.float_text,
         "M",
     ),
     Option(
@@ -659,16 +269,16 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "bool",
         "Log the gradient's global norm per step (default: when clipping).",
-        _bool_or_none("log_grad_norm"),
-        _bool,
+        v.bool_or_none("log_grad_norm"),
+        v.bool_text,
     ),
     Option(
         "log_every_n_steps",
         1,
         "int",
         "Log every N-th step's train line (default 1: every step keeps its line).",
-        _log_every,
-        _int_text,
+        v.log_every,
+        v.int_text,
         "N",
     ),
     Option(
@@ -676,8 +286,8 @@ OPTIONS: tuple[Option, ...] = (
         "dp",
         "'dp' | 'fsdp' | Sharding",
         "dp: replicated parameters; fsdp: parameters and optimizer state split.",
-        _sharding,
-        _str,
+        v.sharding,
+        v.as_text,
         "dp|fsdp",
     ),
     Option(
@@ -685,8 +295,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "list[str]",
         "Block classes recomputed in the backward pass.",
-        _remat,
-        _names,
+        v.remat,
+        v.name_list,
         "CLASS,...",
     ),
     Option(
@@ -694,8 +304,8 @@ OPTIONS: tuple[Option, ...] = (
         "full",
         "str",
         "What a rematerialised block keeps: 'full' or 'dots_saveable'.",
-        _remat_policy,
-        _str,
+        v.remat_policy,
+        v.as_text,
         "POLICY",
     ),
     Option(
@@ -703,8 +313,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "int | {field: [values]}",
         "Train N members (or per-member field values) in one program.",
-        _population,
-        _int_text,
+        v.population,
+        v.int_text,
         "N",
     ),
     Option(
@@ -712,16 +322,16 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "bool",
         "Keep the train arrays on the device (default: when they fit).",
-        _data_on_device,
-        _bool,
+        v.data_on_device,
+        v.bool_text,
     ),
     Option(
         "ema",
         None,
         "float",
         "Average the weights in the train step with this decay, e.g. 0.999 (default: off).",
-        _ema_decay,
-        _float_text,
+        v.ema_decay,
+        v.float_text,
         "DECAY",
     ),
     Option(
@@ -729,16 +339,16 @@ OPTIONS: tuple[Option, ...] = (
         True,
         "bool",
         "Ramp the EMA decay as min(decay, (1 + t) / (10 + t)) over the first steps.",
-        _strict_bool("ema_warmup"),
-        _bool,
+        v.strict_bool("ema_warmup"),
+        v.bool_text,
     ),
     Option(
         "ema_every",
         1,
         "int",
         "Update the EMA every k optimizer steps (the decay compounded to match).",
-        _ema_every,
-        _int_text,
+        v.ema_every,
+        v.int_text,
         "K",
     ),
     Option(
@@ -746,16 +356,16 @@ OPTIONS: tuple[Option, ...] = (
         False,
         "bool",
         "Average the model state (BatchNorm statistics) too; else it is copied.",
-        _strict_bool("ema_state"),
-        _bool,
+        v.strict_bool("ema_state"),
+        v.bool_text,
     ),
     Option(
         "ema_eval",
         True,
         "bool | 'both'",
         "Validate with the EMA weights; 'both' also logs val_raw_* for the raw ones.",
-        _ema_eval,
-        _ema_eval_text,
+        v.ema_eval,
+        v.ema_eval_text,
         "true|false|both",
     ),
     Option(
@@ -763,8 +373,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "float",
         "The device's peak TFLOP/s for mfu (default: a table of known accelerators).",
-        _peak_tflops,
-        _float_text,
+        v.peak_tflops,
+        v.float_text,
         "TFLOPS",
     ),
     Option(
@@ -772,8 +382,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "(start, end) | 'START:END'",
         "Record a jax.profiler trace of these steps into run_dir/profile/.",
-        _profile,
-        _str,
+        v.profile,
+        v.as_text,
         "START:END",
     ),
     Option(
@@ -781,8 +391,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "'ema' | 'raw'",
         "Which weights checkpoint= loads (default: those its validation used).",
-        _weights,
-        _str,
+        v.weights,
+        v.as_text,
         "ema|raw",
     ),
 )

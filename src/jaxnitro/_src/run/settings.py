@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from jaxnitro._src.run import options
 
 if TYPE_CHECKING:
-    from jaxnitro._src.core.types import Experiment
+    from jaxnitro._src.core.types import Hooked
 
 
 class Settings:
@@ -39,7 +39,7 @@ class Settings:
         raise AttributeError("Settings are frozen")
 
 
-def settings(exp: Experiment, given: Mapping[str, Any]) -> Settings:
+def settings(exp: Hooked, given: Mapping[str, Any]) -> Settings:
     """Validate the keywords of `jn.Nitro(exp, **given)` against the experiment's fields."""
     cls = type(exp)
     values = options.checked(exp, given)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxnitro._src.core.types import Experiment, Model, Source
+from jaxnitro._src.core.types import Hooked, Model, Source
 
 if TYPE_CHECKING:
     from jaxnitro._src.data.device_batches import DeviceBatches
@@ -64,8 +64,8 @@ class RunSpec:
     """
 
     # the experiment and its routing
-    experiment: Experiment  # after `derive`; Device values live in the handle's `DeviceValues`
-    cls: type[Experiment]
+    experiment: Hooked  # after `derive`; Device values live in the handle's `DeviceValues`
+    cls: type[Hooked]
     routes: Mapping[str, Route]
     # data
     splits: Mapping[str, Source]
@@ -92,7 +92,7 @@ class RunSpec:
     steps_per_call: int = 1
     autotune: bool = False  # steps_per_call="auto", not yet measured (autotune.py)
     precision: str = "f32"
-    on_nonfinite: str = "error"
+    on_nonfinite: Literal["error", "skip"] = "error"
     log_grad_norm: bool = False
     log_every_n_steps: int = 1  # the train lines logged: steps that are multiples of it
     compile_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -23,7 +23,7 @@ from jaxnitro._src.run.spec import SplitSpec
 if TYPE_CHECKING:
     from jax.sharding import Mesh, NamedSharding
 
-    from jaxnitro._src.core.types import Experiment, Source
+    from jaxnitro._src.core.types import Hooked, Source
     from jaxnitro._src.experiment.hooks import Route
 
 
@@ -103,7 +103,7 @@ def check_processes_agree(splits: Mapping, split_specs: Mapping[str, SplitSpec])
             )
 
 
-def build_data(exp: Experiment, data: Any, dist: Dist, seed: int) -> dict[str, Any]:
+def build_data(exp: Hooked, data: Any, dist: Dist, seed: int) -> dict[str, Any]:
     """The splits: `Nitro(data=...)` or `build_data(self, dist)`, checked as re-iterables."""
     splits = data if data is not None else exp.build_data(dist)
     if not isinstance(splits, Mapping):
@@ -130,7 +130,7 @@ def build_data(exp: Experiment, data: Any, dist: Dist, seed: int) -> dict[str, A
     return splits
 
 
-def derive(exp: Experiment, splits: Mapping[str, Source]) -> Experiment:
+def derive(exp: Hooked, splits: Mapping[str, Source]) -> Hooked:
     """`derive(self, splits)` -> field updates (e.g. class weights), applied to the experiment."""
     fn = getattr(type(exp), "derive", None)
     if fn is None:

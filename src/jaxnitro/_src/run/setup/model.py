@@ -23,14 +23,14 @@ if TYPE_CHECKING:
     import optax
     from jax.sharding import NamedSharding
 
-    from jaxnitro._src.core.types import Experiment, Model, PyTree
+    from jaxnitro._src.core.types import Hooked, Model, PyTree
     from jaxnitro._src.experiment.hooks import Route
     from jaxnitro._src.optim.groups import Optimizer
     from jaxnitro._src.optim.schedules import Schedules
 
 
 def build_model(
-    exp: Experiment, seed: int, rep: NamedSharding, *, init: dict | None = None
+    exp: Hooked, seed: int, rep: NamedSharding, *, init: dict | None = None
 ) -> tuple[Any, Any, Any, jax.Array]:
     """(model, params, model state, the run's RNG key). The model state and key are
     replicated on the mesh; the params are placed once, by their shardings, in
@@ -50,7 +50,7 @@ def build_model(
 INIT_CONSTANTS_MAX = 1 << 20
 
 
-def _init_eager(exp: Experiment, key: jax.Array) -> tuple[tuple, jax.Array]:
+def _init_eager(exp: Hooked, key: jax.Array) -> tuple[tuple, jax.Array]:
     init_key, rng = jax.random.split(key)
     built = exp.build_model(init_key)
     if not (isinstance(built, tuple) and len(built) == 3):
@@ -62,7 +62,7 @@ def _init_eager(exp: Experiment, key: jax.Array) -> tuple[tuple, jax.Array]:
 
 
 def _init_traced(
-    exp: Experiment, key: jax.Array, init: dict | None = None
+    exp: Hooked, key: jax.Array, init: dict | None = None
 ) -> tuple[tuple, jax.Array] | None:
     """`build_model` as one program (the key split, every initializer), or None where it
     cannot be one, and the caller runs it eagerly.
@@ -144,7 +144,7 @@ def grad_norm_setting(value: Any, optimizer: Optimizer) -> bool:
 
 
 def schedules_of(
-    s: Settings, exp: Experiment, optimizer: Optimizer, spe: int | None
+    s: Settings, exp: Hooked, optimizer: Optimizer, spe: int | None
 ) -> tuple[Schedules, int]:
     """(resolved schedules, total steps): resolved against the run's optimizer steps."""
     total = (spe or 0) * s.max_epochs

@@ -59,7 +59,10 @@ from jaxnitro._src.steps.state import TrainState
 from jaxnitro._src.train.early_stop import EarlyStopConfig, EarlyStopping
 
 if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
     from jaxnitro._src.core.types import Experiment
+    from jaxnitro._src.dist.sharding.rules import Sharding
     from jaxnitro._src.experiment.hooks import Route
 
 
@@ -77,17 +80,10 @@ def build(
     exp: Experiment, s: Settings, svc: Services, named: bool, routes: Mapping[str, Route]
 ) -> Built:
     """Everything after the services, in the documented order."""
-    resume_path = shared_resume_record(svc, s.run_dir, s.resume)
-    run_id, seed = identity(resume_path, s.seed)
-    run_id = distributed.broadcast("run-id", run_id)  # process 0's: one run, one id
-    svc.checkpointer.for_run(run_id)
-    restore_loggers(svc, resume_path)
-    apply_env()
-    sharding = sharding_mod.resolve(s.sharding)
-    mesh = sharding_mod.make_mesh(sharding, s.n_devices)
-    me = jax.process_index()
-    local = tuple(d for d in mesh.devices.flat if d.process_index == me)
-    dist = Dist(me, jax.process_count(), mesh.size, mesh, local, *data_share(mesh, me))
+    # [Step 1] the run's identity (resumed or new), then the devices it runs on
+    resume_path, run_id, seed = _identity(s, svc)
+    sharding, mesh, dist = _devices(s)
+    # [Step 2] the data, the experiment derived from it, its Device values, the model
     splits = build_data(exp, s.data, dist, seed)
     position = resume_position(resume_path)
     warn_replay(splits, position)
@@ -95,8 +91,9 @@ def build(
     rep = replicated(mesh)
     values = {k: device_array(k, v, rep) for k, v in field_values(exp, DEVICE).items()}
     model, params, mstate, rng = build_model(exp, seed, rep)
-    split_specs = check_splits(splits, routes, len(local), position)
+    split_specs = check_splits(splits, routes, len(dist.local_devices), position)
     check_processes_agree(splits, split_specs)
+    # [Step 3] the optimizer, its schedules, a population, the data kept on the device
     custom = check_custom_step(s, routes)
     optimizer = optim.build(exp, params, scheduled=set(s.schedules), separate=custom)
     spe = steps_per_epoch(splits, s.accum)
@@ -104,22 +101,11 @@ def build(
     layout = HyperLayout.build(optimizer, values, schedules)
     pop = population_of(s, exp, seed, optimizer, splits["train"], schedules)
     resident, device_batches = resident_data(s, splits, split_specs, mesh, dist, pop)
-    if s.weights is not None and s.checkpoint is None:
-        raise ConfigError(
-            f"weights={s.weights!r} without checkpoint=; weights picks which weights a "
-            f"checkpoint loads. Pass checkpoint='runs/...' with it, or drop weights."
-        )
-    decided = {  # the options setup turns into something else; the rest are kept as they are
-        "seed": seed,
-        "run_dir": s.run_dir,
-        "log_grad_norm": grad_norm_setting(s.log_grad_norm, optimizer) and not custom,
-        "sharding": sharding,
-        "remat": remat.plan(s.remat, s.remat_policy, model, params, mstate),
-        "population": pop,
-        "schedules": schedules,
-        "ema": ema_mod.setting(s.ema, s.ema_warmup, s.ema_every, s.ema_state, s.ema_eval),
-        "early_stop": early_stop_rule(s.early_stop),
-    }
+    _check_weights_option(s)
+    # [Step 4] the spec: what setup decided, frozen
+    decided = _decided(
+        s, seed, sharding, optimizer, custom, pop, schedules, (model, params, mstate)
+    )
     spec = RunSpec(
         experiment=exp,
         cls=type(exp),
@@ -131,9 +117,7 @@ def build(
         mesh=mesh,
         replicated=rep,
         batch_sharding=data_mod.batch_sharding(mesh),
-        direct_feed=(
-            mesh.size == 1 and mesh.devices.flat[0].platform == "cpu" and dist.process_count == 1
-        ),
+        direct_feed=_direct_feed(mesh, dist),
         optimizer=optimizer,
         hyper=layout,
         steps_per_epoch=spe,
@@ -145,22 +129,97 @@ def build(
         **decided,
         **_options(s, decided),
     )
+    # [Step 5] the initial train state and Device values, checked, then restored or loaded
+    ts, device = _initial(spec, sharding, values, (params, mstate, rng))
+    sharding_mod.check_fsdp(ts.params, sharding, mesh.size)
+    check_metrics(spec, ts, device, svc, named)
+    return _restored(spec, ts, device, s, svc)
+
+
+def _identity(s: Settings, svc: Services) -> tuple[Path | None, str, int]:
+    """The resume record, the run's id and seed (process 0's, for every process), and the
+    services and environment that follow from them."""
+    resume_path = shared_resume_record(svc, s.run_dir, s.resume)
+    run_id, seed = identity(resume_path, s.seed)
+    run_id = distributed.broadcast("run-id", run_id)  # process 0's: one run, one id
+    svc.checkpointer.for_run(run_id)
+    restore_loggers(svc, resume_path)
+    apply_env()
+    return resume_path, run_id, seed
+
+
+def _devices(s: Settings) -> tuple[Sharding, Mesh, Dist]:
+    """The sharding rules, the mesh, and this process's place in it (what
+    `build_data(self, dist)` is handed)."""
+    sharding = sharding_mod.resolve(s.sharding)
+    mesh = sharding_mod.make_mesh(sharding, s.n_devices)
+    me = jax.process_index()
+    local = tuple(d for d in mesh.devices.flat if d.process_index == me)
+    return (
+        sharding,
+        mesh,
+        Dist(me, jax.process_count(), mesh.size, mesh, local, *data_share(mesh, me)),
+    )
+
+
+def _direct_feed(mesh: Mesh, dist: Dist) -> bool:
+    """One CPU device in one process: batches go to the program as they are."""
+    return mesh.size == 1 and mesh.devices.flat[0].platform == "cpu" and dist.process_count == 1
+
+
+def _decided(
+    s: Settings,
+    seed: int,
+    sharding: Sharding,
+    optimizer: optim.Optimizer,
+    custom: bool,
+    pop: Any,
+    schedules: Any,
+    model_trees: tuple[Any, Any, Any],
+) -> dict[str, Any]:
+    """The options setup turns into something else; the rest are kept as they are."""
+    return {
+        "seed": seed,
+        "run_dir": s.run_dir,
+        "log_grad_norm": grad_norm_setting(s.log_grad_norm, optimizer) and not custom,
+        "sharding": sharding,
+        "remat": remat.plan(s.remat, s.remat_policy, *model_trees),
+        "population": pop,
+        "schedules": schedules,
+        "ema": ema_mod.setting(s.ema, s.ema_warmup, s.ema_every, s.ema_state, s.ema_eval),
+        "early_stop": early_stop_rule(s.early_stop),
+    }
+
+
+def _check_weights_option(s: Settings) -> None:
+    if s.weights is not None and s.checkpoint is None:
+        raise ConfigError(
+            f"weights={s.weights!r} without checkpoint=; weights picks which weights a "
+            f"checkpoint loads. Pass checkpoint='runs/...' with it, or drop weights."
+        )
+
+
+def _initial(
+    spec: RunSpec, sharding: Sharding, values: dict[str, Any], trees: tuple[Any, Any, jax.Array]
+) -> tuple[TrainState, DeviceValues]:
+    """The initial train state and Device values: one model's, or a population's (each
+    member's own trees and values, stacked)."""
+    params, mstate, rng = trees
+    pop, layout, optimizer, rep = spec.population, spec.hyper, spec.optimizer, spec.replicated
     if pop is None:
         device = DeviceValues(values, layout.base(optimizer, values))
-        shardings = sharding_mod.param_shardings(params, sharding, mesh)
-        ts = initial_state(model, params, mstate, optimizer.tx, rng, rep, shardings)
+        shardings = sharding_mod.param_shardings(params, sharding, spec.mesh)
+        ts = initial_state(spec.model, params, mstate, optimizer.tx, rng, rep, shardings)
     else:
         device = member_device_values(pop, layout, optimizer, values, rep)
-        params, mstate, rng = member_trees(exp, pop, rep, (params, mstate, rng))
-        ts = initial_state(model, params, mstate, optimizer.tx, rng, rep, members=pop.size)
+        params, mstate, rng = member_trees(spec.experiment, pop, rep, (params, mstate, rng))
+        ts = initial_state(spec.model, params, mstate, optimizer.tx, rng, rep, members=pop.size)
         if spec.early_stop is not None:  # each member stops on its own metric
             active = sharding_mod.to_sharding(np.ones(pop.size, bool), rep)
             device = dataclasses.replace(device, active=active)
     if spec.ema is not None:  # placed and sharded as the params (their copy, in f32)
         ts = ts.replace(ema=ema_mod.init(spec.ema, ts.params, ts.state, ts.step))
-    sharding_mod.check_fsdp(ts.params, sharding, mesh.size)
-    check_metrics(spec, ts, device, svc, named)
-    return _restored(spec, ts, device, s, svc)
+    return ts, device
 
 
 def _options(s: Settings, decided: Mapping[str, Any]) -> dict[str, Any]:
