@@ -33,6 +33,7 @@ AREAS = (
     "steps",
     "optim",
     "compile",
+    "programs",
     "train",
     "data",
     "checkpoint",
@@ -55,14 +56,14 @@ PLACES: dict[str, str] = {
     "test_options.py": "unit/run",
     "test_services.py": "unit/run",
     "test_spine.py": "unit/run",
-    "test_background.py": "unit/run",
+    "test_background.py": "unit/train",
     "test_startup.py": "unit/run",
     "test_custom_step.py": "unit/steps",
     "test_ema.py": "unit/steps",
     "test_population.py": "unit/steps",
     "test_state.py": "unit/steps",
     "test_optim.py": "unit/optim",
-    "test_autotune.py": "unit/compile",
+    "test_autotune.py": "unit/train",
     "test_compile_discipline.py": "unit/compile",
     "test_compile_report.py": "unit/compile",
     "test_compile_scenarios.py": "unit/compile",
@@ -70,7 +71,7 @@ PLACES: dict[str, str] = {
     "test_fingerprint.py": "unit/compile",
     "test_fingerprint_reach.py": "unit/compile",
     "test_memory_plan.py": "unit/compile",
-    "test_early_stop.py": "unit/train",
+    "test_early_stop.py": "unit/run",
     "test_lr_find.py": "unit/train",
     "test_readback.py": "unit/train",
     "test_train.py": "unit/train",
@@ -89,13 +90,13 @@ PLACES: dict[str, str] = {
     "test_process_layout.py": "unit/dist",
     "test_curves.py": "unit/observe",
     "test_display.py": "unit/observe",
-    "test_observe_oom.py": "unit/observe",
+    "test_oom.py": "unit/train",
     "test_observe_time.py": "unit/observe",
-    "test_introspect.py": "unit/observe",
+    "test_introspect.py": "unit/train",
     "test_jsonl_logger.py": "unit/observe",
     "test_loggers.py": "unit/observe",
     "test_metrics_logging.py": "unit/observe",
-    "test_render.py": "unit/observe",
+    "test_render.py": "unit/train",
     "test_export.py": "unit/export",
     "test_export_loading.py": "unit/export",
     "test_export_provenance.py": "unit/export",
@@ -136,7 +137,7 @@ PLACES: dict[str, str] = {
 TOP_LEVEL = {"conftest.py", "README.md"}
 
 _E2E = re.compile(r"jaxnitro launch|\"launch\"|jax\.distributed|nbclient|multi_device")
-_IMPORT = re.compile(r"^\s*(?:from|import) jaxnitro\.(\w+)", re.MULTILINE)
+_IMPORT = re.compile(r"^\s*(?:from|import) jaxnitro\._src\.(\w+)", re.MULTILINE)
 
 
 def place(path: Path) -> str:

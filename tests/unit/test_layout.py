@@ -17,7 +17,7 @@ assert _spec is not None and _spec.loader is not None
 place_tests = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(place_tests)
 
-PACKAGE = ROOT / "src" / "jaxnitro"
+PACKAGE = ROOT / "src" / "jaxnitro" / "_src"
 
 
 def test_no_test_file_sits_at_the_top_of_tests():

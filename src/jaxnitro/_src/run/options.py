@@ -24,6 +24,7 @@ import numpy as np
 from jaxnitro._src.core.errors import MODES, ConfigError, check_int, did_you_mean
 from jaxnitro._src.core.units import parse_bytes
 from jaxnitro._src.core.words import bool_word, vocabulary
+from jaxnitro._src.experiment import markers
 
 if TYPE_CHECKING:
     from jaxnitro._src.core.types import Experiment
@@ -383,7 +384,7 @@ def _early_stop(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     from jaxnitro._src.observe.runs import metric_mode
-    from jaxnitro._src.train.early_stop import EarlyStopping
+    from jaxnitro._src.run.early_stop import EarlyStopping
 
     parts = value.split(":")
     fix = "write METRIC:PATIENCE[:min|max], e.g. 'val_loss:3' or 'acc:5:max'"
@@ -786,6 +787,7 @@ OPTIONS: tuple[Option, ...] = (
         "ema|raw",
     ),
 )
+markers.declare_driver_fields(o.name for o in OPTIONS if o.reads_field)
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
