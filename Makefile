@@ -46,12 +46,14 @@ bench: $(VENV)/.bench
 bench-serve: $(VENV)/.dev
 	$(PY) benchmarks/serve.py --out runs/bench/serve.json $(BENCH_ARGS)
 
-# ruff (lint and format) everywhere; the type checker on the package only.
+# ruff (lint and format) everywhere; the type checker on the package only; the import
+# contracts of pyproject.toml (the layers of docs/layout.md).
 LINT_PATHS := src tests tools examples benchmarks
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy src
+	$(VENV)/bin/lint-imports
 
 $(VENV)/.docs: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --quiet -e ".[docs]"

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import jaxnitro as jn  # noqa: E402
-from jaxnitro._src.compile import programs  # noqa: E402
+from jaxnitro._src.programs import builders as programs  # noqa: E402
 
 
 def _experiment():

@@ -85,6 +85,7 @@ TARGETS: dict[str, Target] = {
     ),
     # The packages, whole, against their folders' fast tests (not run yet: hours each).
     "compile": Target("src/jaxnitro/_src/compile", tests=("tests/unit/compile", "-m", FAST)),
+    "programs": Target("src/jaxnitro/_src/programs", tests=("tests/unit/compile", "-m", FAST)),
     "run-setup": Target("src/jaxnitro/_src/run/setup", tests=("tests/unit/run", "-m", FAST)),
     "checkpoint": Target(
         "src/jaxnitro/_src/checkpoint", tests=("tests/unit/checkpoint", "-m", FAST)

@@ -28,7 +28,6 @@ from jaxnitro._src.experiment.markers import Device, GraphConst, Host, experimen
 from jaxnitro._src.experiment.models import apply, split_model
 from jaxnitro._src.export import Bundle, TensorSpec, export_model, load_bundle
 from jaxnitro._src.observe.events import Preempted, StepRecord, every, on_phase
-from jaxnitro._src.observe.introspect import compile, compile_report, explain, inspect, memory_plan
 from jaxnitro._src.observe.loggers import (
     CSVLogger,
     JSONLogger,
@@ -39,18 +38,19 @@ from jaxnitro._src.observe.loggers import (
     read_jsonl,
 )
 from jaxnitro._src.observe.plot import plot
-from jaxnitro._src.observe.render import render
-from jaxnitro._src.run.background import RunHandle, runs, start
+from jaxnitro._src.run.early_stop import EarlyStopping
+from jaxnitro._src.run.history import History
 from jaxnitro._src.run.live import device_value, history, request_stop, set_device
 from jaxnitro._src.run.nitro import Dist, Nitro, member
 from jaxnitro._src.steps.custom import group_grad, optimizer_step
 from jaxnitro._src.steps.state import TrainState, train_step
+from jaxnitro._src.train.background import RunHandle, runs, start
 from jaxnitro._src.train.driver import TrainResult, train
-from jaxnitro._src.train.early_stop import EarlyStopping
 from jaxnitro._src.train.evaluation import evaluate, validate
-from jaxnitro._src.train.history import History
+from jaxnitro._src.train.introspect import compile, compile_report, explain, inspect, memory_plan
 from jaxnitro._src.train.lr_find import LRFindResult, lr_find
 from jaxnitro._src.train.prediction import predict
+from jaxnitro._src.train.render import render
 
 __all__ = [
     "BundleError",

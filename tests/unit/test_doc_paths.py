@@ -22,11 +22,7 @@ PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(FOLDERS)})/[\w./*-]*)")
 
 # Paths that are named but are not files of the checkout, each with why. Keep it small:
 # a moved file is fixed where it is named, not listed here.
-ALLOWED: dict[str, str] = {
-    # docs/layout.md is rewritten on the `layers` branch (issue 43, item 1), which names the
-    # import-linter contracts instead; drop this entry when that lands.
-    "tests/test_import_graph.py": "docs/layout.md, rewritten on the layers branch",
-}
+ALLOWED: dict[str, str] = {}
 
 
 def documents() -> list[Path]:

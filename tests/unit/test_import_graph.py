@@ -1,21 +1,31 @@
-"""The package's import graph has no cycles, lazy (function-level) imports included.
+"""The package's layers hold, and its import graph has no cycles that can run.
 
-Each module's imports are read with `ast` (at module level and inside functions; those under
-`if TYPE_CHECKING:` never run and are left out). An edge runs from a module to each module of
-ours it imports: `from a.b import c` is an edge to `a.b.c` when that is a module, else to `a.b`;
-`import a.b` an edge to `a.b`. Importing a submodule also runs its parent packages' `__init__`,
-but that is how every package works and is not counted.
+The layers are import-linter contracts in pyproject.toml (docs/layout.md says why that
+order): `lint-imports` checks them here as in `make lint`, imports under `if TYPE_CHECKING:`
+and inside functions counted, so a type-only import of a higher layer fails too.
+
+The cycle check below is about what runs: each module's imports are read with `ast` (at
+module level and inside functions; those under `if TYPE_CHECKING:` never run and are left
+out, and a cross-layer one is the contracts' to refuse). An edge runs from a module to each
+module of ours it imports: `from a.b import c` is an edge to `a.b.c` when that is a module,
+else to `a.b`; `import a.b` an edge to `a.b`. Importing a submodule also runs its parent
+packages' `__init__`, but that is how every package works and is not counted.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jaxnitro
 
 ROOT = Path(jaxnitro.__file__).parent
 PACKAGE = "jaxnitro"
+CHECKOUT = ROOT.parent.parent  # src/jaxnitro -> the checkout, where pyproject.toml is
 
 # Edges (importer, imported) that close a cycle today and are allowed for now, each with why.
 KNOWN_LAZY: dict[tuple[str, str], str] = {}
@@ -172,3 +182,38 @@ def test_the_walk_sees_cycles_and_lazy_imports():
     assert cycles(graph) == [["a", "b", "c", "a"]]
     tree = ast.parse("import x\nif TYPE_CHECKING:\n    import y\ndef f():\n    from . import z\n")
     assert sorted(type(n).__name__ for n in _imports(tree)) == ["Import", "ImportFrom"]
+
+
+def lint_imports(src: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` on the package under `src`, with this checkout's contracts."""
+    exe = Path(sys.executable).with_name("lint-imports")
+    assert exe.exists(), f"{exe} is missing: install the dev extra (pip install -e '.[dev]')"
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    return subprocess.run(
+        [str(exe), "--no-cache", "--no-logo", str(CHECKOUT / "pyproject.toml")],
+        cwd=CHECKOUT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_layers_hold():
+    done = lint_imports(ROOT.parent)
+    assert done.returncode == 0, f"an import breaks the layers (docs/layout.md):\n{done.stdout}"
+    assert ", 0 broken." in done.stdout
+
+
+def test_a_type_only_import_of_a_higher_layer_breaks_them(tmp_path):
+    # The contracts see an import under TYPE_CHECKING: core naming the handle is refused.
+    shutil.copytree(ROOT, tmp_path / "jaxnitro", ignore=shutil.ignore_patterns("__pycache__"))
+    units = tmp_path / "jaxnitro" / "_src" / "core" / "units.py"
+    units.write_text(
+        units.read_text()
+        + "\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+        + "    from jaxnitro._src.run.nitro import Nitro\n"
+    )
+    done = lint_imports(tmp_path)
+    assert done.returncode != 0
+    assert "jaxnitro._src.core.units -> jaxnitro._src.run.nitro" in done.stdout

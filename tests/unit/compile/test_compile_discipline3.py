@@ -508,7 +508,7 @@ class Hidden(Tiny):
 
 
 def test_predict_rechecks_a_loop_against_the_trace_once_its_window_passed(tmp_path, monkeypatch):
-    from jaxnitro._src.compile import programs
+    from jaxnitro._src.programs import builders as programs
 
     HOLDER["w"][:] = 1.0
     n = handle(Hidden(n_val=0), tmp_path / "a")

@@ -28,7 +28,7 @@ import jaxnitro as jn
 from jaxnitro._src.checkpoint.runlock import LOCK_NAME as RUN_LOCK
 from jaxnitro._src.checkpoint.runlock import RunLockedError
 from jaxnitro._src.core.errors import ConfigArgumentError, JaxnitroError
-from jaxnitro._src.train.early_stop import EarlyStopping
+from jaxnitro._src.run.early_stop import EarlyStopping
 
 SRC = Path(jn.__file__).resolve().parent
 

@@ -22,7 +22,7 @@ from helpers.paths import TESTS
 import jaxnitro as jn
 from jaxnitro._src.core.errors import ConfigError, JaxnitroError
 from jaxnitro._src.observe.loggers import JSONLogger, LogWarning, LogWriteError, read_jsonl
-from jaxnitro._src.train.history import History
+from jaxnitro._src.run.history import History
 
 
 def _log_warnings(record):

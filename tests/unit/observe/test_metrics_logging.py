@@ -1,4 +1,4 @@
-"""Tests for steps.metrics, the loggers, jaxnitro._src.train.history and jaxnitro.datasets."""
+"""Tests for steps.metrics, the loggers, jaxnitro._src.run.history and jaxnitro.datasets."""
 
 import json
 import math
@@ -11,8 +11,8 @@ from helpers.logs import lines
 
 import jaxnitro as jn
 from jaxnitro._src.observe.loggers import JSONLogger, read_jsonl
+from jaxnitro._src.run.history import History
 from jaxnitro._src.steps import metrics
-from jaxnitro._src.train.history import History
 
 # ---------------------------------------------------------------- metrics.normalize
 

@@ -16,12 +16,6 @@ from conftest import Tiny, make_data
 import jaxnitro as jn
 from jaxnitro._src.checkpoint.runlock import RunLock
 from jaxnitro._src.compile import cache, explain
-from jaxnitro._src.compile.programs import (
-    ProgramSet,
-    eval_metric_shapes,
-    eval_program,
-    train_program,
-)
 from jaxnitro._src.data import feed
 from jaxnitro._src.data.batches import batch_sharding
 from jaxnitro._src.dist.devices import make_mesh, replicated
@@ -32,6 +26,12 @@ from jaxnitro._src.optim import groups as optim
 from jaxnitro._src.optim import hyper
 from jaxnitro._src.optim.hyper import HyperLayout
 from jaxnitro._src.optim.schedules import Schedules, resolve_schedules
+from jaxnitro._src.programs.builders import (
+    ProgramSet,
+    eval_metric_shapes,
+    eval_program,
+    train_program,
+)
 from jaxnitro._src.run import setup as setup_mod
 from jaxnitro._src.run.progress import Progress
 from jaxnitro._src.run.services import NoCheckpointer, Services

@@ -8,5 +8,6 @@ checkpoints are kept (`retention`), the corrupted ones moved aside (`quarantine`
 messages of a failure (`messages`); the shards of a multi-process run (`shards`), and one
 writer per run directory (`runlock`).
 
-It may import `core` and `dist`.
+It may import `core`, `compile`, `experiment`, `optim` and `dist`; `data` is its sibling and
+neither imports the other.
 """

@@ -28,8 +28,8 @@ from jaxnitro._src.core.errors import ConfigError, clip, did_you_mean
 from jaxnitro._src.core.jsonable import jsonable
 from jaxnitro._src.experiment.markers import DEVICE, fields
 from jaxnitro._src.observe.runs import LOG_NAME, find_runs, run_info
-from jaxnitro._src.run import background
 from jaxnitro._src.run import options as opts
+from jaxnitro._src.train import background
 
 # Options that are paths (run_dir, checkpoint, resume): confined to the root like every
 # other path, whether a tool's options, its fields (a field named like an option sets it), a
@@ -285,11 +285,11 @@ class Workspace:
         return {"runs": rows}
 
     def inspect(self, run_id: str) -> dict[str, Any]:
-        from jaxnitro._src.observe.introspect import inspect
+        from jaxnitro._src.train.introspect import inspect
 
         n = self._idle(run_id, "inspect")
         report = inspect(n, show=False)
-        from jaxnitro._src.observe.introspect import memory_plan
+        from jaxnitro._src.train.introspect import memory_plan
 
         return {
             "programs": [jsonable(dataclasses.asdict(r)) for r in report.records],

@@ -1,7 +1,9 @@
-"""Compilation: tracing user hooks into XLA programs and caching them process-wide.
+"""Compilation's low floor: the process-wide program cache (`cache`) and its keys (code
+`fingerprint`s, the JAX flags and environment in `context`), why a program differs from the
+closest one compiled before (`explain`), compile reports (`report`), program memory
+(`memory`), and JAX's persistent cache as jaxnitro uses it (`persistent`, `cache_guard`).
+The programs of a run are built above the steps, in `programs`.
 
-It also measures `steps_per_call="auto"` (`autotune`).
-
-It may import `core`, `experiment`, `optim`, `steps`, `data` (the feed's call layout) and
-`dist`; and, in annotations only (under `TYPE_CHECKING`), `run`'s `RunSpec` and `Nitro`.
+It may import `core` only: the steps (`jn.train_step`), the model adapters and the devices'
+cache set-up all use it (docs/layout.md).
 """

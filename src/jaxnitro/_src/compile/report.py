@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxnitro._src.compile.memory import ProgramMemory
+from jaxnitro._src.core.html_table import html_table
 from jaxnitro._src.core.units import format_bytes
 
 if TYPE_CHECKING:
@@ -215,8 +216,6 @@ class CompileReport(list):
         return format_table(self)
 
     def _repr_html_(self) -> str:
-        from jaxnitro._src.observe.display import html_table
-
         header, rows = _table_rows(self)
         flags = "".join(f"<p>! {f.message}</p>" for r in self for f in r.flags)
         return html_table(header, rows, caption="programs compiled") + flags

@@ -8,7 +8,7 @@ no row gather and no copy inside the program (on XLA:CPU a gathered batch of 102
 floats costs about 1 ms a step, a quarter of that MLP's step).
 
 A shuffled split keeps its arrays whole on the device instead and the train program gathers
-each batch's rows (`compile/programs.py`): its batches differ every epoch.
+each batch's rows (`programs/builders.py`): its batches differ every epoch.
 
 The pieces are keyed by their first row. A piece is put when first asked for; one that
 overlaps it (another `steps_per_call`, or the first epoch after a resume mid-epoch, whose

@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxnitro._src.core import background_imports
 from jaxnitro._src.core.errors import DataError
 from jaxnitro._src.data import waits
-from jaxnitro._src.observe.plot import wait_preload
 
 _IN_FLIGHT = 2  # tasks per worker: one computing, one queued
 # A worker's row in the progress table: the batch and epoch of its task (-1: none), the
@@ -95,7 +95,7 @@ class TransformPool:
         self.progress[:, :_BEATS] = -1
         self._tag = 0  # one per pass: replies of an abandoned pass are told apart
         ctx = multiprocessing.get_context("fork")
-        wait_preload()  # a fork amid that thread's imports could inherit their locks
+        background_imports.wait()  # a fork amid a thread's imports could inherit their locks
         self.conns: list = []
         self.procs: list = []
         with warnings.catch_warnings():

@@ -17,7 +17,7 @@ import io
 import textwrap
 import tokenize
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias, TypeVar, overload
 
 from jaxnitro._src.core.errors import (
@@ -27,15 +27,21 @@ from jaxnitro._src.core.errors import (
     ReadOnlyError,
     did_you_mean,
 )
-from jaxnitro._src.run import options
 
 GRAPH = "GraphConst"
 DEVICE = "Device"
 HOST = "Host"
 
 #: Fields that set a `jn.Nitro` option (the driver reads them; baking one into a program
-#: would be meaningless).
-DRIVER_FIELDS = frozenset(o.name for o in options.OPTIONS if o.reads_field)
+#: would be meaningless). The options are declared a layer up (`run.options`), which names
+#: them here through `declare_driver_fields` as it is imported: `import jaxnitro` imports it
+#: before any experiment class can be declared.
+DRIVER_FIELDS: set[str] = set()
+
+
+def declare_driver_fields(names: Iterable[str]) -> None:
+    """Add the `jn.Nitro` options an experiment field may set (none of them can be GraphConst)."""
+    DRIVER_FIELDS.update(names)
 
 
 class _Marker:

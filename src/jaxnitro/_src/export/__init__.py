@@ -1,8 +1,8 @@
 """Export and load serving bundles: `jn.export_model(n, dir)` writes one, `jn.load_bundle(dir)`
 runs it without the model's code. The format is in `format.py`; see docs/export.md.
 
-It may import `core`, `experiment`, `optim`, `steps`, `compile` and `train` (a
-bundle is checked against the predict program); `run`'s `Nitro` in annotations only.
+It may import every layer below it (`core` to `train`, a bundle is checked against the
+predict program) and the public modules; `serve` and `cli` never.
 """
 
 from jaxnitro._src.core.errors import BundleError, BundleInputError, ExportError

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 
-from jaxnitro._src.compile.programs import _forward
 from jaxnitro._src.core.errors import ExportError, JaxnitroError
 from jaxnitro._src.experiment import models
 from jaxnitro._src.experiment.markers import CompileView
 from jaxnitro._src.export.format import BATCH, TensorSpec
 from jaxnitro._src.export.weights import Weights
+from jaxnitro._src.programs.builders import _forward
 
 if TYPE_CHECKING:
     from jaxnitro._src.run.nitro import Nitro

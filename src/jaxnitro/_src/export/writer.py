@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxnitro._src.compile.programs import check_stale
 from jaxnitro._src.core.errors import BundleError, ExportError, did_you_mean, warn_user
 from jaxnitro._src.export import compat
 from jaxnitro._src.export.format import (
@@ -42,6 +41,7 @@ from jaxnitro._src.export.program import (
 from jaxnitro._src.export.provenance import provenance
 from jaxnitro._src.export.servable import check_servable
 from jaxnitro._src.export.weights import flatten_weights
+from jaxnitro._src.programs.builders import check_stale
 from jaxnitro._src.steps import ema, population
 
 if TYPE_CHECKING:

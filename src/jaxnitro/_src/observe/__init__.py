@@ -1,8 +1,10 @@
 """Looking at a run, while it runs and after: the progress display (`display`) and what it
-says of a population's members (`members`), curves (`plot`), per-sample pictures and heatmaps
-(`render`), `jn.inspect`, `jn.explain` and `jn.memory_plan` (`introspect`), the runs under a
-directory (`runs`), phases, step events and signals (`events`), and the loggers (`loggers`).
+says of a population's members (`members`), curves (`plot`), the runs under a directory
+(`runs`), phases, step events and signals (`events`), the loggers (`loggers`), throughput and
+timing (`throughput`, `timing`) and the profiler window (`profile`).
 
-It may import every part but `run`, `cli`, `export` and `serve` (`run`'s `Nitro` in annotations
-only, under `TYPE_CHECKING`).
+It may import every layer below `run` (`core` to `programs`). What it reads of a run it names
+in Protocols (`events.phases.Phased`, `plot.Curves`, `members.PopulationRun`,
+`throughput.ThroughputSpec`): never `run`'s `Nitro` or `RunSpec`. The functions that take the
+handle itself (`jn.inspect`, `jn.render`, the out-of-memory report) are in `train`.
 """

@@ -63,35 +63,9 @@ def show_image(path: Any) -> None:
         display(Image(filename=str(path)))
 
 
-def html_table(header, rows, *, marked: int | None = None, caption: str = "") -> str:
-    """An HTML table for a notebook's `_repr_html_` (cells escaped; row `marked` in bold)."""
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
-    body = "".join(
-        "<tr>"
-        + "".join(
-            f"<td><b>{html.escape(_cell(c))}</b></td>"
-            if i == marked
-            else f"<td>{html.escape(_cell(c))}</td>"
-            for c in row
-        )
-        + "</tr>"
-        for i, row in enumerate(rows)
-    )
-    cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
-    return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
 def _count_text(label: str, done: int, total: int | None, note: str) -> str:
     count = f"{done}/{total}" if total else f"{done}"
     return f"{label}: {count}" + (f" · {note}" if note else "")
-
-
-def _cell(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
 
 
 class _Bar(Progress):

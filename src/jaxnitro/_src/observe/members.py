@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from jaxnitro._src.observe.display import html_table
+from jaxnitro._src.core.html_table import html_table
 
 if TYPE_CHECKING:
-    from jaxnitro._src.run.nitro import Nitro
+    import numpy as np
+
     from jaxnitro._src.steps.population import Population
 
 # The members table shows the best this many and the worst `_WORST`, when there are more.
@@ -23,7 +24,33 @@ _BEST = 10
 _WORST = 3
 
 
-def training(n: Nitro) -> tuple[int, int] | None:
+class _Stopping(Protocol):
+    def active(self, states: Any, /) -> np.ndarray: ...
+
+
+class _PopulationSpec(Protocol):
+    @property
+    def population(self) -> Population | None: ...
+    @property
+    def early_stop(self) -> _Stopping | None: ...
+
+
+class _StopStates(Protocol):
+    @property
+    def early_stop(self) -> object: ...
+
+
+class PopulationRun(Protocol):
+    """What `training` reads of a run (a `jn.Nitro` is one): its population and early-stopping
+    rule (`spec`), and the members' stopping states (`progress.early_stop`)."""
+
+    @property
+    def spec(self) -> _PopulationSpec: ...
+    @property
+    def progress(self) -> _StopStates: ...
+
+
+def training(n: PopulationRun) -> tuple[int, int] | None:
     """(members still training, members) of a population run; None for one model. Read from
     the early-stopping states on the host (the driver's `active` mask), no device sync."""
     pop = n.spec.population

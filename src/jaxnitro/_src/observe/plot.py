@@ -18,19 +18,19 @@ import importlib.util
 import math
 import os
 import sys
-import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path, PosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from jaxnitro._src.core import background_imports
 from jaxnitro._src.core.errors import ConfigError, did_you_mean, warn_user
 from jaxnitro._src.observe.display import Display, each
 from jaxnitro._src.observe.runs import LOG_NAME, run_rows
 
 if TYPE_CHECKING:
-    from jaxnitro._src.run.nitro import Nitro
+    from jaxnitro._src.observe.loggers.base import Logger
 
 _MAX_POINTS = 2000  # a long run's per-step curve is averaged into this many bins
 # train-line keys shown only when asked for (the throughput: observe/throughput.py)
@@ -93,7 +93,8 @@ def plot(
     return Figure(target)
 
 
-_preloading: list[threading.Thread] = []  # the background import of matplotlib, if started
+_PRELOAD = "jaxnitro-plot-import"  # the background import of matplotlib, if started
+_MATPLOTLIB = ("matplotlib.backends.backend_agg", "matplotlib.figure", "matplotlib.ticker")
 
 
 def _enabled() -> bool:
@@ -103,29 +104,41 @@ def _enabled() -> bool:
 def preload() -> None:
     """Import matplotlib in a background thread, ahead of the end-of-train drawing (once per
     process; nothing when drawing is off, matplotlib is missing or already imported)."""
-    if _preloading or not _enabled() or "matplotlib.figure" in sys.modules:
+    if background_imports.started(_PRELOAD) or not _enabled() or "matplotlib.figure" in sys.modules:
         return
     if importlib.util.find_spec("matplotlib") is None:
         return
-    thread = threading.Thread(target=_import_matplotlib, name="jaxnitro-plot-import", daemon=True)
-    _preloading.append(thread)
-    thread.start()
+    background_imports.start(_PRELOAD, _MATPLOTLIB)
 
 
 def wait_preload() -> None:
     """Wait for `preload`'s import (a fork amid it could inherit its import locks)."""
-    for thread in _preloading:
-        thread.join()
+    background_imports.wait()
 
 
-def _import_matplotlib() -> None:
-    with contextlib.suppress(Exception):  # the drawing itself reports what is wrong
-        import matplotlib.backends.backend_agg  # noqa: F401
-        import matplotlib.figure  # noqa: F401
-        import matplotlib.ticker  # noqa: F401
+class _Held(Protocol):
+    @property
+    def held(self) -> bool: ...
 
 
-def write_curves(n: Nitro) -> Path | None:
+class _Lock(Protocol):
+    @property
+    def lock(self) -> _Held: ...
+
+
+class Curves(Protocol):
+    """What `write_curves` reads of a run (a `jn.Nitro` is one): where it writes, its logger
+    (the JSONL log drawn) and whether it holds the run's lock (`services.lock.held`)."""
+
+    @property
+    def run_dir(self) -> str | os.PathLike: ...
+    @property
+    def logger(self) -> Logger: ...
+    @property
+    def services(self) -> _Lock: ...
+
+
+def write_curves(n: Curves) -> Path | None:
     """`run_dir/curves.png` at the end of `jn.train`, while the run holds its lock.
 
     Skipped when `JAXNITRO_NO_PLOT=1`, without matplotlib, or with no JSONL log; a failure
@@ -167,7 +180,7 @@ def _log_path(run) -> Path:
     return log
 
 
-def _handle_log(n: Nitro) -> Path | None:
+def _handle_log(n: Curves) -> Path | None:
     """The JSONL log a handle writes (a `JSONLogger`, alone or in a fan-out)."""
     from jaxnitro._src.observe.loggers.jsonl import JSONLogger
 

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxnitro._src.checkpoint.runlock import LOCK_NAME
+from jaxnitro._src.core.html_table import html_table
 from jaxnitro._src.observe import timing
-from jaxnitro._src.observe.display import Display, each, html_table
+from jaxnitro._src.observe.display import Display, each
 from jaxnitro._src.observe.loggers.jsonl import read_jsonl
 
 LOG_NAME = "metrics.jsonl"

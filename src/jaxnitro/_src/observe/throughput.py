@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from jaxnitro._src.run.spec import RunSpec
+    from jax.sharding import Mesh
+
+    from jaxnitro._src.core.types import Experiment
+    from jaxnitro._src.data.splits import SplitSpec
 
 # Dense (no sparsity) peak TFLOP/s per chip, by the matmul input dtype a run uses ("bf16":
 # precision="bf16"; "f32": float32 matmuls at JAX's default precision, which on NVIDIA
@@ -103,7 +107,22 @@ def step_flops(program_flops: float | None, accum: int) -> float | None:
     return program_flops * accum
 
 
-def tokens_per_sample(spec: RunSpec) -> int | None:
+class ThroughputSpec(Protocol):
+    """What the throughput reads of a run's spec (a `RunSpec` is one)."""
+
+    @property
+    def experiment(self) -> Experiment: ...
+    @property
+    def split_specs(self) -> Mapping[str, SplitSpec]: ...
+    @property
+    def accum(self) -> int: ...
+    @property
+    def mesh(self) -> Mesh: ...
+    @property
+    def precision(self) -> str: ...
+
+
+def tokens_per_sample(spec: ThroughputSpec) -> int | None:
     """Tokens per sample: the experiment's `tokens_per_sample`, else the per-example size of
     a batch field named `tokens` (None: neither)."""
     declared = getattr(spec.experiment, "tokens_per_sample", None)
@@ -116,7 +135,9 @@ def tokens_per_sample(spec: RunSpec) -> int | None:
     return math.prod(shape)
 
 
-def for_run(spec: RunSpec, program_flops: float | None, given_peak: float | None) -> Throughput:
+def for_run(
+    spec: ThroughputSpec, program_flops: float | None, given_peak: float | None
+) -> Throughput:
     """The run's `Throughput` from its spec, its train program's FLOPs and the peak option."""
     info = spec.split_specs["train"]
     samples = info.batch_size * spec.accum

@@ -11,8 +11,8 @@ from jaxnitro._src.core.errors import ConfigError, did_you_mean
 from jaxnitro._src.dist.sharding import to_sharding
 from jaxnitro._src.experiment.markers import DEVICE, GRAPH, fields, replace
 from jaxnitro._src.optim.groups import live_optimizer
+from jaxnitro._src.run.history import History
 from jaxnitro._src.run.setup import device_array
-from jaxnitro._src.train.history import History
 
 if TYPE_CHECKING:
     from typing import Any

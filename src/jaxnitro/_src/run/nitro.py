@@ -26,7 +26,6 @@ import numpy as np
 
 from jaxnitro._src.checkpoint.runlock import RunLock
 from jaxnitro._src.checkpoint.store import read_manifest
-from jaxnitro._src.compile.programs import ProgramSet
 from jaxnitro._src.core.errors import ConfigArgumentError, ConfigError, did_you_mean
 from jaxnitro._src.core.types import ExperimentT
 from jaxnitro._src.dist.sharding import to_sharding
@@ -36,6 +35,8 @@ from jaxnitro._src.observe.events.phases import set_phase
 from jaxnitro._src.observe.events.signals import SetupTerminated, terminate_during_setup
 from jaxnitro._src.observe.plot import preload as preload_plotting
 from jaxnitro._src.optim import groups as optim_groups
+from jaxnitro._src.optim.schedules import constant
+from jaxnitro._src.programs.builders import ProgramSet
 from jaxnitro._src.run import config as config_mod
 from jaxnitro._src.run import options
 from jaxnitro._src.run import settings as settings_mod
@@ -45,7 +46,6 @@ from jaxnitro._src.run.setup import Dist
 from jaxnitro._src.run.spec import DeviceValues, RunSpec
 from jaxnitro._src.steps import population
 from jaxnitro._src.steps.state import TrainState
-from jaxnitro.schedules import constant
 
 if TYPE_CHECKING:
     import os

@@ -329,7 +329,7 @@ def early_stop(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     from jaxnitro._src.observe.runs import metric_mode
-    from jaxnitro._src.train.early_stop import EarlyStopping
+    from jaxnitro._src.run.early_stop import EarlyStopping
 
     parts = value.split(":")
     fix = "write METRIC:PATIENCE[:min|max], e.g. 'val_loss:3' or 'acc:5:max'"

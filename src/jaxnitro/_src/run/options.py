@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from jaxnitro._src.core.errors import ConfigError, did_you_mean
+from jaxnitro._src.experiment import markers
 from jaxnitro._src.run import option_values as v
 
 if TYPE_CHECKING:
@@ -396,6 +397,7 @@ OPTIONS: tuple[Option, ...] = (
         "ema|raw",
     ),
 )
+markers.declare_driver_fields(o.name for o in OPTIONS if o.reads_field)
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jaxnitro._src.train.early_stop import StopState
+    from jaxnitro._src.run.early_stop import StopState
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`RunSpec`: everything setup decides about a run, frozen.
 
-Setup (`run/setup/`) builds one; the program builders (`compile/programs.py`), the feed, the loop
+Setup (`run/setup/`) builds one; the program builders (`programs/builders.py`), the feed, the loop
 and the checkpoint writer read it and never change it. Only `max_epochs` (a handle setting a
 user may raise to train further) and the Device values of `jn.set_device` change after setup,
 each by replacing the part that holds them.
@@ -18,6 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxnitro._src.core.types import Hooked, Model, Source
+from jaxnitro._src.data.splits import SplitSpec
 
 if TYPE_CHECKING:
     from jaxnitro._src.data.device_batches import DeviceBatches
@@ -27,31 +28,10 @@ if TYPE_CHECKING:
     from jaxnitro._src.optim.groups import Optimizer
     from jaxnitro._src.optim.hyper import HyperLayout
     from jaxnitro._src.optim.schedules import Schedules
+    from jaxnitro._src.run.early_stop import EarlyStopConfig
     from jaxnitro._src.run.setup.data import Dist
     from jaxnitro._src.steps.ema import Ema
     from jaxnitro._src.steps.population import Population
-    from jaxnitro._src.train.early_stop import EarlyStopConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitSpec:
-    """What the first batch of a split showed at setup.
-
-    Attributes:
-        batch_size: rows per batch (the last batch of an eval split may be shorter).
-        fields: the batch fields a traced hook names (sent to the device, in order).
-        keys: every field of a batch (host-only ones included).
-        has_loss: the batches carry the fields `loss` needs (validation logs a loss).
-        first: the first host batch (for planning programs without iterating the source).
-        specs: field -> (per-example shape, dtype) every later batch must match.
-    """
-
-    batch_size: int
-    fields: tuple[str, ...]
-    keys: frozenset
-    has_loss: bool
-    first: Mapping[str, Any]
-    specs: Mapping[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)

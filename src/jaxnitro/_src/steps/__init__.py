@@ -3,7 +3,7 @@
 helpers (`custom`), populations under `vmap` (`population`), exact (sum, count) metrics
 (`metrics`).
 
-It may import `core`, `experiment`, `compile` (the low-level step's program cache) and `data`
-(a population's per-member loaders); and, in annotations only (under `TYPE_CHECKING`), `run`'s
-`Nitro` and `RunSpec`.
+It may import `core`, `compile` (the low-level step's program cache), `experiment`, `optim`,
+`dist`, `data` (a population's per-member loaders) and `checkpoint`. What it reads of a run
+it names in Protocols (`ema.WeightsSource`, `population.OneOrMany`): never `run`'s `Nitro`.
 """

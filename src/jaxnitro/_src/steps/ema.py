@@ -10,7 +10,7 @@ the ramp, the cadence and whether model state is averaged are part of the progra
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jaxnitro._src.core.errors import ConfigError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from jaxnitro._src.core.types import Batch, PyTree
-    from jaxnitro._src.run.nitro import Nitro
     from jaxnitro._src.steps.state import TrainState
     from jaxnitro._src.steps.step import StepFn
 
@@ -175,7 +176,34 @@ def _moved(avg: Any, current: Any, decay: Any, keep: Any) -> PyTree:
     return jax.tree.map(one, avg, current)
 
 
-def which(n: Nitro, weights: str | None) -> str:
+class _WeightsSpec(Protocol):
+    @property
+    def ema(self) -> Ema | None: ...
+    @property
+    def weights_loaded(self) -> str | None: ...
+    @property
+    def weights_path(self) -> Path | None: ...
+
+
+class _Steps(Protocol):
+    @property
+    def step(self) -> int: ...
+
+
+class WeightsSource(Protocol):
+    """What `which` and `pick` read of a run (a `jn.Nitro` is one): the averaging and the
+    weights a checkpoint loaded (`spec`), the optimizer steps taken (`progress.step`) and the
+    weights themselves (`train_state`)."""
+
+    @property
+    def spec(self) -> _WeightsSpec: ...
+    @property
+    def progress(self) -> _Steps: ...
+    @property
+    def train_state(self) -> TrainState: ...
+
+
+def which(n: WeightsSource, weights: str | None) -> str:
     """The weights `weights=` names on this handle, "ema" or "raw" (None: those validation
     uses; on a handle that loaded a checkpoint and has not trained, those it loaded)."""
     weights = weights_setting(weights)
@@ -187,7 +215,7 @@ def which(n: Nitro, weights: str | None) -> str:
     return loaded if loaded is not None and n.progress.step == 0 else "raw"
 
 
-def pick(n: Nitro, weights: str | None) -> tuple[Any, Any]:
+def pick(n: WeightsSource, weights: str | None) -> tuple[Any, Any]:
     """(params, model state) of the run for `weights` ("ema", "raw", or None: what
     validation used), cast back to the params' dtypes for the eval and predict programs."""
     named = which(n, weights)

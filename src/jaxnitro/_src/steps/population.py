@@ -20,7 +20,7 @@ import copy
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from jaxnitro._src.optim.groups import Optimizer
     from jaxnitro._src.optim.hyper import HyperLayout
     from jaxnitro._src.optim.schedules import Schedules
-    from jaxnitro._src.run.nitro import Nitro
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +255,19 @@ def ranked(
 
 
 # -- one member as a normal handle ----------------------------------------------------------
-def refuse(n: Nitro, what: str) -> None:
+class _PopulationSpec(Protocol):
+    @property
+    def population(self) -> Population | None: ...
+
+
+class OneOrMany(Protocol):
+    """What `refuse` reads of a run (a `jn.Nitro` is one): whether it trains a population."""
+
+    @property
+    def spec(self) -> _PopulationSpec: ...
+
+
+def refuse(n: OneOrMany, what: str) -> None:
     """`what` works on one model: a population handle says how to pick a member."""
     pop = n.spec.population
     if pop is not None:

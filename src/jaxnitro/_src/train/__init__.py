@@ -1,7 +1,8 @@
-"""The driver: `jn.train` (`driver`), `jn.validate` and `jn.evaluate`
-(`evaluation`), `jn.predict` (`prediction`), `jn.lr_find` (`lr_find`), early stopping
-(`early_stop`: the frozen rule and state, and the pure step between them) and the history
-(`history`).
+"""What is done with a handle: `jn.train` (`driver`, one epoch in `epoch`), `jn.validate` and
+`jn.evaluate` (`evaluation`), `jn.predict` (`prediction`), `jn.lr_find` (`lr_find`),
+`jn.render` (`render`), `jn.inspect`, `jn.explain` and `jn.memory_plan` (`introspect`),
+`steps_per_call="auto"` (`autotune`), the out-of-memory report (`oom`), checkpoints of a run
+(`checkpointing`), chunked read-back (`readback`) and `jn.start` (`background`).
 
-It may import every part but `cli`, `export` and `serve`.
+It may import every layer below it (`core` to `run`); `export`, `serve` and `cli` never.
 """

@@ -18,28 +18,29 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from jaxnitro._src.compile import autotune, cache, plan, report
-from jaxnitro._src.compile.programs import check_stale
+from jaxnitro._src.compile import cache, report
 from jaxnitro._src.core.errors import DataError, warn_user
 from jaxnitro._src.experiment.markers import fields
 from jaxnitro._src.observe import members as population_view
-from jaxnitro._src.observe import oom
 from jaxnitro._src.observe.display import show_image
 from jaxnitro._src.observe.events.phases import set_phase
 from jaxnitro._src.observe.events.signals import Preempted, graceful_stop
 from jaxnitro._src.observe.plot import write_curves
 from jaxnitro._src.observe.timing import Goodput, host_bound_hint
+from jaxnitro._src.programs import plan
+from jaxnitro._src.programs.builders import check_stale
 from jaxnitro._src.run import config
+from jaxnitro._src.run.history import History
 from jaxnitro._src.run.live import history
 from jaxnitro._src.steps import population
+from jaxnitro._src.train import autotune, oom
 from jaxnitro._src.train.checkpointing import save_checkpoint
 from jaxnitro._src.train.epoch import EpochResult, log_validation, run_epoch
 from jaxnitro._src.train.evaluation import validation
-from jaxnitro._src.train.history import History
 
 if TYPE_CHECKING:
+    from jaxnitro._src.run.early_stop import EarlyStopConfig, EarlyStopState
     from jaxnitro._src.run.nitro import Nitro
-    from jaxnitro._src.train.early_stop import EarlyStopConfig, EarlyStopState
 
 
 @dataclasses.dataclass

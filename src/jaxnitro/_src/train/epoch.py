@@ -24,24 +24,25 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jaxnitro._src.compile.programs import train_program
 from jaxnitro._src.core.errors import NonFiniteLossError, warn_user
 from jaxnitro._src.core.jsonable import jsonable
 from jaxnitro._src.data import feed
 from jaxnitro._src.data import loader as data_mod
-from jaxnitro._src.observe import oom, render, throughput
+from jaxnitro._src.observe import throughput
 from jaxnitro._src.observe.events import steps as step_events
 from jaxnitro._src.observe.events.phases import set_phase
 from jaxnitro._src.observe.events.signals import PreemptionSync
-from jaxnitro._src.observe.introspect import peak_memory
 from jaxnitro._src.observe.loggers.base import log_step_rows
 from jaxnitro._src.observe.members import training as members_training
 from jaxnitro._src.observe.profile import ProfileWindow
 from jaxnitro._src.observe.timing import EpochClock
+from jaxnitro._src.programs.builders import train_program
 from jaxnitro._src.run import commands
 from jaxnitro._src.run.progress import Progress
+from jaxnitro._src.train import oom, render
 from jaxnitro._src.train.checkpointing import save_checkpoint
 from jaxnitro._src.train.evaluation import is_scalar, validation
+from jaxnitro._src.train.introspect import peak_memory
 from jaxnitro._src.train.readback import (
     InFlight,
     StepRow,

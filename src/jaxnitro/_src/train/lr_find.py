@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxnitro._src.compile.programs import check_stale, train_program
 from jaxnitro._src.core.errors import ConfigError, DataError
 from jaxnitro._src.data import feed
+from jaxnitro._src.programs.builders import check_stale, train_program
 from jaxnitro._src.steps import population
 
 if TYPE_CHECKING:
@@ -247,7 +247,7 @@ def _plot(n: Nitro, r: LRFindResult) -> Path | None:
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    from jaxnitro._src.observe.render import save
+    from jaxnitro._src.train.render import save
 
     fig = Figure(figsize=(5, 3.5))
     ax = fig.add_subplot()

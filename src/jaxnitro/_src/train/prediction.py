@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from jaxnitro._src.compile.programs import check_stale, predict_program
 from jaxnitro._src.core.errors import DataError, closest
 from jaxnitro._src.data import batches, feed
+from jaxnitro._src.programs.builders import check_stale, predict_program
 from jaxnitro._src.steps import ema, population
 
 if TYPE_CHECKING:

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from jaxnitro._src.core.errors import ConfigArgumentError, warn_user
 from jaxnitro._src.observe.events import registry
-
-if TYPE_CHECKING:
-    from jaxnitro._src.run.nitro import Nitro
 
 _global_monitors: list[Callable] = []
 
@@ -75,7 +72,29 @@ class PhaseTracker:
                     )
 
 
-def set_phase(n: Nitro, phase: str, *, info: dict | None = None, force: bool = False) -> None:
+class _Phases(Protocol):
+    @property
+    def phases(self) -> PhaseTracker: ...
+
+
+class _EpochNumber(Protocol):
+    @property
+    def epoch_number(self) -> int: ...
+
+
+class Phased(Protocol):
+    """What `set_phase` reads of a run (a `jn.Nitro` is one): its tracker (`services.phases`),
+    its step and epoch. Monitors get the run itself in `info["nitro"]`."""
+
+    @property
+    def services(self) -> _Phases: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def progress(self) -> _EpochNumber: ...
+
+
+def set_phase(n: Phased, phase: str, *, info: dict | None = None, force: bool = False) -> None:
     """Enter `phase` on a handle's tracker: its monitors see the step, epoch and the handle."""
     n.services.phases.enter(
         phase,

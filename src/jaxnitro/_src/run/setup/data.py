@@ -14,11 +14,11 @@ from jaxnitro._src.core.errors import ConfigError, DataError, HookError, did_you
 from jaxnitro._src.data import grain_source
 from jaxnitro._src.data import loader as data_mod
 from jaxnitro._src.data.batches import batch_specs, check_batch, check_same_specs
+from jaxnitro._src.data.splits import SplitSpec
 from jaxnitro._src.dist import distributed
 from jaxnitro._src.dist import sharding as sharding_mod
 from jaxnitro._src.experiment import hooks
 from jaxnitro._src.experiment.markers import replace
-from jaxnitro._src.run.spec import SplitSpec
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh, NamedSharding

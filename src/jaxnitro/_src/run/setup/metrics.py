@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def eval_metric_names(spec: RunSpec, ts: TrainState, device: DeviceValues, split: str) -> list[str]:
     """The metric names validation produces (traced abstractly; nothing compiles)."""
-    from jaxnitro._src.compile.programs import eval_metric_shapes
+    from jaxnitro._src.programs.builders import eval_metric_shapes
 
     names = list(eval_metric_shapes(spec, ts, split, device.extras))
     if spec.ema is not None and spec.ema.eval == "both" and split == "val":  # the raw weights'

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh
 
     from jaxnitro._src.core.types import Source
+    from jaxnitro._src.data.splits import SplitSpec
     from jaxnitro._src.run.setup.data import Dist
-    from jaxnitro._src.run.spec import SplitSpec
     from jaxnitro._src.steps.population import Population
 
 #: The share of the device's capacity the train arrays may take to stay on it by default.

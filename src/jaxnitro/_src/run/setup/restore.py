@@ -17,13 +17,13 @@ from jaxnitro._src.core.jsonable import jsonable
 from jaxnitro._src.data import loader as data_mod
 from jaxnitro._src.dist import sharding as sharding_mod
 from jaxnitro._src.experiment.markers import graph_key
+from jaxnitro._src.run.early_stop import StopState
 from jaxnitro._src.run.progress import Progress
 from jaxnitro._src.run.setup.population import on_targets
 from jaxnitro._src.run.setup.rundir import read_meta
 from jaxnitro._src.run.spec import RunSpec
 from jaxnitro._src.steps import ema as ema_mod
 from jaxnitro._src.steps.state import TrainState
-from jaxnitro._src.train.early_stop import StopState
 
 if TYPE_CHECKING:
     from jaxnitro._src.checkpoint.orbax_io import Bar

@@ -21,6 +21,7 @@ from jaxnitro._src.experiment.markers import DEVICE, field_values
 from jaxnitro._src.optim import groups as optim
 from jaxnitro._src.optim.hyper import HyperLayout
 from jaxnitro._src.run import options
+from jaxnitro._src.run.early_stop import EarlyStopConfig, EarlyStopping
 from jaxnitro._src.run.progress import Progress
 from jaxnitro._src.run.services import Services
 from jaxnitro._src.run.settings import Settings
@@ -56,7 +57,6 @@ from jaxnitro._src.run.setup.weights import load_weights, loaded_weights, weight
 from jaxnitro._src.run.spec import DeviceValues, RunSpec
 from jaxnitro._src.steps import ema as ema_mod
 from jaxnitro._src.steps.state import TrainState
-from jaxnitro._src.train.early_stop import EarlyStopConfig, EarlyStopping
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -225,7 +225,7 @@ def _initial(
 def _options(s: Settings, decided: Mapping[str, Any]) -> dict[str, Any]:
     """The options a RunSpec keeps as validated: its fields named like an option that setup
     has not `decided` (steps_per_call='auto' starts at 1; the first train measures and picks,
-    `compile/autotune.py`)."""
+    `train/autotune.py`)."""
     kept = {f.name for f in dataclasses.fields(RunSpec)} & set(options.NAMES)
     out = {k: getattr(s, k) for k in kept - set(decided)}
     if s.steps_per_call == "auto":

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from jaxnitro._src.core.errors import check_mode
+from jaxnitro._src.core.html_table import html_table
 
 if TYPE_CHECKING:
     from typing import Any
@@ -86,8 +87,6 @@ class History:
 
     def _repr_html_(self) -> str:
         """The rows as a table in a notebook, the best row in bold."""
-        from jaxnitro._src.observe.display import html_table
-
         columns = list(dict.fromkeys(k for row in self.rows for k in row))
         rows = [[row.get(k) for k in columns] for row in self.rows]
         caption = f"best by {self.metric} ({self.mode})" if self.metric else ""

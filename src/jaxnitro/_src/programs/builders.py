@@ -1,10 +1,10 @@
 """A run's compiled programs: traced functions built from its hooks, keyed by `ProgramKey`.
 
-Builders take a `RunSpec` (what setup decided), a `ProgramSet` (this run's bookkeeping) and
-the current `TrainState`; traced hooks run against the compile view (GraphConst values, Device
-tracers, Host refused). The functions built here close over the model structure and the
-optimizer, which the key covers, so a cached program is correct for every run whose key is
-the same.
+Builders take a `ProgramSpec` (what setup decided; a `RunSpec` is one), a `ProgramSet` (this
+run's bookkeeping) and the current `TrainState`; traced hooks run against the compile view
+(GraphConst values, Device tracers, Host refused). The functions built here close over the
+model structure and the optimizer, which the key covers, so a cached program is correct for
+every run whose key is the same.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from jaxnitro._src.steps.step import (
 
 if TYPE_CHECKING:
     from jaxnitro._src.core.types import Batch, PyTree
-    from jaxnitro._src.run.spec import RunSpec
+    from jaxnitro._src.programs.spec import ProgramSpec
     from jaxnitro._src.steps.state import TrainState
     from jaxnitro._src.steps.step import StepFn
 
@@ -59,7 +59,7 @@ _KIND_HOOKS = {
 }
 
 
-def _kind_hooks(spec: RunSpec, kind: str) -> tuple[str, ...]:
+def _kind_hooks(spec: ProgramSpec, kind: str) -> tuple[str, ...]:
     """The hooks a kind of program traces; a custom step's train program traces that hook
     (and what it reaches through `self`) instead of forward and loss."""
     if kind == "train" and "train_step" in spec.routes:
@@ -67,7 +67,9 @@ def _kind_hooks(spec: RunSpec, kind: str) -> tuple[str, ...]:
     return _KIND_HOOKS[kind]
 
 
-def _forward(spec: RunSpec, device: Any, params: PyTree, model_state: PyTree, batch: Batch) -> Any:
+def _forward(
+    spec: ProgramSpec, device: Any, params: PyTree, model_state: PyTree, batch: Batch
+) -> Any:
     try:
         out = spec.cls.forward(
             CompileView(spec.experiment, device, "forward"),
@@ -96,7 +98,7 @@ def _cast_floats(tree: PyTree, dtype: Any) -> PyTree:
     )
 
 
-def train_loss_fn(spec: RunSpec) -> Callable[..., Any]:
+def train_loss_fn(spec: ProgramSpec) -> Callable[..., Any]:
     """(params, model_state, batch, extras, rng) -> (loss, (new_model_state, train metrics)).
 
     With precision="bf16" the forward and backward run in bfloat16 on a bf16 copy of the
@@ -147,7 +149,7 @@ def train_loss_fn(spec: RunSpec) -> Callable[..., Any]:
     return loss_fn
 
 
-def custom_step_fn(spec: RunSpec) -> Callable[..., Any]:
+def custom_step_fn(spec: ProgramSpec) -> Callable[..., Any]:
     """(params, opt_state, state, rng, batch, extras) -> what the experiment's `train_step`
     returns, called in training mode (dropout on; `jn.apply` draws from its own key)."""
     route = spec.routes["train_step"]
@@ -176,7 +178,7 @@ def custom_step_fn(spec: RunSpec) -> Callable[..., Any]:
     return user_step
 
 
-def _loss_context(spec: RunSpec, split: str, batch: Batch) -> tuple[str, str]:
+def _loss_context(spec: ProgramSpec, split: str, batch: Batch) -> tuple[str, str]:
     """(hook, where) for a loss error: the experiment's hook, the split and the batch rows
     (a micro-batch's with accum)."""
     rows = next((v.shape[0] for v in batch.values() if getattr(v, "ndim", 0)), None)
@@ -184,7 +186,7 @@ def _loss_context(spec: RunSpec, split: str, batch: Batch) -> tuple[str, str]:
     return f"{spec.cls.__name__}.loss", f" on a batch of the {split!r} split{size}"
 
 
-def eval_metrics_fn(spec: RunSpec, split: str) -> Callable[..., Any]:
+def eval_metrics_fn(spec: ProgramSpec, split: str) -> Callable[..., Any]:
     """(params, model_state, batch, extras, n_valid) -> {name: (sum, count)} for one batch."""
     has_loss = spec.split_specs[split].has_loss
 
@@ -274,7 +276,7 @@ def _code_names(code: Any) -> set[str]:
     return names
 
 
-def traced_functions(spec: RunSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
+def traced_functions(spec: ProgramSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
     """The traced `hooks`, plus the experiment's methods and properties they reach via `self`.
 
     `self.helper(...)` is an attribute load, invisible to a function fingerprint; following
@@ -321,7 +323,7 @@ class ClassValue:
     value: Any
 
 
-def class_values(spec: RunSpec, functions: dict[str, Any]) -> dict[str, ClassValue]:
+def class_values(spec: ProgramSpec, functions: dict[str, Any]) -> dict[str, ClassValue]:
     """``self.NAME`` -> the class-level value, for every name the traced `functions` load
     that the experiment's class (or a base) holds as a plain value or a callable that is not
     a Python function (a `jnp` function, a `functools.partial`, a wrapper object).
@@ -356,7 +358,7 @@ def class_values(spec: RunSpec, functions: dict[str, Any]) -> dict[str, ClassVal
 _ABSENT = object()
 
 
-def model_classes(spec: RunSpec) -> dict[str, type]:
+def model_classes(spec: ProgramSpec) -> dict[str, type]:
     """``model:Qualname`` -> every user class of the model (its modules), whose code the
     programs run: the model's key is its structure, which names the classes but not what
     their methods (and the helpers and module values those read) do."""
@@ -367,14 +369,14 @@ def model_classes(spec: RunSpec) -> dict[str, type]:
     }
 
 
-def model_functions(spec: RunSpec) -> dict[str, Any]:
+def model_functions(spec: ProgramSpec) -> dict[str, Any]:
     """``model-fn:Owner.attr`` -> every user function the model holds as a value (an NNX
     module's `self.act = act`, a Linen module given `act=...`, an Equinox static field): the
     model's structure keys them by identity, so their code, globals and closures go here."""
     return {f"model-fn:{name}": fn for name, fn in models.held_functions(spec.model).items()}
 
 
-def traced_code(spec: RunSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
+def traced_code(spec: ProgramSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
     """Everything whose content a program built from `hooks` depends on beyond its key's
     other parts: the hooks and the methods they reach (`traced_functions`), the class-level
     values they read through `self` (`class_values`), the model's classes (`model_classes`)
@@ -395,7 +397,7 @@ def code_print(obj: Any) -> str:
     return fingerprint(obj)
 
 
-def hook_prints(spec: RunSpec, kind: str | None = None) -> tuple:
+def hook_prints(spec: ProgramSpec, kind: str | None = None) -> tuple:
     """(name, fingerprint) of everything a `kind` of program traces (all kinds: None)."""
     hooks = _TRACED_HOOKS if kind is None else _kind_hooks(spec, kind)
     return tuple(sorted((name, code_print(obj)) for name, obj in traced_code(spec, hooks).items()))
@@ -407,7 +409,7 @@ def _state_arrays(ts: TrainState) -> tuple:
 
 
 def program_key(
-    spec: RunSpec,
+    spec: ProgramSpec,
     ps: ProgramSet,
     kind: str,
     split: str | None,
@@ -485,7 +487,7 @@ def _bound_now(cls: type) -> object | None:
     return obj
 
 
-def check_rebound(spec: RunSpec, ps: ProgramSet) -> None:
+def check_rebound(spec: ProgramSpec, ps: ProgramSet) -> None:
     """Say once per class when the experiment's class (or a model class) is no longer the
     one its module binds under its name: a notebook cell re-run made a new class, and this
     handle still runs the old one's code (Python's semantics, but silent)."""
@@ -508,7 +510,7 @@ def check_rebound(spec: RunSpec, ps: ProgramSet) -> None:
         )
 
 
-def check_stale(spec: RunSpec, ps: ProgramSet, *, begin: bool = True) -> None:
+def check_stale(spec: ProgramSpec, ps: ProgramSet, *, begin: bool = True) -> None:
     """At an entry point: if a traced hook or helper was edited since this run compiled,
     drop the keys of the programs built from the old code and say so once, naming what
     changed (the hook, or the helper, module value or closure variable under it). Also names
@@ -591,7 +593,7 @@ def _edits(old: tuple | None, new: tuple) -> list[str]:
 
 
 def _acquire(
-    spec: RunSpec,
+    spec: ProgramSpec,
     ps: ProgramSet,
     key: explain.ProgramKey,
     lower: Any,
@@ -671,7 +673,7 @@ def _compile_line(prog: cache.Program) -> dict:
 
 
 def train_program(
-    spec: RunSpec,
+    spec: ProgramSpec,
     ps: ProgramSet,
     ts: TrainState,
     batch: Batch,
@@ -729,7 +731,7 @@ def train_program(
     return _acquire(spec, ps, key, lower, label=label)
 
 
-def _train_step(spec: RunSpec, steps: int, *, gathered: bool = False) -> StepFn:
+def _train_step(spec: ProgramSpec, steps: int, *, gathered: bool = False) -> StepFn:
     """The built-in step (forward, loss, one gradient and update) or the experiment's own;
     for a population, that step under `vmap` over the members; `steps` of it per call,
     each on its batch gathered from the arrays on the device when `gathered`."""
@@ -795,7 +797,9 @@ def _frozen_when_stopped(one: Any) -> StepFn:
     return step
 
 
-def eval_metric_shapes(spec: RunSpec, ts: TrainState, split: str, extras: dict[str, Any]) -> dict:
+def eval_metric_shapes(
+    spec: ProgramSpec, ts: TrainState, split: str, extras: dict[str, Any]
+) -> dict:
     """Abstract {name: (sum, count)} of the eval step on the split's first batch."""
     info = spec.split_specs[split]
     batch = {
@@ -811,7 +815,7 @@ def eval_metric_shapes(spec: RunSpec, ts: TrainState, split: str, extras: dict[s
     return jax.eval_shape(lambda p, s, b, e: fn(p, s, b, e, None), params, state, batch, extras)
 
 
-def eval_totals(spec: RunSpec, ts: TrainState, split: str, extras: dict[str, Any]) -> PyTree:
+def eval_totals(spec: ProgramSpec, ts: TrainState, split: str, extras: dict[str, Any]) -> PyTree:
     """Zero running totals of the eval step, on the mesh (one set per population member)."""
     zeros = metrics_mod.zeros_like_totals(eval_metric_shapes(spec, ts, split, extras))
     if spec.population is not None:
@@ -821,7 +825,7 @@ def eval_totals(spec: RunSpec, ts: TrainState, split: str, extras: dict[str, Any
 
 
 def eval_program(
-    spec: RunSpec,
+    spec: ProgramSpec,
     ps: ProgramSet,
     ts: TrainState,
     split: str,
@@ -860,7 +864,7 @@ def eval_program(
 
 
 def predict_program(
-    spec: RunSpec, ps: ProgramSet, ts: TrainState, batch: Batch, extras: dict[str, Any]
+    spec: ProgramSpec, ps: ProgramSet, ts: TrainState, batch: Batch, extras: dict[str, Any]
 ) -> cache.Program:
     """Forward in inference mode, on a batch padded to a bucket (the host slices padding)."""
 

@@ -27,7 +27,7 @@ _SHOWN = 8  # largest live arrays listed
 
 
 class OutOfMemoryError(JaxnitroError, MemoryError):
-    """A program ran out of device memory mid-run (see `observe/oom.py`)."""
+    """A program ran out of device memory mid-run (see `train/oom.py`)."""
 
 
 def is_oom(error: BaseException) -> bool:

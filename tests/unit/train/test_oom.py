@@ -19,7 +19,7 @@ from flax import nnx
 from helpers.slow_step import Lin
 
 import jaxnitro as jn
-from jaxnitro._src.observe import oom
+from jaxnitro._src.train import oom
 
 HUGE = 2**46  # float32 elements: 256 TiB
 

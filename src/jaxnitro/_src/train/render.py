@@ -36,7 +36,12 @@ class RenderWarning(UserWarning):
 
 
 def render(
-    n: Nitro, split: str = "val", batches: int = 1, out_dir=None, *, max_samples: int = _SAMPLES
+    n: Nitro,
+    split: str = "val",
+    batches: int = 1,
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    max_samples: int = _SAMPLES,
 ) -> list[Path]:
     """Write one PNG per sample of the first `batches` batches of `split`, drawn by the
     experiment's `visualize(self, outputs, **batch)` hook.
@@ -91,14 +96,14 @@ def render(
     return paths
 
 
-def _row(tree, i: int, rows: int):
+def _row(tree: Any, i: int, rows: int) -> Any:
     """Sample `i` of every leaf whose first dimension is the batch."""
     return jax.tree.map(
         lambda x: np.asarray(x)[i] if np.ndim(x) and np.shape(x)[0] == rows else x, tree
     )
 
 
-def save(fig, path: Path) -> Path:
+def save(fig: Any, path: Path) -> Path:
     """A matplotlib Figure to a PNG, written whole then moved into place."""
     if not hasattr(fig, "savefig"):
         raise HookError(
@@ -116,7 +121,7 @@ def save(fig, path: Path) -> Path:
     return path
 
 
-def heatmap(matrix, title: str, path: Path) -> Path:
+def heatmap(matrix: Any, title: str, path: Path) -> Path:
     """A matrix (a confusion matrix: rows true, columns predicted) as an annotated heatmap."""
     from matplotlib.figure import Figure
 

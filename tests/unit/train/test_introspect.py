@@ -30,7 +30,7 @@ def test_printing_what_inspect_returns_shows_the_report_once(run_dir, capsys):
 def test_in_a_notebook_inspect_shows_the_report_once(run_dir, capsys, monkeypatch):
     import IPython.display
 
-    from jaxnitro._src.observe import introspect
+    from jaxnitro._src.train import introspect
 
     shown: list[str] = []
     monkeypatch.setattr(introspect, "in_notebook", lambda: True, raising=False)

@@ -10,7 +10,7 @@ import pytest
 from conftest import Tiny
 
 import jaxnitro as jn
-from jaxnitro._src.run.background import tail_rows
+from jaxnitro._src.train.background import tail_rows
 
 
 @jn.experiment

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from jaxnitro._src.core.errors import ConfigError
-from jaxnitro._src.observe.display import Display, html_table
+from jaxnitro._src.core.html_table import html_table
+from jaxnitro._src.observe.display import Display
 from jaxnitro._src.observe.events.phases import on_phase
 from jaxnitro._src.observe.runs import LOG_NAME
 from jaxnitro._src.run import commands

@@ -8,7 +8,7 @@ import pytest
 from conftest import Tiny, leaves_equal, nitro
 
 import jaxnitro as jn
-from jaxnitro._src.compile import autotune
+from jaxnitro._src.train import autotune
 
 
 @pytest.mark.parametrize("margin, want", [(1e9, 8), (0.0, 1)], ids=["fused", "single"])

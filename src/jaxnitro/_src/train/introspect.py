@@ -1,6 +1,6 @@
 """Looking at a run without training it: programs, why they compiled, memory, groups.
 
-It only looks: planning and the memory check live in `compile/plan.py`. `jn.compile(n)`
+It only looks: planning and the memory check live in `programs/plan.py`. `jn.compile(n)`
 compiles every program the run will use; `jn.compile_report(n)` lists what
 each cost; `jn.explain(n)` says why each recompile happened; `jn.memory_plan(n)` adds up the
 bytes before step 1; `jn.inspect(n)` prints all of it with the binding report and the
@@ -12,15 +12,16 @@ from __future__ import annotations
 import dataclasses
 import html
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from jaxnitro._src.compile import memory, plan, report
-from jaxnitro._src.compile.programs import check_stale
+from jaxnitro._src.compile import memory, report
 from jaxnitro._src.core.units import format_bytes
 from jaxnitro._src.experiment.markers import fields
 from jaxnitro._src.observe import timing
 from jaxnitro._src.observe.display import in_notebook
 from jaxnitro._src.observe.runs import run_rows
+from jaxnitro._src.programs import plan
+from jaxnitro._src.programs.builders import check_stale
 
 if TYPE_CHECKING:
     from jaxnitro._src.run.nitro import Nitro
@@ -240,7 +241,7 @@ def _binding(n: Nitro) -> str:
     return "binding\n" + "\n".join(rows)
 
 
-def _resident(spec, split: str) -> str:
+def _resident(spec: Any, split: str) -> str:
     if split != "train":
         return ""
     if spec.device_batches is not None:
@@ -252,7 +253,7 @@ def _resident(spec, split: str) -> str:
     return f"; on the device ({format_bytes(size)}), each batch gathered in the train program"
 
 
-def data_source(src) -> str:
+def data_source(src: Any) -> str:
     """Where a split's batches come from, and how many worker processes read them."""
     from jaxnitro._src.data import grain_source
 

@@ -10,18 +10,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jaxnitro._src.compile import memory
-from jaxnitro._src.compile.programs import ProgramSet, eval_program, eval_totals, train_program
 from jaxnitro._src.data import feed
+from jaxnitro._src.programs.builders import ProgramSet, eval_program, eval_totals, train_program
 
 if TYPE_CHECKING:
     from typing import Any
 
-    from jaxnitro._src.run.spec import RunSpec
+    from jaxnitro._src.programs.spec import ProgramSpec
     from jaxnitro._src.steps.state import TrainState
 
 
 def planned(
-    spec: RunSpec,
+    spec: ProgramSpec,
     ps: ProgramSet,
     ts: TrainState,
     device: Any,
@@ -58,7 +58,9 @@ def planned(
     return out
 
 
-def _planned_eval(spec: RunSpec, ps: ProgramSet, ts: TrainState, extras: dict[str, Any]) -> dict:
+def _planned_eval(
+    spec: ProgramSpec, ps: ProgramSet, ts: TrainState, extras: dict[str, Any]
+) -> dict:
     info = spec.split_specs["val"]
     dev, _ = feed.eval_prepare(spec, "val", info.batch_size)(info.first)
     totals = eval_totals(spec, ts, "val", extras)
@@ -70,7 +72,7 @@ def _planned_eval(spec: RunSpec, ps: ProgramSet, ts: TrainState, extras: dict[st
     return out
 
 
-def notes(spec: RunSpec, *, train: bool = True) -> list[str]:
+def notes(spec: ProgramSpec, *, train: bool = True) -> list[str]:
     """Every program the run will compile, and why: one line each (nothing compiles here).
 
     The extra programs are the ones a user can avoid: a tail of single steps when
@@ -107,7 +109,7 @@ def notes(spec: RunSpec, *, train: bool = True) -> list[str]:
 
 
 def memory_plan(
-    spec: RunSpec,
+    spec: ProgramSpec,
     ps: ProgramSet,
     ts: TrainState,
     device: Any,
@@ -146,7 +148,7 @@ def memory_plan(
 
 
 def check_memory(
-    spec: RunSpec, ps: ProgramSet, ts: TrainState, device: Any, *, epoch: int, step: int
+    spec: ProgramSpec, ps: ProgramSet, ts: TrainState, device: Any, *, epoch: int, step: int
 ) -> memory.MemoryPlan:
     """The plan, raising MemoryPlanError (with the table and what to change) if it won't fit."""
     plan = memory_plan(spec, ps, ts, device, epoch=epoch, step=step)

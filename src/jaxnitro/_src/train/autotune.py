@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from jaxnitro._src.compile.programs import train_program
 from jaxnitro._src.data import feed
+from jaxnitro._src.programs.builders import train_program
 
 if TYPE_CHECKING:
     from jaxnitro._src.run.nitro import Nitro

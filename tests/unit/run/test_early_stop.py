@@ -11,7 +11,7 @@ import pytest
 
 import jaxnitro as jn
 from jaxnitro._src.core.errors import ConfigError, MetricsError
-from jaxnitro._src.train.early_stop import EarlyStopConfig, EarlyStopping, EarlyStopState
+from jaxnitro._src.run.early_stop import EarlyStopConfig, EarlyStopping, EarlyStopState
 
 
 def _run(es: EarlyStopping, values, metric: str | None = None) -> list[bool]:
