@@ -404,6 +404,13 @@ def _early_stop(value: Any) -> Any:
     return EarlyStopping(metric=metric, mode=mode, patience=patience)
 
 
+def _plateau(value: Any) -> Any:
+    """ "METRIC:PATIENCE:FACTOR[:min|max]" becomes the rule (`train/plateau.py`)."""
+    from jaxnitro._src.train.plateau import PlateauRule
+
+    return PlateauRule.parse(value)
+
+
 # -- command-line text -> value --------------------------------------------------------------
 def _bool(text: str) -> bool:
     value = bool_word(text)
@@ -555,6 +562,16 @@ OPTIONS: tuple[Option, ...] = (
         _early_stop,
         _str,
         "METRIC:PATIENCE[:min|max]",
+    ),
+    Option(
+        "reduce_lr_on_plateau",
+        None,
+        "'METRIC:PATIENCE:FACTOR[:min|max]'",
+        "Multiply the learning rate by FACTOR when a validation metric has not improved for "
+        "PATIENCE epochs (no recompile).",
+        _plateau,
+        _str,
+        "METRIC:PATIENCE:FACTOR[:min|max]",
     ),
     Option(
         "resume",

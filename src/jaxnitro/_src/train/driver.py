@@ -32,6 +32,7 @@ from jaxnitro._src.observe.timing import Goodput, host_bound_hint
 from jaxnitro._src.run import config
 from jaxnitro._src.run.live import history
 from jaxnitro._src.steps import population
+from jaxnitro._src.train import plateau
 from jaxnitro._src.train.checkpointing import save_checkpoint
 from jaxnitro._src.train.epoch import EpochResult, log_validation, run_epoch
 from jaxnitro._src.train.evaluation import validation
@@ -330,6 +331,8 @@ def _end_epoch(n: Nitro, epoch: int, done: EpochResult) -> str:
                 reason = "early_stop"
         if isinstance(n.progress.early_stop, tuple):  # members that stopped train no more
             _members_stopped(n, es, n.progress.early_stop, epoch + 1)
+    if n.spec.reduce_lr_on_plateau is not None and finished and not control.requested:
+        plateau.after_epoch(n, epoch + 1, row)  # the rates the next epoch takes
     if control.requested:
         reason = "preempted" if control.preempted else "requested"
     set_phase(n, "Checkpointing")

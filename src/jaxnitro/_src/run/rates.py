@@ -1,0 +1,108 @@
+"""The learning rate of a live handle, steered by hand (`jn.set_lr`, `RunHandle.set_lr`, the
+MCP tool `set_lr`) or by the plateau rule (`Nitro(reduce_lr_on_plateau=...)`), compiling
+nothing.
+
+Each group's learning rate is already an input of the train step: it travels in the per-step
+hyperparameter vector (`optim/hyper.py`), packed on the host from `DeviceValues.hyper_base`
+unless a schedule gives it. A new rate replaces its slot there, and is kept in
+`DeviceValues.rates` so that a later `jn.set_device` (which re-reads the rate hooks) does not
+undo it. The rates set this way belong to the handle: a checkpoint does not store them, and a
+resumed run starts from what the hooks give.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxnitro._src.core.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:
+    from jaxnitro._src.run.nitro import Nitro
+
+
+def set_lr(n: Nitro, rate: float | Mapping[str, float]) -> None:
+    """Set the learning rate the train step takes from its next step on; no recompile.
+
+    Args:
+        n: the handle (not running; a `jn.start` run is steered with `RunHandle.set_lr`).
+        rate: the new rate, or {group: rate} for a run with several parameter groups
+            (groups not named keep theirs).
+
+    The rate replaces what the `learning_rate` hook gives for the rest of this handle's life
+    (a checkpoint does not store it). A group whose rate a schedule drives is refused: change
+    the schedule instead.
+
+    Example:
+        >>> jn.set_lr(n, 3e-4)
+        >>> jn.learning_rates(n)
+        {'default': 0.0003}
+    """
+    n._set_rates(checked_rates(n, rate))
+
+
+def learning_rates(n: Nitro) -> dict[str, float]:
+    """Each parameter group's unscheduled learning rate, as the next step takes it.
+
+    Example:
+        >>> jn.learning_rates(n)
+        {'default': 0.001}
+    """
+    base = n.device.hyper_base
+    if not isinstance(base, Mapping):  # a population: one per member
+        raise ConfigError(
+            "learning_rates(n) of a population: each member has its own; read a member's "
+            "with jn.learning_rates(jn.member(n, i))."
+        )
+    return {g: float(base[f"opt.{g}.learning_rate"]) for _, g in n.spec.hyper.learning_rates()}
+
+
+def checked_rates(n: Nitro, rate: float | Mapping[str, float]) -> dict[str, float]:
+    """{group: rate} as `set_lr` applies it; a ConfigError naming the fix for a rate the
+    running step cannot take without another program. Changes nothing."""
+    spec = n.spec
+    if spec.population is not None:
+        raise ConfigError(
+            "set_lr on a population: its members' rates differ (population={'learning_rate': "
+            "[...]} or their hooks); set a member's with jn.set_lr(jn.member(n, i), rate)."
+        )
+    live = [g for _, g in spec.hyper.learning_rates()]
+    groups = sorted(spec.optimizer.groups) if spec.optimizer is not None else live
+    if not isinstance(rate, Mapping):
+        if len(groups) != 1:
+            raise ConfigError(
+                f"set_lr({rate!r}): this run has {len(groups)} parameter groups {groups}; "
+                f"pass one rate per group to change, e.g. set_lr({{{groups[0]!r}: {rate!r}}})."
+            )
+        rate = {groups[0]: rate}
+    out = {}
+    for group, value in rate.items():
+        if group not in groups:
+            raise ConfigError(
+                f"set_lr: no parameter group {group!r}; groups: {groups}."
+                + did_you_mean(str(group), groups)
+            )
+        if group not in live:
+            raise ConfigError(
+                f"set_lr: group {group!r} takes no learning rate as an input of the step (it is "
+                f"frozen with rate 0, or its optimizer is a ready optax transformation): build "
+                f"a new Nitro with its learning_rate hook giving the rate (one recompile)."
+            )
+        if f"opt.{group}.learning_rate" in spec.schedules.fns or (
+            "opt.learning_rate" in spec.schedules.fns
+        ):
+            raise ConfigError(
+                f"set_lr: a schedule drives the learning rate of group {group!r} (schedules() "
+                f"key 'opt.learning_rate'); change the schedule instead."
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+            raise ConfigError(f"set_lr: rate {value!r} of group {group!r} is no number.")
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(
+                f"set_lr: rate {value!r} of group {group!r}; pass a finite number >= 0."
+            )
+        out[group] = float(value)
+    return out
