@@ -150,3 +150,20 @@ def test_plateau_rule_parse_and_setup_errors(run_dir):
     state, drop = rule.update(state, 2, {"val_loss": 0.4})
     assert drop and state.bad_epochs == 0 and state.best == 0.4  # the count starts again
     assert rule.lowered({"a": 1e-3}) == {"a": 5e-4}
+
+
+def test_a_resume_continues_with_the_rates_and_the_plateau_count(run_dir):
+    plateau = {"reduce_lr_on_plateau": "flat:2:0.5:min"}
+    n = nitro(Stuck(max_epochs=4), run_dir=run_dir / "p", **plateau)
+    jn.train(n)  # a drop after epoch 3; epoch 4 is the first bad one since
+    r = nitro(Stuck(max_epochs=6), run_dir=run_dir / "p", resume="auto", **plateau)
+    assert jn.learning_rates(r) == {"default": pytest.approx(5e-3)}
+    assert r.progress.plateau is not None and r.progress.plateau.bad_epochs == 1
+    jn.train(r)
+    _, lr = _train_rows(r)  # as the run without a break: 5e-3 in epoch 5, halved for epoch 6
+    assert [lr[33], lr[41]] == pytest.approx([5e-3, 2.5e-3])
+    s = nitro(Tiny(max_epochs=1), run_dir=run_dir / "s")
+    jn.set_lr(s, 3e-4)
+    jn.train(s)
+    again = nitro(Tiny(max_epochs=2), run_dir=run_dir / "s", resume="auto")
+    assert jn.learning_rates(again) == {"default": pytest.approx(3e-4)}

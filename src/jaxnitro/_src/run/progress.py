@@ -36,7 +36,7 @@ class Progress:
     #: early stopping's counters (one per member of a population; `EarlyStopConfig.advance`
     #: steps them), or None when the run has no early stopping
     early_stop: StopState | None = None
-    #: the plateau rule's counters (`train/plateau.py`; not stored in a checkpoint)
+    #: the plateau rule's counters (`train/plateau.py`; a checkpoint stores them)
     plateau: EarlyStopState | None = None
     first_epoch_batches: int | None = None
     #: a stream's iterator state after the last batch trained on (grain; JSON), or None

@@ -6,22 +6,28 @@ Each group's learning rate is already an input of the train step: it travels in 
 hyperparameter vector (`optim/hyper.py`), packed on the host from `DeviceValues.hyper_base`
 unless a schedule gives it. A new rate replaces its slot there, and is kept in
 `DeviceValues.rates` so that a later `jn.set_device` (which re-reads the rate hooks) does not
-undo it. The rates set this way belong to the handle: a checkpoint does not store them, and a
-resumed run starts from what the hooks give.
+undo it. A checkpoint stores them (and the plateau rule's counters), and a resume continues
+with them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxnitro._src.core.errors import ConfigError, did_you_mean
+from jaxnitro._src.core.errors import CheckpointError, ConfigError, did_you_mean
+from jaxnitro._src.optim.hyper import rate_slots
+from jaxnitro._src.train.early_stop import EarlyStopState
 
 if TYPE_CHECKING:
     from jaxnitro._src.run.nitro import Nitro
+    from jaxnitro._src.run.progress import Progress
+    from jaxnitro._src.run.spec import DeviceValues
 
 
 def set_lr(n: Nitro, rate: float | Mapping[str, float]) -> None:
@@ -33,8 +39,8 @@ def set_lr(n: Nitro, rate: float | Mapping[str, float]) -> None:
             (groups not named keep theirs).
 
     The rate replaces what the `learning_rate` hook gives for the rest of this handle's life
-    (a checkpoint does not store it). A group whose rate a schedule drives is refused: change
-    the schedule instead.
+    (its checkpoints store it: a resume continues with it). A group whose rate a schedule
+    drives is refused: change the schedule instead.
 
     Example:
         >>> jn.set_lr(n, 3e-4)
@@ -106,3 +112,33 @@ def checked_rates(n: Nitro, rate: float | Mapping[str, float]) -> dict[str, floa
             )
         out[group] = float(value)
     return out
+
+
+def saved_rates(device: DeviceValues, progress: Progress) -> dict[str, Any]:
+    """The checkpoint meta entries of the rates set mid-run and the plateau rule's counters."""
+    plateau = progress.plateau
+    return {
+        "rates": dict(device.rates) or None,
+        "plateau": dataclasses.asdict(plateau) if plateau is not None else None,
+    }
+
+
+def resumed_rates(
+    device: DeviceValues, progress: Progress, meta: Mapping[str, Any], path: Path
+) -> tuple[DeviceValues, Progress]:
+    """A resume continues with the rates and the plateau counters its checkpoint saved."""
+    rates, plateau = meta.get("rates") or {}, meta.get("plateau")
+    ok = isinstance(rates, dict) and all(
+        isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in rates.values()
+    )
+    if not ok or not isinstance(plateau, dict | None):
+        raise CheckpointError(
+            f"checkpoint {path}: meta fields 'rates'/'plateau' are damaged ({rates!r}, "
+            f"{plateau!r}). Resume from another checkpoint."
+        )
+    if rates and isinstance(device.hyper_base, Mapping):
+        base = {**device.hyper_base, **rate_slots(rates)}
+        device = dataclasses.replace(device, hyper_base=base, rates=dict(rates))
+    if plateau is not None:
+        progress = progress.replace(plateau=EarlyStopState(**plateau))
+    return device, progress
