@@ -42,6 +42,7 @@ from jaxnitro._src.run.early_stop import EarlyStopping
 from jaxnitro._src.run.history import History
 from jaxnitro._src.run.live import device_value, history, request_stop, set_device
 from jaxnitro._src.run.nitro import Dist, Nitro, member
+from jaxnitro._src.run.rates import learning_rates, set_lr
 from jaxnitro._src.steps.custom import group_grad, optimizer_step
 from jaxnitro._src.steps.state import TrainState, train_step
 from jaxnitro._src.train.background import RunHandle, runs, start
@@ -110,6 +111,7 @@ __all__ = [
     "fields",
     "history",
     "load_checkpoint",
+    "learning_rates",
     "lr_find",
     "LRFindResult",
     "group_grad",
@@ -124,6 +126,7 @@ __all__ = [
     "request_stop",
     "runs",
     "set_device",
+    "set_lr",
     "setup_devices",
     "shard_options",
     "split_model",

@@ -122,7 +122,7 @@ async def _scenario(session: ClientSession, root: Path) -> None:
     # [1] the tools and their schemas
     tools = {t.name: t for t in (await session.list_tools()).tools}
     assert sorted(tools) == sorted(
-        "setup train status stop checkpoint set_device validate evaluate predict export "
+        "setup train status stop checkpoint set_device set_lr validate evaluate predict export "
         "runs inspect logs".split()
     )
     options = tools["setup"].input_schema["properties"]["options"]["anyOf"][0]["properties"]
@@ -151,6 +151,9 @@ async def _scenario(session: ClientSession, root: Path) -> None:
         await anyio.sleep(0.05)
     applied = await _call(session, "set_device", run_id=sid, values={"scale": 0.5})
     assert applied["applies"] == "from the next step"
+    assert "finite number" in await _error(session, "set_lr", run_id=sid, rate=-1.0)
+    applied = await _call(session, "set_lr", run_id=sid, rate=2.5e-3)
+    assert applied["applies"] == "from the next step"
     saved = await _call(session, "checkpoint", run_id=sid)
     assert saved["checkpoint"] and Path(saved["checkpoint"]).exists()
     stopped = await _call(session, "stop", run_id=sid, wait=True)
@@ -160,6 +163,12 @@ async def _scenario(session: ClientSession, root: Path) -> None:
     seen = {r["step"]: r["scale_seen"] for r in lines if r.get("context") == "train"}
     assert {v for s, v in seen.items() if s < marker["from_step"]} == {1.0}
     assert {v for s, v in seen.items() if s >= marker["from_step"]} == {0.5}
+    marker = next(r for r in lines if r.get("key") == "set_lr")  # the rate, the same way
+    lr = {r["step"]: r["lr"] for r in lines if r.get("context") == "train"}
+    first = marker["from_step"]
+    assert [v for s, v in lr.items() if s < first] == pytest.approx([1e-2] * (first - 1))
+    after = [v for s, v in lr.items() if s >= first]
+    assert after and after == pytest.approx([2.5e-3] * len(after))
     finish = [r for r in lines if r.get("type") == "finish"][-1]
     assert finish["stop_reason"] == "requested"
     # the first run compiled the same programs: this one, set_device included, compiled none

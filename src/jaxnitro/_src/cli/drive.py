@@ -244,6 +244,16 @@ class Workspace:
         set_device(n, **given)
         return {"id": run_id, "values": jsonable(given), "applies": "now"}
 
+    def set_lr(self, run_id: str, rate: float | dict[str, float]) -> dict[str, Any]:
+        from jaxnitro._src.run.rates import set_lr
+
+        handle = self._handles.get(run_id)
+        if handle is not None and not handle.done:
+            handle.set_lr(rate)
+            return {"id": run_id, "rate": rate, "applies": "from the next step"}
+        set_lr(self._nitro(run_id), rate)
+        return {"id": run_id, "rate": rate, "applies": "now"}
+
     def validate(self, run_id: str) -> dict[str, Any]:
         from jaxnitro._src.train.evaluation import validate
 

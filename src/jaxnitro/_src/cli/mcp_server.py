@@ -72,7 +72,7 @@ def build_server(workspace: Workspace, *, token: str | None = None, port: int = 
         name="jaxnitro",
         instructions=(
             "Drive jaxnitro training runs: setup (a run id, nothing compiled), train "
-            "(background; returns at once), status (poll), stop, checkpoint, set_device, "
+            "(background; returns at once), status (poll), stop, checkpoint, set_device, set_lr, "
             "validate, evaluate, predict, export, runs, inspect, logs. Paths are relative to "
             f"the root {workspace.root}."
         ),
@@ -108,7 +108,7 @@ def build_server(workspace: Workspace, *, token: str | None = None, port: int = 
 
 
 def _run_tools(ws: Workspace, tool: Callable) -> None:
-    """setup, train, status, stop, checkpoint, set_device."""
+    """setup, train, status, stop, checkpoint, set_device, set_lr."""
 
     @tool
     def setup(
@@ -162,6 +162,18 @@ def _run_tools(ws: Workspace, tool: Callable) -> None:
     ) -> dict[str, Any]:
         """Change Device fields of a run from its next step on (no recompile)."""
         return ws.set_device(run_id, values)
+
+    @tool
+    def set_lr(
+        run_id: RunId,
+        rate: Annotated[
+            float | dict[str, float],
+            Field(description="the learning rate, or {group: rate} with several groups"),
+        ],
+    ) -> dict[str, Any]:
+        """Set the learning rate from the next step on (no recompile); the step lines' lr
+        column shows it. Refused where a schedule drives the rate."""
+        return ws.set_lr(run_id, rate)
 
 
 def _result_tools(ws: Workspace, tool: Callable) -> None:

@@ -115,6 +115,16 @@ class HyperLayout:
         return opt_state
 
 
+def rate_slots(rates: Mapping[str, float]) -> dict[str, np.float32]:
+    """{group: learning rate} as the slots of the per-step vector ("opt.<group>.learning_rate").
+
+    Example:
+        >>> rate_slots({"default": 0.01})
+        {'opt.default.learning_rate': np.float32(0.01)}
+    """
+    return {f"opt.{g}.learning_rate": np.float32(r) for g, r in rates.items()}
+
+
 def _group_filter(group: str, single: bool):
     """Match the `hyperparams` of one group: under `multi_transform`'s `inner_states[group]`."""
     if single:

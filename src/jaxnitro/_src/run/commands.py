@@ -1,5 +1,6 @@
 """What another thread asks of a running `jn.train`, done by the training thread at the next
-step boundary: new Device values, a checkpoint (a stop is the run's `StopControl`).
+step boundary: new Device values, new learning rates, a checkpoint (a stop is the run's
+`StopControl`).
 
 `jn.start` registers a `Commands` queue for its run; the epoch calls `at_boundary` once per
 dispatch (with `steps_per_call=k` the boundary is the dispatch, every k optimizer steps). A
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from jaxnitro._src.data.feed import Call, HyperFeed
 from jaxnitro._src.experiment.markers import replace
 from jaxnitro._src.run.live import checked_device
+from jaxnitro._src.run.rates import checked_rates
 
 if TYPE_CHECKING:
     from jaxnitro._src.run.nitro import Nitro
@@ -34,6 +36,7 @@ class Commands:
         self._lock = threading.Lock()
         self._values: dict[str, Any] = {}  # field -> (checked array, the value as given)
         self._checkpoints: list[Future] = []
+        self._rates: dict[str, float] = {}  # group -> learning rate (run/rates.py)
         self.pending = False  # read without the lock by the training thread: a hint only
         self.closed = False  # the run ended (no boundary will take a request)
         self.repack: tuple[Any, HyperFeed] | None = None  # (epoch, its hyperparameters' feed)
@@ -44,6 +47,18 @@ class Commands:
         with self._lock:
             self._values.update({k: (arrays[k], values[k]) for k in values})
             self.pending = True
+
+    def set_lr(self, n: Nitro, rate: Any) -> None:
+        """Check `rate` now (a ConfigError names the problem); apply at the next boundary."""
+        rates = checked_rates(n, rate)
+        with self._lock:
+            self._rates.update(rates)
+            self.pending = True
+
+    def take_rates(self) -> dict[str, float]:
+        with self._lock:
+            rates, self._rates = self._rates, {}
+        return rates
 
     def checkpoint(self) -> Future:
         """A future resolved with the checkpoint's path once it is written (None: the run
@@ -112,6 +127,12 @@ def at_boundary(epoch: Any, checkpoint: Callable[..., None], call: Call) -> Any:
 def _apply(queue: Commands, epoch: Any, checkpoint: Callable[..., None]) -> None:
     n = epoch.n
     values, futures = queue.take()
+    rates = queue.take_rates()  # (after `take`: a rate queued in between is not lost)
+    if rates:
+        n._set_rates(rates)
+        queue.repack = (epoch, HyperFeed(n.spec, n.device.hyper_base))
+        epoch.rates_changed()  # the steps dispatched so far are logged with their old rates
+        n.services.log_other({"key": "set_lr", "from_step": epoch.step + 1, "rates": rates})
     if values:
         n._set_device(
             {k: arr for k, (arr, _) in values.items()},
@@ -119,6 +140,7 @@ def _apply(queue: Commands, epoch: Any, checkpoint: Callable[..., None]) -> None
         )
         epoch.extras = n.device.extras
         queue.repack = (epoch, HyperFeed(n.spec, n.device.hyper_base))
+        epoch.rates_changed()  # a rate hook may read the field
         n.services.log_other(
             {
                 "key": "set_device",

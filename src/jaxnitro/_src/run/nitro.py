@@ -35,6 +35,7 @@ from jaxnitro._src.observe.events.phases import set_phase
 from jaxnitro._src.observe.events.signals import SetupTerminated, terminate_during_setup
 from jaxnitro._src.observe.plot import preload as preload_plotting
 from jaxnitro._src.optim import groups as optim_groups
+from jaxnitro._src.optim.hyper import rate_slots
 from jaxnitro._src.optim.schedules import constant
 from jaxnitro._src.programs.builders import ProgramSet
 from jaxnitro._src.run import config as config_mod
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from jaxnitro._src.observe.display import Display
     from jaxnitro._src.observe.loggers.base import Logger
     from jaxnitro._src.optim.groups import Optimizer
+    from jaxnitro._src.run.early_stop import EarlyStopping
     from jaxnitro._src.run.services import Checkpointer, Services
     from jaxnitro._src.run.settings import Settings
 
@@ -105,7 +107,8 @@ class Nitro(Generic[ExperimentT]):
             precision: Literal["f32", "bf16"] | None = "f32",
             logger: str | Logger | Sequence[str | Logger] | Literal[False] | None = None,
             checkpointer: Checkpointer | Literal[False] | None = None,
-            early_stop: str | Any | None = None,  # (a jn.EarlyStopping: train/ is above run/)
+            early_stop: str | EarlyStopping | None = None,
+            reduce_lr_on_plateau: str | None = None,
             resume: bool | Literal["auto"] | str | os.PathLike[str] | None = False,
             checkpoint: str | os.PathLike[str] | None = None,
             data: Mapping[str, Source] | None = None,
@@ -311,10 +314,19 @@ class Nitro(Generic[ExperimentT]):
         base: Mapping[str, Any] | tuple[Mapping[str, Any], ...]
         if spec.population is None:
             base = spec.hyper.base(optimizer, merged)
+            base = {**base, **rate_slots(self._device.rates)}  # jn.set_lr's rates stay
         else:  # (the values carry a member axis)
             base = population.member_bases(spec.population, spec.hyper, optimizer, merged)
         self._device = dataclasses.replace(self._device, values=merged, hyper_base=base)
         self._experiment = experiment
+
+    def _set_rates(self, rates: dict[str, float]) -> None:
+        """New learning rates {group: rate} (checked by `jn.set_lr`): the step takes them as
+        inputs from the next dispatch on, and they outlive a later `_set_device`."""
+        device = self._device
+        assert isinstance(device.hyper_base, Mapping)  # one run (set_lr refuses a population)
+        base = {**device.hyper_base, **rate_slots(rates)}
+        self._device = dataclasses.replace(device, hyper_base=base, rates={**device.rates, **rates})
 
     def _set_steps_per_call(self, steps: int) -> None:
         """steps_per_call="auto", measured: the steps per dispatch from now on."""

@@ -350,6 +350,13 @@ def early_stop(value: Any) -> Any:
     return EarlyStopping(metric=metric, mode=mode, patience=patience)
 
 
+def plateau(value: Any) -> Any:
+    """ "METRIC:PATIENCE:FACTOR[:min|max]" becomes the rule (`run/plateau.py`)."""
+    from jaxnitro._src.run.plateau import PlateauRule
+
+    return PlateauRule.parse(value)
+
+
 # -- command-line text -> value --------------------------------------------------------------
 def bool_text(text: str) -> bool:
     value = bool_word(text)

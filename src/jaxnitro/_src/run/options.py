@@ -168,6 +168,16 @@ OPTIONS: tuple[Option, ...] = (
         "METRIC:PATIENCE[:min|max]",
     ),
     Option(
+        "reduce_lr_on_plateau",
+        None,
+        "'METRIC:PATIENCE:FACTOR[:min|max]'",
+        "Multiply the learning rate by FACTOR when a validation metric has not improved for "
+        "PATIENCE epochs (no recompile).",
+        v.plateau,
+        v.as_text,
+        "METRIC:PATIENCE:FACTOR[:min|max]",
+    ),
+    Option(
         "resume",
         False,
         "bool | 'auto' | path",

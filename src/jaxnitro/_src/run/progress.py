@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jaxnitro._src.run.early_stop import StopState
+    from jaxnitro._src.run.early_stop import EarlyStopState, StopState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,8 @@ class Progress:
     #: early stopping's counters (one per member of a population; `EarlyStopConfig.advance`
     #: steps them), or None when the run has no early stopping
     early_stop: StopState | None = None
+    #: the plateau rule's counters (`run/plateau.py`; a checkpoint stores them)
+    plateau: EarlyStopState | None = None
     first_epoch_batches: int | None = None
     #: a stream's iterator state after the last batch trained on (grain; JSON), or None
     data_state: Mapping[str, Any] | None = None

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from jaxnitro._src.optim.hyper import HyperLayout
     from jaxnitro._src.optim.schedules import Schedules
     from jaxnitro._src.run.early_stop import EarlyStopConfig
+    from jaxnitro._src.run.plateau import PlateauRule
     from jaxnitro._src.run.setup.data import Dist
     from jaxnitro._src.steps.ema import Ema
     from jaxnitro._src.steps.population import Population
@@ -85,6 +86,7 @@ class RunSpec:
     peak_tflops: float | None = None  # the device's peak for mfu (None: the known table's)
     profile: tuple[int, int] | None = None  # steps traced by jax.profiler (observe/profile.py)
     early_stop: EarlyStopConfig | None = None  # the rule; its counters are in `Progress`
+    reduce_lr_on_plateau: PlateauRule | None = None  # the rule; its counters are in `Progress`
     show_curves: bool = False  # the curves shown inline when train returns (a notebook)
     resume_path: Path | None = None
     weights_path: Path | None = None  # checkpoint=: the weights were loaded from there
@@ -121,6 +123,8 @@ class DeviceValues:
     # {slot: value}; for a population, a tuple of one such dict per member
     hyper_base: Mapping[str, Any] | tuple[Mapping[str, Any], ...]
     active: jax.Array | None = None  # a population with early stopping: which members still train
+    # {group: rate} set mid-run (jn.set_lr, the plateau rule): wins over the learning_rate hook
+    rates: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def extras(self) -> dict:

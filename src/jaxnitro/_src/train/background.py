@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -165,6 +166,12 @@ class RunHandle:
     def set_device(self, **values: Any) -> None:
         """Change Device fields from the next step boundary on (checked now; no recompile)."""
         self._commands.set_device(self.nitro, values)
+
+    def set_lr(self, rate: float | Mapping[str, float]) -> None:
+        """Set the learning rate from the next step boundary on (checked now; no recompile):
+        one rate, or {group: rate} with several parameter groups (`jn.set_lr`). The step logs'
+        `lr` column shows it from the step it applies to."""
+        self._commands.set_lr(self.nitro, rate)
 
     def __repr__(self) -> str:
         s = self.status()

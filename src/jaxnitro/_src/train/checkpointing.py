@@ -12,6 +12,7 @@ from jaxnitro._src.checkpoint.store import TopKCheckpointer
 from jaxnitro._src.core.jsonable import jsonable
 from jaxnitro._src.experiment.markers import DEVICE, field_values, graph_key
 from jaxnitro._src.observe.loggers.base import flush_logger
+from jaxnitro._src.run.rates import saved_rates
 
 if TYPE_CHECKING:
     from jaxnitro._src.run.nitro import Nitro
@@ -83,6 +84,9 @@ def _meta(n: Nitro, *, stop_reason: str | None, validated: bool) -> dict[str, An
             else None
         ),
         "loggers": logger_state(n),
+        # the rates set mid-run (jn.set_lr, the plateau rule) and the rule's counters: a
+        # resume continues with them (run/rates.py)
+        **saved_rates(n.device, progress),
     }
 
 

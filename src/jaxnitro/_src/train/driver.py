@@ -29,7 +29,7 @@ from jaxnitro._src.observe.plot import write_curves
 from jaxnitro._src.observe.timing import Goodput, host_bound_hint
 from jaxnitro._src.programs import plan
 from jaxnitro._src.programs.builders import check_stale
-from jaxnitro._src.run import config
+from jaxnitro._src.run import config, plateau
 from jaxnitro._src.run.history import History
 from jaxnitro._src.run.live import history
 from jaxnitro._src.steps import population
@@ -344,6 +344,8 @@ def _end_epoch(n: Nitro, epoch: int, done: EpochResult) -> str:
                 reason = "early_stop"
         if isinstance(n.progress.early_stop, tuple):  # members that stopped train no more
             _members_stopped(n, es, n.progress.early_stop, epoch + 1)
+    if n.spec.reduce_lr_on_plateau is not None and finished and not control.requested:
+        plateau.after_epoch(n, epoch + 1, row)  # the rates the next epoch takes
     if control.requested:
         reason = "preempted" if control.preempted else "requested"
     set_phase(n, "Checkpointing")

@@ -210,6 +210,13 @@ class _Cursor:
         self._throughput: throughput.Throughput | None = None
         self.rates: dict[str, float] = {}  # of the last read-back chunk
 
+    def rates_changed(self) -> None:
+        """The learning rates fed from the next dispatch on changed (`run/commands.py`): the
+        steps dispatched before are read back, and logged, first; the lr column reads anew."""
+        self.drain(len(self.pending))
+        self.lr_of = _lr_reader(self.spec, self.n.device)
+        self.lr_fixed = None if self.spec.schedules.fns else self.lr_of(0)
+
     def restart_clock(self) -> None:
         self.time.restart()
         self.t0 = self.clock = self.time.t0

@@ -46,3 +46,5 @@ def check_metrics(spec: RunSpec, ts: TrainState, device: Any, svc: Services, nam
     es = spec.early_stop
     if es is not None:
         es.check_metric(["train_loss", *names], has_val=has_val)
+    if spec.reduce_lr_on_plateau is not None:
+        spec.reduce_lr_on_plateau.check(spec, ["train_loss", *names], has_val=has_val)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from jaxnitro._src.checkpoint.record import _read_meta as checkpoint_meta
 from jaxnitro._src.core.errors import ConfigError
 from jaxnitro._src.data import loader as data_mod
 from jaxnitro._src.dist import distributed
@@ -23,6 +24,7 @@ from jaxnitro._src.optim.hyper import HyperLayout
 from jaxnitro._src.run import options
 from jaxnitro._src.run.early_stop import EarlyStopConfig, EarlyStopping
 from jaxnitro._src.run.progress import Progress
+from jaxnitro._src.run.rates import resumed_rates
 from jaxnitro._src.run.services import Services
 from jaxnitro._src.run.settings import Settings
 from jaxnitro._src.run.setup.data import (
@@ -239,6 +241,8 @@ def _restored(
     progress = Progress(early_stop=early_stop_start(spec))
     if spec.resume_path is not None:
         ts, progress, horizon = restore(spec, ts, spec.resume_path, svc.display.bar)
+        saved = checkpoint_meta(spec.resume_path)["meta"]  # jn.set_lr's rates, the plateau's
+        device, progress = resumed_rates(device, progress, saved, spec.resume_path)
         spec = spec.replace(resumed_total_steps=horizon)
         warn_horizon(spec, progress, horizon)
     elif s.checkpoint is not None:
