@@ -115,6 +115,7 @@ class Epoch:
     clock: EpochClock  # where the epoch's time goes (its fields add up as it runs)
     profile: ProfileWindow
     sync: PreemptionSync  # several processes: one stop step for all
+    cadence: Cadence  # as the epoch starts (the loop holds the one after each checkpoint)
     accum: int
     on_host: bool  # the outputs lie in host memory (a CPU backend)
     programs: dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -125,14 +126,14 @@ class Epoch:
 def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     """Run epoch `epoch` (0-based) from the saved batch position, in the order the module
     says (a read-back and the handover before anything that reads the handle)."""
-    ep, cadence = _start(n, epoch), Cadence.of(n.spec)
+    ep = _start(n, epoch)
     spec, control, callbacks = n.spec, n.services.control, n.services.step_callbacks
     leaves, extras, repack = n.state_leaves, n.device.extras, None
     last = InFlight(n.step, n.progress.batch_in_epoch, 0, {})  # the newest call's position
     data_state = n.progress.data_state  # a stream's iterator state (grain)
     pending: collections.deque[InFlight] = collections.deque()  # calls not read back
     losses: list[float | None] = []  # of the steps read
-    tally = Tally.of(n.progress, ep.clock.t0)
+    tally, cadence = Tally.of(n.progress, ep.clock.t0), ep.cadence
 
     def hand_over(counted: Tally | None = None) -> None:  # the handle shows the epoch so far
         n.take(leaves=leaves, progress=_progress(n.progress, last, data_state, counted))
@@ -185,32 +186,33 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
 
 
 def _start(n: Nitro, epoch: int) -> Epoch:
-    """The epoch set up: the Training phase, the train split set to `epoch`, the bar shown,
-    the epoch's batches staged on the device (the clock starts after: their transfers are
-    not the epoch's steps)."""
+    """The epoch set up: the Training phase, the train split set to `epoch`, its clock
+    started, the bar shown, the epoch's batches staged on the device (the clock restarts
+    after: their transfers are not the epoch's steps)."""
     spec = n.spec
     set_phase(n, "Training")
     loader = spec.splits["train"]
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
     total = len(loader) if hasattr(loader, "__len__") else None
-    batch, members = n.progress.batch_in_epoch, members_training(n)
-    n.display.start_epoch(epoch, n.max_epochs, total, batch, members=members)
-    clock = EpochClock()
-    if feed.stage_train(spec, loader, batch):  # batches cut on the device ahead
-        clock.restart()
-    return Epoch(
+    ep = Epoch(
         n=n,
         loader=loader,
         total=total,
         first_step=n.step,
         lines=Lines.of(n, epoch),
-        clock=clock,
+        clock=EpochClock(),
         profile=ProfileWindow(spec.profile, spec.run_dir),
         sync=PreemptionSync(n.services.control),
+        cadence=Cadence.of(spec),
         accum=spec.accum,
         on_host=spec.mesh.devices.flat[0].platform == "cpu",
     )
+    batch = n.progress.batch_in_epoch
+    n.display.start_epoch(epoch, n.max_epochs, total, batch, members=members_training(n))
+    if feed.stage_train(spec, loader, batch):  # batches cut on the device ahead
+        ep.clock.restart()
+    return ep
 
 
 def _callbacks_due(callbacks: list, before: int, after: int) -> bool:
