@@ -142,7 +142,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
         nonlocal tally
         tally = _drain(ep, pending, count, tally, losses, hand_over)
 
-    stream = _stream(n, epoch, last, data_state, pending)
+    stream = _stream(ep, last, data_state, pending)
     try:
         for payloads, _, unit in _timed(stream, ep.clock):
             base = last.batch
@@ -255,20 +255,17 @@ def _timed(stream: InlineFeed | Prefetcher, clock: EpochClock) -> Iterator[Any]:
 
 
 def _stream(
-    n: Nitro,
-    epoch: int,
-    last: InFlight,
-    data_state: Any,
-    pending: collections.deque[InFlight],
+    ep: Epoch, last: InFlight, data_state: Any, pending: collections.deque[InFlight]
 ) -> InlineFeed | Prefetcher:
-    """The epoch's train calls, prepared ahead (in a thread, unless preparing is cheap); the
-    feed counts a wait for data only once the newest call in `pending` is done."""
-    spec = n.spec
+    """The epoch's train calls from `last`'s position, prepared ahead (in a thread, unless
+    preparing is cheap); the feed counts a wait for data only once the newest call in
+    `pending` is done."""
+    n, spec = ep.n, ep.n.spec
     # Row indices of arrays on the device are cheap to prepare: no thread for them.
     inline = spec.direct_feed or spec.resident is not None or spec.device_batches is not None
     feed_cls = data_mod.InlineFeed if inline else data_mod.Prefetcher
     return feed_cls(
-        feed.train_units(spec, spec.splits["train"], last.batch, epoch, data_state),
+        feed.train_units(spec, ep.loader, last.batch, ep.lines.epoch, data_state),
         feed.train_prepare(spec, last.step, n.device.hyper_base),
         in_flight=functools.partial(_newest_output, pending),
     )
