@@ -128,7 +128,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     says (a read-back and the handover before anything that reads the handle)."""
     ep = _start(n, epoch)
     spec, control, callbacks = n.spec, n.services.control, n.services.step_callbacks
-    leaves, extras, repack = n.state_leaves, n.device.extras, None
+    leaves, extras, repack = list(n.state_leaves), n.device.extras, None  # the loop's own
     last = InFlight(n.step, n.progress.batch_in_epoch, 0, {})  # the newest call's position
     data_state = n.progress.data_state  # a stream's iterator state (grain)
     pending: collections.deque[InFlight] = collections.deque()  # calls not read back
@@ -136,7 +136,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     tally, cadence = Tally.of(n.progress, ep.clock.t0), ep.cadence
 
     def hand_over(counted: Tally | None = None) -> None:  # the handle shows the epoch so far
-        n.take(leaves=leaves, progress=_progress(n.progress, last, data_state, counted))
+        n.take(leaves=list(leaves), progress=_progress(n.progress, last, data_state, counted))
 
     def drain(count: int | None = None) -> None:  # the oldest calls (all) read back, counted
         nonlocal tally
@@ -155,7 +155,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
                 if repack is not None:
                     call = call._replace(hyper=repack.at(last.step, call.steps))
                 fn = ep.programs.get(call.steps) or _program(ep, call, extras, hand_over)
-                leaves, last = _dispatch(ep, fn, leaves, last, call, extras, pending)
+                last = _dispatch(ep, fn, leaves, last, call, extras, pending)
                 pending.append(last)
                 ep.sync.poll()
                 if unit.states is not None:  # the iterator state after the last batch trained
@@ -302,14 +302,16 @@ def _dispatch(
     call: feed.Call,
     extras: Any,
     pending: collections.deque[InFlight],
-) -> tuple[list, InFlight]:
-    """One train call after `last`, as a step is: (the new leaves, the call in flight)."""
+) -> InFlight:
+    """One train call after `last`; returns it in flight. Its new leaves replace the old in
+    `leaves` (the loop's own list) within the call's time: the old are freed there, as the
+    epoch's time split has always counted them (device time, not the host's)."""
     profile, step = ep.profile, last.step
     if not profile.done and profile.before_dispatch(step):
         ep.n.display.line(f"profiling steps {step + 1}.. into {profile.dir}")
     t0 = time.perf_counter()
     try:
-        leaves, out = fn(leaves, call.batch, extras, call.hyper)
+        leaves[:], out = fn(leaves, call.batch, extras, call.hyper)
     except Exception as e:  # an earlier call's failure surfaces here: name its step
         oom.at_steps(e, failed_call(pending) or (step + 1, step + call.steps))
         raise
@@ -318,7 +320,7 @@ def _dispatch(
     if profile.active and profile.after_dispatch(flight.step, out):
         ep.n.logger.log_other({"profile": str(profile.dir), "step": flight.step})
         ep.n.display.line(f"profile of steps up to {flight.step} written to {profile.dir}")
-    return leaves, flight
+    return flight
 
 
 def _drain(
