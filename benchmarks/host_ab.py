@@ -9,8 +9,10 @@ the last commit before issue 47) beside this tree's and times, in alternating or
 - rows: a read-back chunk of 16 single-step calls (MLP batch 32: `loss`, a fixed rate, the
   chunk's rates) turned into step lines and written to the run's `metrics.jsonl`: before,
   `step_rows` and `_step_row` per step (a `log_metrics` call, a JSON encode and a write per
-  line); after, `read_columns` and `_chunk_rows` (one call, one encode, one write). Both read
-  the same outputs back (ready: no wait for the device).
+  line); after, `read_columns` and `chunk_lines` (one call, one encode, one write). Both read
+  the same outputs back (ready: no wait for the device). With `--before` a tree that already
+  reads chunks (4f134c4, before issue 43 made the epoch one function), its `_chunk_rows`
+  against this tree's `chunk_lines`: the same work, reshaped.
 - feed: one ask per step of an epoch of 2,048 batches (row indices of arrays kept on the
   device): the `WaitClock` around the loader's `iter_rows`, with the device busy.
 
@@ -38,8 +40,8 @@ import run as bench  # noqa: E402
 
 import jaxnitro as jn  # noqa: E402
 from jaxnitro._src.data import waits  # noqa: E402
-from jaxnitro._src.train import epoch  # noqa: E402
 from jaxnitro._src.train.readback import InFlight, read_back, read_columns, step_rows  # noqa: E402
+from jaxnitro._src.train.steplines import Lines, chunk_lines  # noqa: E402
 
 
 def old_module(name: str, path: str, rev: str):
@@ -100,14 +102,17 @@ def main() -> None:
         jn.train(n)
         n.logger.open(n.run_dir, resume=True)
         items = [InFlight(i + 1, i + 1, 1, {"loss": jnp.float32(2.3 + i / 100)}) for i in range(16)]
-        new, old = epoch._Cursor(n, 1), old_epoch._Cursor(n, 1)
-        new.rates = old.rates = {"samples_per_s": 1234.5}
+        new, old = Lines.of(n, 1), old_epoch._Cursor(n, 1)
+        rates = old.rates = {"samples_per_s": 1234.5}
         old.fire = False
 
         def rows_new():
-            new._chunk_rows(items, read_columns(items, on_host=True))
+            chunk_lines(new, items, read_columns(items, on_host=True), rates)
 
         def rows_old():
+            if hasattr(old, "_chunk_rows"):  # a tree after issue 47 (issue 43's before)
+                old._chunk_rows(items, read_columns(items, on_host=True))
+                return
             for item, host in zip(items, read_back(items, on_host=True), strict=True):
                 for row in step_rows(item, host, accum=1, members=False):
                     old._step_row(row, None)

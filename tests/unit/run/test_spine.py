@@ -218,7 +218,7 @@ class Parts:
     logger = property(lambda self: self.services.logger)
     checkpointer = property(lambda self: self.services.checkpointer)
 
-    def _commit(self, *, leaves=None, progress=None, state=None):
+    def take(self, *, leaves=None, progress=None, state=None):
         self.state_leaves = leaves if leaves is not None else self.state_leaves
         self.progress = progress if progress is not None else self.progress
 

@@ -3,8 +3,9 @@ step boundary: new Device values, new learning rates, a checkpoint (a stop is th
 `StopControl`).
 
 `jn.start` registers a `Commands` queue for its run; the epoch calls `at_boundary` once per
-dispatch (with `steps_per_call=k` the boundary is the dispatch, every k optimizer steps). A
-run no handle drives has no queue, and the call is one dict lookup.
+dispatch (with `steps_per_call=k` the boundary is the dispatch, every k optimizer steps) and
+gets back what was asked (`Asked`), or None. A run no handle drives has no queue, and the call
+is one dict lookup.
 
 The training thread alone touches the handle's state: the caller only queues (after checking
 the values at once, so a bad value is the caller's error, not the run's).
@@ -12,17 +13,18 @@ the values at once, so a bad value is the caller's error, not the run's).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from jaxnitro._src.data.feed import Call, HyperFeed
 from jaxnitro._src.experiment.markers import replace
-from jaxnitro._src.run.live import checked_device
-from jaxnitro._src.run.rates import checked_rates
+from jaxnitro._src.run.live import checked_device, with_values
+from jaxnitro._src.run.rates import checked_rates, with_rates
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from jaxnitro._src.run.nitro import Nitro
 
 _queues: dict[int, Commands] = {}  # id(n.services) -> the queue of the run a handle drives
@@ -39,7 +41,6 @@ class Commands:
         self._rates: dict[str, float] = {}  # group -> learning rate (run/rates.py)
         self.pending = False  # read without the lock by the training thread: a hint only
         self.closed = False  # the run ended (no boundary will take a request)
-        self.repack: tuple[Any, HyperFeed] | None = None  # (epoch, its hyperparameters' feed)
 
     def set_device(self, n: Nitro, values: dict[str, Any]) -> None:
         """Check `values` now (a ConfigError names the problem); apply at the next boundary."""
@@ -100,65 +101,56 @@ def unregister(n: Nitro) -> None:
         queue.cancel()
 
 
-def at_boundary(epoch: Any, checkpoint: Callable[..., None], call: Call) -> Any:
-    """Run what was asked since the last dispatch, on the training thread, before the next
-    one; returns the packed hyperparameters that dispatch takes.
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """What a `jn.start` handle asked since the last dispatch, once its new Device values and
+    learning rates are in the handle: whether there were any (the epoch's next calls then take
+    them, and the steps sent before are logged with the rates they took first), and the
+    checkpoints it waits for (the epoch writes one, then `written` or `failed`)."""
 
-    `epoch` is the epoch's cursor (its handle `n`, `epoch`, `step`, `extras`, pending outputs
-    and `drain`); `checkpoint(n, epoch, validate=False, save=True)` writes a mid-epoch
-    checkpoint; `call` is the next dispatch. New Device values reach that
-    dispatch (no recompile: same shapes, checked when queued) and are logged as an `other`
-    line with the step they apply from. Scalar float Device fields also travel in the packed
-    hyperparameters, which the prefetch thread packed ahead with the old values: for the rest
-    of the epoch they are packed again here from the new ones.
+    new_values: bool
+    checkpoints: tuple[Future, ...]
+
+    def written(self, path: Path | None) -> None:
+        for future in self.checkpoints:
+            future.set_result(path)
+
+    def failed(self, error: BaseException) -> None:
+        for future in self.checkpoints:
+            future.set_exception(error)
+
+
+def at_boundary(n: Nitro, step: int) -> Asked | None:
+    """What was asked of `n`'s run since the last dispatch, on the training thread, before
+    the next one (`step`: the steps taken); None when nothing was (one dict lookup).
+
+    New Device values go into the handle here (no recompile: same shapes, checked when
+    queued) and are logged as an `other` line with the step they apply from. Scalar float
+    Device fields also travel in the packed hyperparameters, which the prefetch thread
+    packed ahead with the old values: the epoch packs its next calls' again from the new ones
+    (`Asked.new_values`). A checkpoint asked is the epoch's to write, with every step
+    dispatched read back first.
     """
-    hyper, steps = call.hyper, call.steps
-    queue = _queues.get(id(epoch.n.services))
-    if queue is None:
-        return hyper
-    if queue.pending:
-        _apply(queue, epoch, checkpoint)
-    repack = queue.repack
-    if repack is not None and repack[0] is epoch:
-        return repack[1].at(epoch.step, steps)
-    return hyper
-
-
-def _apply(queue: Commands, epoch: Any, checkpoint: Callable[..., None]) -> None:
-    n = epoch.n
+    queue = _queues.get(id(n.services))
+    if queue is None or not queue.pending:
+        return None
     values, futures = queue.take()
     rates = queue.take_rates()  # (after `take`: a rate queued in between is not lost)
     if rates:
-        n._set_rates(rates)
-        queue.repack = (epoch, HyperFeed(n.spec, n.device.hyper_base))
-        epoch.rates_changed()  # the steps dispatched so far are logged with their old rates
-        n.services.log_other({"key": "set_lr", "from_step": epoch.step + 1, "rates": rates})
+        n.take(device=with_rates(n.device, rates))
+        n.services.log_other({"key": "set_lr", "from_step": step + 1, "rates": rates})
     if values:
-        n._set_device(
-            {k: arr for k, (arr, _) in values.items()},
-            replace(n.experiment, **{k: v for k, (_, v) in values.items()}),
-        )
-        epoch.extras = n.device.extras
-        queue.repack = (epoch, HyperFeed(n.spec, n.device.hyper_base))
-        epoch.rates_changed()  # a rate hook may read the field
+        arrays = {k: arr for k, (arr, _) in values.items()}
+        experiment = replace(n.experiment, **{k: v for k, (_, v) in values.items()})
+        n.take(device=with_values(n, arrays, experiment), experiment=experiment)
         n.services.log_other(
             {
                 "key": "set_device",
-                "from_step": epoch.step + 1,
+                "from_step": step + 1,
                 "values": {k: _plain(v) for k, (_, v) in values.items()},
             }
         )
-    if futures:
-        epoch.drain(len(epoch.pending))  # the checkpoint holds every step dispatched
-        try:
-            checkpoint(n, epoch.epoch, validate=False, save=True, requested=True)
-        except BaseException as e:
-            for future in futures:
-                future.set_exception(e)
-            raise
-        latest = n.checkpointer.latest()
-        for future in futures:
-            future.set_result(latest)
+    return Asked(new_values=bool(values or rates), checkpoints=tuple(futures))
 
 
 def _plain(value: Any) -> Any:

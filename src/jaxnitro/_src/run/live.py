@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -11,13 +13,15 @@ from jaxnitro._src.core.errors import ConfigError, did_you_mean
 from jaxnitro._src.dist.sharding import to_sharding
 from jaxnitro._src.experiment.markers import DEVICE, GRAPH, fields, replace
 from jaxnitro._src.optim.groups import live_optimizer
+from jaxnitro._src.optim.hyper import rate_slots
 from jaxnitro._src.run.history import History
 from jaxnitro._src.run.setup import device_array
+from jaxnitro._src.steps import population
 
 if TYPE_CHECKING:
-    from typing import Any
-
+    from jaxnitro._src.core.types import Experiment
     from jaxnitro._src.run.nitro import Nitro
+    from jaxnitro._src.run.spec import DeviceValues
 
 
 def set_device(n: Nitro, **values: Any) -> None:
@@ -37,7 +41,25 @@ def set_device(n: Nitro, **values: Any) -> None:
     Example:
         >>> jn.set_device(n, smoothing=0.1)
     """
-    n._set_device(checked_device(n, values), replace(n.experiment, **values))
+    arrays = checked_device(n, values)
+    experiment = replace(n.experiment, **values)
+    n.take(device=with_values(n, arrays, experiment), experiment=experiment)
+
+
+def with_values(n: Nitro, arrays: dict[str, Any], experiment: Experiment) -> DeviceValues:
+    """The handle's Device values with `arrays` (checked by `checked_device`) in, and the
+    hyperparameters' base as `experiment` (showing them) gives it now: a learning_rate or
+    weight_decay hook that reads a Device field travels with the step's hyperparameters."""
+    merged = {**n.device.values, **arrays}
+    spec = n.spec
+    optimizer = live_optimizer(experiment, spec.optimizer)
+    base: Mapping[str, Any] | tuple[Mapping[str, Any], ...]
+    if spec.population is None:
+        base = spec.hyper.base(optimizer, merged)
+        base = {**base, **rate_slots(n.device.rates)}  # jn.set_lr's rates stay
+    else:  # (the values carry a member axis)
+        base = population.member_bases(spec.population, spec.hyper, optimizer, merged)
+    return dataclasses.replace(n.device, values=merged, hyper_base=base)
 
 
 def checked_device(n: Nitro, values: dict) -> dict:

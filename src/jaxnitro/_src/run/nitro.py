@@ -7,14 +7,14 @@
 - `services` (`Services`): logger, checkpointer, display, run lock, phase, stop request;
 - `programs` (`ProgramSet`): the run's compiled programs.
 
-Only this module assigns the handle's attributes: the loop hands back a new state and progress
-through `_commit`, `jn.set_device` new Device values through `_set_device`.
+Only this module assigns the handle's attributes, in one method: the loop hands back a new
+state and progress through `take`, `jn.set_device` new Device values (`run.live.with_values`)
+and the driver a measured `steps_per_call` or a population's active members the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,14 +28,11 @@ from jaxnitro._src.checkpoint.runlock import RunLock
 from jaxnitro._src.checkpoint.store import read_manifest
 from jaxnitro._src.core.errors import ConfigArgumentError, ConfigError, did_you_mean
 from jaxnitro._src.core.types import ExperimentT
-from jaxnitro._src.dist.sharding import to_sharding
 from jaxnitro._src.experiment import hooks
 from jaxnitro._src.experiment.markers import is_experiment, replace
 from jaxnitro._src.observe.events.phases import set_phase
 from jaxnitro._src.observe.events.signals import SetupTerminated, terminate_during_setup
 from jaxnitro._src.observe.plot import preload as preload_plotting
-from jaxnitro._src.optim import groups as optim_groups
-from jaxnitro._src.optim.hyper import rate_slots
 from jaxnitro._src.optim.schedules import constant
 from jaxnitro._src.programs.builders import ProgramSet
 from jaxnitro._src.run import config as config_mod
@@ -155,7 +152,7 @@ class Nitro(Generic[ExperimentT]):
                 _log_terminated(getattr(self, "services", None), s)
                 raise SystemExit(143) from None
         self._spec: RunSpec = built.spec
-        self._commit(state=built.state, progress=built.progress)
+        self.take(state=built.state, progress=built.progress)
         self._device: DeviceValues = built.device
         self._experiment = built.spec.experiment
         self.programs = ProgramSet(log=self.services.log_other, on_compile=self._compiling)
@@ -288,54 +285,33 @@ class Nitro(Generic[ExperimentT]):
             f"phase={self.phase}, run_dir='{self.run_dir}')"
         )
 
-    # -- the handle's own updates ---------------------------------------------------------
-    def _commit(
+    # -- the one way in ----------------------------------------------------------------
+    def take(
         self,
         *,
         leaves: list | None = None,
         state: TrainState | None = None,
         progress: Progress | None = None,
+        device: DeviceValues | None = None,
+        experiment: Experiment | None = None,
+        spec: RunSpec | None = None,
     ) -> None:
-        """Take the new train state (or its leaves) and progress the loop hands back."""
+        """Take the new parts handed over: the train state (or its flat leaves) and progress
+        from the loop, Device values and the experiment showing them from `jn.set_device`
+        (built by `run.live.with_values`), a spec (`steps_per_call="auto"` measured). The
+        handle computes nothing here: each part is a value its maker checked."""
         if state is not None:
             self._leaves, self._state_def = jax.tree.flatten(state)
         if leaves is not None:
             self._leaves = leaves
         if progress is not None:
             self._progress = progress
-
-    def _set_device(self, values: dict[str, Any], experiment: Experiment) -> None:
-        """New Device values (checked by `jn.set_device`), and the experiment showing them."""
-        merged = {**self._device.values, **values}
-        spec = self._spec
-        # a learning_rate / weight_decay hook that reads a Device field: its value travels
-        # with the step's hyperparameters, as the hooks give it now (checked by set_device)
-        optimizer = optim_groups.live_optimizer(experiment, spec.optimizer)
-        base: Mapping[str, Any] | tuple[Mapping[str, Any], ...]
-        if spec.population is None:
-            base = spec.hyper.base(optimizer, merged)
-            base = {**base, **rate_slots(self._device.rates)}  # jn.set_lr's rates stay
-        else:  # (the values carry a member axis)
-            base = population.member_bases(spec.population, spec.hyper, optimizer, merged)
-        self._device = dataclasses.replace(self._device, values=merged, hyper_base=base)
-        self._experiment = experiment
-
-    def _set_rates(self, rates: dict[str, float]) -> None:
-        """New learning rates {group: rate} (checked by `jn.set_lr`): the step takes them as
-        inputs from the next dispatch on, and they outlive a later `_set_device`."""
-        device = self._device
-        assert isinstance(device.hyper_base, Mapping)  # one run (set_lr refuses a population)
-        base = {**device.hyper_base, **rate_slots(rates)}
-        self._device = dataclasses.replace(device, hyper_base=base, rates={**device.rates, **rates})
-
-    def _set_steps_per_call(self, steps: int) -> None:
-        """steps_per_call="auto", measured: the steps per dispatch from now on."""
-        self._spec = self._spec.replace(steps_per_call=steps, autotune=False)
-
-    def _set_active(self, active: np.ndarray) -> None:
-        """A population's members that still train (per-member early stopping)."""
-        rep = self._spec.replicated
-        self._device = dataclasses.replace(self._device, active=to_sharding(active, rep))
+        if device is not None:
+            self._device = device
+        if experiment is not None:
+            self._experiment = experiment
+        if spec is not None:
+            self._spec = spec
 
     @contextlib.contextmanager
     def _compiling(self, kind: str, label: str) -> Iterator[Any]:
@@ -452,7 +428,7 @@ def member(n: Nitro, i: int) -> Nitro:
         rng=ts.rng[i],
         ema=population.take(ts.ema, i),  # (each member keeps its own average)
     )
-    m._commit(state=mine, progress=n.progress.replace(early_stop=None))  # it has no rule
+    m.take(state=mine, progress=n.progress.replace(early_stop=None))  # it has no rule
     return m
 
 

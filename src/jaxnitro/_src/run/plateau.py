@@ -142,16 +142,16 @@ class PlateauRule:
 def after_epoch(n: Nitro, epoch: int, row: Mapping[str, Any]) -> None:
     """The driver's call after finished epoch `epoch`'s (1-based) validation: count (in
     `Progress.plateau`), and on a plateau lower the rates the next epoch takes."""
-    from jaxnitro._src.run.rates import learning_rates
+    from jaxnitro._src.run.rates import learning_rates, with_rates
 
     rule = n.spec.reduce_lr_on_plateau
     assert rule is not None
     state, drop = rule.update(n.progress.plateau or EarlyStopState(), epoch, row)
-    n._commit(progress=n.progress.replace(plateau=state))
+    n.take(progress=n.progress.replace(plateau=state))
     if drop:
         before = learning_rates(n)
         after = rule.lowered(before)
-        n._set_rates(after)
+        n.take(device=with_rates(n.device, after))
         n.services.log_other(
             {
                 "key": "reduce_lr_on_plateau",

@@ -51,7 +51,7 @@ def set_lr(n: Nitro, rate: float | Mapping[str, float]) -> None:
         >>> jn.learning_rates(n)
         {'default': 0.0003}
     """
-    n._set_rates(checked_rates(n, rate))
+    n.take(device=with_rates(n.device, checked_rates(n, rate)))
 
 
 def learning_rates(n: Nitro) -> dict[str, float]:
@@ -125,6 +125,14 @@ def checked_rates(n: Nitro, rate: float | Mapping[str, float]) -> dict[str, floa
             )
         out[group] = float(value)
     return out
+
+
+def with_rates(device: DeviceValues, rates: Mapping[str, float]) -> DeviceValues:
+    """`device` with new learning rates {group: rate} (checked by `checked_rates`): the step
+    takes them as inputs from the next dispatch on, and they outlive a later `set_device`."""
+    assert isinstance(device.hyper_base, Mapping)  # one run (set_lr refuses a population)
+    base = {**device.hyper_base, **rate_slots(rates)}
+    return dataclasses.replace(device, hyper_base=base, rates={**device.rates, **rates})
 
 
 def saved_rates(device: DeviceValues, progress: Progress) -> dict[str, Any]:

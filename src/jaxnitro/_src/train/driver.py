@@ -4,7 +4,7 @@ For each epoch, in this order: train steps (prefetched; losses read back a few s
 so dispatch never waits), validation, a history row, the log line, the checkpoint, the stop
 check. It ends with a `finish` log line and a short summary. The loop works on the handle's
 parts: it reads the `RunSpec`, runs the programs on the train state's leaves, and hands the
-new leaves and a new `Progress` back to the handle (`_commit`).
+new leaves and a new `Progress` back to the handle (`Nitro.take`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxnitro._src.compile import cache, report
 from jaxnitro._src.core.errors import DataError, warn_user
+from jaxnitro._src.dist.sharding import to_sharding
 from jaxnitro._src.experiment.markers import fields
 from jaxnitro._src.observe import members as population_view
 from jaxnitro._src.observe.display import show_image
@@ -326,20 +327,20 @@ def _end_epoch(n: Nitro, epoch: int, done: EpochResult) -> str:
         except BaseException:
             # A failing val loader or a second Ctrl-C must not cost the epoch's training:
             # checkpoint the trained state, marked unvalidated, then let the error through.
-            n._commit(progress=n.progress.with_row(row))
+            n.take(progress=n.progress.with_row(row))
             with contextlib.suppress(Exception):
                 save_checkpoint(n, row, stop_reason="error", validated=False)
             raise
         done.clock.eval_s += time.perf_counter() - t0
         log_validation(n, row, epoch)
-    n._commit(progress=n.progress.with_row(row))
+    n.take(progress=n.progress.with_row(row))
     reason = "completed"
     finished = n.progress.batch_in_epoch == 0  # the epoch ran to its end
     es = n.spec.early_stop
     if es is not None and n.progress.early_stop is not None:
         if finished and not control.requested:
             state, stop = es.advance(n.progress.early_stop, epoch + 1, row)
-            n._commit(progress=n.progress.replace(early_stop=state))
+            n.take(progress=n.progress.replace(early_stop=state))
             if stop:
                 reason = "early_stop"
         if isinstance(n.progress.early_stop, tuple):  # members that stopped train no more
@@ -410,7 +411,8 @@ def _members_stopped(
             f"member {i} stopped early at epoch {epoch} (best {es.metric} {best.best} at "
             f"epoch {best.best_epoch}); the others train on"
         )
-    n._set_active(now)
+    active = to_sharding(now, n.spec.replicated)
+    n.take(device=dataclasses.replace(n.device, active=active))
 
 
 def _epoch_summary(row: dict, rate: float, mfu: float | None = None) -> str:
@@ -429,7 +431,7 @@ def _epoch_summary(row: dict, rate: float, mfu: float | None = None) -> str:
 def _autotune(n: Nitro) -> None:
     check_stale(n.spec, n.programs)
     choice = autotune.pick(n)
-    n._set_steps_per_call(choice.steps)
+    n.take(spec=n.spec.replace(steps_per_call=choice.steps, autotune=False))
     n.display.line(choice.line())
     n.logger.log_other(
         {
