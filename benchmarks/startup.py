@@ -31,7 +31,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import jaxnitro as jn  # noqa: E402
-from jaxnitro._src.compile import programs  # noqa: E402
+
+try:
+    from jaxnitro._src.compile import programs
+except ImportError:  # a tree from before the internals moved under _src (to compare with)
+    from jaxnitro.compile import programs  # type: ignore[no-redef]
 
 
 def _experiment():

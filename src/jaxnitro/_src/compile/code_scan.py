@@ -12,13 +12,9 @@ import functools
 import sys
 import types
 import weakref
-from typing import TYPE_CHECKING
 
 from jaxnitro._src.compile.digests import _h
 from jaxnitro._src.compile.fingerprint_values import _Values
-
-if TYPE_CHECKING:
-    pass
 
 # Opcodes that read a module-level name (LOAD_NAME: class bodies and module code), read a
 # closure cell, and read an attribute of what is on top of the stack.
@@ -154,3 +150,58 @@ def _forget_code(key: int, ref: weakref.ref) -> None:
     entry = _codes.get(key)
     if entry is not None and entry[0] is ref:
         del _codes[key]
+
+
+# Builtins and modules through which code reads what no name in it says: an attribute named
+# by a string, a namespace as a dict, a module imported while it runs, a file.
+_DYNAMIC_NAMES = frozenset(
+    {
+        "getattr",
+        "hasattr",
+        "setattr",
+        "delattr",
+        "globals",
+        "locals",
+        "vars",
+        "eval",
+        "exec",
+        "compile",
+        "open",
+        "__import__",
+        "importlib",
+        "sys",
+    }
+)
+_dynamic: dict[int, tuple[weakref.ref, str | None]] = {}
+
+
+def dynamic_reads(code: types.CodeType) -> str | None:
+    """What in `code` (or the code nested in it) reads values no fingerprint can follow:
+    ``"getattr"``, ``"import"`` (a module imported inside a function), ...; None if nothing.
+
+    A fingerprint proves "unchanged" only for code without such reads (computed once per
+    code object).
+    """
+    entry = _dynamic.get(id(code))
+    if entry is not None and entry[0]() is code:
+        return entry[1]
+    found = sorted(_DYNAMIC_NAMES.intersection(code.co_names))
+    if not found and any(ins.opname == "IMPORT_NAME" for ins in dis.get_instructions(code)):
+        found = ["import"]
+    for const in code.co_consts:
+        if not found and isinstance(const, types.CodeType):
+            inner = dynamic_reads(const)
+            found = [inner] if inner else []
+    result = found[0] if found else None
+    try:
+        ref = weakref.ref(code, functools.partial(_forget_dynamic, id(code)))
+    except TypeError:
+        return result
+    _dynamic[id(code)] = (ref, result)
+    return result
+
+
+def _forget_dynamic(key: int, ref: weakref.ref) -> None:
+    entry = _dynamic.get(key)
+    if entry is not None and entry[0] is ref:
+        del _dynamic[key]

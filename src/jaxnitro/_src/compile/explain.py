@@ -57,6 +57,8 @@ class ProgramKey:
         sharding (what `inputs` names, plus shardings).
       graph_shown: ``(field, short repr)`` of every GraphConst as it was when the key was
         made (for explanations only: not compared, not hashed).
+      gaps: what the key's digests could not cover by content (`fingerprint`'s gaps): empty,
+        an equal key proves the program a trace would give unchanged (not compared).
     """
 
     kind: str
@@ -75,6 +77,7 @@ class ProgramKey:
     deps: tuple[tuple[str, str], ...] = ()
     avals: Hashable = None
     graph_shown: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
+    gaps: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __hash__(self) -> int:
         # Computed once: a model structure hashes slowly (an NNX graphdef's attributes), and a

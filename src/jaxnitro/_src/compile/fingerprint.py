@@ -37,7 +37,7 @@ import types
 import typing
 from typing import TYPE_CHECKING
 
-from jaxnitro._src.compile.code_scan import _code_info
+from jaxnitro._src.compile.code_scan import _MAX_CHAIN, _code_info, dynamic_reads
 from jaxnitro._src.compile.digests import (  # (the tables: tests watch them)
     MAX_ARRAY_BYTES,
     _array_digests,
@@ -77,13 +77,18 @@ _ = (_CLASS_SKIP, _array_digests, _identities)  # re-exported for the tests that
 _WRAPPER_SKIP = frozenset(functools.WRAPPER_ASSIGNMENTS) | {"__wrapped__", "__dict__"}
 
 
-def fingerprint(obj: Any, *, depth: int = 2) -> str:
+def fingerprint(obj: Any, *, depth: int = 2, gaps: list[str] | None = None) -> str:
     """Hex digest (sha256) of what a callable's behaviour depends on.
 
     `depth` is how many levels of helpers below `obj` have their code hashed: `obj`'s own
     code always is, helpers it reaches are hashed with `depth - 1`, and below zero a helper
     counts by module + qualname only. The instance behind a bound method is not hashed
     (the caller keys `self` itself).
+
+    `gaps`, when given, receives what the digest could not cover by content (an object
+    hashed by identity, a helper below `depth` by name, code reading through `getattr` or
+    importing inside a function): with none, equal digests mean the code and everything it
+    reads are unchanged; with any, they do not prove it.
 
     Example:
         >>> def loss(x):
@@ -97,7 +102,11 @@ def fingerprint(obj: Any, *, depth: int = 2) -> str:
             f"fingerprint() takes a callable, got {type(obj).__qualname__}; "
             f"use fingerprint_value() for plain values"
         )
-    return _Hasher().callable_(obj, depth)
+    hasher = _Hasher()
+    digest = hasher.callable_(obj, depth)
+    if gaps is not None:
+        gaps.extend(hasher.gaps)
+    return digest
 
 
 def describe_reach(obj: Any, *, depth: int = 2) -> dict[str, str]:
@@ -126,12 +135,18 @@ def describe_reach(obj: Any, *, depth: int = 2) -> dict[str, str]:
 
 
 @typing.overload
-def fingerprint_value(value: Any, *, strict: typing.Literal[True] = ...) -> str | None: ...
+def fingerprint_value(
+    value: Any, *, strict: typing.Literal[True] = ..., gaps: list[str] | None = ...
+) -> str | None: ...
 @typing.overload
-def fingerprint_value(value: Any, *, strict: typing.Literal[False]) -> str: ...
+def fingerprint_value(
+    value: Any, *, strict: typing.Literal[False], gaps: list[str] | None = ...
+) -> str: ...
 
 
-def fingerprint_value(value: Any, *, strict: bool = True) -> str | None:
+def fingerprint_value(
+    value: Any, *, strict: bool = True, gaps: list[str] | None = None
+) -> str | None:
     """Digest of a plain value, or None when it cannot be fingerprinted by content.
 
     Covers scalars, str/bytes, tuples/lists/dicts/sets (recursively), numpy and jax arrays
@@ -139,7 +154,7 @@ def fingerprint_value(value: Any, *, strict: bool = True) -> str | None:
     dtypes, enums, dataclass instances (type and fields), modules (by name), classes (user
     classes by content, library classes by name) and functions (as `fingerprint`).
     Arbitrary objects give None, or with `strict=False` a digest of their identity (a new
-    object, a new digest).
+    object, a new digest). `gaps` as for `fingerprint`.
 
     Example:
         >>> fingerprint_value((1, "a")) == fingerprint_value((1, "a"))
@@ -147,7 +162,11 @@ def fingerprint_value(value: Any, *, strict: bool = True) -> str | None:
         >>> fingerprint_value(object()) is None
         True
     """
-    return _Hasher().value(value, 2, strict=strict)
+    hasher = _Hasher()
+    digest = hasher.value(value, 2, strict=strict)
+    if gaps is not None:
+        gaps.extend(hasher.gaps)
+    return digest
 
 
 class _Hasher(_Values):
@@ -176,6 +195,9 @@ class _Hasher(_Values):
             self._record(args, obj, f"partial:{_names(obj.func)[1]}")
             return _h("partial", self.callable_(obj.func, depth), args)
         if isinstance(obj, (types.MethodType, classmethod, staticmethod)):
+            owner = getattr(obj, "__self__", None)
+            if owner is not None and not isinstance(owner, type):
+                self.value(owner, depth - 1, strict=False)  # (a gap where by identity)
             return self.callable_(obj.__func__, depth)
         if (inner := _wrapped(obj)) is not None:
             # Follow the decorator to the user's function, but keep the wrapper too: a user
@@ -193,7 +215,9 @@ class _Hasher(_Values):
             isinstance(call, types.FunctionType) or _wrapped(call) is not None
         ):
             # __call__ at full depth, and the rest of a user class (the methods it calls
-            # through `self`) one level down.
+            # through `self`) one level down; what the instance holds is not hashed.
+            if getattr(obj, "__dict__", None) or getattr(type(obj), "__slots__", None):
+                self.gap(f"the attributes of a `{_type_name(obj)}` object")
             return _h(
                 "object",
                 _type_name(obj),
@@ -239,6 +263,8 @@ class _Hasher(_Values):
     def _function(self, fn: types.FunctionType, depth: int) -> str:
         module, qualname = _names(fn)
         if depth < 0:
+            if not _is_library(fn):
+                self.gap(f"function `{qualname}` below the depth, by name")
             return self._by_name(fn)
         if _is_library(fn):
             code = "library"
@@ -247,6 +273,8 @@ class _Hasher(_Values):
             paths: frozenset[tuple] = frozenset()
         else:
             code, names, bare, paths = _code_info(fn.__code__)
+            if (why := dynamic_reads(fn.__code__)) is not None:
+                self.gap(f"`{qualname}` reads through `{why}`")
         own = _h(
             "function",
             module,
@@ -328,6 +356,8 @@ class _Hasher(_Values):
             digest = _h("class", _qualified(value))
             self._record(digest, owner, *keys, weak=True)
             return digest
+        if bare and isinstance(value, types.ModuleType) and not _is_library_module(value):
+            self.gap(f"module `{value.__name__}` passed on as a value")  # (read elsewhere)
         return self._binding(value, depth - 1, owner, *keys)
 
     def _attributes(self, obj: Any, attrs: tuple[str, ...], depth: int) -> list[str]:
@@ -348,6 +378,8 @@ class _Hasher(_Values):
                 path = f"{obj.__name__}.{attr}"
                 if attr not in ns:  # not defined (yet): defining it later changes the digest
                     out += [path, "missing"]
+                    if "__getattr__" in ns:
+                        self.gap(f"`{path}` from the module's `__getattr__`")
                     break
                 obj = ns[attr]
                 # The module's dict is the owner, as for the globals of its own functions, so
@@ -358,6 +390,9 @@ class _Hasher(_Values):
                 break  # what follows reads from a value, not from a module or class
             else:
                 break
+        else:
+            if len(attrs) == _MAX_CHAIN and isinstance(obj, (types.ModuleType, type)):
+                self.gap(f"attributes past `{'.'.join(attrs)}`")  # (past the chain followed)
         return out
 
     def _class_lookup(

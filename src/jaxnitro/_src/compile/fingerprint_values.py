@@ -18,7 +18,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxnitro._src.compile.digests import _array_digest, _h, _identity, _scalar_digest
+from jaxnitro._src.compile.digests import (
+    MAX_ARRAY_BYTES,
+    _array_digest,
+    _h,
+    _identity,
+    _scalar_digest,
+)
 from jaxnitro._src.compile.libraries import (
     _is_function_like,
     _names,
@@ -67,6 +73,14 @@ class _Values:
         self._memo: dict[tuple[int, int], tuple[object, str]] = {}
         self._containers: dict[tuple[int, int, bool], tuple[object, str | None]] = {}
         self._active: set[Hashable] = set()
+        # What this traversal could not hash by content (an object by identity, a helper
+        # below the depth by name, code that reads through getattr or imports): where any is
+        # found, the digest cannot prove that a program traced from the code is unchanged.
+        self.gaps: list[str] = []
+
+    def gap(self, why: str) -> None:
+        if why not in self.gaps:
+            self.gaps.append(why)
 
     def callable_(self, obj: Any, depth: int) -> str:  # the callables half (`_Hasher`)
         raise NotImplementedError
@@ -77,6 +91,8 @@ class _Values:
         static/class methods and property accessors hashed at `depth - 1`, plain values by
         content. Library classes, and any class below depth 0, count by name."""
         if depth < 0 or is_library_class(cls):
+            if depth < 0 and not is_library_class(cls):
+                self.gap(f"class `{_qualified(cls)}` below the depth, by name")
             return _h("class", _qualified(cls))
         key = (id(cls), depth)
         if (hit := self._memo.get(key)) is not None:
@@ -213,7 +229,10 @@ class _Values:
                 digest = _h("items", digest, self.class_(t, depth))
         else:
             digest = None
+        if isinstance(v, np.ndarray) and v.nbytes > MAX_ARRAY_BYTES:
+            self.gap(f"a {v.nbytes:,}-byte numpy array, by identity")  # (mutable in place)
         if digest is None and not strict:
+            self.gap(f"a `{_type_name(v)}` object, by identity")
             digest = _h("identity", _identity(v))
             if depth >= 0 and not is_library_class(t):
                 # An object of a user class: a method patched on its class changes what
