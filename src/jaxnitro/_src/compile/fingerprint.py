@@ -65,6 +65,7 @@ __all__ = [
     "MAX_ARRAY_BYTES",
     "describe_reach",
     "fingerprint",
+    "fingerprint_reach",
     "fingerprint_value",
     "is_library_class",
     "is_user_function",
@@ -132,6 +133,17 @@ def describe_reach(obj: Any, *, depth: int = 2) -> dict[str, str]:
     hasher = _Hasher()
     hasher.callable_(obj, depth)
     return dict(hasher.reach)
+
+
+def fingerprint_reach(
+    obj: Any, *, depth: int = 2, gaps: list[str] | None = None
+) -> tuple[str, dict[str, str]]:
+    """`fingerprint` and `describe_reach` of `obj` in one traversal (a program key needs both)."""
+    hasher = _Hasher()
+    digest = hasher.callable_(obj, depth)
+    if gaps is not None:
+        gaps.extend(hasher.gaps)
+    return digest, dict(hasher.reach)
 
 
 @typing.overload

@@ -22,7 +22,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxnitro._src.compile import cache, context, explain
-from jaxnitro._src.compile.fingerprint import fingerprint, fingerprint_value, is_library_class
+from jaxnitro._src.compile.fingerprint import (
+    fingerprint,
+    fingerprint_reach,
+    fingerprint_value,
+    is_library_class,
+)
 from jaxnitro._src.core.errors import HookError, JaxnitroError, warn_user
 from jaxnitro._src.dist.devices import mesh_id
 from jaxnitro._src.dist.sharding import to_sharding
@@ -422,6 +427,25 @@ def hook_prints(spec: RunSpec, kind: str | None = None, gaps: list[str] | None =
     return tuple(sorted(out))
 
 
+def _traced_parts(spec: RunSpec, kind: str, gaps: list[str]) -> tuple[tuple, tuple, tuple]:
+    """(`hook_prints`, then `explain.hook_parts`' hooks and helpers) of a kind of program, from
+    one traversal of each traced entry (a program request pays it once)."""
+    prints, own, reached = [], [], []
+    for name, obj in traced_code(spec, _kind_hooks(spec, kind), gaps).items():
+        found: list[str] = []
+        if isinstance(obj, ClassValue):
+            digest = fingerprint_value(obj.value, strict=False, gaps=found)
+            own.append((name, digest))
+        else:
+            digest, reach = fingerprint_reach(obj, gaps=found)
+            mine, theirs = explain.entry_parts(name, obj, reach, digest)
+            own.append(mine)
+            reached += theirs
+        prints.append((name, digest))
+        gaps += [f"{why} (in {_shown(name)})" for why in found]
+    return tuple(sorted(prints)), tuple(own), tuple(reached)
+
+
 def _state_arrays(ts: TrainState) -> tuple:
     """The arrays of a TrainState (its model and optimizer are in the key by structure)."""
     return (ts.params, ts.state, ts.opt_state, ts.step, ts.rng, ts.ema)
@@ -442,14 +466,13 @@ def program_key(
     if ps.prints is None:
         ps.prints = hook_prints(spec)
         ps.parts = explain.hook_parts(traced_code(spec))
-    hooks, helpers = explain.hook_parts(traced_code(spec, _kind_hooks(spec, kind)))
     rows = tuple(
         (jax.tree_util.keystr(path), *cache.input_spec(leaf))
         for path, leaf in jax.tree_util.tree_flatten_with_path(inputs)[0]
     )
     graph = field_values(spec.experiment, GRAPH)
     gaps: list[str] = []  # what the key cannot prove unchanged (then a trace checks it)
-    deps = hook_prints(spec, kind, gaps)
+    deps, hooks, helpers = _traced_parts(spec, kind, gaps)
     return explain.ProgramKey(
         kind=kind,
         experiment=spec.cls.__qualname__,
