@@ -31,7 +31,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import jaxnitro as jn  # noqa: E402
-from jaxnitro._src.programs import builders as programs  # noqa: E402
+
+try:
+    from jaxnitro._src.programs import builders as programs
+except ImportError:  # a tree from before the layers (to compare with)
+    try:
+        from jaxnitro._src.compile import programs  # type: ignore[no-redef]
+    except ImportError:  # a tree from before the internals moved under _src
+        from jaxnitro.compile import programs  # type: ignore[no-redef]
 
 
 def _experiment():

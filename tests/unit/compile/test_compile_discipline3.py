@@ -507,19 +507,18 @@ class Hidden(Tiny):
         return out * jnp.asarray(table["w"]), state
 
 
-def test_predict_rechecks_a_loop_against_the_trace_once_its_window_passed(tmp_path, monkeypatch):
-    from jaxnitro._src.programs import builders as programs
-
+def test_predict_checks_a_key_with_gaps_against_the_trace_at_every_call(tmp_path):
+    """`globals()[...]` is a read no fingerprint follows: the key has a gap, so no call runs
+    on the key alone, however soon after the last (there is no time window)."""
     HOLDER["w"][:] = 1.0
     n = handle(Hidden(n_val=0), tmp_path / "a")
     np.testing.assert_allclose(predicted(n), eager(n), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(programs, "recheck_after", lambda cost: 0.0)  # the window has passed
-    HOLDER["w"][:] = 3.0  # in place: the key cannot see it, the program text can
+    HOLDER["w"][:] = 3.0  # in place, right after the last check: the program text sees it
     np.testing.assert_allclose(predicted(n), eager(n, lambda o: o * 3.0), rtol=1e-5, atol=1e-5)
     assert "traced program changed though nothing in its key did" in reasons(n)
-    # any other entry point checks at once, whatever the predict window
-    monkeypatch.setattr(programs, "recheck_after", lambda cost: 1e9)
-    m = handle(Hidden(), tmp_path / "b")
+    HOLDER["w"][:] = 2.0
+    np.testing.assert_allclose(predicted(n), eager(n, lambda o: o * 2.0), rtol=1e-5, atol=1e-5)
+    m = handle(Hidden(), tmp_path / "b")  # and any other entry point
     first = jn.validate(m)["val_loss"]
     HOLDER["w"][:] = 0.0  # every logit 0: the loss of a uniform guess
     assert jn.validate(m)["val_loss"] == pytest.approx(np.log(4), rel=1e-5) != first

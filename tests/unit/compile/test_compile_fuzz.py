@@ -5,8 +5,8 @@ reloaded), a dict global of that module (mutated in place), a method patched ont
 frozen GraphConst config whose class's method is edited, a class-level `functools.partial`,
 a closure cell, an environment variable, JAX's matmul precision and x64 flags, a Device field,
 and a docstring. Each step makes one random edit and calls `jn.predict` on a live handle
-(the fast path), `jn.validate` (the checked path) or `jn.train_step` (a loss function cell
-re-run), and checks:
+(a closed key: the fast path, no trace), `jn.validate` or `jn.train_step` (a loss function
+cell re-run, or the same loss function object called again after the edit), and checks:
 
 - the result against the current code run eagerly (no silent stale program);
 - the programs compiled: one when the program's inputs (the edited state) were never seen for
@@ -258,17 +258,32 @@ def _loss_fn(world: World):
     return loss_fn, exp
 
 
+def _same_loss_fn(world: World):
+    """One loss function object for the whole run: it reads the experiment class (patched
+    by the edits) through its closure, so only its content says what it computes now."""
+    cls = world.cls
+    exp = cls(n_val=0)
+
+    def loss_fn(model, params, model_state, batch):
+        out, new_state = cls.forward(exp, model, params, model_state, x=batch["x"])
+        labels = jax.nn.one_hot(batch["y"], 4)
+        return optax.softmax_cross_entropy(out, labels).mean(), new_state
+
+    return loss_fn, exp
+
+
 def run_fuzz(tmp_path, edits: int, seed: int) -> dict:
     rng = random.Random(seed)
     world = World(tmp_path, f"s{seed}")
     x, y = make_data(16, seed=1)
     log: list[str] = []
     seen: dict[str, set] = {"predict": set(), "eval": set(), "train_step": set()}
-    counts = {"predict": 0, "validate": 0, "train_step": 0, "compiles": 0}
+    counts = {"predict": 0, "validate": 0, "train_step": 0, "same_loss_fn": 0, "compiles": 0}
     try:
         jn.cache_reset()
         n = jn.Nitro(world.cls(), run_dir=tmp_path / "run", progress="off")
         ts = None
+        same = _same_loss_fn(world)
         kinds = list(CHOICES) + list(NEUTRAL)
         for step in range(edits):
             kind = rng.choice(kinds)
@@ -278,7 +293,9 @@ def run_fuzz(tmp_path, edits: int, seed: int) -> dict:
                 jn.set_device(n, dgain=value)
             else:
                 world.edit(kind, value)
-            entry = rng.choices(["predict", "validate", "train_step"], weights=(6, 2, 2))[0]
+            entry = rng.choices(
+                ["predict", "validate", "train_step", "same_loss_fn"], weights=(6, 2, 1, 1)
+            )[0]
             log.append(f"{step}: {kind}={value!r} then {entry}")
             where = f"seed {seed}, edits so far:\n  " + "\n  ".join(log[-8:])
             before = jn.cache_stats()["misses"]
@@ -299,7 +316,7 @@ def run_fuzz(tmp_path, edits: int, seed: int) -> dict:
                 if ts is None or not isinstance(ts, jn.TrainState):
                     model, params, state = jn.split_model(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
                     ts = jn.TrainState.create(model, params, state, optax.sgd(0.1))
-                fn, exp = _loss_fn(world)
+                fn, exp = _loss_fn(world) if entry == "train_step" else same
                 want = _eager_loss(_eager_forward(world, exp, ts.params, x), y)
                 ts, loss, _ = jn.train_step(fn, ts, {"x": x, "y": y})
                 _close(loss, want, f"stale train_step; {where}")

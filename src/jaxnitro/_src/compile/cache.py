@@ -111,6 +111,7 @@ def cache_reset() -> None:
     with _lock:
         _entries.clear()
         _by_text.clear()
+        _proven.clear()
         _seen.clear()
         for name in _stats:
             _stats[name] = 0
@@ -220,44 +221,77 @@ def get_or_compile(
     compile_options: dict | None = None,
     on_compile: Callable[[str, str], Any] | None = None,
     verify: bool = False,
+    closed: bool = False,
 ) -> Program:
     """Return the cached program for `key`, compiling it (once per process) on a miss.
 
-    `key` is an `explain.ProgramKey` (a run's programs: a miss says why it happened) or any
-    hashable (the low-level `jn.train_step`). `lower()` returns a `jax.stages.Traced` or
-    `Lowered`. Two keys that lower to identical StableHLO (and the same `devices`) share one
-    executable: the program text is the authoritative identity (except for a program that
-    calls back into Python, whose text does not name the function). `on_compile(kind, label)` is
-    a context-manager factory the caller uses to show progress.
+    `key`: an `explain.ProgramKey` (a miss says why) or any hashable (`jn.train_step`);
+    `lower()` gives a `jax.stages.Traced` or `Lowered`; `on_compile(kind, label)` a context
+    manager around a compile. Keys that lower to identical StableHLO (same `devices`) share
+    one executable: the text is the identity (a program calling back into Python excepted).
 
     With `verify`, a key hit is not trusted: the current code is traced and lowered, and the
-    cached executable runs only if its program text is the same (else the new text is
-    compiled, or found under another key). A key is a fingerprint of the code, which cannot
-    see everything a trace reads; the text can.
+    cached executable runs only if its text is the same (else the new text is compiled, or
+    found under another key). A `closed` key covers by content all the trace reads (no gaps
+    in its fingerprints): once a trace gave its program, `proven(key)` says so, and the
+    caller may skip the check for an equal closed key.
     """
     with _lock:
         prog = _safe_get(key)
         if prog is not None and not verify:
-            _stats["hits"] += 1
-            _remember(key)
-            return prog
+            return _hit(key)
     lowered, trace_seconds, lower_seconds = _lower(lower)
     text_key, text_digest = _text_key(lowered, devices, compile_options)
     with _lock:
         # (a program that calls back into Python is shared by no other key, but its own key
         # with the same text is its own program: the key names the Python function)
         if prog is not None and prog.text_digest == text_digest:
-            _stats["hits"] += 1
             _stats["verified"] += 1
-            _remember(key)
-            return prog
+            return _hit(key, closed=closed)
         twin = _by_text.get(text_key)
         if twin is not None:
             _entries[key] = twin
-            _stats["hits"] += 1
-            _remember(key)
-            return twin
-    stale = prog  # the key's program traced to another text: its key missed a change
+            return _hit(key, closed=closed)
+    compiled, seconds, loaded, rec = _compile(
+        lowered, kind, label, compile_options, on_compile, hooks, (trace_seconds, lower_seconds)
+    )
+    parts = key if isinstance(key, explain.ProgramKey) else None
+    stale = prog is not None  # the key's program traced to another text: the key missed it
+    with _lock:
+        why = (UNSEEN_CHANGE,) if stale else _why(parts)
+        deps = parts.deps if parts is not None else ()
+        prog = Program(kind, key, compiled, lower_seconds, seconds, label, parts, rec, why, deps)
+        prog.text_key, prog.text_digest = text_key, text_digest
+        _stats["misses"] += 1
+        _stats["persistent_hits"] += int(loaded)
+        _stats["unseen"] += int(stale)
+        _entries[key] = prog
+        _by_text[text_key] = prog
+        _prove(key, closed)
+        _remember(key)
+    return prog
+
+
+def _hit(key: Hashable, *, closed: bool | None = None) -> Program:
+    """Count a hit on `key` (under the lock); after a trace (`closed` given), note whether
+    it proved the key's program."""
+    _stats["hits"] += 1
+    if closed is not None:
+        _prove(key, closed)
+    _remember(key)
+    return _entries[key]
+
+
+def _compile(
+    lowered: Any,
+    kind: str,
+    label: str,
+    compile_options: dict | None,
+    on_compile: Callable[[str, str], Any] | None,
+    hooks: tuple[str, ...],
+    staged: tuple[float | None, float],
+) -> tuple[Any, float, bool, Any]:
+    """(executable, compile seconds, loaded from the persistent cache, report record)."""
     t0 = time.perf_counter()
     ctx = on_compile(kind, label) if on_compile is not None else contextlib.nullcontext()
     loads = getattr(_loads, "count", 0)
@@ -266,43 +300,44 @@ def get_or_compile(
         loaded = getattr(_loads, "count", 0) > loads  # from the persistent cache, not compiled
         if note is not None and hasattr(note, "loaded"):  # the display says "loaded ..."
             note.loaded = loaded
-    compile_seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
     rec = report.record(
         kind,
         label,
         lowered,
         compiled,
-        lower_seconds=lower_seconds,
-        compile_seconds=compile_seconds,
-        trace_seconds=trace_seconds,
+        lower_seconds=staged[1],
+        compile_seconds=seconds,
+        trace_seconds=staged[0],
         hooks=hooks or ("forward", "loss"),
         loaded=loaded,
     )
-    parts = key if isinstance(key, explain.ProgramKey) else None
+    return compiled, seconds, loaded, rec
+
+
+# Closed keys whose program a trace of the same content gave (see `get_or_compile`): each is
+# in `_entries` with that program (a drop or a reset takes it out of both).
+_proven: set[Hashable] = set()
+
+
+def _prove(key: Hashable, closed: bool) -> None:
+    try:
+        if closed:
+            _proven.add(key)
+        else:
+            _proven.discard(key)
+    except Exception:  # a key that cannot be hashed is never proven
+        pass
+
+
+def proven(key: Hashable) -> bool:
+    """Whether a trace already gave `key`'s cached program from the content `key` covers: for
+    a closed key (no gaps), an equal key proves the program unchanged without a trace."""
     with _lock:
-        why = (UNSEEN_CHANGE,) if stale is not None else _why(parts)
-        deps = parts.deps if parts is not None else ()
-        prog = Program(
-            kind,
-            key,
-            compiled,
-            lower_seconds,
-            compile_seconds,
-            label,
-            parts,
-            rec,
-            why,
-            deps,
-            text_key,
-            text_digest,
-        )
-        _stats["misses"] += 1
-        _stats["persistent_hits"] += int(loaded)
-        _stats["unseen"] += int(stale is not None)
-        _entries[key] = prog
-        _by_text[text_key] = prog
-        _remember(key)
-    return prog
+        try:
+            return key in _proven and key in _entries
+        except Exception:
+            return False
 
 
 #: Why a program recompiled though its key was a hit: the trace of the current code differs.
@@ -411,6 +446,7 @@ def drop(predicate: Callable[[Program], bool], *, by_text: bool = True) -> int:
     with _lock:
         doomed = [k for k, p in _entries.items() if predicate(p)]
         programs = {id(_entries.pop(k)) for k in doomed}
+        _proven.difference_update(doomed)
         if not by_text:
             return len(programs)
         texts = [t for t, p in _by_text.items() if predicate(p)]

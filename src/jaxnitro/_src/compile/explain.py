@@ -57,6 +57,8 @@ class ProgramKey:
         sharding (what `inputs` names, plus shardings).
       graph_shown: ``(field, short repr)`` of every GraphConst as it was when the key was
         made (for explanations only: not compared, not hashed).
+      gaps: what the key's digests could not cover by content (`fingerprint`'s gaps): empty,
+        an equal key proves the program a trace would give unchanged (not compared).
     """
 
     kind: str
@@ -75,6 +77,7 @@ class ProgramKey:
     deps: tuple[tuple[str, str], ...] = ()
     avals: Hashable = None
     graph_shown: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
+    gaps: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __hash__(self) -> int:
         # Computed once: a model structure hashes slowly (an NNX graphdef's attributes), and a
@@ -122,13 +125,23 @@ def hook_parts(
             # a class value read as `self.NAME`: one digest, nothing reached
             own.append((name, fingerprint_value(getattr(fn, "value", fn), strict=False)))
             continue
-        reach = describe_reach(fn)
-        target = inspect.unwrap(getattr(fn, "__func__", fn))
-        qualname = getattr(target, "__qualname__", "")
-        # not found (a callable object, a partial): the whole fingerprint stands in for it
-        own.append((name, reach.pop(qualname, "") or fingerprint(fn)))
-        reached += [(f"{name}/{item}", digest) for item, digest in reach.items()]
+        mine, theirs = entry_parts(name, fn, describe_reach(fn), None)
+        own.append(mine)
+        reached += theirs
     return tuple(own), tuple(reached)
+
+
+def entry_parts(
+    name: str, fn: Any, reach: dict[str, str], whole: str | None
+) -> tuple[tuple[str, str], list[tuple[str, str]]]:
+    """One callable's ``(hook, own digest)`` and ``("hook/item", digest)`` entries of
+    `hook_parts`, from its `describe_reach` (`whole`: its fingerprint, if known)."""
+    reach = dict(reach)
+    target = inspect.unwrap(getattr(fn, "__func__", fn))
+    qualname = getattr(target, "__qualname__", "")
+    # not found (a callable object, a partial): the whole fingerprint stands in for it
+    mine = reach.pop(qualname, "") or whole or fingerprint(fn)
+    return (name, mine), [(f"{name}/{item}", digest) for item, digest in reach.items()]
 
 
 def reasons(old: KeyParts, new: KeyParts) -> list[str]:

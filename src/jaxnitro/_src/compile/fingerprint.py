@@ -32,130 +32,64 @@ never reused by a later object (unlike `id()`), so a new object always means a n
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import dis
-import enum
 import functools
-import hashlib
-import itertools
-import os
-import sys
-import sysconfig
 import types
 import typing
-import weakref
-from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-import jax
-import numpy as np
-
+from jaxnitro._src.compile.code_scan import _MAX_CHAIN, _code_info, dynamic_reads
+from jaxnitro._src.compile.digests import (  # (the tables: tests watch them)
+    MAX_ARRAY_BYTES,
+    _array_digests,
+    _h,
+    _identities,
+)
+from jaxnitro._src.compile.fingerprint_values import _CLASS_SKIP, _Values
+from jaxnitro._src.compile.libraries import (
+    _is_function_like,
+    _is_library,
+    _is_library_module,
+    _names,
+    _qualified,
+    _type_name,
+    _wrapped,
+    is_library_class,
+    is_user_function,
+)
 from jaxnitro._src.core.errors import ConfigArgumentError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import Any
 
 __all__ = [
     "MAX_ARRAY_BYTES",
     "describe_reach",
     "fingerprint",
+    "fingerprint_reach",
     "fingerprint_value",
     "is_library_class",
     "is_user_function",
 ]
 
-#: Arrays up to this many bytes are hashed by content; bigger ones by dtype, shape and identity.
-MAX_ARRAY_BYTES = 16 * 2**20
-
-# Top-level packages whose functions, classes and modules are hashed by name only.
-_LIBRARY_ROOTS = frozenset(
-    {
-        "jax",
-        "jaxlib",
-        "numpy",
-        "optax",
-        "flax",
-        "equinox",
-        "builtins",
-        "functools",
-        "typing",
-        "math",
-        "jaxnitro",
-    }
-)
-# Installed and standard-library code, recognised by where its file lives. Code exec'd from a
-# string or a notebook cell lives in none of these, so it is always user code.
-_LIBRARY_DIRS = tuple(
-    sorted(
-        {
-            os.path.join(p, "")
-            for k, p in sysconfig.get_paths().items()
-            if k in ("purelib", "platlib", "stdlib", "platstdlib")
-        }
-    )
-) + ("<frozen ",)
-
-_TRACER = getattr(jax.core, "Tracer", ())
-_SCALARS = (type(None), bool, int, float, complex, str, bytes, types.EllipsisType)
-_FUNCTION_TYPES = (
-    types.FunctionType,
-    types.MethodType,
-    types.BuiltinFunctionType,
-    functools.partial,
-    functools.partialmethod,
-    classmethod,
-    staticmethod,
-    np.ufunc,
-)
-
-# Opcodes that read a module-level name (LOAD_NAME: class bodies and module code), read a
-# closure cell, and read an attribute of what is on top of the stack.
-_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
-_DEREF_LOADS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FROM_DICT_OR_DEREF"})
-_ATTR_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
-_MAX_CHAIN = 4  # `a.b.c.d.e`: attributes followed after the global
-
-
-class _Plain:
-    """An empty class: its namespace holds only what every class statement adds."""
-
-
-# Class-namespace entries that are bookkeeping of the class machinery, not behaviour: the
-# generated methods they describe (a dataclass __init__, __eq__) are hashed themselves. An
-# empty class's own entries (the instance-namespace and weakref descriptors, ...) are among
-# them.
-_CLASS_SKIP = frozenset(vars(_Plain)) | frozenset(
-    {
-        "__weakref__",
-        "__module__",
-        "__qualname__",
-        "__doc__",
-        "__annotations__",
-        "__dataclass_fields__",
-        "__dataclass_params__",
-        "__orig_bases__",
-        "__parameters__",
-        "_abc_impl",
-        "__firstlineno__",
-        "__static_attributes__",
-    }
-)
-
+_ = (_CLASS_SKIP, _array_digests, _identities)  # re-exported for the tests that watch them
 
 # What `functools.update_wrapper` copies onto a wrapper, and the wrapped callable itself
 # (hashed on its own): naming, not behaviour.
 _WRAPPER_SKIP = frozenset(functools.WRAPPER_ASSIGNMENTS) | {"__wrapped__", "__dict__"}
 
 
-def fingerprint(obj: Any, *, depth: int = 2) -> str:
+def fingerprint(obj: Any, *, depth: int = 2, gaps: list[str] | None = None) -> str:
     """Hex digest (sha256) of what a callable's behaviour depends on.
 
     `depth` is how many levels of helpers below `obj` have their code hashed: `obj`'s own
     code always is, helpers it reaches are hashed with `depth - 1`, and below zero a helper
     counts by module + qualname only. The instance behind a bound method is not hashed
     (the caller keys `self` itself).
+
+    `gaps`, when given, receives what the digest could not cover by content (an object
+    hashed by identity, a helper below `depth` by name, code reading through `getattr` or
+    importing inside a function): with none, equal digests mean the code and everything it
+    reads are unchanged; with any, they do not prove it.
 
     Example:
         >>> def loss(x):
@@ -169,7 +103,11 @@ def fingerprint(obj: Any, *, depth: int = 2) -> str:
             f"fingerprint() takes a callable, got {type(obj).__qualname__}; "
             f"use fingerprint_value() for plain values"
         )
-    return _Hasher().callable_(obj, depth)
+    hasher = _Hasher()
+    digest = hasher.callable_(obj, depth)
+    if gaps is not None:
+        gaps.extend(hasher.gaps)
+    return digest
 
 
 def describe_reach(obj: Any, *, depth: int = 2) -> dict[str, str]:
@@ -197,13 +135,30 @@ def describe_reach(obj: Any, *, depth: int = 2) -> dict[str, str]:
     return dict(hasher.reach)
 
 
-@typing.overload
-def fingerprint_value(value: Any, *, strict: typing.Literal[True] = ...) -> str | None: ...
-@typing.overload
-def fingerprint_value(value: Any, *, strict: typing.Literal[False]) -> str: ...
+def fingerprint_reach(
+    obj: Any, *, depth: int = 2, gaps: list[str] | None = None
+) -> tuple[str, dict[str, str]]:
+    """`fingerprint` and `describe_reach` of `obj` in one traversal (a program key needs both)."""
+    hasher = _Hasher()
+    digest = hasher.callable_(obj, depth)
+    if gaps is not None:
+        gaps.extend(hasher.gaps)
+    return digest, dict(hasher.reach)
 
 
-def fingerprint_value(value: Any, *, strict: bool = True) -> str | None:
+@typing.overload
+def fingerprint_value(
+    value: Any, *, strict: typing.Literal[True] = ..., gaps: list[str] | None = ...
+) -> str | None: ...
+@typing.overload
+def fingerprint_value(
+    value: Any, *, strict: typing.Literal[False], gaps: list[str] | None = ...
+) -> str: ...
+
+
+def fingerprint_value(
+    value: Any, *, strict: bool = True, gaps: list[str] | None = None
+) -> str | None:
     """Digest of a plain value, or None when it cannot be fingerprinted by content.
 
     Covers scalars, str/bytes, tuples/lists/dicts/sets (recursively), numpy and jax arrays
@@ -211,7 +166,7 @@ def fingerprint_value(value: Any, *, strict: bool = True) -> str | None:
     dtypes, enums, dataclass instances (type and fields), modules (by name), classes (user
     classes by content, library classes by name) and functions (as `fingerprint`).
     Arbitrary objects give None, or with `strict=False` a digest of their identity (a new
-    object, a new digest).
+    object, a new digest). `gaps` as for `fingerprint`.
 
     Example:
         >>> fingerprint_value((1, "a")) == fingerprint_value((1, "a"))
@@ -219,26 +174,15 @@ def fingerprint_value(value: Any, *, strict: bool = True) -> str | None:
         >>> fingerprint_value(object()) is None
         True
     """
-    return _Hasher().value(value, 2, strict=strict)
+    hasher = _Hasher()
+    digest = hasher.value(value, 2, strict=strict)
+    if gaps is not None:
+        gaps.extend(hasher.gaps)
+    return digest
 
 
-def _h(*parts: str | bytes) -> str:
-    """sha256 of the parts, so ("ab", "c") and ("a", "bc") differ: the repr of a tuple of
-    str and bytes quotes each one, so it reads back as exactly these parts (and costs one
-    C call, not a Python loop: this runs a few hundred times per fingerprint)."""
-    return hashlib.sha256(repr(parts).encode("utf-8", "surrogatepass")).hexdigest()
-
-
-class _Hasher:
-    """One traversal. The memo, cycle guard and reach table live for a single call only,
-    since globals and closure cells may change between calls."""
-
-    def __init__(self) -> None:
-        self.reach: dict[str, str] = {}
-        self._owners: dict[str, object] = {}
-        self._memo: dict[tuple[int, int], tuple[object, str]] = {}
-        self._containers: dict[tuple[int, int, bool], tuple[object, str | None]] = {}
-        self._active: set[Hashable] = set()
+class _Hasher(_Values):
+    """One traversal: values and classes (`_Values`), and callables of every kind."""
 
     # -- callables ------------------------------------------------------------------------
 
@@ -263,6 +207,9 @@ class _Hasher:
             self._record(args, obj, f"partial:{_names(obj.func)[1]}")
             return _h("partial", self.callable_(obj.func, depth), args)
         if isinstance(obj, (types.MethodType, classmethod, staticmethod)):
+            owner = getattr(obj, "__self__", None)
+            if owner is not None and not isinstance(owner, type):
+                self.value(owner, depth - 1, strict=False)  # (a gap where by identity)
             return self.callable_(obj.__func__, depth)
         if (inner := _wrapped(obj)) is not None:
             # Follow the decorator to the user's function, but keep the wrapper too: a user
@@ -280,7 +227,9 @@ class _Hasher:
             isinstance(call, types.FunctionType) or _wrapped(call) is not None
         ):
             # __call__ at full depth, and the rest of a user class (the methods it calls
-            # through `self`) one level down.
+            # through `self`) one level down; what the instance holds is not hashed.
+            if getattr(obj, "__dict__", None) or getattr(type(obj), "__slots__", None):
+                self.gap(f"the attributes of a `{_type_name(obj)}` object")
             return _h(
                 "object",
                 _type_name(obj),
@@ -326,6 +275,8 @@ class _Hasher:
     def _function(self, fn: types.FunctionType, depth: int) -> str:
         module, qualname = _names(fn)
         if depth < 0:
+            if not _is_library(fn):
+                self.gap(f"function `{qualname}` below the depth, by name")
             return self._by_name(fn)
         if _is_library(fn):
             code = "library"
@@ -334,6 +285,8 @@ class _Hasher:
             paths: frozenset[tuple] = frozenset()
         else:
             code, names, bare, paths = _code_info(fn.__code__)
+            if (why := dynamic_reads(fn.__code__)) is not None:
+                self.gap(f"`{qualname}` reads through `{why}`")
         own = _h(
             "function",
             module,
@@ -415,6 +368,8 @@ class _Hasher:
             digest = _h("class", _qualified(value))
             self._record(digest, owner, *keys, weak=True)
             return digest
+        if bare and isinstance(value, types.ModuleType) and not _is_library_module(value):
+            self.gap(f"module `{value.__name__}` passed on as a value")  # (read elsewhere)
         return self._binding(value, depth - 1, owner, *keys)
 
     def _attributes(self, obj: Any, attrs: tuple[str, ...], depth: int) -> list[str]:
@@ -435,6 +390,8 @@ class _Hasher:
                 path = f"{obj.__name__}.{attr}"
                 if attr not in ns:  # not defined (yet): defining it later changes the digest
                     out += [path, "missing"]
+                    if "__getattr__" in ns:
+                        self.gap(f"`{path}` from the module's `__getattr__`")
                     break
                 obj = ns[attr]
                 # The module's dict is the owner, as for the globals of its own functions, so
@@ -445,6 +402,9 @@ class _Hasher:
                 break  # what follows reads from a value, not from a module or class
             else:
                 break
+        else:
+            if len(attrs) == _MAX_CHAIN and isinstance(obj, (types.ModuleType, type)):
+                self.gap(f"attributes past `{'.'.join(attrs)}`")  # (past the chain followed)
         return out
 
     def _class_lookup(
@@ -477,482 +437,3 @@ class _Hasher:
         return digest
 
     # -- classes --------------------------------------------------------------------------
-
-    def class_(self, cls: type, depth: int) -> str:
-        """Digest of a user class by content: its bases (user ones by content, library ones
-        by name), metaclass (by name), and every entry of its own namespace (`vars`): functions,
-        static/class methods and property accessors hashed at `depth - 1`, plain values by
-        content. Library classes, and any class below depth 0, count by name."""
-        if depth < 0 or is_library_class(cls):
-            return _h("class", _qualified(cls))
-        key = (id(cls), depth)
-        if (hit := self._memo.get(key)) is not None:
-            return hit[1]
-        # A guard of its own: the class may be the callable being hashed (`callable_` marks
-        # its id active first), which is no cycle.
-        guard = ("class", id(cls))
-        if guard in self._active:  # a method that names its own class, a class attribute
-            return _h("cycle", "class", _qualified(cls))
-        self._active.add(guard)
-        try:
-            module, qualname = _names(cls)
-            bases = [self.class_(base, depth) for base in cls.__bases__]
-            namespace = vars(cls)
-            attrs = sorted(name for name in namespace if name not in _CLASS_SKIP)
-            parts = []
-            for name in attrs:
-                parts += [name, self._class_attribute(cls, name, namespace[name], depth)]
-            own = _h(
-                "class",
-                module,
-                qualname,
-                _qualified(type(cls)),
-                *(_qualified(b) for b in cls.__bases__),
-                "\0".join(attrs),
-            )
-            self._record(own, cls, qualname, f"{module}.{qualname}")
-            digest = _h("class", own, *bases, *parts)
-        finally:
-            self._active.discard(guard)
-        self._memo[key] = (cls, digest)
-        return digest
-
-    def _class_attribute(self, cls: type, name: str, attr: str, depth: int) -> str:
-        if isinstance(attr, property):
-            return _h(
-                "property",
-                *(
-                    self.callable_(f, depth - 1) if f is not None else "-"
-                    for f in (attr.fget, attr.fset, attr.fdel)
-                ),
-            )
-        if isinstance(attr, functools.cached_property):
-            return _h("cached_property", self.callable_(attr.func, depth - 1))
-        if _is_function_like(attr):
-            method = self.callable_(attr, depth - 1)
-            qualname = _names(cls)[1]
-            if _names(attr)[1] != f"{qualname}.{name}":
-                # a function put on the class from elsewhere (`Net.__call__ = call`): also
-                # recorded under the name the class gives it, which is how it is called
-                self._record(method, cls, f"method:{qualname}.{name}")
-            return method
-        if isinstance(attr, type):
-            return self.class_(attr, depth - 1)  # a nested class
-        if isinstance(attr, (types.MemberDescriptorType, types.GetSetDescriptorType)):
-            return _h("slot", name)  # __slots__ entries: new objects per class, same meaning
-        digest = self.value(attr, depth - 1, strict=True)
-        if digest is None:
-            if not isinstance(attr, (tuple, list, dict, set, frozenset)) and is_library_class(
-                type(attr)
-            ):
-                # Machinery a library puts on its classes (flax's descriptors and internal
-                # state): new objects per class definition, hashed by type so an identical
-                # re-definition still matches.
-                digest = _h("object", _type_name(attr))
-            else:
-                digest = self.value(attr, depth - 1, strict=False)
-        if not (name.startswith("__") and name.endswith("__")):
-            module, qualname = _names(cls)
-            self._record(
-                digest, cls, f"global:{qualname}.{name}", f"global:{module}.{qualname}.{name}"
-            )
-        return digest
-
-    def _by_name(self, obj: Any) -> str:
-        module, qualname = _names(obj)
-        digest = _h("name", module, qualname)
-        self._record(digest, obj, qualname, f"{module}.{qualname}", weak=True)
-        return digest
-
-    def _record(self, digest: str, owner: Any, *keys: str, weak: bool = False) -> None:
-        """Enter `digest` in the reach table under the first of `keys` no other owner holds.
-
-        A weak entry (a name-only digest) never replaces one already there, so a helper
-        reached both deeply and by name shows its content digest.
-        """
-        numbered = (f"{keys[-1]}#{i}" for i in itertools.count(2))
-        for key in itertools.chain(keys, numbered):
-            if self._owners.setdefault(key, owner) is owner:
-                break
-        if not (weak and key in self.reach):
-            self.reach[key] = digest
-
-    # -- values ---------------------------------------------------------------------------
-
-    @typing.overload
-    def value(self, v: Any, depth: int, *, strict: typing.Literal[False]) -> str: ...
-    @typing.overload
-    def value(self, v: Any, depth: int, *, strict: bool) -> str | None: ...
-
-    def value(self, v: Any, depth: int, *, strict: bool) -> str | None:
-        """Digest of a value. Functions inside are hashed at `depth`. What cannot be hashed
-        by content gives None when `strict`, else an identity digest (a new object, a new key)."""
-        digest: str | None
-        t = type(v)
-        if t in _SCALARS:
-            return _scalar_digest(t, v)
-        if isinstance(v, enum.Enum):
-            # the value too: code may read `.value`, and a re-defined enum may change it
-            digest = _h("enum", _qualified(t), v.name, self.value(v._value_, -1, strict=False))
-        elif isinstance(v, (np.ndarray, np.generic, jax.Array)):
-            digest = _array_digest(v)
-        elif isinstance(v, np.dtype):
-            digest = _h("dtype", v.str, v.name)
-        elif isinstance(v, types.ModuleType):
-            digest = _h("module", v.__name__)  # what code reads from it is hashed as paths
-        elif isinstance(v, type):
-            return self.class_(v, depth)  # user classes by content, library ones by name
-        elif _is_function_like(v):
-            return self.callable_(v, depth)
-        elif isinstance(v, slice):
-            digest = self._items(v, (v.start, v.stop, v.step), depth, strict)
-        elif isinstance(v, (tuple, list, dict, set, frozenset)) or (
-            dataclasses.is_dataclass(v) and not isinstance(v, type)
-        ):
-            digest = self._items(v, None, depth, strict)
-            if (
-                digest is not None
-                and depth >= 0
-                and t not in (tuple, list, dict, set, frozenset)
-                and not is_library_class(t)
-            ):
-                # a user dataclass or NamedTuple: its methods are part of what it does
-                digest = _h("items", digest, self.class_(t, depth))
-        else:
-            digest = None
-        if digest is None and not strict:
-            digest = _h("identity", _identity(v))
-            if depth >= 0 and not is_library_class(t):
-                # An object of a user class: a method patched on its class changes what
-                # the same object does.
-                digest = _h("identity", digest, self.class_(t, depth))
-        return digest
-
-    def _items(self, v: Any, items: Any, depth: int, strict: bool) -> str | None:
-        key = (id(v), depth, strict)
-        if (hit := self._containers.get(key)) is not None:
-            return hit[1]  # one container met twice (a class's field table and a closure)
-        if id(v) in self._active:  # a container that contains itself
-            return None if strict else _h("cycle", _type_name(v))
-        self._active.add(id(v))
-        try:
-            if items is not None:
-                parts = [self.value(x, depth, strict=strict) for x in items]
-            elif isinstance(v, dict):  # insertion order kept: code iterating over it sees it
-                parts = [self.value(x, depth, strict=strict) for kv in v.items() for x in kv]
-            elif isinstance(v, (set, frozenset)):
-                parts = [self.value(x, depth, strict=strict) for x in v]
-                if None not in parts:
-                    parts.sort()  # iteration order of a set is arbitrary
-            elif isinstance(v, (tuple, list)):
-                parts = [self.value(x, depth, strict=strict) for x in v]
-            else:  # dataclass instance
-                parts = []
-                for field in dataclasses.fields(v):
-                    parts.append(_h("field", field.name))
-                    parts.append(
-                        self.value(getattr(v, field.name), depth, strict=strict)
-                        if hasattr(v, field.name)
-                        else "unset"
-                    )
-        finally:
-            self._active.discard(id(v))
-        digest = (
-            None if None in parts else _h("items", _type_name(v), *typing.cast(list[str], parts))
-        )
-        self._containers[key] = (v, digest)  # holding v keeps its id from being reused
-        return digest
-
-
-# -- identity, arrays and names ----------------------------------------------------------
-
-_codes: dict[int, tuple[weakref.ref, str, frozenset[str], frozenset[tuple], frozenset[tuple]]] = {}
-_identities: dict[int, tuple[weakref.ref, str]] = {}
-_array_digests: dict[str, str] = {}  # identity token -> content digest of an immutable jax array
-_tokens = itertools.count()
-
-
-def _identity(obj: Any) -> str:
-    """A token for this very object. Unlike id(), a later object never gets the same one."""
-    key = id(obj)
-    entry = _identities.get(key)
-    if entry is not None and entry[0]() is obj:
-        return entry[1]
-    token = f"{_type_name(obj)}#{next(_tokens)}"
-    try:
-        ref = weakref.ref(obj, functools.partial(_forget, key))
-    except TypeError:
-        # Not weak-referenceable, so we cannot see it die; id() is the best there is.
-        return f"{_type_name(obj)}@{key}"
-    _identities[key] = (ref, token)
-    return token
-
-
-def _forget(key: int, ref: weakref.ref) -> None:
-    entry = _identities.get(key)
-    if entry is not None and entry[0] is ref:
-        del _identities[key]
-        _array_digests.pop(entry[1], None)
-
-
-def _array_digest(a: Any) -> str | None:
-    """dtype + shape + bytes; dtype + shape + identity above MAX_ARRAY_BYTES."""
-    if isinstance(a, _TRACER):
-        return None  # abstract inside a trace: there are no bytes to hash
-    token = None
-    if isinstance(a, jax.Array):  # immutable, and reading it back costs a device transfer
-        token = _identity(a)
-        if (hit := _array_digests.get(token)) is not None:
-            return hit
-    try:
-        head = (str(a.dtype), a.dtype.str, repr(tuple(a.shape)))
-        if a.dtype.hasobject:
-            return None  # the bytes are pointers
-        if a.size * a.dtype.itemsize > MAX_ARRAY_BYTES:
-            return _h("array by identity", *head, _identity(a))
-        host = np.ascontiguousarray(a)  # device -> host for a jax array
-        digest = _h("array", *head, hashlib.sha256(host.reshape(-1).view(np.uint8).data).digest())
-    except Exception:  # deleted/donated, not fully addressable, extended dtypes (PRNG keys)
-        return None
-    if token is not None and _identities.get(id(a), (None, ""))[1] == token:
-        _array_digests[token] = digest  # only while _forget will drop it when `a` dies
-    return digest
-
-
-_scalars: dict[tuple, str] = {}
-
-
-def _scalar_digest(t: type, v: Any) -> str:
-    # Floats by repr in the key: 0.0 == -0.0, and nan != nan, yet each traces differently.
-    key = (t, v) if t is not float and t is not complex else (t, repr(v))
-    try:
-        return _scalars[key]
-    except KeyError:
-        pass
-    except TypeError:  # not hashable (cannot happen for these types; be safe)
-        return _h(t.__name__, v if t is bytes else repr(v))
-    digest = _h(t.__name__, v if t is bytes else repr(v))
-    if len(_scalars) > 4096:
-        _scalars.clear()
-    _scalars[key] = digest
-    return digest
-
-
-def _code_info(
-    code: types.CodeType,
-) -> tuple[str, frozenset[str], frozenset[tuple], frozenset[tuple]]:
-    """(digest, global names, bare loads, attribute paths) of a code object and the code
-    nested in it.
-
-    A code object is immutable, so this is computed once per object for the whole process.
-    Global names are those the bytecode loads as globals; attribute names (`self.tol`) are
-    not among them, though the digest covers them. A bare load, ``("global", name)`` or
-    ``("deref", name)``, is a load not followed by an attribute read (a call, an argument, a
-    store). A path is ``(kind, root, attrs)``: a global (``"global"``) or closure cell
-    (``"deref"``) `root` followed right away by attribute reads `attrs` (``losses.penalty``,
-    ``pkg.sub.fn``), or ``("super", "__class__", (name,))`` for ``super().name``.
-    """
-    entry = _codes.get(id(code))
-    if entry is not None and entry[0]() is code:
-        return entry[1:]
-    names, bare, paths = _scan_loads(code)
-    consts = []
-    doc = _docstring_slot(code)
-    for i, const in enumerate(code.co_consts):  # lambdas, comprehensions and inner defs here
-        if i == 0 and doc:
-            digest = "docstring"  # never loaded by the code: editing it changes nothing
-        elif isinstance(const, types.CodeType):
-            digest, inner_names, inner_bare, inner_paths = _code_info(const)
-            names |= inner_names
-            bare |= inner_bare
-            paths |= inner_paths
-        else:  # code constants are immutable, so this digest holds as long as the code
-            digest = _Hasher().value(const, -1, strict=False)
-        consts.append(digest)
-    # No co_filename, co_firstlineno or line table: moving code must not change it.
-    digest = _h(
-        "code",
-        code.co_qualname,
-        code.co_code,
-        code.co_exceptiontable,
-        repr((code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags)),
-        "\0".join(code.co_names),
-        "\0".join(code.co_varnames),
-        "\0".join(code.co_freevars),
-        "\0".join(code.co_cellvars),
-        *consts,
-    )
-    result = (digest, frozenset(names), frozenset(bare), frozenset(paths))
-    try:
-        ref = weakref.ref(code, functools.partial(_forget_code, id(code)))
-    except TypeError:
-        return result
-    _codes[id(code)] = (ref, *result)
-    return result
-
-
-_COMPREHENSIONS = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
-
-
-def _docstring_slot(code: types.CodeType) -> bool:
-    """Whether `co_consts[0]` is the function's docstring slot. A function's first constant
-    is its docstring, or None without one (before Python 3.14, which keeps it out of
-    `co_consts` unless used); comprehensions and class bodies have no such slot. (A None there
-    that the code also loads is seen in the bytecode, which then differs.)"""
-    return (
-        bool(code.co_consts)
-        and (code.co_consts[0] is None or isinstance(code.co_consts[0], str))
-        and bool(code.co_flags & 0x1)  # CO_OPTIMIZED: a function, not module or class code
-        and code.co_name not in _COMPREHENSIONS
-        and sys.version_info < (3, 14)
-    )
-
-
-def _scan_loads(code: types.CodeType) -> tuple[set[str], set[tuple], set[tuple]]:
-    """(global names, bare loads, attribute paths) of one code object's own bytecode (see
-    `_code_info`; nested code objects are scanned by their own call)."""
-    names: set[str] = set()
-    bare: collections.Counter = collections.Counter()
-    paths: set[tuple] = set()
-    root: tuple[str, str] | None = None
-    attrs: list[str] = []
-    zero_arg_super = False
-
-    def close() -> None:
-        if attrs and root is not None:  # (attrs only ever follow a root)
-            paths.add((*root, tuple(attrs)))
-        elif root is not None:
-            bare[root] += 1
-
-    for ins in dis.get_instructions(code):
-        op = ins.opname
-        if op == "EXTENDED_ARG":
-            continue
-        if root is not None and op in _ATTR_LOADS and len(attrs) < _MAX_CHAIN:
-            attrs.append(ins.argval)
-            continue
-        if zero_arg_super:  # `super()` (3.11: PRECALL 0, CALL 0), then `.name` or not
-            if op in ("PRECALL", "CALL") and ins.arg == 0:
-                continue
-            zero_arg_super = False
-            if op in _ATTR_LOADS:
-                paths.add(("super", "__class__", (ins.argval,)))
-                continue
-            bare["deref", "__class__"] += 1  # `s = super()`: any attribute of the class
-        close()
-        root, attrs = None, []
-        if op in _GLOBAL_LOADS:
-            names.add(ins.argval)
-            if ins.argval == "super" and "__class__" in code.co_freevars:
-                zero_arg_super = True  # two-argument super() loads its class explicitly
-            else:
-                root = ("global", ins.argval)
-        elif op in _DEREF_LOADS:
-            root = ("deref", ins.argval)
-        elif op == "LOAD_SUPER_ATTR":  # 3.12: super, __class__ and self loaded, then this
-            paths.add(("super", "__class__", (ins.argval,)))
-            bare["deref", "__class__"] -= 1
-    if zero_arg_super:
-        bare["deref", "__class__"] += 1
-    close()
-    return names, {load for load, n in bare.items() if n > 0}, paths
-
-
-def _forget_code(key: int, ref: weakref.ref) -> None:
-    entry = _codes.get(key)
-    if entry is not None and entry[0] is ref:
-        del _codes[key]
-
-
-def _wrapped(obj: Any) -> Callable[..., Any] | None:
-    """The callable a decorator wrapped (functools.wraps, jax.jit, custom_jvp), or None.
-
-    Only the instance dict is read: `getattr` on an object with a permissive `__getattr__`
-    (a mock, a proxy) would hand back an endless chain of new wrappers.
-    """
-    try:
-        inner = vars(obj).get("__wrapped__")
-    except TypeError:  # no instance namespace: vars() has nothing to read
-        return None
-    return inner if callable(inner) and inner is not obj else None
-
-
-def _is_function_like(v: Any) -> bool:
-    """Hashed through `callable_` when met as a value; other callables count as objects."""
-    return not isinstance(v, type) and (
-        isinstance(v, _FUNCTION_TYPES) or (callable(v) and _wrapped(v) is not None)
-    )
-
-
-def is_user_function(obj: Any) -> bool:
-    """Whether `obj` is a function (or a partial of one) of user code, not of a library."""
-    while isinstance(obj, (functools.partial, functools.partialmethod)):
-        obj = obj.func
-    obj = getattr(obj, "__func__", obj)
-    return isinstance(obj, types.FunctionType) and not _is_library(obj)
-
-
-def _is_library(fn: types.FunctionType) -> bool:
-    module = fn.__module__
-    if module and module.partition(".")[0] in _LIBRARY_ROOTS:
-        return True
-    return fn.__code__.co_filename.startswith(_LIBRARY_DIRS)
-
-
-def _is_library_module(mod: types.ModuleType) -> bool:
-    name = getattr(mod, "__name__", None) or ""
-    if not isinstance(name, str):
-        return False
-    if name.partition(".")[0] in _LIBRARY_ROOTS or name in sys.builtin_module_names:
-        return True
-    file = getattr(mod, "__file__", None)
-    if not isinstance(file, str):  # built-in, frozen, or made at run time (types.ModuleType)
-        return getattr(getattr(mod, "__spec__", None), "origin", None) in ("built-in", "frozen")
-    return file.startswith(_LIBRARY_DIRS)
-
-
-_library_classes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: set for classes made by a class statement
-
-
-def is_library_class(cls: type) -> bool:
-    """By its package, else by the module it names: a class of a module in site-packages or
-    the standard library is library code; one of "__main__" (a script or notebook, even where
-    "__main__" names a launcher inside site-packages), of a user file, or of source exec'd
-    into a namespace no module holds, is user code. Types written in C are library code."""
-    try:
-        return _library_classes[cls]
-    except (KeyError, TypeError):
-        pass
-    module = getattr(cls, "__module__", None)
-    module = module if isinstance(module, str) else ""
-    mod = sys.modules.get(module)
-    result = (
-        module.partition(".")[0] in _LIBRARY_ROOTS
-        or not cls.__flags__ & _HEAPTYPE
-        or (module != "__main__" and isinstance(mod, types.ModuleType) and _is_library_module(mod))
-    )
-    try:
-        _library_classes[cls] = result
-    except TypeError:
-        pass
-    return result
-
-
-def _names(obj: Any) -> tuple[str, str]:
-    """(module, qualname), falling back on the type for objects without their own."""
-    module = getattr(obj, "__module__", None) or ""
-    qualname = (
-        getattr(obj, "__qualname__", None)
-        or getattr(obj, "__name__", None)
-        or type(obj).__qualname__
-    )
-    return str(module), str(qualname)
-
-
-def _qualified(t: type) -> str:
-    return f"{t.__module__}.{t.__qualname__}"
-
-
-def _type_name(obj: Any) -> str:
-    return _qualified(type(obj))

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import inspect as pyinspect
 import sys
-import time
 import types
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxnitro._src.compile import cache, context, explain
-from jaxnitro._src.compile.fingerprint import fingerprint, fingerprint_value, is_library_class
+from jaxnitro._src.compile.fingerprint import (
+    fingerprint,
+    fingerprint_reach,
+    fingerprint_value,
+    is_library_class,
+)
 from jaxnitro._src.core.errors import HookError, JaxnitroError, warn_user
 from jaxnitro._src.dist.devices import mesh_id
 from jaxnitro._src.dist.sharding import to_sharding
@@ -246,9 +250,8 @@ class ProgramSet:
         train: (kind, steps per call) -> the train program of the current entry point.
         slots: the planned program slots already filled (a second compile of one warns).
         rebound: the classes of this run already named as re-defined (said once each).
-        verified: key -> (when, seconds) its cached program was last checked against a trace
-            of the current code, and what the check cost (cleared at each entry point but
-            `jn.predict`, which checks again once `recheck_after` has passed).
+        verified: the keys whose cached programs this entry-point call already checked
+            against a trace of the current code (cleared at each entry point).
         parts: (hooks, helpers) of `explain.hook_parts` for `prints` (naming an edit).
     """
 
@@ -260,7 +263,7 @@ class ProgramSet:
     train: dict = dataclasses.field(default_factory=dict)
     slots: set = dataclasses.field(default_factory=set)
     rebound: set = dataclasses.field(default_factory=set)
-    verified: dict = dataclasses.field(default_factory=dict)
+    verified: set = dataclasses.field(default_factory=set)
     parts: tuple | None = None
 
     def reset_train(self) -> None:
@@ -276,11 +279,14 @@ def _code_names(code: Any) -> set[str]:
     return names
 
 
-def traced_functions(spec: ProgramSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
+def traced_functions(
+    spec: ProgramSpec, hooks: tuple[str, ...] = _TRACED_HOOKS, gaps: list[str] | None = None
+) -> dict[str, Any]:
     """The traced `hooks`, plus the experiment's methods and properties they reach via `self`.
 
     `self.helper(...)` is an attribute load, invisible to a function fingerprint; following
-    the names the code loads (three levels) puts an edited helper method into the key.
+    the names the code loads (three levels) puts an edited helper method into the key. A
+    method still unfollowed below that goes into `gaps` (the key cannot prove it unchanged).
     """
     out: dict[str, Any] = {}
     frontier = [h for h in hooks if h in spec.routes]
@@ -305,7 +311,18 @@ def traced_functions(spec: ProgramSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) 
             out[name] = fn
             nxt += sorted(_code_names(fn.__code__))
         frontier = nxt
+    if gaps is not None:
+        deeper = [n for n in frontier if n not in out and _is_method(spec.cls, n)]
+        gaps += [f"method `{n}` below the three levels followed" for n in deeper[:1]]
     return out
+
+
+def _is_method(cls: Any, name: str) -> bool:
+    if name in cls.__jn_fields__ or name.startswith("__"):
+        return False
+    attr = pyinspect.getattr_static(cls, name, None)
+    fn = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+    return pyinspect.isfunction(fn) or isinstance(fn, (functools.partial, functools.partialmethod))
 
 
 def _partial_root(fn: Any) -> Any:
@@ -376,12 +393,14 @@ def model_functions(spec: ProgramSpec) -> dict[str, Any]:
     return {f"model-fn:{name}": fn for name, fn in models.held_functions(spec.model).items()}
 
 
-def traced_code(spec: ProgramSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> dict[str, Any]:
+def traced_code(
+    spec: ProgramSpec, hooks: tuple[str, ...] = _TRACED_HOOKS, gaps: list[str] | None = None
+) -> dict[str, Any]:
     """Everything whose content a program built from `hooks` depends on beyond its key's
     other parts: the hooks and the methods they reach (`traced_functions`), the class-level
     values they read through `self` (`class_values`), the model's classes (`model_classes`)
     and the functions the model holds (`model_functions`)."""
-    functions = traced_functions(spec, hooks)
+    functions = traced_functions(spec, hooks, gaps)
     return {
         **functions,
         **class_values(spec, functions),
@@ -390,17 +409,43 @@ def traced_code(spec: ProgramSpec, hooks: tuple[str, ...] = _TRACED_HOOKS) -> di
     }
 
 
-def code_print(obj: Any) -> str:
-    """The fingerprint of one entry of `traced_code`."""
+def code_print(obj: Any, gaps: list[str] | None = None) -> str:
+    """The fingerprint of one entry of `traced_code` (what it cannot cover into `gaps`)."""
     if isinstance(obj, ClassValue):
-        return fingerprint_value(obj.value, strict=False)
-    return fingerprint(obj)
+        return fingerprint_value(obj.value, strict=False, gaps=gaps)
+    return fingerprint(obj, gaps=gaps)
 
 
-def hook_prints(spec: ProgramSpec, kind: str | None = None) -> tuple:
-    """(name, fingerprint) of everything a `kind` of program traces (all kinds: None)."""
+def hook_prints(spec: ProgramSpec, kind: str | None = None, gaps: list[str] | None = None) -> tuple:
+    """(name, fingerprint) of everything a `kind` of program traces (all kinds: None); what
+    the fingerprints cannot cover goes into `gaps`, each named with its entry."""
     hooks = _TRACED_HOOKS if kind is None else _kind_hooks(spec, kind)
-    return tuple(sorted((name, code_print(obj)) for name, obj in traced_code(spec, hooks).items()))
+    out = []
+    for name, obj in traced_code(spec, hooks, gaps).items():
+        found: list[str] = []
+        out.append((name, code_print(obj, found)))
+        if gaps is not None:
+            gaps += [f"{why} (in {_shown(name)})" for why in found]
+    return tuple(sorted(out))
+
+
+def _traced_parts(spec: ProgramSpec, kind: str, gaps: list[str]) -> tuple[tuple, tuple, tuple]:
+    """(`hook_prints`, then `explain.hook_parts`' hooks and helpers) of a kind of program, from
+    one traversal of each traced entry (a program request pays it once)."""
+    prints, own, reached = [], [], []
+    for name, obj in traced_code(spec, _kind_hooks(spec, kind), gaps).items():
+        found: list[str] = []
+        if isinstance(obj, ClassValue):
+            digest = fingerprint_value(obj.value, strict=False, gaps=found)
+            own.append((name, digest))
+        else:
+            digest, reach = fingerprint_reach(obj, gaps=found)
+            mine, theirs = explain.entry_parts(name, obj, reach, digest)
+            own.append(mine)
+            reached += theirs
+        prints.append((name, digest))
+        gaps += [f"{why} (in {_shown(name)})" for why in found]
+    return tuple(sorted(prints)), tuple(own), tuple(reached)
 
 
 def _state_arrays(ts: TrainState) -> tuple:
@@ -423,19 +468,22 @@ def program_key(
     if ps.prints is None:
         ps.prints = hook_prints(spec)
         ps.parts = explain.hook_parts(traced_code(spec))
-    hooks, helpers = explain.hook_parts(traced_code(spec, _kind_hooks(spec, kind)))
     rows = tuple(
         (jax.tree_util.keystr(path), *cache.input_spec(leaf))
         for path, leaf in jax.tree_util.tree_flatten_with_path(inputs)[0]
     )
     graph = field_values(spec.experiment, GRAPH)
+    gaps: list[str] = []  # what the key cannot prove unchanged (then a trace checks it)
+    deps, hooks, helpers = _traced_parts(spec, kind, gaps)
     return explain.ProgramKey(
         kind=kind,
         experiment=spec.cls.__qualname__,
         # by content: a config's methods, a function's code and globals (not `==`, which
         # ignores a dataclass's methods and compares functions by identity); a digest, so a
         # value mutated in place later cannot change a stored key's hash
-        graph_consts=tuple((k, fingerprint_value(v, strict=False)) for k, v in graph.items()),
+        graph_consts=tuple(
+            (k, fingerprint_value(v, strict=False, gaps=gaps)) for k, v in graph.items()
+        ),
         graph_shown=tuple((k, explain.shown(v)) for k, v in graph.items()),
         model=cache.freeze(models.structure_key(spec.model)),
         optimizer=optimizer,
@@ -459,7 +507,8 @@ def program_key(
         routes=tuple(
             sorted((k, r.required, r.optional, r.takes_all) for k, r in spec.routes.items())
         ),
-        deps=hook_prints(spec, kind),
+        deps=deps,
+        gaps=tuple(gaps),
         avals=avals,
     )
 
@@ -517,11 +566,11 @@ def check_stale(spec: ProgramSpec, ps: ProgramSet, *, begin: bool = True) -> Non
     a class re-defined since the handle was made (`check_rebound`).
 
     `begin`: a new entry-point call, whose programs are each checked once against a trace of
-    the current code before they run (`ProgramSet.verified`); `jn.predict` passes False and
-    checks a program once per handle, then trusts its key (the fast path of a predict loop).
+    the current code before they run (`ProgramSet.verified`), unless a closed key proves
+    them (`_acquire`); False: a step inside a call that already began (a validation).
     """
     if begin:
-        ps.verified = {}
+        ps.verified = set()
     check_rebound(spec, ps)
     old = ps.prints
     if old is None:
@@ -551,7 +600,7 @@ def check_stale(spec: ProgramSpec, ps: ProgramSet, *, begin: bool = True) -> Non
     ps.reset_train()
     ps.prints, ps.parts = new, parts
     ps.slots = set()  # the recompiles that follow are explained here, not again
-    ps.verified = {}
+    ps.verified = set()
     which = f" (the {' and '.join(kinds)} program{'s' * (len(kinds) > 1)})" if kinds else ""
     warn_user(
         f"{spec.cls.__name__}: {', '.join(named)} changed since this Nitro compiled its "
@@ -604,9 +653,11 @@ def _acquire(
     """get_or_compile, plus this run's bookkeeping: reports, logs, recompile warnings."""
     kind = key.kind
     before = cache.cache_stats()["misses"]
-    checked = ps.verified.get(key)
-    verify = checked is None or time.monotonic() - checked[0] > recheck_after(checked[1])
-    t0 = time.perf_counter()
+    # The fast path: a closed key (its fingerprints cover everything the trace reads) that a
+    # trace already proved runs its program; any other is checked against a trace of the
+    # current code once per entry-point call: what a fingerprint cannot see, the text can.
+    closed = not key.gaps
+    verify = not (closed and cache.proven(key)) and key not in ps.verified
     prog = cache.get_or_compile(
         key,
         lower,
@@ -616,16 +667,10 @@ def _acquire(
         hooks=tuple(h for h in _KIND_HOOKS[kind] if h in spec.routes),
         compile_options=dict(spec.compile_options),
         on_compile=ps.on_compile,
-        # once per entry-point call (in a predict loop: when `recheck_after` has passed), the
-        # cached program is checked against a trace of the current code: what a fingerprint
-        # cannot see, the program text can
         verify=verify,
+        closed=closed,
     )
-    if verify:  # (what the check cost: the trace and lowering, not a compile)
-        spent = time.perf_counter() - t0
-        if cache.cache_stats()["misses"] > before:
-            spent -= prog.compile_seconds
-        ps.verified[key] = (time.monotonic(), max(spent, 0.0))
+    ps.verified.add(key)
     # A planned variant (the ragged last eval batch, a tail of single steps) is its own slot.
     slot = (kind, key.split, key.option("rows"), key.option("steps_per_call"), bucket)
     if cache.cache_stats()["misses"] > before:
@@ -639,17 +684,6 @@ def _acquire(
     ps.slots.add(slot)
     ps.used[(kind, label)] = prog
     return prog
-
-
-#: A program used again within this many seconds of its last check runs on its key alone
-#: (a loop of `jn.predict` calls); after it, its next use traces the current code again.
-RECHECK_SECONDS = 2.0
-
-
-def recheck_after(cost: float) -> float:
-    """Seconds a checked program runs on its key alone: `RECHECK_SECONDS`, or longer where a
-    check costs more, so that checks take at most 5% of a loop's time."""
-    return max(RECHECK_SECONDS, 20.0 * cost)
 
 
 def _compile_line(prog: cache.Program) -> dict:

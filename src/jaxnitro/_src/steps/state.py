@@ -17,12 +17,12 @@ import numpy as np
 import optax
 
 from jaxnitro._src.compile import cache, context
+from jaxnitro._src.compile.fingerprint import fingerprint, is_library_class
 from jaxnitro._src.core.errors import ConfigArgumentError, HookError
 from jaxnitro._src.experiment import models
 from jaxnitro._src.steps.step import make_train_step, scalar_loss
 
 if TYPE_CHECKING:
-    import types
     from collections.abc import Callable
 
     from jaxnitro._src.core.types import Batch, Model, PyTree
@@ -156,6 +156,14 @@ def train_step(
     variable the *same* function reads is not re-checked on each call: after changing one,
     re-run the cell that defines `loss_fn`, or call `jn.cache_reset()`.
 
+    A call is keyed by content: the fingerprint of `loss_fn` (its code, closure, the helpers
+    and module-level values it reads) and of the model's classes and the functions it holds,
+    the optimizer, the shapes, JAX's trace-time flags and the environment, then the dispatch.
+    An edit of a helper or module global the *same* function object reads moves the
+    fingerprint, so the next call runs the current code. Where the fingerprint cannot cover
+    what the trace reads (an object by identity, `getattr`, an import inside the function),
+    each call is checked against a trace of the current code instead (slower, never stale).
+
     Args:
         loss_fn: `loss_fn(model, params, model_state, batch)` returning `loss`,
             `(loss, new_model_state)` or `(loss, new_model_state, aux_dict)`; inside it,
@@ -181,7 +189,7 @@ def train_step(
     unread = state.__dict__.get("_unread") if type(state) is TrainState else None
     if unread is not None:  # a state this function returned, not read since: no flatten
         leaves, treedef, program = unread
-        if program.takes_back(loss_fn, state.model):
+        if program.takes_back(loss_fn, state.model, _content(loss_fn, state.model)):
             try:
                 new_leaves, out = program.call(leaves, batch)
             except TypeError:
@@ -229,21 +237,34 @@ def _lookup(
     """
     model, tx = state.model, state.tx
     flags, env = context.jax_flags(), context.environment()
+    content = _content(loss_fn, model)
     key = (id(loss_fn), id(model), id(tx), treedef, batch_def, state_sig, batch_sig, flags, env)
     hit = _fast.get(key)
-    if hit is not None and hit.fits(loss_fn, model):
+    if hit is not None and hit.fits(loss_fn, model, content):
         return hit
     if unread:
         state = jax.tree.unflatten(treedef, leaves)
-    call = _program(loss_fn, state, leaves, treedef, batch).compiled
-    hit = _Fast(loss_fn, _code(loss_fn), model, _code(model), tx, call, state_sig, flags, env)
+    call = _program(loss_fn, state, leaves, treedef, batch, content).compiled
+    hit = _Fast(loss_fn, model, tx, call, state_sig, content, flags, env)
     _remember(key, hit)
     return hit
 
 
-def _code(fn: Any) -> types.CodeType | None:
-    """The code object of a plain function (None for other callables and model objects)."""
-    return getattr(fn, "__code__", None)
+def _content(loss_fn: Callable[..., Any], model: Model) -> tuple[str, bool]:
+    """(digest, closed) of the code a train step traces: the loss function and the model's
+    classes and held functions, by content. Not closed: the digest has gaps (`fingerprint`),
+    so it cannot prove the program unchanged and each call is checked against a trace."""
+    gaps: list[str] = []
+    parts = [fingerprint(loss_fn, gaps=gaps) if callable(loss_fn) else repr(loss_fn)]
+    if callable(model) and not isinstance(model, type):
+        parts.append(fingerprint(model, gaps=gaps))  # an apply_fn: the model is code
+    else:
+        for cls in models.model_classes(model):
+            if not is_library_class(cls):
+                parts.append(fingerprint(cls, gaps=gaps))
+        for fn in models.held_functions(model).values():
+            parts.append(fingerprint(fn, gaps=gaps))
+    return "\0".join(parts), not gaps
 
 
 def _input_sig(x: Any) -> Any:
@@ -271,31 +292,28 @@ class _Fast:
     and the signatures of its inputs and outputs."""
 
     loss_fn: Any
-    code: Any
     model: Any
-    model_code: Any
     tx: Any
     call: Any
     state_sig: tuple
+    content: tuple[str, bool]  # `_content` of the function and model it was traced from
     flags: tuple = ()  # the JAX flags it was traced under (`context.jax_flags`)
     env: str = ""  # and the environment's digest
     out_sig: tuple | None = None
     loops: bool = False  # its returned state is a valid input of its own (same signature)
     live: bool = True  # False once `jn.cache_reset()` dropped it
 
-    def fits(self, loss_fn: Callable[..., Any], model: Model) -> bool:
-        """Still this function's and model's program: alive, and their code unchanged."""
-        return (
-            self.live
-            and self.loss_fn is loss_fn
-            and self.code is _code(loss_fn)
-            and self.model_code is _code(model)
-        )
+    def fits(self, loss_fn: Callable[..., Any], model: Model, content: tuple[str, bool]) -> bool:
+        """Still this function's and model's program: alive, and their content the same and
+        closed (what the trace read is all in it)."""
+        return self.live and self.loss_fn is loss_fn and content[1] and content == self.content
 
     def returned(self, out_sig: tuple) -> None:
         self.out_sig, self.loops = out_sig, out_sig == self.state_sig
 
-    def takes_back(self, loss_fn: Callable[..., Any], model: Model) -> bool:
+    def takes_back(
+        self, loss_fn: Callable[..., Any], model: Model, content: tuple[str, bool]
+    ) -> bool:
         """Whether a state this program returned goes back into it (the usual loop: the
         same function and model every step; the compiled call itself checks the batch)."""
         return (
@@ -305,8 +323,8 @@ class _Fast:
             and self.env == context.environment()
             and self.loss_fn is loss_fn
             and self.model is model
-            and (self.code is None or self.code is loss_fn.__code__)
-            and (self.model_code is None or self.model_code is model.__code__)
+            and content[1]
+            and content == self.content
         )
 
 
@@ -336,8 +354,10 @@ def _program(
     leaves: Any,
     treedef: jax.tree_util.PyTreeDef,
     batch: Batch,
+    content: tuple[str, bool],
 ) -> cache.Program:
-    """The train-step program, from the process-wide cache (keyed by fingerprints).
+    """The train-step program, from the process-wide cache (keyed by `_content`; an open
+    key is checked against a trace of the current code).
 
     It takes the state's leaves (a flat list: the call flattens it in C++, where an NNX
     `State` would call back into Python) and the batch, and returns the new state's leaves
@@ -354,7 +374,7 @@ def _program(
 
     key = (
         "train_step",
-        cache.freeze(loss_fn),
+        content[0],
         cache.freeze(models.structure_key(model)),
         cache.optimizer_key(tx),
         cache.avals(([state.params, state.state, state.opt_state, state.step, state.rng], batch)),
@@ -369,9 +389,12 @@ def _program(
         new, out = step_fn(jax.tree.unflatten(treedef, leaves), batch, {}, {})
         return jax.tree.leaves(new), out
 
+    closed = content[1]
     return cache.get_or_compile(
         key,
         lambda: jax.jit(flat_step, donate_argnums=(0,)).lower(leaves, batch),
         kind="train_step",
         label=getattr(loss_fn, "__qualname__", "loss_fn"),
+        verify=not (closed and cache.proven(key)),
+        closed=closed,
     )

@@ -52,7 +52,7 @@ def predict(n: Nitro, batch_or_loader: Any, *, weights: str | None = None) -> An
         (10, 10)
     """
     population.refuse(n, "jn.predict")
-    check_stale(n.spec, n.programs, begin=False)  # a predict loop: the fast path
+    check_stale(n.spec, n.programs)
     ema.pick(n, weights)  # a bad or unavailable choice fails here, not at the first batch
     if isinstance(batch_or_loader, Mapping):
         return _predict_batch(n, batch_or_loader, pad_to=None, weights=weights)
