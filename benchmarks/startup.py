@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import jaxnitro as jn  # noqa: E402
 
 try:
-    from jaxnitro._src.programs import builders as programs
+    from jaxnitro._src.programs import traced as programs
 except ImportError:  # a tree from before the layers (to compare with)
     try:
         from jaxnitro._src.compile import programs  # type: ignore[no-redef]

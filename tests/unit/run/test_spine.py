@@ -26,12 +26,8 @@ from jaxnitro._src.optim import groups as optim
 from jaxnitro._src.optim import hyper
 from jaxnitro._src.optim.hyper import HyperLayout
 from jaxnitro._src.optim.schedules import Schedules, resolve_schedules
-from jaxnitro._src.programs.builders import (
-    ProgramSet,
-    eval_metric_shapes,
-    eval_program,
-    train_program,
-)
+from jaxnitro._src.programs.builders import eval_metric_shapes, eval_program, train_program
+from jaxnitro._src.programs.keys import ProgramSet
 from jaxnitro._src.run import setup as setup_mod
 from jaxnitro._src.run.progress import Progress
 from jaxnitro._src.run.services import NoCheckpointer, Services

@@ -95,6 +95,7 @@ def build_server(workspace: Workspace, *, token: str | None = None, port: int = 
         return call
 
     _run_tools(workspace, tool)
+    _control_tools(workspace, tool)
     _result_tools(workspace, tool)
     # The run options' schema, typed from their declaration (clients show it).
     registered = server._tool_manager.get_tool("setup")
@@ -108,7 +109,7 @@ def build_server(workspace: Workspace, *, token: str | None = None, port: int = 
 
 
 def _run_tools(ws: Workspace, tool: Callable) -> None:
-    """setup, train, status, stop, checkpoint, set_device, set_lr."""
+    """setup, train, status."""
 
     @tool
     def setup(
@@ -142,6 +143,10 @@ def _run_tools(ws: Workspace, tool: Callable) -> None:
         """phase, epoch, step, steps_per_second, eta_seconds, latest train and validation
         metrics, best_checkpoint, stop_reason once ended."""
         return ws.status(run_id)
+
+
+def _control_tools(ws: Workspace, tool: Callable) -> None:
+    """stop, checkpoint, set_device, set_lr: a running run, steered between steps."""
 
     @tool
     def stop(run_id: RunId, wait: bool = False, timeout: float = 300.0) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from jaxnitro._src.experiment import models
 from jaxnitro._src.experiment.markers import CompileView
 from jaxnitro._src.export.format import BATCH, TensorSpec
 from jaxnitro._src.export.weights import Weights
-from jaxnitro._src.programs.builders import _forward
+from jaxnitro._src.programs.calls import _forward
 
 if TYPE_CHECKING:
     from jaxnitro._src.run.nitro import Nitro

@@ -41,7 +41,7 @@ from jaxnitro._src.export.program import (
 from jaxnitro._src.export.provenance import provenance
 from jaxnitro._src.export.servable import check_servable
 from jaxnitro._src.export.weights import flatten_weights
-from jaxnitro._src.programs.builders import check_stale
+from jaxnitro._src.programs.stale import check_stale
 from jaxnitro._src.steps import ema, population
 
 if TYPE_CHECKING:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from jaxnitro._src.compile import memory
 from jaxnitro._src.data import feed
-from jaxnitro._src.programs.builders import ProgramSet, eval_program, eval_totals, train_program
+from jaxnitro._src.programs.builders import eval_program, eval_totals, train_program
+from jaxnitro._src.programs.keys import ProgramSet
 
 if TYPE_CHECKING:
     from typing import Any

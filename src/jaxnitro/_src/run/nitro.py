@@ -34,7 +34,7 @@ from jaxnitro._src.observe.events.phases import set_phase
 from jaxnitro._src.observe.events.signals import SetupTerminated, terminate_during_setup
 from jaxnitro._src.observe.plot import preload as preload_plotting
 from jaxnitro._src.optim.schedules import constant
-from jaxnitro._src.programs.builders import ProgramSet
+from jaxnitro._src.programs.keys import ProgramSet
 from jaxnitro._src.run import config as config_mod
 from jaxnitro._src.run import options
 from jaxnitro._src.run import settings as settings_mod

@@ -29,7 +29,7 @@ from jaxnitro._src.observe.events.signals import Preempted, graceful_stop
 from jaxnitro._src.observe.plot import write_curves
 from jaxnitro._src.observe.timing import Goodput, host_bound_hint
 from jaxnitro._src.programs import plan
-from jaxnitro._src.programs.builders import check_stale
+from jaxnitro._src.programs.stale import check_stale
 from jaxnitro._src.run import config, plateau
 from jaxnitro._src.run.history import History
 from jaxnitro._src.run.live import history

@@ -17,7 +17,8 @@ import numpy as np
 from jaxnitro._src.core.errors import ConfigError, DataError, did_you_mean
 from jaxnitro._src.data import feed, prefetch
 from jaxnitro._src.observe.events.phases import set_phase
-from jaxnitro._src.programs.builders import check_stale, eval_program, eval_totals
+from jaxnitro._src.programs.builders import eval_program, eval_totals
+from jaxnitro._src.programs.stale import check_stale
 from jaxnitro._src.steps import ema, population
 from jaxnitro._src.steps import metrics as metrics_mod
 

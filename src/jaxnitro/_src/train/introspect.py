@@ -21,7 +21,7 @@ from jaxnitro._src.observe import timing
 from jaxnitro._src.observe.display import in_notebook
 from jaxnitro._src.observe.runs import run_rows
 from jaxnitro._src.programs import plan
-from jaxnitro._src.programs.builders import check_stale
+from jaxnitro._src.programs.stale import check_stale
 
 if TYPE_CHECKING:
     from jaxnitro._src.run.nitro import Nitro

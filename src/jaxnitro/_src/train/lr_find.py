@@ -22,7 +22,8 @@ import numpy as np
 
 from jaxnitro._src.core.errors import ConfigError, DataError
 from jaxnitro._src.data import feed
-from jaxnitro._src.programs.builders import check_stale, train_program
+from jaxnitro._src.programs.builders import train_program
+from jaxnitro._src.programs.stale import check_stale
 from jaxnitro._src.steps import population
 
 if TYPE_CHECKING:

@@ -15,7 +15,8 @@ import numpy as np
 
 from jaxnitro._src.core.errors import DataError, closest
 from jaxnitro._src.data import batches, feed
-from jaxnitro._src.programs.builders import check_stale, predict_program
+from jaxnitro._src.programs.builders import predict_program
+from jaxnitro._src.programs.stale import check_stale
 from jaxnitro._src.steps import ema, population
 
 if TYPE_CHECKING:
