@@ -232,3 +232,73 @@ def test_train_step_with_a_gap_is_checked_by_trace_at_each_call():
     ts, loss, _ = jn.train_step(in_place_loss, ts, batch)
     assert float(loss) == pytest.approx(expected(in_place_loss, ts, batch), rel=1e-5)
     HOLDER["w"][...] = 1.0
+
+
+# -- the remembered fingerprint: a later call re-checks only what the first one read ----------
+
+SCALES = np.ones(2, np.float32)
+FACTORS = [1.0]
+
+
+def array_loss(model, params, state, batch):
+    loss, state = base_loss(model, params, state, batch)
+    return loss * float(SCALES.sum()) * FACTORS[0], state
+
+
+def run_a_few(fn, ts, batch, n=4):
+    for _ in range(n):
+        ts, loss, _ = jn.train_step(fn, ts, batch)
+    return ts, loss
+
+
+def test_after_several_calls_an_edited_global_of_a_helper_is_seen():
+    global WEIGHT
+    batch = {"x": X, "y": Y}
+    ts, first = run_a_few(regularized, fresh_state(), batch)
+    try:
+        WEIGHT = 1e4  # read by `helper_term`, which `regularized` calls
+        ts, loss, _ = jn.train_step(regularized, ts, batch)
+        assert float(loss) == pytest.approx(expected(regularized, ts, batch), rel=1e-5)
+        assert float(loss) > float(first) + 1.0
+    finally:
+        WEIGHT = 1.0
+
+
+def test_after_several_calls_a_redefined_or_patched_helper_runs():
+    global leaves_of
+    batch = {"x": X, "y": Y}
+    ts, first = run_a_few(regularized, fresh_state(), batch)
+    original, code = leaves_of, leaves_of.__code__
+
+    def leaves_of(tree):  # re-defined: a new function under the same global name
+        return [1e3 * x for x in jax.tree.leaves(tree)]
+
+    try:
+        ts, loss, _ = jn.train_step(regularized, ts, batch)
+        assert float(loss) == pytest.approx(expected(regularized, ts, batch), rel=1e-5)
+        assert float(loss) > float(first) + 1.0
+        leaves_of = original
+        ts, back = run_a_few(regularized, ts, batch)
+        assert float(back) == pytest.approx(float(first), rel=1e-5)
+        original.__code__ = (lambda tree: [0.0 * x for x in jax.tree.leaves(tree)]).__code__
+        ts, patched, _ = jn.train_step(regularized, ts, batch)  # the same object, new code
+        assert float(patched) == pytest.approx(expected(base_loss, ts, batch), rel=1e-5)
+    finally:
+        leaves_of = original
+        original.__code__ = code
+
+
+def test_after_several_calls_a_global_array_or_list_changed_in_place_is_seen():
+    batch = {"x": X, "y": Y}
+    SCALES[...], FACTORS[0] = 1.0, 1.0
+    ts, first = run_a_few(array_loss, fresh_state(), batch)
+    try:
+        SCALES[...] = 3.0  # in place: the same array object
+        ts, loss, _ = jn.train_step(array_loss, ts, batch)
+        assert float(loss) == pytest.approx(3.0 * float(first), rel=1e-5)
+        ts, _ = run_a_few(array_loss, ts, batch)
+        FACTORS[0] = 0.5  # in place: the same list object
+        ts, loss, _ = jn.train_step(array_loss, ts, batch)
+        assert float(loss) == pytest.approx(1.5 * float(first), rel=1e-5)
+    finally:
+        SCALES[...], FACTORS[0] = 1.0, 1.0

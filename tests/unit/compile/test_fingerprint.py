@@ -459,3 +459,44 @@ def test_class_bookkeeping_entries_are_skipped():
 
     B.__qualname__ = A.__qualname__
     assert fp.fingerprint_value(A) == fp.fingerprint_value(B)
+
+
+def test_a_remembered_fingerprint_follows_every_edit_of_what_it_read():
+    from jaxnitro._src.compile.fingerprint import remembered
+
+    table = {"k": [1.0]}
+
+    class Net:
+        SCALE = 2.0
+
+        def __call__(self, x):
+            return x * self.SCALE
+
+    def make(scale):
+        def inner(x, pad=[0.0]):  # noqa: B006 (a mutable default, edited below)
+            return x * scale + pad[0] + table["k"][0]
+
+        return inner
+
+    fn = make(2.0)
+
+    def same():
+        for obj in (fn, Net):
+            assert remembered(obj) == fingerprint(obj)
+
+    same()
+    same()  # the remembered digests
+    edits = [
+        lambda: table["k"].__setitem__(0, 3.0),  # a closure's dict, changed deep inside
+        lambda: fn.__defaults__[0].__setitem__(0, 1.0),  # a default list, in place
+        lambda: setattr(fn, "__defaults__", ([5.0],)),
+        lambda: fn.__closure__[0].__setattr__("cell_contents", 4.0),
+        lambda: setattr(Net, "SCALE", 3.0),
+        lambda: setattr(Net, "extra", 1),
+        lambda: setattr(Net, "__call__", lambda self, x: x),
+    ]
+    for edit in edits:
+        before = {id(o): remembered(o) for o in (fn, Net)}
+        edit()
+        same()
+        assert before != {id(o): remembered(o) for o in (fn, Net)}

@@ -44,7 +44,7 @@ from jaxnitro._src.compile.digests import (  # (the tables: tests watch them)
     _h,
     _identities,
 )
-from jaxnitro._src.compile.fingerprint_values import _CLASS_SKIP, _Values
+from jaxnitro._src.compile.fingerprint_values import _CLASS_SKIP, _MISSING, _Values
 from jaxnitro._src.compile.libraries import (
     _is_function_like,
     _is_library,
@@ -67,8 +67,10 @@ __all__ = [
     "fingerprint",
     "fingerprint_reach",
     "fingerprint_value",
+    "forget",
     "is_library_class",
     "is_user_function",
+    "remembered",
 ]
 
 _ = (_CLASS_SKIP, _array_digests, _identities)  # re-exported for the tests that watch them
@@ -181,6 +183,66 @@ def fingerprint_value(
     return digest
 
 
+def remembered(obj: Any, *, gaps: list[str] | None = None) -> str:
+    """`fingerprint(obj)`, from the last traversal of `obj` when nothing it read changed.
+
+    The traversal logs what it looked up (each global, module attribute, class namespace
+    entry, closure cell and function attribute, with the object found) and the values it
+    hashed by content that can change in place. A later call checks those lookups by
+    identity and re-hashes those values; where all hold, the digest is the one a new
+    traversal would give. A traversal through anything it does not log (a partial, a
+    bound method, a wrapper object) is not remembered.
+    """
+    hit = _remembered.get(id(obj))
+    if hit is not None and hit[0] is obj and _still(hit[1]):
+        if gaps is not None:
+            gaps.extend(hit[1].gaps)
+        return hit[2]
+    hasher = _Hasher()
+    digest = hasher.callable_(obj, 2)
+    if gaps is not None:
+        gaps.extend(hasher.gaps)
+    if not hasher.unsure:
+        hasher._memo.clear()  # (what holding the read log needs: the lookups, not the memo)
+        hasher._containers.clear()
+        _remembered[id(obj)] = (obj, hasher, digest)  # holding obj keeps its id
+        while len(_remembered) > _REMEMBERED:
+            _remembered.pop(next(iter(_remembered)))
+    return digest
+
+
+_remembered: dict[int, tuple[Any, _Values, str]] = {}
+_REMEMBERED = 64
+
+
+def forget() -> None:
+    """Drop every remembered traversal (and the objects it holds), as `jn.cache_reset()` does."""
+    _remembered.clear()
+
+
+def _still(log: _Values) -> bool:
+    """Whether every lookup a traversal logged finds the same object, and every value it
+    hashed by content hashes the same."""
+    missing = _MISSING
+    for mapping, key, found in log.seen_items:
+        if mapping.get(key, missing) is not found:
+            return False
+    for obj, name, found in log.seen_attrs:
+        try:
+            if getattr(obj, name, missing) is not found:
+                return False
+        except ValueError:  # an empty closure cell
+            if found is not missing:
+                return False
+    for mapping, size in log.seen_sizes:
+        if len(mapping) != size:
+            return False
+    for value, depth, strict, digest in log.rehash:
+        if _Hasher().value(value, depth, strict=strict) != digest:
+            return False
+    return True
+
+
 class _Hasher(_Values):
     """One traversal: values and classes (`_Values`), and callables of every kind."""
 
@@ -202,6 +264,11 @@ class _Hasher(_Values):
         return digest
 
     def _unwrap(self, obj: Any, depth: int) -> str:
+        if isinstance(obj, types.FunctionType):
+            self.saw_item(vars(obj), "__wrapped__")
+        plain = (types.FunctionType, type, staticmethod, classmethod)  # (their parts are fixed)
+        if not isinstance(obj, plain) or _wrapped(obj) is not None:
+            self.unsure = True  # (only plain functions and classes log what they read)
         if isinstance(obj, (functools.partial, functools.partialmethod)):
             args = self.value((obj.args, obj.keywords), depth - 1, strict=False)
             self._record(args, obj, f"partial:{_names(obj.func)[1]}")
@@ -274,6 +341,9 @@ class _Hasher(_Values):
 
     def _function(self, fn: types.FunctionType, depth: int) -> str:
         module, qualname = _names(fn)
+        self.saw_attrs(
+            fn, "__module__", "__qualname__", "__code__", "__defaults__", "__kwdefaults__"
+        )
         if depth < 0:
             if not _is_library(fn):
                 self.gap(f"function `{qualname}` below the depth, by name")
@@ -287,14 +357,11 @@ class _Hasher(_Values):
             code, names, bare, paths = _code_info(fn.__code__)
             if (why := dynamic_reads(fn.__code__)) is not None:
                 self.gap(f"`{qualname}` reads through `{why}`")
-        own = _h(
-            "function",
-            module,
-            qualname,
-            code,
-            self.value(fn.__defaults__, depth - 1, strict=False),
-            self.value(fn.__kwdefaults__, depth - 1, strict=False),
-        )
+        defaults = self.value(fn.__defaults__, depth - 1, strict=False)
+        kwdefaults = self.value(fn.__kwdefaults__, depth - 1, strict=False)
+        self.saw_value(fn.__defaults__, depth - 1, False, defaults)
+        self.saw_value(fn.__kwdefaults__, depth - 1, False, kwdefaults)
+        own = _h("function", module, qualname, code, defaults, kwdefaults)
         self._record(own, fn, qualname, f"{module}.{qualname}")
         cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
         return _h(
@@ -309,6 +376,7 @@ class _Hasher(_Values):
         qualname = _names(fn)[1]
         parts = []
         for name, cell in cells.items():
+            self.saw_attrs(cell, "cell_contents")
             try:
                 contents = cell.cell_contents
             except ValueError:  # a cell not assigned yet (its name is bound after the def)
@@ -326,6 +394,7 @@ class _Hasher(_Values):
         for name in sorted(names):  # sorted: set order changes with the string hash seed
             # Names not found are builtins or not defined yet; the code digest covers the
             # name, and defining it later changes this digest.
+            self.saw_item(globals_, name)
             if name in globals_:
                 keys = (f"global:{name}", f"global:{module}.{name}")
                 value = globals_[name]
@@ -344,11 +413,13 @@ class _Hasher(_Values):
         parts = []
         for kind, root, attrs in sorted(paths):
             if kind == "global":
+                self.saw_item(globals_, root)
                 if root not in globals_:
                     continue
                 base = globals_[root]
             else:
                 try:
+                    self.saw_attrs(cells[root], "cell_contents")
                     base = cells[root].cell_contents
                 except (KeyError, ValueError):  # a cell of an inner function, or still empty
                     continue
@@ -388,6 +459,7 @@ class _Hasher(_Values):
                     break
                 ns = vars(obj)  # not getattr: a module-level __getattr__ may import or compute
                 path = f"{obj.__name__}.{attr}"
+                self.saw_item(ns, attr)
                 if attr not in ns:  # not defined (yet): defining it later changes the digest
                     out += [path, "missing"]
                     if "__getattr__" in ns:
@@ -418,6 +490,11 @@ class _Hasher(_Values):
         """
         path = f"{'super:' if skip_first else ''}{_qualified(cls)}.{attr}"
         mro = cls.__mro__[1:] if skip_first else cls.__mro__
+        self.saw_attrs(cls, "__mro__")
+        for k in mro:  # each class looked in, up to the one that has it
+            self.saw_item(vars(k), attr)
+            if attr in vars(k):
+                break
         owner = next((k for k in mro if attr in vars(k)), None)
         if owner is None:  # from the metaclass (`__name__`), or not defined (yet)
             return [path, "missing"]
@@ -433,6 +510,7 @@ class _Hasher(_Values):
         if isinstance(value, type) and depth >= 0 and not is_library_class(value):
             return self.class_(value, depth)
         digest = self.value(value, depth, strict=False)
+        self.saw_value(value, depth, False, digest)
         self._record(digest, owner, *keys)
         return digest
 

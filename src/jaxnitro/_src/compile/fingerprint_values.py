@@ -36,6 +36,23 @@ from jaxnitro._src.compile.libraries import (
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, types.EllipsisType)
 
 
+_MISSING = object()  # (what a lookup that found nothing read)
+
+
+def _frozen(v: Any) -> bool:
+    """Whether `v`'s digest cannot change while `v` is the same object: a scalar, a dtype,
+    a module (by name), a function or class (whose own reads are logged), or a tuple or
+    frozenset of such."""
+    t = type(v)
+    if t in _SCALARS or t is np.dtype or isinstance(v, (types.ModuleType, types.FunctionType)):
+        return True
+    if isinstance(v, type):
+        return True
+    if t is tuple or t is frozenset:
+        return all(map(_frozen, v))
+    return False
+
+
 class _Plain:
     """An empty class: its namespace holds only what every class statement adds."""
 
@@ -77,6 +94,31 @@ class _Values:
         # below the depth by name, code that reads through getattr or imports): where any is
         # found, the digest cannot prove that a program traced from the code is unchanged.
         self.gaps: list[str] = []
+        # What the traversal read, for `fingerprint.remembered`: (mapping, key, value) and
+        # (object, attribute, value) it looked up, and values hashed by content that may
+        # change in place (re-hashed to check). `unsure`: it read something not logged.
+        self.seen_items: list[tuple[Any, str, Any]] = []
+        self.seen_attrs: list[tuple[Any, str, Any]] = []
+        self.seen_sizes: list[tuple[Any, int]] = []
+        self.rehash: list[tuple[Any, int, bool, str | None]] = []
+        self.unsure = False
+
+    def saw_item(self, mapping: Any, key: str) -> None:
+        self.seen_items.append((mapping, key, mapping.get(key, _MISSING)))
+
+    def saw_attrs(self, obj: Any, *names: str) -> None:
+        for name in names:
+            try:
+                found = getattr(obj, name, _MISSING)
+            except ValueError:  # an empty closure cell
+                found = _MISSING
+            self.seen_attrs.append((obj, name, found))
+
+    def saw_value(self, v: Any, depth: int, strict: bool, digest: str | None) -> None:
+        """A value hashed by content: re-hashed on a check unless it cannot change in place
+        (its own reads logged when it is a function or class)."""
+        if not _frozen(v):
+            self.rehash.append((v, depth, strict, digest))
 
     def gap(self, why: str) -> None:
         if why not in self.gaps:
@@ -105,8 +147,12 @@ class _Values:
         self._active.add(guard)
         try:
             module, qualname = _names(cls)
+            self.saw_attrs(cls, "__bases__", "__qualname__", "__class__")
             bases = [self.class_(base, depth) for base in cls.__bases__]
             namespace = vars(cls)
+            self.seen_sizes.append((namespace, len(namespace)))
+            for name in namespace:
+                self.saw_item(namespace, name)
             attrs = sorted(name for name in namespace if name not in _CLASS_SKIP)
             parts = []
             for name in attrs:
@@ -150,6 +196,7 @@ class _Values:
         if isinstance(attr, (types.MemberDescriptorType, types.GetSetDescriptorType)):
             return _h("slot", name)  # __slots__ entries: new objects per class, same meaning
         digest = self.value(attr, depth - 1, strict=True)
+        self.saw_value(attr, depth - 1, True, digest)
         if digest is None:
             if not isinstance(attr, (tuple, list, dict, set, frozenset)) and is_library_class(
                 type(attr)
@@ -160,6 +207,7 @@ class _Values:
                 digest = _h("object", _type_name(attr))
             else:
                 digest = self.value(attr, depth - 1, strict=False)
+                self.saw_value(attr, depth - 1, False, digest)
         if not (name.startswith("__") and name.endswith("__")):
             module, qualname = _names(cls)
             self._record(

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from jaxnitro._src.compile import cache, context
-from jaxnitro._src.compile.fingerprint import fingerprint, is_library_class
+from jaxnitro._src.compile.fingerprint import forget, is_library_class, remembered
 from jaxnitro._src.core.errors import ConfigArgumentError, HookError
 from jaxnitro._src.experiment import models
 from jaxnitro._src.steps.step import make_train_step, scalar_loss
@@ -255,15 +255,15 @@ def _content(loss_fn: Callable[..., Any], model: Model) -> tuple[str, bool]:
     classes and held functions, by content. Not closed: the digest has gaps (`fingerprint`),
     so it cannot prove the program unchanged and each call is checked against a trace."""
     gaps: list[str] = []
-    parts = [fingerprint(loss_fn, gaps=gaps) if callable(loss_fn) else repr(loss_fn)]
+    parts = [remembered(loss_fn, gaps=gaps) if callable(loss_fn) else repr(loss_fn)]
     if callable(model) and not isinstance(model, type):
-        parts.append(fingerprint(model, gaps=gaps))  # an apply_fn: the model is code
+        parts.append(remembered(model, gaps=gaps))  # an apply_fn: the model is code
     else:
         for cls in models.model_classes(model):
             if not is_library_class(cls):
-                parts.append(fingerprint(cls, gaps=gaps))
+                parts.append(remembered(cls, gaps=gaps))
         for fn in models.held_functions(model).values():
-            parts.append(fingerprint(fn, gaps=gaps))
+            parts.append(remembered(fn, gaps=gaps))
     return "\0".join(parts), not gaps
 
 
@@ -336,6 +336,7 @@ def _reset_fast() -> None:
     for program in _fast.values():  # an unread state may still point at one
         program.live = False
     _fast.clear()
+    forget()  # (the remembered fingerprints hold the functions and values they read)
 
 
 cache.on_reset(_reset_fast)
