@@ -150,19 +150,13 @@ def train_step(
 ) -> tuple[TrainState, jax.Array, dict]:
     """One fused, compiled optimizer step: `(state, batch) -> (state, loss, aux)`.
 
-    The input state's buffers are donated: keep the returned state. A redefined `loss_fn`
-    (a cell run again, a reload, autoreload's new code) compiles anew, as does a change of
-    JAX's trace-time flags or of the environment; a module-level value, helper or closure
-    variable the *same* function reads is not re-checked on each call: after changing one,
-    re-run the cell that defines `loss_fn`, or call `jn.cache_reset()`.
-
-    A call is keyed by content: the fingerprint of `loss_fn` (its code, closure, the helpers
-    and module-level values it reads) and of the model's classes and the functions it holds,
-    the optimizer, the shapes, JAX's trace-time flags and the environment, then the dispatch.
-    An edit of a helper or module global the *same* function object reads moves the
-    fingerprint, so the next call runs the current code. Where the fingerprint cannot cover
-    what the trace reads (an object by identity, `getattr`, an import inside the function),
-    each call is checked against a trace of the current code instead (slower, never stale).
+    The input state's buffers are donated: keep the returned state. A call is keyed by
+    content: the fingerprint of `loss_fn` (its code, closure, the helpers and module-level
+    values it reads), of the model's classes and the functions it holds, the optimizer, the
+    shapes, JAX's trace-time flags and the environment. An edit of a helper or module global
+    the *same* function object reads moves it, so the next call runs the current code; where
+    the fingerprint cannot cover what the trace reads (an object by identity, `getattr`, an
+    import inside the function), each call is checked against a trace instead (never stale).
 
     Args:
         loss_fn: `loss_fn(model, params, model_state, batch)` returning `loss`,
@@ -183,9 +177,7 @@ def train_step(
         ...     return loss.mean(), state
         >>> ts, loss, aux = jn.train_step(loss_fn, ts, {"x": x, "y": y})
     """
-    # The batch goes to the compiled call as it comes: the call flattens it and checks its
-    # shapes and dtypes in C++, and moves numpy arrays to the device itself (a `jnp.asarray`
-    # per field in Python cost more than a small step).
+    # The batch goes to the compiled call as it comes (checked and moved to the device in C++).
     unread = state.__dict__.get("_unread") if type(state) is TrainState else None
     if unread is not None:  # a state this function returned, not read since: no flatten
         leaves, treedef, program = unread
