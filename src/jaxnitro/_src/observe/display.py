@@ -1,10 +1,10 @@
 """What a run shows while it works: a rich display on a terminal, a live display updated in
 place in a Jupyter kernel, plain lines otherwise.
 
-The train bar counts the batches read back (in chunks, `loop._READBACK_CHUNK`): its rate and
-ETA need no per-step device sync, and the epoch's last drain moves it to the true count. It is
-transient, like the bar of a validation, evaluation or prediction: what stays on screen per
-epoch is the one summary line.
+The train bar counts the batches read back (in chunks of `READBACK_CHUNK`, train/epoch.py):
+its rate and ETA need no per-step device sync, and the epoch's last drain moves it to the true
+count. It is transient, like the bar of a validation, evaluation or prediction: what stays on
+screen per epoch is the one summary line.
 """
 
 from __future__ import annotations
