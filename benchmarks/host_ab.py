@@ -22,9 +22,7 @@ Reported: µs per step (median of the repeats) and old/new, the median of per-re
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,29 +35,12 @@ sys.path.insert(1, str(HERE.parent / "src"))
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import run as bench  # noqa: E402
+from old_tree import old_module  # noqa: E402
 
 import jaxnitro as jn  # noqa: E402
 from jaxnitro._src.data import waits  # noqa: E402
 from jaxnitro._src.train.readback import InFlight, read_back, read_columns, step_rows  # noqa: E402
 from jaxnitro._src.train.steplines import Lines, chunk_lines  # noqa: E402
-
-
-def old_module(name: str, path: str, rev: str):
-    """`path` as it was at `rev`, imported as `name` (its imports resolve to this tree)."""
-    text = subprocess.run(
-        ["git", "-C", str(HERE.parent), "show", f"{rev}:{path}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    file = Path(tempfile.mkdtemp()) / f"{name}.py"
-    file.write_text(text)
-    spec = importlib.util.spec_from_file_location(name, file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def old_iter_rows(loader, start: int, count: int):

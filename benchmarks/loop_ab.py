@@ -19,9 +19,7 @@ before/after, the median of the per-repeat ratios (above 1: after is faster).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,27 +30,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent / "src"))
 
 import run as bench  # noqa: E402
+from old_tree import old_module  # noqa: E402
 
 import jaxnitro as jn  # noqa: E402
 from jaxnitro._src.train import epoch as new_epoch  # noqa: E402
-
-
-def old_module(name: str, path: str, rev: str):
-    """`path` as it was at `rev`, imported as `name` (its imports resolve to this tree)."""
-    text = subprocess.run(
-        ["git", "-C", str(HERE.parent), "show", f"{rev}:{path}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    file = Path(tempfile.mkdtemp()) / f"{name}.py"
-    file.write_text(text)
-    spec = importlib.util.spec_from_file_location(name, file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def stub(n) -> None:
