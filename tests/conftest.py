@@ -16,18 +16,19 @@ from flax import nnx
 
 import jaxnitro as jn
 
-# The test process without the persistent cache; the fast tier's budget (helpers/session.py);
+# The session's compilation cache and the fast tier's budget (helpers/session.py);
 # CI (JAXNITRO_FAIL_ON_MISSING_DEV=1) fails a run in which a test skipped for a missing module.
 pytest_plugins = ["helpers.session", "helpers.missing_dev"]
 
 jax.config.update("jax_platforms", "cpu")
 # The end-of-train curves.png costs ~0.5 s a run; the tests that check it turn it back on.
 os.environ.setdefault("JAXNITRO_NO_PLOT", "1")
-# One persistent compilation cache per session for the child processes tests start (the test
-# process itself compiles without it: helpers/session.py): each compiles the same small
-# programs, and a child loads what an earlier one compiled. A fresh private (0700) directory,
-# so nothing depends on ~/.cache or an earlier session; JAXNITRO_SUITE_CACHE=0 turns it off,
-# and the tests of the cache itself use directories of their own.
+# One persistent compilation cache per session, for the test process (helpers/session.py; a
+# test that counts its compiles is marked `no_suite_cache`) and the child processes tests
+# start: the suite compiles the same small programs again and again, and each is compiled
+# once. A fresh private (0700) directory, so nothing depends on ~/.cache or an earlier
+# session; JAXNITRO_SUITE_CACHE=0 turns it off, and the tests of the cache itself use
+# directories of their own.
 if not os.environ.get("JAXNITRO_SUITE_CACHE"):  # the session's first process makes it
     os.environ["JAXNITRO_SUITE_CACHE"] = tempfile.mkdtemp(prefix="jaxnitro-suite-xla-")
     atexit.register(shutil.rmtree, os.environ["JAXNITRO_SUITE_CACHE"], ignore_errors=True)

@@ -1,13 +1,18 @@
-"""The suite's pytest plugin (loaded by `tests/conftest.py`): the test process compiles
-without the persistent cache, and the fast tier stays fast.
+"""The suite's pytest plugin (loaded by `tests/conftest.py`): one persistent compilation
+cache for the session, and the fast tier stays fast.
 
-Cache: conftest points ``$JAXNITRO_COMPILATION_CACHE`` at the session's directory, so the child
-processes tests start load the programs an earlier child compiled. The test process itself
-does not use it: a test that counts its compiles must not depend on which tests ran first.
+Cache: conftest points ``$JAXNITRO_COMPILATION_CACHE`` at the session's directory. The test
+process uses it too, as do the child processes tests start: each loads the small programs an
+earlier test compiled instead of compiling them again (most of the suite's time otherwise).
+A test whose assertions depend on what this process compiles (``programs_compiled == 2``, a
+compile report's times, ``persistent_hits``) is marked ``@pytest.mark.no_suite_cache``: it
+runs with the cache off, so its counts do not depend on which tests ran before it.
+``$JAXNITRO_SUITE_INPROC=0`` keeps the test process off the cache altogether (the children
+still use it); ``$JAXNITRO_SUITE_CACHE=0`` turns it off everywhere.
 
 Tiers: `make test-fast` runs the tests not marked `slow` or `multi_device`. This plugin
 fails such a test when its setup and call take more CPU seconds than
-``$JAXNITRO_TIER_BUDGET`` (default 15; ``0`` turns the check off): mark it `slow`, or make it
+``$JAXNITRO_TIER_BUDGET`` (default 5; ``0`` turns the check off): mark it `slow`, or make it
 cheaper. CPU time, not wall time: this process's and that of the child processes it waited
 for, so a machine busy with other work hardly changes it. ``$JAXNITRO_TIER_LOG=path`` appends
 one line per test (CPU seconds, wall seconds, tier, test id), the measure in tests/README.md.
@@ -27,15 +32,35 @@ except ImportError:  # pragma: no cover - Windows: this process only
     resource = None  # type: ignore[assignment]
 
 SLOW_TIER = ("slow", "multi_device")
-DEFAULT_BUDGET = 15.0  # CPU seconds: most fast-tier tests take well under one, the costliest
-# unmarked ones 9 to 10 (tests/README.md); the margin keeps a busy machine from flapping it
+DEFAULT_BUDGET = 5.0  # CPU seconds: the fast tier holds the tests under 1.5 in a whole-tier
+# run (tests/README.md); the margin covers a test that compiles its programs first (run alone,
+# or first on its worker) and a busy machine
 _start = pytest.StashKey[tuple]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     from jaxnitro._src.dist.devices import configure_cache
 
-    configure_cache(False)
+    config.addinivalue_line(
+        "markers",
+        "no_suite_cache: the test process compiles without the session's persistent cache "
+        "during this test (its assertions count what it compiles)",
+    )
+    configure_cache(suite_cache())
+
+
+def suite_cache() -> str | bool:
+    """What the test process compiles with between tests: the session's cache directory, or
+    False (off) under ``$JAXNITRO_SUITE_INPROC=0`` or ``$JAXNITRO_SUITE_CACHE=0``."""
+    suite = os.environ.get("JAXNITRO_SUITE_CACHE", "0")
+    if suite == "0" or os.environ.get("JAXNITRO_SUITE_INPROC", "1") == "0":
+        return False
+    return suite
+
+
+def test_cache(item: pytest.Item) -> str | bool:
+    """What the test process compiles with during `item`."""
+    return False if item.get_closest_marker("no_suite_cache") else suite_cache()
 
 
 def cpu_seconds() -> float:
@@ -61,7 +86,11 @@ def tier(item: pytest.Item) -> str:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
+    from jaxnitro._src.dist.devices import cache_in_use, configure_cache
+
     item.stash[_start] = (cpu_seconds(), time.perf_counter())
+    if cache_in_use() != (test_cache(item) or None):
+        configure_cache(test_cache(item))
     return (yield)
 
 
@@ -86,13 +115,13 @@ def pytest_runtest_call(item: pytest.Item):
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Whatever a test turned on in this process (`jn.setup_devices`, an in-process
-    `jaxnitro --compilation-cache DIR ...`, `jaxnitro serve`), the next test again compiles
-    without the persistent cache: a compile count must not depend on the tests before it."""
+    """Whatever a test set in this process (`jn.setup_devices`, an in-process `jaxnitro
+    --compilation-cache DIR ...`, `jaxnitro serve`, `no_suite_cache`), the next test starts
+    from the session's setting again."""
     from jaxnitro._src.dist.devices import cache_in_use, configure_cache
 
-    if cache_in_use() is not None:
-        configure_cache(False)
+    if cache_in_use() != (suite_cache() or None):
+        configure_cache(suite_cache())
     suite = os.environ.get("JAXNITRO_SUITE_CACHE", "0")
     if suite != "0":  # an in-process `jaxnitro --compilation-cache X` rewrote what children get
         os.environ["JAXNITRO_COMPILATION_CACHE"] = suite

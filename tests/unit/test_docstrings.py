@@ -69,7 +69,7 @@ def test_there_are_public_functions_to_check():
     assert {"train", "predict", "export_model", "lr_find", "apply"} <= names
 
 
-@pytest.mark.parametrize(("name", "fn"), public_functions(), ids=lambda v: str(v)[:30])
+@pytest.mark.parametrize(("name", "fn"), public_functions(), ids=[n for n, _ in public_functions()])
 def test_a_public_function_documents_its_parameters_and_result(name, fn):
     doc = inspect.getdoc(fn) or ""
     found = sections(doc)
