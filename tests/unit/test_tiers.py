@@ -1,5 +1,5 @@
-"""The suite's own rules (helpers/session.py): the fast tier's CPU budget, and the test
-process compiling without the session's persistent cache while its children use it."""
+"""The suite's own rules (helpers/session.py): the fast tier's CPU budget, and one persistent
+compilation cache for the session, which a test marked `no_suite_cache` compiles without."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from helpers.paths import TESTS
 from helpers.procs import child_env
 
@@ -40,6 +41,7 @@ TESTS_OF_A_SUITE = """
 """
 
 
+@pytest.mark.slow
 def test_an_unmarked_test_over_the_budget_fails_and_a_marked_one_passes(tmp_path):
     (tmp_path / "conftest.py").write_text(textwrap.dedent(SUITE.format(tests=str(TESTS))))
     (tmp_path / "test_suite.py").write_text(textwrap.dedent(TESTS_OF_A_SUITE))
@@ -65,9 +67,59 @@ def test_an_unmarked_test_over_the_budget_fails_and_a_marked_one_passes(tmp_path
     assert rows["test_unmarked_and_cheap"][2] == "fast"
 
 
-def test_the_test_process_compiles_without_the_sessions_cache():
+CACHE_SUITE = """
+    import os
+    import jax
+    import jax.numpy as jnp
+    import pytest
+    from jaxnitro._src.dist.devices import cache_in_use
+
+    CACHE = os.environ["JAXNITRO_SUITE_CACHE"]
+    seen = []  # the cache's files after the first test
+
+    def compile_one(x):
+        return jax.jit(lambda a: a * x + 1).lower(jnp.ones(3)).compile()
+
+    def test_unmarked_uses_the_sessions_cache():
+        assert cache_in_use() == CACHE
+        compile_one(2.0)
+        seen.append(sorted(os.listdir(CACHE)))
+        assert seen[0]  # the program was written there
+
+    @pytest.mark.no_suite_cache
+    def test_marked_compiles_without_it():
+        assert cache_in_use() is None
+        compile_one(3.0)  # another program: written nowhere
+
+    def test_the_next_one_uses_it_again():
+        assert cache_in_use() == CACHE
+        assert sorted(os.listdir(CACHE)) == seen[0]  # the marked test wrote nothing
+        compile_one(4.0)
+        assert sorted(os.listdir(CACHE)) != seen[0]
+"""
+
+
+def test_the_test_process_and_its_children_share_the_sessions_cache():
     suite_cache = os.environ["JAXNITRO_SUITE_CACHE"]
     assert os.environ["JAXNITRO_COMPILATION_CACHE"] == suite_cache  # what children inherit
     assert stat.S_IMODE(os.stat(suite_cache).st_mode) == 0o700  # private, as mkdtemp makes it
-    apply_env()  # what a run's setup does: decided already (off), the environment is not read
-    assert cache_in_use() is None  # this process: compile counts do not depend on test order
+    apply_env()  # what a run's setup does: decided already, the environment is not read again
+    assert cache_in_use() == suite_cache
+
+
+@pytest.mark.slow
+def test_a_test_marked_no_suite_cache_compiles_without_it_and_the_next_one_with_it(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(SUITE.format(tests=str(TESTS))))
+    (tmp_path / "test_cache_suite.py").write_text(textwrap.dedent(CACHE_SUITE))
+    got = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=child_env(JAXNITRO_SUITE_CACHE=str(cache), JAXNITRO_TIER_BUDGET="0"),
+        timeout=300,
+    )
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    assert "3 passed" in got.stdout, got.stdout[-3000:]
