@@ -114,6 +114,7 @@ def trained(work) -> dict:
 
 
 # -- usage errors and help (nothing compiles) --------------------------------------------------
+@pytest.mark.slow
 def test_help_lists_fields_by_marker_with_docs_defaults_and_presets(work):
     p = jaxnitro("train", "exp.py:Tiny", "--help", cwd=work)
     assert p.returncode == 0, p.stderr
@@ -142,6 +143,7 @@ def test_bad_targets_exit_2_naming_what_is_missing_and_the_two_forms(work):
         assert "path/to/file.py:Class or pkg.module:Class" in p.stderr
 
 
+@pytest.mark.slow
 def test_bad_value_and_unknown_option_exit_2(work):
     p = jaxnitro("train", "exp.py:Tiny", "--width", "abc", cwd=work)
     assert p.returncode == 2
@@ -153,6 +155,7 @@ def test_bad_value_and_unknown_option_exit_2(work):
     assert "Did you mean --width (GraphConst field 'width' of Tiny)?" in p.stderr
 
 
+@pytest.mark.slow
 def test_a_run_setting_the_settings_refuse_exits_2_with_the_message(work):
     """--max-epochs is the experiment's field here (no option range): the Nitro setting's
     check refuses 0, and the shell says so as a usage error, not a failed run."""
@@ -162,6 +165,7 @@ def test_a_run_setting_the_settings_refuse_exits_2_with_the_message(work):
     assert not (work / "runs" / "zero").exists()  # refused before anything is written
 
 
+@pytest.mark.slow
 def test_steps_per_call_takes_a_number_or_auto(work):
     p = jaxnitro("train", "exp.py:Tiny", "--steps-per-call", "fast", cwd=work)
     assert p.returncode == 2 and "'fast' is not a number of steps >= 1 or 'auto'" in p.stderr

@@ -44,6 +44,7 @@ class Tiny:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [("train",), ("train", "--print-config"), ("sweep",)])
 def test_a_binary_config_file_is_a_usage_error(tmp_path, command):
     bad = tmp_path / "weights.toml"
@@ -75,6 +76,7 @@ def test_a_run_config_repeats_from_another_directory(tmp_path):
     ).resolve()
 
 
+@pytest.mark.slow
 def test_a_config_target_beside_the_working_directory_still_loads(tmp_path):
     """A hand-written config in a subfolder naming the file from the project's root (as
     before): not beside the config, so taken from the working directory."""

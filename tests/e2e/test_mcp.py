@@ -269,6 +269,7 @@ def test_a_missing_sdk_names_the_extra(tmp_path):
     assert "pip install 'jaxnitro[mcp]'" in done.stderr
 
 
+@pytest.mark.slow
 def test_mcp_over_streamable_http(tmp_path):
     import socket
     import subprocess

@@ -453,6 +453,7 @@ def test_huge_arguments_are_cut_in_errors(tmp_path):
     anyio.run(main)
 
 
+@pytest.mark.slow
 def test_the_server_forgets_its_working_directory(tmp_path):
     """`python -m` puts the working directory first on sys.path; the server takes it off
     before it imports anything a client names (in-process: the command's own code)."""

@@ -216,6 +216,7 @@ def test_launch_names_a_rank_killed_by_a_signal(tmp_path):
     assert "rank 0 failed first: it was killed by SIGKILL" in outcome.message
 
 
+@pytest.mark.slow
 def test_launch_forwards_sigterm_to_every_rank(tmp_path):
     script = _script(
         tmp_path,

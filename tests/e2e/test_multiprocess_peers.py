@@ -196,6 +196,7 @@ def test_under_the_launcher_a_dead_coordinator_leaves_no_cxx_stack_trace(tmp_pat
 
 
 # ---------------------------------------------------------------- the launcher dies
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_ranks_die_with_a_killed_launcher(tmp_path):
     script = _script(
@@ -233,6 +234,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
                 os.kill(p, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_the_launcher_says_jaxs_abort_report_in_one_line(tmp_path):
     # The report JAX's runtime prints before aborting a rank whose peer stopped sending
     # heartbeats (as jax 0.10.2 prints it), from a rank that needs no JAX to print it.

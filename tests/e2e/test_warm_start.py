@@ -191,6 +191,7 @@ def test_a_bad_cap_is_named(monkeypatch):
         jn.setup_devices(compilation_cache=False, compilation_cache_max_size="lots")
 
 
+@pytest.mark.slow
 def test_the_cache_command_shows_and_clears(tmp_path):
     cache = tmp_path / "xla"
     cache.mkdir(mode=0o700)

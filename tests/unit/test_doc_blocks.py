@@ -39,8 +39,6 @@ NOT_RUN = re.compile(r"<!--\s*not-run:(.*?)-->\s*$")
 SETUP = re.compile(r"<!--\s*doc-test:\s*setup=([\w-]+)\s*-->")
 # The first word of an untagged block that makes it a command someone would paste.
 COMMANDS = ("$ ", "jaxnitro ", "curl ", "python ", "pip ", "make ", "docker ", "kubectl ", "srun ")
-# Pages whose blocks cost more than the fast tier's 15 CPU s (trainings as written).
-SLOW = {"docs/cli.md": "trains and sweeps the quick start from the shell, as written"}
 
 
 @dataclass(frozen=True)
@@ -166,9 +164,7 @@ def run_page(page: Path, tmp_path: Path) -> str:
 
 
 def _param(page: Path):
-    name = _name(page)
-    marks = [pytest.mark.slow] if name in SLOW else []
-    return pytest.param(page, id=name, marks=marks)
+    return pytest.param(page, id=_name(page))
 
 
 RUNNABLE = [
@@ -176,6 +172,8 @@ RUNNABLE = [
 ]
 
 
+# Each page starts a Python with JAX (2 to 50 CPU s): the slow tier.
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [_param(p) for p in RUNNABLE])
 def test_the_blocks_of_a_page_run_as_written(page, tmp_path):
     run_page(page, tmp_path)

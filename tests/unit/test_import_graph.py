@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import jaxnitro
 
 ROOT = Path(jaxnitro.__file__).parent
@@ -163,6 +165,7 @@ def test_no_import_cycles():
     )
 
 
+@pytest.mark.slow
 def test_known_exceptions_are_still_needed():
     # An allowed edge that no longer exists (or no longer closes a cycle) is taken off the list.
     graph = import_graph()

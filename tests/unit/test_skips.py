@@ -41,6 +41,7 @@ def run_pytest(tmp_path, body: str, *, ci: bool, name: str = "skipper"):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_a_skip_for_a_missing_module_fails_the_ci_run(tmp_path):
     body = 'pytest.importorskip("jaxnitro_no_such_module")'
     status, out = run_pytest(tmp_path, body, ci=True)
@@ -60,6 +61,7 @@ def test_a_module_level_importorskip_fails_the_ci_run_too(tmp_path):
     assert status == 1 and "test_whole.py: no module 'jaxnitro_no_such_module'" in out, out
 
 
+@pytest.mark.slow
 def test_other_skips_pass_the_ci_run(tmp_path):
     status, out = run_pytest(tmp_path, 'pytest.skip("needs git")', ci=True)
     assert status == 0 and "1 passed, 1 skipped" in out, out

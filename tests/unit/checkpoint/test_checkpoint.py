@@ -58,6 +58,7 @@ def _save(ck: TopKCheckpointer, step: int, **metrics) -> Path:
     )
 
 
+@pytest.mark.slow
 def test_round_trip_bitwise_into_template_structure(tmp_path):
     trees = _trees()
     ck = TopKCheckpointer(k=1)

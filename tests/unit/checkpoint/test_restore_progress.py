@@ -47,6 +47,7 @@ def _same(a, b) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_a_restore_under_a_bar_reads_in_parts_bitwise_like_one_call(tmp_path, monkeypatch):
     ck = TopKCheckpointer(dir=tmp_path / "ck")
     path = ck.save(epoch=1, step=10, metrics={}, trees=_trees(), meta={})

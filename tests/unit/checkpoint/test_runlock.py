@@ -45,6 +45,7 @@ def test_setup_writes_nothing_and_a_fresh_handle_after_a_run_just_works(run_dir)
     assert [ln["type"] for ln in lines(run_dir / "metrics.jsonl")].count("params") == 2
 
 
+@pytest.mark.slow
 def test_stale_lock_of_a_killed_process_is_taken_over(run_dir):
     run_dir.mkdir(parents=True)
     code = (
@@ -151,6 +152,7 @@ def test_run_lock_is_reentrant_and_released(tmp_path):
     other.release()
 
 
+@pytest.mark.slow
 def test_a_fresh_run_into_a_used_run_dir_keeps_the_earlier_runs_checkpoints(run_dir):
     def ck():
         return jn.TopKCheckpointer(k=1, metric="acc", mode="max")

@@ -150,6 +150,8 @@ def _net(mods, kind: str):
 KINDS = ["nnx", "linen", "eqx"]
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_helper_module_the_model_calls_edited_and_reloaded(tmp_path, kind):
     helper, mods = _models(tmp_path, f"h{kind}")
@@ -232,6 +234,8 @@ def test_an_autoreload_code_swap_of_the_model_method(tmp_path):
     np.testing.assert_allclose(after, before - 1.0, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_an_unchanged_model_compiles_nothing_again(tmp_path):
     """The model's code in the key costs no recompile when nothing changed: a second handle,
     and a model module reloaded as it was."""
@@ -284,6 +288,8 @@ def notebook():
         ({"scale": 1.0, "act": "jnp.tanh"}, {"scale": 1.0, "act": "jnp.sin"}, np.sin(1.0)),
     ],
 )
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_a_class_value_read_through_self_changed_by_a_cell_re_run(
     tmp_path, notebook, first, second, expected
 ):
@@ -298,6 +304,7 @@ def test_a_class_value_read_through_self_changed_by_a_cell_re_run(
     )
 
 
+@pytest.mark.slow
 def test_a_class_cell_re_run_unchanged_compiles_nothing(tmp_path, notebook):
     jn.train(handle(_cell(notebook, scale=1.3, act="jnp.tanh"), tmp_path / "a"))
     n = handle(_cell(notebook, scale=1.3, act="jnp.tanh"), tmp_path / "b")
@@ -331,6 +338,8 @@ def _plain_ce(logits, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_a_class_decorator_re_bound_with_a_new_parameter(tmp_path):
     g = globals()
     g["scaled_ce"] = Scale(2.0)(_plain_ce)
@@ -365,6 +374,7 @@ def _grad_of_loss(n) -> np.ndarray:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["custom_jvp", "custom_vjp"])
 def test_an_edited_custom_gradient_rule(tmp_path, rule):
     g = globals()
@@ -424,6 +434,7 @@ def test_an_edited_custom_gradient_rule(tmp_path, rule):
 # -- 4. a class re-defined in a notebook, and the old handle -----------------------------
 
 
+@pytest.mark.slow
 def test_an_old_handle_of_a_re_defined_class_says_so_once(tmp_path, notebook):
     old_cls = _cell(notebook, scale=1.0, act="jnp.tanh")
     n = handle(old_cls, tmp_path / "a")
@@ -447,6 +458,7 @@ def test_a_class_bound_as_before_says_nothing(tmp_path, notebook):
 # -- 6, 7. explanations kept after a drop, and for a copy --------------------------------
 
 
+@pytest.mark.slow
 def test_a_recompile_after_a_drop_is_explained_for_the_handle_and_a_new_one(tmp_path):
     @jn.experiment
     class Live(Tiny):
@@ -473,6 +485,8 @@ def test_a_recompile_after_a_drop_is_explained_for_the_handle_and_a_new_one(tmp_
     assert "hook `loss` was edited" in reasons(n2)
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_a_copied_experiment_edited_later_is_explained(tmp_path):
     @jn.experiment
     class Original(Tiny):
@@ -496,6 +510,7 @@ def test_a_copied_experiment_edited_later_is_explained(tmp_path):
     assert "hook `loss` was edited" in reasons(n)
 
 
+@pytest.mark.slow
 def test_live_nitro_warns_once_when_a_hook_is_edited(run_dir):
     @jn.experiment
     class Live(Tiny):
@@ -515,6 +530,7 @@ def test_live_nitro_warns_once_when_a_hook_is_edited(run_dir):
     assert jn.cache_stats()["misses"] == misses + 1
 
 
+@pytest.mark.slow
 def test_helper_method_edit_is_seen(run_dir):
     @jn.experiment
     class WithHelper(Tiny):
@@ -549,6 +565,7 @@ class Reloadable(Tiny):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edit", ["helper", "constant", "unchanged"])
 def test_reload_of_an_edited_module(tmp_path, run_dir, monkeypatch, edit):
     name = f"reloadable_{edit}"
@@ -573,6 +590,7 @@ def test_reload_of_an_edited_module(tmp_path, run_dir, monkeypatch, edit):
         assert any("penalty" in r for w in jn.explain(n) for r in w["reasons"])
 
 
+@pytest.mark.slow
 def test_mutated_global_array_is_seen_by_the_trace(run_dir):
     """Once a documented hole: an array mutated in place inside a module imported in the
     hook's body is invisible to the key, but the trace of the current code differs from the

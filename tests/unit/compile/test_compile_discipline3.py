@@ -227,6 +227,7 @@ class Promote(Tiny):
         return out + jnp.ones(4, dtype=float), state  # float64 under x64; rank-promoting add
 
 
+@pytest.mark.slow
 def test_4_jax_config_x64_and_rank_promotion(tmp_path, jax_config):
     n = handle(Promote(n_val=0), tmp_path / "a")
     assert predicted(n).dtype == np.float32
@@ -248,6 +249,7 @@ class Wide(Tiny):
         return jn.split_model(nnx.Linear(8, 4, param_dtype=float, rngs=nnx.Rngs(rng)))
 
 
+@pytest.mark.slow
 def test_9_x64_is_explained_as_the_flag_and_the_parameters_dtype(tmp_path, jax_config):
     jn.train(handle(Wide(max_epochs=1, n_val=0), tmp_path / "a"))
     jax_config("jax_enable_x64", True)
@@ -297,6 +299,8 @@ class Outer:
     inner: Inner = dataclasses.field(default_factory=Inner)
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_6_mutated_graphconst_never_poisons_the_cache(tmp_path):
     @jn.experiment
     class Mutable(Tiny):
@@ -478,6 +482,7 @@ def test_9_live_warning_names_the_helper_not_the_hook(tmp_path):
 # -- the check itself -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_program_with_a_host_callback_is_not_recompiled_by_the_check(tmp_path):
     """Its text names the callback by position: the check compares the text (not the key
     that keeps such programs unshared), so calling an entry point again compiles nothing."""

@@ -186,6 +186,7 @@ def scaled_loss(model, params, state, batch):
     return loss * WEIGHT, state
 
 
+@pytest.mark.slow
 def test_train_step_sees_a_module_global_its_same_function_reads():
     """Failed before: the train step was keyed by the function object's identity."""
     global WEIGHT
@@ -200,6 +201,7 @@ def test_train_step_sees_a_module_global_its_same_function_reads():
     WEIGHT = 1.0
 
 
+@pytest.mark.slow
 def test_train_step_sees_an_edited_helper_of_its_same_function():
     global helper_term
     batch = {"x": X, "y": Y}
@@ -264,6 +266,7 @@ def test_after_several_calls_an_edited_global_of_a_helper_is_seen():
         WEIGHT = 1.0
 
 
+@pytest.mark.slow
 def test_after_several_calls_a_redefined_or_patched_helper_runs():
     global leaves_of
     batch = {"x": X, "y": Y}
@@ -288,6 +291,7 @@ def test_after_several_calls_a_redefined_or_patched_helper_runs():
         original.__code__ = code
 
 
+@pytest.mark.slow
 def test_after_several_calls_a_global_array_or_list_changed_in_place_is_seen():
     batch = {"x": X, "y": Y}
     SCALES[...], FACTORS[0] = 1.0, 1.0

@@ -61,11 +61,13 @@ def test_unrolled_python_loop_is_flagged_and_scan_is_not():
     assert unrolled.stablehlo_ops > 20 * rolled.stablehlo_ops
 
 
+@pytest.mark.slow
 def test_a_loop_in_the_gradient_is_flagged_too():
     rec = compile_record(jax.grad(python_loop, argnums=1), X, W, kind="train")
     assert kinds(rec) == ["op_count"] and "program 'train'" in rec.flags[0].message
 
 
+@pytest.mark.slow
 def test_per_parameter_repetition_is_not_a_loop():
     # 48 unrolled layers with their own params: the same ops repeat 48 times, but once per
     # parameter leaf, as in any deep model; not what the loop flag is for.
@@ -141,6 +143,7 @@ def mlp_step_record():
     )
 
 
+@pytest.mark.slow
 def test_clean_train_step_has_no_flags_and_populated_fields(mlp_step_record):
     rec = mlp_step_record
     assert rec.flags == ()
@@ -186,6 +189,7 @@ def test_a_narrow_terminal_gets_a_table_that_fits_and_names_what_it_left_out(mlp
         assert "jn.compile_report(n)" in lines[-1]
 
 
+@pytest.mark.no_suite_cache
 def test_the_run_prints_the_report_to_fit_the_terminal(tmp_path):
     import io
 
@@ -198,6 +202,7 @@ def test_the_run_prints_the_report_to_fit_the_terminal(tmp_path):
     d = Display("rich", file=buf)
     d.console = Console(file=buf, force_terminal=True, width=70, color_system=None)
     n.services.display = d
+    jn.cache_reset()  # the report is of what this run compiles: whatever ran before it
     jn.train(n)
     table = [line for line in buf.getvalue().splitlines() if line.startswith(("program", "train "))]
     assert table and all(len(line) <= 70 for line in table), table

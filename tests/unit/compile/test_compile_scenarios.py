@@ -48,6 +48,8 @@ def fresh_cache():
     yield
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_train_and_val_compile_two_programs(run_dir):
     n = nitro(Tiny(max_epochs=1, val_batch=20), run_dir=run_dir)
     result = jn.train(n)
@@ -89,6 +91,7 @@ def test_a_graphconst_change_compiles_each_program_once_and_says_so(run_dir):
     assert compiled(nitro(Tiny(width=16), run_dir=run_dir / "c")) == 0
 
 
+@pytest.mark.slow
 def test_an_accum_change_is_explained_as_accum_only(run_dir):
     assert compiled(nitro(Tiny(n_val=0), run_dir=run_dir / "a")) == 1
     n = nitro(Tiny(n_val=0), run_dir=run_dir / "b", accum=2)
@@ -98,6 +101,7 @@ def test_an_accum_change_is_explained_as_accum_only(run_dir):
     assert "shape of" not in why and "dtype of" not in why, why
 
 
+@pytest.mark.slow
 def test_a_steps_per_call_change_is_explained_as_such(run_dir):
     assert compiled(nitro(Tiny(n_val=0), run_dir=run_dir / "a")) == 1
     n = nitro(Tiny(n_val=0), run_dir=run_dir / "b", steps_per_call=4)
@@ -106,6 +110,7 @@ def test_a_steps_per_call_change_is_explained_as_such(run_dir):
     assert "steps_per_call 1 → 4" in why and "shape of" not in why, why
 
 
+@pytest.mark.slow
 def test_a_precision_change_is_explained(run_dir):
     assert compiled(nitro(Tiny(n_val=0), run_dir=run_dir / "a")) == 1
     n = nitro(Tiny(n_val=0), run_dir=run_dir / "b", precision="bf16")
@@ -113,6 +118,7 @@ def test_a_precision_change_is_explained(run_dir):
     assert "precision 'f32' → 'bf16'" in reasons(n)
 
 
+@pytest.mark.slow
 def test_an_unchanged_class_redefinition_compiles_nothing(run_dir):
     src = textwrap.dedent("""
         import jaxnitro as jn
@@ -146,6 +152,8 @@ def _cell(body: str) -> type:
     return ns["Edited"]
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_an_edited_hook_recompiles_runs_the_new_code_and_says_which(run_dir):
     first = _cell("optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()")
     n1 = nitro(first(n_val=0), run_dir=run_dir / "a")
@@ -187,6 +195,7 @@ def test_a_live_handle_warns_and_evaluates_with_the_edited_code(run_dir):
     assert compiled(n2) == 0
 
 
+@pytest.mark.slow
 def test_a_closure_captured_constant(run_dir):
     def make(scale):
         @jn.experiment
@@ -222,6 +231,7 @@ def _reload(path, module, source):
         sys.dont_write_bytecode = False
 
 
+@pytest.mark.slow
 def test_a_module_constant_edited_and_reloaded(tmp_path, run_dir):
     path = _module(tmp_path, "scen_const", "SCALE = 1.0\n")
     import scen_const
@@ -241,6 +251,8 @@ def test_a_module_constant_edited_and_reloaded(tmp_path, run_dir):
     assert "SCALE" in reasons(n)
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_a_helper_reached_as_module_attr_edited_and_reloaded(tmp_path, run_dir):
     path = _module(
         tmp_path,
@@ -275,6 +287,7 @@ def test_a_helper_reached_as_module_attr_edited_and_reloaded(tmp_path, run_dir):
     assert "penalty" in reasons(n2)
 
 
+@pytest.mark.slow
 def test_a_set_device_sweep_with_a_same_named_loop_variable_compiles_nothing(run_dir):
     @jn.experiment
     class Tol(Tiny):
@@ -301,6 +314,7 @@ def test_a_set_device_sweep_with_a_same_named_loop_variable_compiles_nothing(run
     assert misses() == before
 
 
+@pytest.mark.slow
 def test_a_python_loop_is_flagged_with_lax_scan(run_dir):
     @jn.experiment
     class Unrolled(Tiny):
@@ -314,6 +328,7 @@ def test_a_python_loop_is_flagged_with_lax_scan(run_dir):
         jn.compile(nitro(Unrolled(n_val=0), run_dir=run_dir))
 
 
+@pytest.mark.slow
 def test_a_baked_array_is_flagged(run_dir):
     table = np.random.default_rng(0).normal(size=(1024, 1024)).astype(np.float32)  # 4 MiB
 
@@ -344,6 +359,7 @@ def test_predict_over_ten_batch_sizes_compiles_a_bounded_number(run_dir):
     np.testing.assert_allclose(jn.predict(n, {"x": x[:270]}), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_clip_norm_change_is_explained_by_name(run_dir):
     @jn.experiment
     class Clip(Tiny):
@@ -358,6 +374,7 @@ def test_a_clip_norm_change_is_explained_by_name(run_dir):
     assert "gradient_clip_norm 1.0 → 2.0" in reasons(n)
 
 
+@pytest.mark.slow
 def test_an_optimizer_change_is_explained_by_name(run_dir):
     @jn.experiment
     class Opt(Tiny):
@@ -372,6 +389,7 @@ def test_an_optimizer_change_is_explained_by_name(run_dir):
     assert "optimizer of group 'default' 'radam' → 'adam'" in reasons(n)
 
 
+@pytest.mark.slow
 def test_a_steps_per_call_tail_is_announced_at_setup(run_dir, capsys):
     n = nitro(
         Tiny(max_epochs=1, n_train=37 * 32, n_val=0),
@@ -387,6 +405,7 @@ def test_a_steps_per_call_tail_is_announced_at_setup(run_dir, capsys):
     assert any("tail of 1" in s for s in notes)
 
 
+@pytest.mark.slow
 def test_programs_that_call_back_into_python_are_not_shared_by_their_text(run_dir):
     """Two runs whose only difference is the function a `jax.pure_callback` (or a
     `jax.debug.print`) calls lower to the same text: the text names the callback by an index
@@ -435,6 +454,7 @@ def test_predict_bucket_compile_is_explained_with_the_shape(run_dir):
     assert any("another predict bucket" in r for r in why)
 
 
+@pytest.mark.slow
 def test_compile_options_reach_xla_and_the_key(run_dir):
     jn.cache_reset()
     jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "a"))

@@ -171,6 +171,7 @@ def test_memory_budget_wins():
     assert memory.device_capacity(memory_budget=123) == (123, "memory_budget")
 
 
+@pytest.mark.slow
 def test_memory_plan_refuses_before_step_one(run_dir):
     n = nitro(Tiny(max_epochs=1), run_dir=run_dir, memory_budget=2048)
     with pytest.raises(jn.MemoryPlanError) as e:

@@ -137,6 +137,7 @@ def test_unknown_preset():
 
 
 # ---------------------------------------------------------------------------------- hooks
+@pytest.mark.slow
 def test_host_field_read_in_traced_code(run_dir):
     @jn.experiment
     class ReadsHost(Tiny):
@@ -232,6 +233,7 @@ def test_batch_missing_a_routed_field(run_dir):
     )
 
 
+@pytest.mark.slow
 def test_build_model_returning_a_module(run_dir):
     @jn.experiment
     class RawModule(Tiny):
@@ -1053,6 +1055,7 @@ def test_device_value_of_a_non_device_field(trained):
 
 
 # --------------------------------------------------------------------------- checkpoints
+@pytest.mark.slow
 def test_resume_with_changed_config(trained, tmp_path):
     _, run_dir = trained
     with pytest.raises(jn.CheckpointError) as e:
@@ -1316,6 +1319,7 @@ def dead_pid() -> int:
     return int(proc.stdout)
 
 
+@pytest.mark.slow
 def test_warnings_under_public_calls_point_at_the_callers_line(tmp_path):
     here = str(Path(__file__).resolve())
     x = np.random.default_rng(0).normal(size=(64, 8))  # float64

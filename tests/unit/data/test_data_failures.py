@@ -59,6 +59,7 @@ print("AGAIN", len(list(loader.iter_from(2))), flush=True)  # sample 5 is in bat
 """
 
 
+@pytest.mark.slow
 def test_a_hung_transform_fails_after_worker_timeout_naming_the_sample(tmp_path):
     """Once it hung the run forever, with no message; now the pass fails after the timeout,
     the stuck worker is stopped (and its sibling), and the process exits with none left."""
@@ -253,6 +254,7 @@ print("TRAINED", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["setup", "epoch"])
 def test_a_memory_map_truncated_during_a_run_is_refused_not_a_sigbus(tmp_path, when):
     """A trainer whose memory-mapped file shrank after the loader was made: it died of

@@ -24,6 +24,7 @@ def test_on_by_default_when_the_arrays_fit(run_dir):
     [{}, {"accum": 2}, {"steps_per_call": 3}, {"steps_per_call": 2, "accum": 2}],
     ids=["plain", "accum", "fused-with-tail", "fused-accum"],
 )
+@pytest.mark.slow
 def test_gathered_batches_train_bitwise_like_sent_ones(tmp_path, options):
     on = nitro(Tiny(), run_dir=tmp_path / "on", **options)
     off = nitro(Tiny(), run_dir=tmp_path / "off", data_on_device=False, **options)
@@ -39,6 +40,7 @@ def test_gathered_batches_train_bitwise_like_sent_ones(tmp_path, options):
     assert losses[0] == losses[1] and len(losses[0]) == on.step
 
 
+@pytest.mark.slow
 def test_a_resume_mid_epoch_gathers_the_same_rows(tmp_path):
     straight = nitro(Tiny(), run_dir=tmp_path / "a", data_on_device=False)
     jn.train(straight)
@@ -77,6 +79,7 @@ def test_sources_that_cannot_stay_on_the_device_send_batches(tmp_path):
     assert small.spec.resident is None
 
 
+@pytest.mark.slow
 def test_another_dataset_size_is_explained_as_the_arrays_on_the_device(tmp_path):
     jn.cache_reset()
     jn.compile(nitro(Tiny(), run_dir=tmp_path / "a"))
@@ -115,6 +118,7 @@ def _train_losses(run_dir) -> list:
     [{}, {"accum": 2}, {"steps_per_call": 3}, {"steps_per_call": 2, "accum": 2}],
     ids=["plain", "accum", "fused-with-tail", "fused-accum"],
 )
+@pytest.mark.slow
 def test_an_in_order_split_is_cut_once_and_trains_bitwise_like_sent_batches(
     tmp_path, cut_any_batch, options
 ):
@@ -132,6 +136,7 @@ def test_an_in_order_split_is_cut_once_and_trains_bitwise_like_sent_batches(
         assert kept.puts == 8
 
 
+@pytest.mark.slow
 def test_the_second_epoch_transfers_nothing(tmp_path, cut_any_batch):
     n = nitro(Tiny(shuffle=False, max_epochs=1), run_dir=tmp_path, steps_per_call=4)
     jn.train(n)
@@ -141,6 +146,7 @@ def test_the_second_epoch_transfers_nothing(tmp_path, cut_any_batch):
     assert n.step == 24 and n.spec.device_batches.puts == puts
 
 
+@pytest.mark.slow
 def test_a_resume_mid_call_cuts_other_pieces_and_trains_bitwise(tmp_path, cut_any_batch):
     """Stopped after 5 batches with 2 steps per call: the resumed epoch's calls start at
     rows the next epoch's do not, so its pieces are replaced, never kept twice."""

@@ -60,6 +60,7 @@ def saved_arrays(tmp_path, n=N_TRAIN):
     return tmp_path / "x.npy", tmp_path / "y.npy"
 
 
+@pytest.mark.slow
 def test_memmap_resume_mid_epoch_is_bitwise(tmp_path):
     xp, yp = saved_arrays(tmp_path)
 
@@ -103,6 +104,7 @@ def hf_dataset(n=N_TRAIN, extra=True):
     return datasets.Dataset.from_dict(cols)
 
 
+@pytest.mark.slow
 def test_hf_dataset_resume_mid_epoch_is_bitwise(tmp_path):
     ds = hf_dataset()
 
@@ -257,6 +259,7 @@ def test_transform_misuse_is_named():
         list(odd)
 
 
+@pytest.mark.slow
 def test_training_with_transform_workers_equals_in_process_and_resumes(tmp_path):
     x, y = make_data(N_TRAIN)
 
@@ -333,6 +336,7 @@ def grain_loader(source, shard=None):
     )
 
 
+@pytest.mark.slow
 def test_grain_map_dataset_resume_is_bitwise_and_epochs_differ(tmp_path):
     a, _ = straight_and_resumed(tmp_path, lambda: grain_map(CountingSource()))
     ds = grain_map(CountingSource())
@@ -479,6 +483,7 @@ finally:  # the loader is never closed: the user's script just ends
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ok", "raise"])
 def test_a_script_that_never_closes_its_workers_exits_and_leaves_none(tmp_path, mode):
     """The workers inherit the run's SIGTERM handling and the parent's pipe ends: once they
@@ -497,6 +502,7 @@ def test_a_script_that_never_closes_its_workers_exits_and_leaves_none(tmp_path, 
     assert len(pids) == 2 and gone(pids), "transform workers outlived the script"
 
 
+@pytest.mark.slow
 def test_workers_of_a_killed_training_process_end(tmp_path):
     script = tmp_path / "unclosed.py"
     script.write_text(_UNCLOSED)

@@ -181,6 +181,7 @@ def train_call(model, params, state, x, rng):
 # ------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_training_lowers_loss_and_updates_batch_stats(case):
     x = x_batch()
     y = target(x)
@@ -285,6 +286,7 @@ def test_mode_rejects_non_bool_train():
 # ----------------------------------------------------------------- structure_key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nnx", "linen", "equinox"])
 def test_structure_key_tracks_architecture_not_weights(kind):
     same = build(kind, hidden=8).model, build(kind, hidden=8).model

@@ -36,6 +36,7 @@ def _edit(root: Path, edit) -> None:
     path.write_text(json.dumps(manifest))
 
 
+@pytest.mark.slow
 def test_the_copy_loads(bundle):
     assert jn.load_bundle(bundle)(np.zeros((2, 8), np.float32)).shape == (2, 4)
 

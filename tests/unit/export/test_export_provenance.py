@@ -113,6 +113,7 @@ def test_provenance_runs_nothing_the_repository_configures(tmp_path, what):
         assert state["dirty"] is False
 
 
+@pytest.mark.slow
 def test_export_model_runs_no_fsmonitor_of_the_run_dirs_repository(tmp_path):
     """The audit's reproduction, through jn.export_model."""
     repo = _repo(tmp_path)

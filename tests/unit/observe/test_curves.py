@@ -50,6 +50,7 @@ def _fresh_process(script: str, *, draw: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_matplotlib_is_imported_while_compiling_and_the_curves_are_there_on_return(tmp_path):
     got = _fresh_process(
         f"""
@@ -67,6 +68,7 @@ def test_matplotlib_is_imported_while_compiling_and_the_curves_are_there_on_retu
     assert got == {"before": False, "after": True, "png": PNG.hex()}
 
 
+@pytest.mark.slow
 def test_no_import_when_drawing_is_off(tmp_path):
     got = _fresh_process(
         f"""

@@ -119,6 +119,7 @@ def test_a_real_terminal_shows_true_counts_transient_bars_and_summary_lines(tmp_
     assert [s[:10] for s in summaries] == ["epoch 1/2:", "epoch 2/2:"], screen
 
 
+@pytest.mark.slow
 def test_a_population_on_a_real_terminal_shows_one_bar_and_readable_lines(tmp_path):
     options = 'population={"smoothing": [0.0, 0.1, 0.2]}'
     raw = _run_on_pty(tmp_path, columns=120, term="xterm-256color", options=options)
@@ -296,6 +297,7 @@ def test_a_bar_over_other_work_prints_a_few_lines_only_in_plain_mode():
     assert quiet.getvalue() == ""  # a split's bar stays out of logs; progress="off": nothing
 
 
+@pytest.mark.slow
 def test_export_shows_its_steps(tmp_path):
     n = jn.Nitro(Tiny(max_epochs=1), run_dir=tmp_path / "r", progress=False)
     jn.train(n)

@@ -337,6 +337,7 @@ _FSIZE_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE/SIGXFSZ semantics")
 def test_file_size_limit_in_a_subprocess(tmp_path):
     proc = subprocess.run(

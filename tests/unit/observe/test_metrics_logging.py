@@ -357,6 +357,7 @@ def test_mnist_npz_without_expected_arrays(tmp_path, no_env):
     assert "images" in str(ei.value)
 
 
+@pytest.mark.slow
 def test_learning_rates_and_gradient_norm_are_logged_per_step(run_dir):
     table = {"opt.learning_rate": jn.schedules.linear(1.0, 0.0)}
     jn.train(
@@ -368,6 +369,7 @@ def test_learning_rates_and_gradient_norm_are_logged_per_step(run_dir):
     assert all(ln["grad_norm"] > 0 for ln in train)
 
 
+@pytest.mark.slow
 def test_grad_norm_is_logged_with_clipping_and_off_by_default(run_dir):
     @jn.experiment
     class Clipped(Tiny):

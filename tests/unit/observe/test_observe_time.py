@@ -74,6 +74,7 @@ def _mlp_hand_count() -> float:
     return 2 * a + 2 * b + 2 * a + 4 * b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps_per_call", [1, 4])
 def test_train_lines_carry_throughput_with_flops_within_5pct_of_a_hand_count(
     tmp_path, steps_per_call
@@ -134,6 +135,7 @@ class OneBlock:
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
 
 
+@pytest.mark.slow
 def test_a_transformer_blocks_flops_within_5pct_and_tokens_per_s(tmp_path):
     n = nitro(OneBlock(), run_dir=tmp_path, checkpointer=False)
     jn.train(n)

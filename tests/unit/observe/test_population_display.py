@@ -8,6 +8,7 @@ import io
 import json
 import re
 
+import pytest
 from conftest import Tiny
 from helpers.notebook import DisplayRecorder
 from rich.console import Console
@@ -68,6 +69,7 @@ def test_the_members_table_comes_once_ranked_with_the_values_the_population_vari
     assert text.index("members, best first") < text.index("done (completed)")  # before the end
 
 
+@pytest.mark.slow
 def test_a_population_by_seed_shows_the_seeds_and_one_model_no_table(tmp_path):
     _, result, text = _plain_run(tmp_path / "pop", population=2)
     at = text.splitlines().index("members, best first by val_loss:")
@@ -110,6 +112,7 @@ def _one_member_stops(tmp_path) -> jn.Nitro:
     )
 
 
+@pytest.mark.slow
 def test_the_bar_says_how_many_members_still_train_and_the_notebook_keeps_the_table(tmp_path):
     n = _one_member_stops(tmp_path)
     rec = DisplayRecorder()

@@ -71,6 +71,7 @@ def hand_run(exp, tx, *, batch=32, steps=8):
     return params
 
 
+@pytest.mark.slow
 def test_default_is_radam_at_1e3_matching_hand_optax(run_dir):
     @jn.experiment
     class Plain(Tiny):
@@ -88,6 +89,7 @@ def test_default_is_radam_at_1e3_matching_hand_optax(run_dir):
     assert allclose(n.params, hand_run(Plain(), optax.radam(1e-3)))
 
 
+@pytest.mark.slow
 def test_weight_decay_equals_optax_adamw_with_the_bias_mask(run_dir):
     n = nitro(Opt(max_epochs=1, rule="adam", wd=0.1), run_dir=run_dir)
     jn.train(n)
@@ -98,6 +100,7 @@ def test_weight_decay_equals_optax_adamw_with_the_bias_mask(run_dir):
     assert allclose(n.params, ref)
 
 
+@pytest.mark.slow
 def test_clipping_equals_optax_chain_and_zero_adds_nothing(run_dir):
     n = nitro(Opt(max_epochs=1, rule="sgd", clip=0.05), run_dir=run_dir)
     jn.train(n)
@@ -137,6 +140,7 @@ def test_groups_rates_freezing_and_no_decay(run_dir):
         nitro(AllFrozen(), run_dir=run_dir / "c")
 
 
+@pytest.mark.slow
 def test_decay_toward_initial_weights(run_dir):
     @jn.experiment
     class Anchored(Opt):
@@ -160,6 +164,7 @@ def test_decay_toward_initial_weights(run_dir):
     )
 
 
+@pytest.mark.slow
 def test_schedules_never_recompile_and_follow_the_factory(run_dir):
     jn.cache_reset()
     sched = schedules.warmup_cosine(warmup=2)
@@ -175,6 +180,7 @@ def test_schedules_never_recompile_and_follow_the_factory(run_dir):
     assert f(0) == 0.0 and float(f(2)) == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_device_schedule_and_replacement_semantics(run_dir):
     @jn.experiment
     class Sched(Opt):
@@ -225,6 +231,7 @@ def test_accum_must_divide_the_epoch_and_names_valid_settings(run_dir):
         nitro(Opt(), run_dir=run_dir, accum=3)
 
 
+@pytest.mark.slow
 def test_accumulation_equals_the_big_batch_step(run_dir):
     big = nitro(Opt(max_epochs=1), run_dir=run_dir / "big")
     jn.train(big)
@@ -298,6 +305,7 @@ def count_train_calls(monkeypatch) -> collections.Counter:
     return calls
 
 
+@pytest.mark.slow
 def test_fused_steps_match_single_steps_and_log_every_step(run_dir, monkeypatch):
     one = nitro(Opt(max_epochs=2), run_dir=run_dir / "one")
     jn.train(one)
@@ -334,6 +342,7 @@ def test_bf16_keeps_f32_master_weights_and_trains(run_dir):
         nitro(Opt(), run_dir=run_dir / "b", precision="bf61")
 
 
+@pytest.mark.slow
 def test_ready_transform_refuses_decay_and_factory_partial_works(run_dir):
     @jn.experiment
     class Ready(Opt):
@@ -354,6 +363,7 @@ def test_ready_transform_refuses_decay_and_factory_partial_works(run_dir):
     assert allclose(n.params, hand_run(Momentum(), optax.sgd(1e-2, momentum=0.9)))
 
 
+@pytest.mark.slow
 def test_a_factorys_own_weight_decay_is_neutralised(run_dir):
     @jn.experiment
     class AdamW(Opt):
@@ -365,6 +375,7 @@ def test_a_factorys_own_weight_decay_is_neutralised(run_dir):
     assert allclose(n.params, hand_run(AdamW(), optax.adam(1e-2)))
 
 
+@pytest.mark.slow
 def test_rule_hyperparameter_schedule_and_ambiguous_keys(run_dir):
     sched = {"opt.b1": schedules.linear(0.9, 0.5)}
     n = nitro(Opt(max_epochs=1, rule="adam"), run_dir=run_dir, schedules=sched)

@@ -52,6 +52,7 @@ def test_phase_sequence_with_and_without_validation(run_dir):
     assert seen == ["Starting", "Training", "Checkpointing", "Done"]  # the program was cached
 
 
+@pytest.mark.slow
 def test_phase_sequence_with_a_failure_and_a_raising_monitor(run_dir):
     @jn.experiment
     class Boom(Tiny):
@@ -72,6 +73,7 @@ def test_phase_sequence_with_a_failure_and_a_raising_monitor(run_dir):
     assert len(calls) == len(seen)  # it kept being called: reported once, never fatal
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_error_names_step_epoch_and_batch(run_dir):
     @jn.experiment
     class NaNAt(Tiny):
@@ -281,6 +283,8 @@ def test_a_different_seed_on_resume_is_replaced_with_a_warning(run_dir):
     assert n.seed == 7
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_unplanned_compiles_are_reported_at_the_end(run_dir, capsys):
     jn.cache_reset()
     x, y = make_data(320)
@@ -302,6 +306,7 @@ def test_unplanned_compiles_are_reported_at_the_end(run_dir, capsys):
     assert "this run compiled 2 programs; its plan expected 1" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["resume", "same handle"])
 def test_the_epoch_train_loss_after_a_stop_mid_epoch_covers_the_whole_epoch(tmp_path, how):
     """Stopped after 5 of 8 batches, then continued: the epoch's train_loss is the mean over

@@ -110,6 +110,7 @@ class Stuck(Tiny):
         return {"acc": ((logits.argmax(-1) == y).sum(), y.shape[0]), "flat": (0.0 * y.sum(), 1)}
 
 
+@pytest.mark.slow
 def test_plateau_rule_lowers_the_rate_after_patience_epochs_without_a_recompile(run_dir):
     n = nitro(Stuck(max_epochs=6), run_dir=run_dir, reduce_lr_on_plateau="flat:2:0.5:min")
     assert n.spec.reduce_lr_on_plateau == PlateauRule("flat", "min", 2, 0.5)
@@ -152,6 +153,7 @@ def test_plateau_rule_parse_and_setup_errors(run_dir):
     assert rule.lowered({"a": 1e-3}) == {"a": 5e-4}
 
 
+@pytest.mark.slow
 def test_a_resume_continues_with_the_rates_and_the_plateau_count(run_dir):
     plateau = {"reduce_lr_on_plateau": "flat:2:0.5:min"}
     n = nitro(Stuck(max_epochs=4), run_dir=run_dir / "p", **plateau)

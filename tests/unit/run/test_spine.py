@@ -154,6 +154,7 @@ def test_a_tail_that_does_not_fill_a_call_runs_as_single_steps():
 
 
 # ---------------------------------------------------------------- the program builders
+@pytest.mark.slow
 def test_train_and_eval_programs_from_a_spec_and_their_keys():
     spec, ts, device = make_spec()
     ps = ProgramSet()
@@ -178,6 +179,7 @@ def test_train_and_eval_programs_from_a_spec_and_their_keys():
     assert ragged.key.option("rows") == 4 and ragged.key.split == "val"
 
 
+@pytest.mark.slow
 def test_an_option_in_the_key_is_explained_by_name():
     spec, ts, device = make_spec()
     other = spec.replace(precision="bf16")

@@ -54,6 +54,7 @@ def test_init_is_one_program_with_the_eager_values():
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_setup_compiles_the_init_once_not_per_operation():
     """Eagerly, each initializer operation is a program (16 for two layers); traced, the
     init is one (with the seed's key and a copy of the RNG key, 3)."""
@@ -72,6 +73,7 @@ def test_setup_compiles_the_init_once_not_per_operation():
     assert 1 <= len(compiled) <= 3, compiled
 
 
+@pytest.mark.slow
 def test_a_populations_members_share_one_init_program():
     """The members' builds (other seeds, same experiment) run the init program the first one
     compiled, with the same values as a build of their own."""
@@ -228,6 +230,7 @@ def test_the_kept_parse_is_named_by_its_source(user_cache, monkeypatch, tmp_path
     assert first is not None and datasets._kept_path(src) != first
 
 
+@pytest.mark.slow
 def test_nnx_rngs_inside_the_init(tmp_path):
     """An nnx model that keeps its Rngs (state with RNG keys and counts) trains as before."""
 

@@ -78,6 +78,7 @@ def _big_json(values: bytes, count: int, shape: list[int]) -> bytes:
     return head + data + b']}],"parameters":{"binary_data_output":true}}'
 
 
+@pytest.mark.slow
 def test_a_large_json_body_is_checked_before_its_values_are_parsed():
     rows = (8 << 20) // 8 // 4  # 8 MiB of "1.5," text
     over = _big_json(b"1.5", rows * 8, [rows * 2, 8])  # declares twice as many values

@@ -105,6 +105,7 @@ def _hand_loop(params0, model, epochs: int):
     return p
 
 
+@pytest.mark.slow
 def test_custom_step_equals_the_hand_written_two_optimizer_loop(run_dir):
     n = nitro(Alternating(), run_dir=run_dir)
     params0 = host_copy(n.params)
@@ -120,6 +121,7 @@ def test_custom_step_equals_the_hand_written_two_optimizer_loop(run_dir):
     assert any("mse" in r for r in lines if r.get("context") == "validate")
 
 
+@pytest.mark.slow
 def test_custom_step_fused_and_resumed_is_bitwise_the_straight_run(tmp_path):
     straight = nitro(Alternating(shuffle=True), run_dir=tmp_path / "a")
     jn.train(straight)
@@ -250,6 +252,7 @@ def test_a_non_finite_metric_stops_or_skips(run_dir):
     assert leaves_equal(n.params, before) and n.progress.skipped_steps == 8
 
 
+@pytest.mark.slow
 def test_apply_method_names_a_part_or_says_what_exists():
     model, params, state = jn.split_model(TwoPart(rngs=nnx.Rngs(0)))
     x = jnp.ones((2, 8))
@@ -285,6 +288,7 @@ def test_the_gan_example_covers_all_eight_modes(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_an_equinox_model_with_two_optimizers(run_dir):
     eqx = pytest.importorskip("equinox")
 

@@ -49,6 +49,7 @@ def _reference(trajectory: list, decay: float, *, every: int = 1, warmup: bool =
     return ema
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("every", "warmup"), [(1, True), (3, True), (2, False)])
 def test_ema_equals_a_hand_computed_average_of_the_trajectory(run_dir, every, warmup):
     # one step per epoch, a checkpoint each: every step's params and average are on disk
@@ -73,6 +74,8 @@ def test_ema_equals_a_hand_computed_average_of_the_trajectory(run_dir, every, wa
     )
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_changing_the_decay_compiles_nothing_and_on_off_one_train_program(run_dir):
     jn.cache_reset()
     r = jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir / "a", ema=0.99, ema_eval="both"))
@@ -105,6 +108,7 @@ def test_validation_uses_the_average_and_both_logs_the_raw_weights(run_dir):
     assert r.history[-1]["val_loss"] != jn.evaluate(m, "val", weights="ema")["val_loss"]
 
 
+@pytest.mark.slow
 def test_predict_and_checkpoint_loading_take_weights(run_dir):
     n = nitro(Tiny(max_epochs=2), run_dir=run_dir, ema=0.9)
     jn.train(n)
@@ -176,6 +180,7 @@ class Norm(Tiny):
         return jn.split_model(NormMLP(rngs=nnx.Rngs(rng)))
 
 
+@pytest.mark.slow
 def test_batchnorm_statistics_are_copied_unless_ema_state(run_dir):
     copied = nitro(Norm(max_epochs=1), run_dir=run_dir / "a", ema=0.9)
     jn.train(copied)
@@ -274,6 +279,7 @@ def test_the_memory_plan_counts_the_average(tmp_path):
     assert averaged.checkpoint_staging_bytes == plain.checkpoint_staging_bytes + extra
 
 
+@pytest.mark.slow
 def test_a_custom_train_step_updates_the_average_too(run_dir):
     from test_custom_step import Alternating
 
@@ -296,6 +302,7 @@ def test_a_custom_train_step_updates_the_average_too(run_dir):
         np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-7)
 
 
+@pytest.mark.slow
 def test_each_population_member_keeps_its_average(run_dir):
     n = nitro(Tiny(max_epochs=1), run_dir=run_dir, population=2, ema=0.9)
     jn.train(n)
@@ -316,6 +323,7 @@ def test_the_checkpointer_may_rank_by_the_raw_weights_metrics(run_dir):
     assert meta["metrics"]["val_raw_loss"] == min(r["val_raw_loss"] for r in result.history)
 
 
+@pytest.mark.slow
 def test_fused_steps_give_the_same_average_and_bf16_keeps_it_f32(run_dir):
     one = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "a", ema=0.9, ema_every=3)
     fused = nitro(

@@ -26,6 +26,7 @@ class Rated(Tiny):
         return self.lr
 
 
+@pytest.mark.no_suite_cache
 @pytest.mark.slow  # ~15 CPU seconds: four runs' compiles
 def test_members_by_seed_equal_their_standalone_runs_in_one_program(tmp_path):
     jn.cache_reset()
@@ -53,6 +54,7 @@ def test_members_by_seed_equal_their_standalone_runs_in_one_program(tmp_path):
     assert result.best_metric == max(r[f"acc/{i}"] for r in rows for i in range(3))
 
 
+@pytest.mark.slow
 def test_members_by_value_differ_only_in_their_values(tmp_path):
     values = [0.0, 0.1, 0.3]
     lrs = [1e-2, 3e-2, 3e-3]
@@ -80,6 +82,7 @@ def test_a_population_fuses_steps_and_resumes_bitwise(tmp_path):
     assert leaves_equal(resumed.state_leaves, straight.state_leaves)  # all members, one ckpt
 
 
+@pytest.mark.slow
 def test_member_is_a_normal_handle(tmp_path):
     n = nitro(Tiny(max_epochs=1), run_dir=tmp_path / "pop", population=2)
     jn.train(n)
@@ -115,6 +118,7 @@ def test_population_settings_say_what_is_wrong(tmp_path):
         nitro(Tiny(), run_dir=tmp_path, population=2, sharding="fsdp")
 
 
+@pytest.mark.slow
 def test_set_device_on_a_population(tmp_path):
     n = nitro(Tiny(max_epochs=1), run_dir=tmp_path / "a", population=2)
     jn.set_device(n, smoothing=0.2)  # every member
@@ -124,6 +128,7 @@ def test_set_device_on_a_population(tmp_path):
         jn.set_device(varied, smoothing=0.2)
 
 
+@pytest.mark.slow
 def test_each_member_stops_early_on_its_own(tmp_path):
     # member 1 (a rate of 0) never improves: it stops after `patience` epochs and is frozen
     es = jn.EarlyStopping(metric="val_loss", patience=2, min_delta=0.0)
@@ -146,6 +151,7 @@ def test_each_member_stops_early_on_its_own(tmp_path):
     assert leaves_equal(resumed.state_leaves, n.state_leaves)
 
 
+@pytest.mark.slow
 def test_a_population_of_custom_steps(tmp_path):
     from test_custom_step import Alternating
 
@@ -157,6 +163,7 @@ def test_a_population_of_custom_steps(tmp_path):
     assert _max_diff(n.opt_state, 1, alone.opt_state) < 1e-6
 
 
+@pytest.mark.slow
 def test_the_memory_plan_counts_the_members_and_says_how_many_fit(tmp_path):
     # 4 members (each built by its own init program): what is counted, not how many
     one = jn.memory_plan(nitro(Tiny(), run_dir=tmp_path / "a"))
@@ -169,6 +176,7 @@ def test_the_memory_plan_counts_the_members_and_says_how_many_fit(tmp_path):
         jn.train(n)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_member_count_says_so(tmp_path):
     jn.train(nitro(Tiny(max_epochs=1), run_dir=tmp_path / "a", population=2))
     with pytest.raises(jn.CheckpointError, match=r"a population of 2 members.*population=2"):
@@ -177,6 +185,7 @@ def test_a_checkpoint_of_another_member_count_says_so(tmp_path):
         nitro(Tiny(), run_dir=tmp_path / "b", checkpoint=tmp_path / "a")
 
 
+@pytest.mark.slow
 def test_population_members_report_the_keys_the_user_gave(run_dir):
     n = nitro(
         Tiny(max_epochs=1, n_train=64),

@@ -59,6 +59,7 @@ def test_train_step_trains_and_compiles_once():
     assert jn.cache_stats()["misses"] == misses + 1  # one program for the whole loop
 
 
+@pytest.mark.slow
 def test_train_step_matches_a_hand_written_optax_step():
     model, params, state = jn.split_model(MLP(nnx.Rngs(1)))
     batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
@@ -150,6 +151,7 @@ def _numpy_batches(n: int = 4) -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 def test_numpy_and_device_batches_train_alike():
     batches = _numpy_batches()
     runs = []

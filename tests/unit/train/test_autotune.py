@@ -11,6 +11,7 @@ import jaxnitro as jn
 from jaxnitro._src.train import autotune
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("margin, want", [(1e9, 8), (0.0, 1)], ids=["fused", "single"])
 def test_auto_picks_by_measurement_and_trains_bitwise_the_same(tmp_path, monkeypatch, margin, want):
     monkeypatch.setattr(autotune, "MARGIN", margin)  # 1e9: fusing always wins; 0: never
@@ -36,6 +37,8 @@ def test_auto_settings(tmp_path):
     assert autotune.candidate(n.spec) == 8  # the largest divisor of 8 steps per epoch
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_a_step_too_long_to_gain_is_not_fused_nor_compiled_fused(tmp_path, monkeypatch):
     """Fusing saves at most the call overhead per step: a longer step keeps one step per call
     without compiling the fused program to time it."""

@@ -49,6 +49,7 @@ def test_two_background_runs_at_once_with_their_own_run_dirs(tmp_path):
     assert a.id in repr(table) and "<table>" in table._repr_html_()
 
 
+@pytest.mark.slow
 def test_wait_reraises_the_run_error(tmp_path):
     @jn.experiment
     class Broken(Tiny):
@@ -75,6 +76,7 @@ def test_stop_before_the_first_step(tmp_path):
     assert result.best_checkpoint is not None  # the stop validated and checkpointed
 
 
+@pytest.mark.slow
 def test_set_device_checkpoint_and_stop_mid_run(tmp_path):
     n = jn.Nitro(Shown(max_epochs=50), run_dir=tmp_path / "r", progress=False)
     h = jn.start(n)

@@ -48,6 +48,7 @@ class Greedy:
         return ce + 0.0 * waste
 
 
+@pytest.mark.slow
 def test_an_allocation_failure_mid_run_is_reported_with_the_original_chained(tmp_path):
     # an epoch of 4 steps: step 1 fails, and the report names it, not the last dispatched
     n = nitro(Greedy(rows=32), run_dir=tmp_path, checkpointer=False, memory_budget=2**62)

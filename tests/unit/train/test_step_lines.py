@@ -46,6 +46,7 @@ def _close(a, b) -> bool:
     return a == b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spc", [1, 4])
 def test_step_lines_match_the_per_step_lines(run_dir, spc):
     golden = json.loads(GOLDEN.read_text())[f"spc{spc}"]

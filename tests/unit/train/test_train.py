@@ -15,6 +15,8 @@ from helpers.logs import lines
 import jaxnitro as jn
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_train_and_val_compile_two_programs_then_nothing(run_dir):
     jn.cache_reset()
     result = jn.train(
@@ -32,6 +34,7 @@ def test_train_and_val_compile_two_programs_then_nothing(run_dir):
     assert jn.cache_stats()["misses"] == 4
 
 
+@pytest.mark.slow
 def test_graphconst_change_is_one_new_program_without_val(run_dir):
     jn.cache_reset()
     jn.train(nitro(Tiny(n_val=0, max_epochs=1), run_dir=run_dir))
@@ -85,6 +88,7 @@ def test_fields_no_hook_names_stay_on_host(run_dir):
     jn.train(n)
 
 
+@pytest.mark.slow
 def test_metrics_are_exact_on_a_ragged_split(run_dir):
     # 100 validation samples at batch 30: the last batch has 10 rows, padded to 30 in the program.
     n = nitro(Tiny(max_epochs=1, val_batch=30), run_dir=run_dir)
@@ -117,6 +121,7 @@ def test_topk_keeps_k_best_plus_newest(run_dir):
     assert {r["name"] for r in manifest} == set(on_disk)
 
 
+@pytest.mark.slow
 def test_resume_equals_a_straight_run_bitwise(run_dir):
     exp = Tiny(dropout=0.2)
     straight = nitro(exp.__class__(dropout=0.2, max_epochs=4), run_dir=run_dir / "straight")
@@ -135,6 +140,7 @@ def test_resume_equals_a_straight_run_bitwise(run_dir):
     assert [r["epoch"] for r in result.history] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_graphconst(run_dir):
     jn.train(nitro(Tiny(max_epochs=1), run_dir=run_dir))
     with pytest.raises(jn.CheckpointError, match="width"):
@@ -230,6 +236,7 @@ def test_request_stop_ends_with_requested(run_dir):
     assert n.checkpointer.latest() is not None
 
 
+@pytest.mark.slow
 def test_editing_a_hook_never_reuses_the_old_program(run_dir):
     @jn.experiment
     class Editable(Tiny):
@@ -254,6 +261,8 @@ def train_losses(run_dir):
     return [r["loss"] for r in lines(run_dir / "metrics.jsonl") if r.get("context") == "train"]
 
 
+@pytest.mark.slow
+@pytest.mark.no_suite_cache
 def test_plain_progress_lines_and_summary(run_dir, capsys):
     jn.cache_reset()
     result = jn.train(nitro(Tiny(max_epochs=2), run_dir=run_dir, progress="plain"))
@@ -330,6 +339,7 @@ class Rich(Tiny):
         return {**values, "macro_recall": float(recall.mean()), "split_seen": split}
 
 
+@pytest.mark.slow
 def test_derive_train_metrics_and_finalize(run_dir):
     n = nitro(Rich(max_epochs=1, val_batch=30), run_dir=run_dir)
     x, y = make_data(356)
