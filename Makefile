@@ -22,15 +22,20 @@ $(VENV)/.dev: pyproject.toml | $(VENV)/bin/python
 demo: $(VENV)/.examples
 	$(PY) examples/mnist.py
 
+# Both tiers run in WORKERS processes (pytest-xdist; a file's tests stay in one), which share
+# the session's compilation cache. WORKERS=0: one process.
+WORKERS ?= 2
+XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
+
 # Every test (both tiers), as CI runs it; the aim is under 15 minutes on 2 idle cores.
 test: $(VENV)/.dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 # The fast tier, the loop while working: unit tests and the quick end-to-end runs, every test
 # not marked slow or multi_device (the aim: under 3 minutes on 2 idle cores). An unmarked test
-# that takes more than 15 CPU seconds fails (tests/README.md, "Tiers and timings").
+# that takes more than 5 CPU seconds fails (tests/README.md, "Tiers and timings").
 test-fast: $(VENV)/.dev
-	$(PY) -m pytest -q -m "not slow and not multi_device"
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not multi_device"
 
 $(VENV)/.bench: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --quiet -e ".[dev,examples,bench]"
