@@ -18,6 +18,7 @@ from typing import Any
 __all__ = ["environment", "environment_changes", "jax_flags"]
 
 _last_flags: list[Any] = [None, ()]
+_trace_context: list[Any] = [None]  # JAX's `trace_context`, once found
 
 
 def jax_flags() -> tuple[tuple[str, str], ...]:
@@ -27,10 +28,16 @@ def jax_flags() -> tuple[tuple[str, str], ...]:
         >>> dict(jax_flags())["jax_enable_x64"]
         'False'
     """
+    read = _trace_context[0]
+    if read is not None:  # (an entry point calls this at every call: no import statement)
+        values = read()
+        if values == _last_flags[0]:
+            return _last_flags[1]
     try:
         from jax._src import config as jax_config
 
         values = jax_config.trace_context()
+        _trace_context[0] = jax_config.trace_context
         if values == _last_flags[0]:
             return _last_flags[1]
         names = jax_config.trace_context_names()
