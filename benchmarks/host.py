@@ -213,7 +213,7 @@ def measure(batch: int, repeats: int, item_epochs: int, workdir: Path, keras: bo
     pairs = list(zip(ours, hand.rates, strict=True))
     cpu_pairs = list(zip(our_cpu, hand_cpu, strict=True))
     keras_pairs = list(zip(ours, fit.rates, strict=True)) if fit is not None else []
-    keras_cpu_pairs = list(zip(our_cpu, keras_cpu, strict=True))
+    keras_cpu_pairs = list(zip(our_cpu, keras_cpu, strict=True)) if fit is not None else []
     return {
         "batch": batch,
         "steps": steps,
