@@ -363,3 +363,24 @@ def test_a_step_checks_the_code_it_traced_without_fingerprinting_it(monkeypatch)
     ts, doubled, _ = jn.train_step(mse, ts, batch)
     assert float(doubled) == pytest.approx(4.0 * float(before), rel=1e-5)
     assert "remembered" in calls
+
+
+def test_a_step_on_a_returned_state_sees_an_environment_variable_set_between_steps(
+    monkeypatch,
+):
+    import os
+
+    def scaled(model, params, state, batch):
+        pred, state = jn.apply(model, params, state, batch["x"])
+        gain = float(os.environ.get("JN_TEST_STEP_GAIN", "1"))  # read while tracing
+        return gain * jnp.mean((pred - batch["y"]) ** 2), state
+
+    model, params, state = jn.split_model(Doubling(nnx.Rngs(0)))
+    ts = jn.TrainState.create(model, params, state, optax.sgd(0.0))
+    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    monkeypatch.setenv("JN_TEST_STEP_GAIN", "1")
+    for _ in range(3):  # the fast path: each state goes back as its leaves
+        ts, before, _ = jn.train_step(scaled, ts, batch)
+    monkeypatch.setenv("JN_TEST_STEP_GAIN", "3")
+    ts, after, _ = jn.train_step(scaled, ts, batch)
+    assert float(after) == pytest.approx(3.0 * float(before), rel=1e-5)

@@ -71,11 +71,6 @@ _snapshots: OrderedDict[str, dict[str, str]] = OrderedDict()
 _last_env: list[Any] = [None, ""]
 
 
-def _raw() -> dict:
-    data = getattr(os.environ, "_data", None)
-    return data if isinstance(data, dict) else dict(os.environ)
-
-
 def environment() -> str:
     """A digest of `os.environ` (a value read from it while tracing may change the program).
 
@@ -83,7 +78,10 @@ def environment() -> str:
         >>> environment() == environment()
         True
     """
-    raw = _raw()
+    # (inline: an entry point calls this at every call) os.environ's own dict, else a copy
+    raw = getattr(os.environ, "_data", None)
+    if type(raw) is not dict:
+        raw = dict(os.environ)
     if raw == _last_env[0]:
         return _last_env[1]
     snap = dict(os.environ)
