@@ -94,7 +94,7 @@ class _Values:
         # below the depth by name, code that reads through getattr or imports): where any is
         # found, the digest cannot prove that a program traced from the code is unchanged.
         self.gaps: list[str] = []
-        # What the traversal read, for `fingerprint.remembered`: (mapping, key, value) and
+        # What the traversal read, for `remembered.remembered`: (mapping, key, value) and
         # (object, attribute, value) it looked up, and values hashed by content that may
         # change in place (re-hashed to check). `unsure`: it read something not logged.
         self.seen_items: list[tuple[Any, str, Any]] = []
