@@ -1,17 +1,20 @@
 """The host's work per step: what jaxnitro adds over the hand loop's bare dispatch.
 
     python benchmarks/host.py [--repeats 5] [--item-epochs 3] [--batches 32,1024] [--json FILE]
+                              [--no-keras]
 
 The MNIST-shaped MLP of `run.py` (784→128→10, RAdam 1e-3, numpy batches, donated state) at
 each batch size, in one process: a hand-written `jax.jit` loop (batches sent from the host per
 step, run.py's reference) and one `jn.Nitro` handle trained one epoch further per repeat
 (`max_epochs` raised by one, `jn.train(n)`: the epochs after the first, programs compiled).
-The two alternate, back to back, in alternating order, so drift on a shared machine hits both.
+With Keras 3 installed (the `bench` extra), Keras `fit` on the same MLP (`keras_ref.py`: JAX
+backend, `jit_compile=True`, one more epoch per repeat) joins them. They alternate, back to
+back, in rotating order, so drift on a shared machine hits each.
 
 Reported per batch size:
 
 - steps/s of each (jaxnitro's from its epoch line: the epoch's train time, compiles apart) and
-  the ratio, the median of the per-repeat ratios;
+  the ratio, the median of the per-repeat ratios (to the hand loop, and to Keras);
 - the host time per step jaxnitro adds: 1/rate minus the hand loop's 1/rate, in µs (median of
   the per-repeat differences);
 - the same on this process's CPU time (all its threads, XLA's too; jaxnitro's epoch alone,
@@ -42,6 +45,13 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent / "src"))
 
 import run as bench  # noqa: E402  (the MLP, its data and the hand loop)
+
+try:  # first: it sets KERAS_BACKEND, and the environment is part of jaxnitro's program keys
+    import keras_ref  # noqa: E402
+
+    NO_KERAS = ""
+except ImportError as e:  # keras is in the bench extra
+    keras_ref, NO_KERAS = None, str(e)
 
 import jaxnitro as jn  # noqa: E402
 from jaxnitro._src.data import feed as feed_mod  # noqa: E402
@@ -156,7 +166,15 @@ def _keep_clock() -> None:
     driver.run_epoch = run_epoch
 
 
-def measure(batch: int, repeats: int, item_epochs: int, workdir: Path) -> dict:
+def keras_fit(data: dict, batch: int):
+    """Keras `fit` on the same MLP and data (`keras_ref.KerasFit`), or None without Keras."""
+    if keras_ref is None:
+        print(f"(no Keras row: {NO_KERAS}; `pip install keras==3.15.1`, the bench extra)")
+        return None
+    return keras_ref.KerasFit(data, batch)
+
+
+def measure(batch: int, repeats: int, item_epochs: int, workdir: Path, keras: bool) -> dict:
     case = dict(name=f"mlp{batch}", kind="mlp", batch=batch, samples=SAMPLES[batch])
     data = bench.make_data(case)
     steps = case["samples"] // batch
@@ -170,16 +188,23 @@ def measure(batch: int, repeats: int, item_epochs: int, workdir: Path) -> dict:
         max_epochs=1,
     )
     jn.train(n)  # the first epoch: compiles, prefetch and threads start
+    fit = keras_fit(data, batch) if keras else None  # its first epoch: compiles
     hand.rates.clear()
     ours: list[float] = []
     hand_cpu: list[float] = []  # process CPU seconds per step (all threads: XLA's too)
     our_cpu: list[float] = []
+    keras_cpu: list[float] = []
+    sides = ["hand", "ours"] + (["keras"] if fit is not None else [])
     for r in range(repeats):
-        for side in ("hand", "ours") if r % 2 == 0 else ("ours", "hand"):
+        for side in sides[r % len(sides) :] + sides[: r % len(sides)]:  # rotating order
+            cpu = time.process_time()
             if side == "hand":
-                cpu = time.process_time()
                 hand.timed()
                 hand_cpu.append((time.process_time() - cpu) / steps)
+            elif side == "keras":
+                assert fit is not None
+                fit.timed()
+                keras_cpu.append((time.process_time() - cpu) / fit.steps)
             else:
                 ours.append(one_epoch(n)["steps_per_s"])
                 our_cpu.append(_LAST_CLOCK["cpu_s"] / steps)
@@ -187,9 +212,17 @@ def measure(batch: int, repeats: int, item_epochs: int, workdir: Path) -> dict:
     per_step = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
     pairs = list(zip(ours, hand.rates, strict=True))
     cpu_pairs = list(zip(our_cpu, hand_cpu, strict=True))
+    keras_pairs = list(zip(ours, fit.rates, strict=True)) if fit is not None else []
+    keras_cpu_pairs = list(zip(our_cpu, keras_cpu, strict=True)) if fit is not None else []
     return {
         "batch": batch,
         "steps": steps,
+        "keras_steps_per_s": statistics.median(fit.rates) if fit is not None else None,
+        "keras_ratio": statistics.median(o / k for o, k in keras_pairs) if keras_pairs else None,
+        "keras_ratios": [o / k for o, k in keras_pairs],
+        "keras_cpu_ratio": (
+            statistics.median(k / o for o, k in keras_cpu_pairs) if keras_cpu_pairs else None
+        ),
         "hand_steps_per_s": statistics.median(hand.rates),
         "jaxnitro_steps_per_s": statistics.median(ours),
         "ratio": statistics.median(o / h for o, h in pairs),
@@ -219,6 +252,21 @@ def table(results: list[dict], repeats: int) -> str:
             f"| {r['ratio']:.2f}× ({spread}) | {r['added_us_per_step']:+.1f} "
             f"| {r['cpu_ratio']:.2f}× ({cpu}) | {r['added_cpu_us_per_step']:+.1f} |"
         )
+    if any(r["keras_ratio"] is not None for r in results):
+        lines += [
+            "",
+            "Keras 3 `fit` (JAX backend, jit_compile=True), interleaved:",
+            "",
+            "| batch | Keras steps/s | jaxnitro × Keras, wall (per repeat) | × Keras, CPU time |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in results:
+            if r["keras_ratio"] is not None:
+                spread = ", ".join(f"{x:.2f}" for x in r["keras_ratios"])
+                lines.append(
+                    f"| {r['batch']} | {r['keras_steps_per_s']:,.0f} | {r['keras_ratio']:.2f}× "
+                    f"({spread}) | {r['keras_cpu_ratio']:.2f}× |"
+                )
     lines += ["", "µs per step, the median of the instrumented epochs:", ""]
     names = list(results[0]["items_us_per_step"])
     lines.append("| item | " + " | ".join(f"batch {r['batch']}" for r in results) + " |")
@@ -235,6 +283,7 @@ def main() -> None:
     ap.add_argument("--item-epochs", type=int, default=3, help="instrumented epochs per batch")
     ap.add_argument("--batches", default="32,1024", help="comma-separated: 32, 1024")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--no-keras", action="store_true", help="leave out the Keras `fit` row")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
     unknown = sorted(set(batches) - set(SAMPLES))
@@ -242,7 +291,10 @@ def main() -> None:
         ap.error(f"unknown batch size(s) {unknown}; choose from {sorted(SAMPLES)}")
     _keep_clock()
     with tempfile.TemporaryDirectory(prefix="jaxnitro-host-") as tmp:
-        results = [measure(b, args.repeats, args.item_epochs, Path(tmp)) for b in batches]
+        results = [
+            measure(b, args.repeats, args.item_epochs, Path(tmp), not args.no_keras)
+            for b in batches
+        ]
     print(table(results, args.repeats))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

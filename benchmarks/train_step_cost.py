@@ -2,6 +2,11 @@
 per-call key costs. `jn.train_step` keys each call by the content of the loss function and
 the model's code (its fingerprints), so this is the price of seeing an edited helper.
 
+Interleaved with the same loop over a hand-written `jax.jit` step (the parameters and the
+optimizer state as flat lists of arrays, donated; the module merged inside the program), in
+alternating order: `x_hand` is the hand step's CPU time over `jn.train_step`'s (above 1:
+`jn.train_step` is faster), the median of the per-repeat ratios.
+
     PYTHONPATH=src python benchmarks/train_step_cost.py --repeats 7
 """
 
@@ -35,6 +40,40 @@ def mse(model, params, state, batch):
     return jnp.mean((pred - batch["y"]) ** 2), state
 
 
+def hand_step(model: MLP, batch: dict):
+    """A careful hand-written step for the same model, loss and optimizer: `run(steps)`."""
+    tx = optax.adam(1e-2)
+    graphdef, params = nnx.split(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(params)
+    carry = [leaves, tx.init(leaves), None]
+
+    @jax.jit(donate_argnums=(0, 1))
+    def step(leaves, opt, x, y):
+        def loss(flat):
+            pred = nnx.merge(graphdef, jax.tree.unflatten(treedef, flat))(x)
+            return jnp.mean((pred - y) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(leaves)
+        updates, opt = tx.update(grads, opt, leaves)
+        return optax.apply_updates(leaves, updates), opt, value
+
+    def run(steps: int) -> None:
+        leaves, opt, value = carry
+        for _ in range(steps):
+            leaves, opt, value = step(leaves, opt, batch["x"], batch["y"])
+        jax.block_until_ready(value)
+        carry[:] = [leaves, opt, value]
+
+    run(10)  # compiled here
+    return run
+
+
+def cpu_per_step(run, steps: int) -> float:
+    t0 = time.process_time()
+    run(steps)
+    return (time.process_time() - t0) / steps * 1e6
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -44,17 +83,32 @@ def main(argv=None) -> dict:
     ts = jn.TrainState.create(model, params, state, optax.adam(1e-2))
     x = np.random.default_rng(0).normal(size=(32, 2)).astype(np.float32)
     batch = {"x": x, "y": x**2}
-    for _ in range(10):  # compiled here
-        ts, loss, _ = jn.train_step(mse, ts, batch)
-    jax.block_until_ready(loss)
-    per_step = []
-    for _ in range(args.repeats):
-        t0 = time.process_time()
-        for _ in range(args.steps):
+    box = [ts]
+
+    def ours(steps: int) -> None:
+        ts = box[0]
+        for _ in range(steps):
             ts, loss, _ = jn.train_step(mse, ts, batch)
         jax.block_until_ready(loss)
-        per_step.append((time.process_time() - t0) / args.steps * 1e6)
-    out = {"jaxnitro": jn.__file__, "cpu_us_per_step": round(statistics.median(per_step), 1)}
+        box[0] = ts
+
+    ours(10)  # compiled here
+    hand = hand_step(MLP(nnx.Rngs(0)), batch)
+    per_step: list[float] = []
+    hand_per_step: list[float] = []
+    for r in range(args.repeats):
+        for side in ("ours", "hand") if r % 2 == 0 else ("hand", "ours"):
+            if side == "ours":
+                per_step.append(cpu_per_step(ours, args.steps))
+            else:
+                hand_per_step.append(cpu_per_step(hand, args.steps))
+    pairs = zip(hand_per_step, per_step, strict=True)
+    out = {
+        "jaxnitro": jn.__file__,
+        "cpu_us_per_step": round(statistics.median(per_step), 1),
+        "hand_cpu_us_per_step": round(statistics.median(hand_per_step), 1),
+        "x_hand": round(statistics.median(h / o for h, o in pairs), 3),
+    }
     print(json.dumps(out))
     return out
 

@@ -19,6 +19,7 @@ import pytest
 
 from jaxnitro._src.compile import fingerprint as fp
 from jaxnitro._src.compile.fingerprint import describe_reach, fingerprint, fingerprint_value
+from jaxnitro._src.compile.remembered import _remembered, check_of, remembered
 
 HOOK = """
 SCALE = 2.0
@@ -462,8 +463,6 @@ def test_class_bookkeeping_entries_are_skipped():
 
 
 def test_a_remembered_fingerprint_follows_every_edit_of_what_it_read():
-    from jaxnitro._src.compile.fingerprint import remembered
-
     table = {"k": [1.0]}
 
     class Net:
@@ -497,6 +496,49 @@ def test_a_remembered_fingerprint_follows_every_edit_of_what_it_read():
     ]
     for edit in edits:
         before = {id(o): remembered(o) for o in (fn, Net)}
+        check = check_of((fn, Net))  # what `jn.train_step` runs at each step instead
+        assert check is not None and check()
         edit()
+        assert not check()
         same()
         assert before != {id(o): remembered(o) for o in (fn, Net)}
+
+
+def test_a_remembered_check_sees_a_closure_cell_filled_after_it_was_read():
+    def make():
+        def inner(x):
+            return x * later
+
+        assert remembered(inner) == fingerprint(inner)  # `later` is an empty cell here
+        check = check_of([inner])
+        assert check is not None and check()
+        later = 2.0
+        assert not check()
+        return inner, later
+
+    inner, _ = make()
+    assert remembered(inner) == fingerprint(inner)
+
+
+def test_an_nnx_class_is_rechecked_by_identity_with_nothing_to_rehash():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l = nnx.Linear(2, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l(x)
+
+    # flax's machinery on the class (a HashableMapping): hashed by its type alone, so
+    # nothing of it is re-hashed at each check; replacing it is still seen (by identity).
+    machinery = [k for k, v in vars(Net).items() if type(v).__module__.startswith("flax")]
+    assert machinery
+    digest = remembered(Net)
+    assert digest == fingerprint(Net)
+    assert _remembered[id(Net)].rehash == []
+    check = check_of([Net])
+    assert check is not None and check()
+    setattr(Net, machinery[0], type(vars(Net)[machinery[0]])(dict(vars(Net)[machinery[0]])))
+    assert not check()
+    assert remembered(Net) == fingerprint(Net) == digest  # (same type: the same digest)

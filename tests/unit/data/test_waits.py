@@ -3,6 +3,7 @@ the loop spent in the data source while the device was still running the previou
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -141,3 +142,65 @@ def test_workers_slower_than_the_step_report_the_wait(tmp_path):
     """Batches take 60 ms in the worker, steps 5 ms: the device waits most of the time."""
     frac = _run(tmp_path, step_s=0.005, sample_s=0.015, workers=1)
     assert frac > 0.5, frac
+
+
+class CountedStep(FakeStep):
+    """A `FakeStep` that counts the questions asked of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = 0
+
+    def is_ready(self) -> bool:
+        self.asked += 1
+        return super().is_ready()
+
+
+def test_a_source_that_never_blocks_is_timed_as_run_times_it_asking_the_device_once():
+    def ask(clock, step, *, ends_during: bool) -> float:
+        def work():
+            time.sleep(0.02)
+            if ends_during:
+                step.done.set()
+
+        before = clock.seconds
+        clock.run(work)
+        return clock.seconds - before
+
+    for case in ("idle", "busy", "ends during"):
+        counted: dict[bool, float] = {}
+        for may_block in (True, False):
+            step = CountedStep()
+            if case == "idle":
+                step.done.set()
+            clock = waits.WaitClock(lambda: step, may_block=may_block)  # noqa: B023
+            counted[may_block] = ask(clock, step, ends_during=case == "ends during")
+            if not may_block:
+                assert step.asked == 1, case  # one question, after the work
+        assert (counted[True] > 0.015) == (counted[False] > 0.015) == (case != "busy"), case
+        assert counted[False] <= 0.2
+    # nothing in flight: the whole ask, as `run` counts it
+    clock = waits.WaitClock(lambda: None, may_block=False)
+    clock.run(lambda: time.sleep(0.02))
+    assert clock.seconds > 0.015
+
+
+def test_the_epoch_feeds_device_rows_through_the_one_question_path(monkeypatch):
+    from jaxnitro._src.train import epoch
+
+    asked = []
+    real = waits.WaitClock.work
+
+    def counted(self, fn):
+        asked.append(1)
+        return real(self, fn)
+
+    monkeypatch.setattr(waits.WaitClock, "work", counted)
+    n = nitro(max_epochs=1)
+    assert n.spec.resident is not None or n.spec.device_batches is not None
+    stream = epoch._stream(
+        epoch._start(n, 0), epoch.InFlight(0, 0, 0, {}), None, collections.deque()
+    )
+    next(stream)
+    stream.close()
+    assert asked == [1]

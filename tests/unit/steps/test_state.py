@@ -324,3 +324,65 @@ def test_cache_reset_reaches_a_returned_state():
     ts, _, _ = jn.train_step(mse, ts, batch)  # compiles again, as after any reset
     assert jn.cache_stats()["misses"] == 1
     assert int(ts.step) == 3
+
+
+class Doubling(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l = nnx.Linear(2, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l(x)
+
+
+def test_a_step_checks_the_code_it_traced_without_fingerprinting_it(monkeypatch):
+    from jaxnitro._src.experiment import models
+    from jaxnitro._src.steps import state as state_mod
+
+    model, params, state = jn.split_model(Doubling(nnx.Rngs(0)))
+    ts = jn.TrainState.create(model, params, state, optax.sgd(0.0))
+    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    for _ in range(3):
+        ts, before, _ = jn.train_step(mse, ts, batch)
+    calls = []
+
+    def counted(real):
+        def wrapper(*args, **kwargs):
+            calls.append(real.__name__)
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    # A step on a returned state re-checks what the fingerprints read (one generated
+    # check): it neither fingerprints nor finds the model's classes again.
+    monkeypatch.setattr(state_mod, "remembered", counted(state_mod.remembered))
+    monkeypatch.setattr(models, "model_classes", counted(models.model_classes))
+    for _ in range(3):
+        ts, loss, _ = jn.train_step(mse, ts, batch)
+    assert calls == []
+    assert float(loss) == pytest.approx(float(before))
+    # ... and still sees an edit of the model's class at the next step
+    monkeypatch.setattr(Doubling, "__call__", lambda self, x: 2.0 * self.l(x))
+    ts, doubled, _ = jn.train_step(mse, ts, batch)
+    assert float(doubled) == pytest.approx(4.0 * float(before), rel=1e-5)
+    assert "remembered" in calls
+
+
+def test_a_step_on_a_returned_state_sees_an_environment_variable_set_between_steps(
+    monkeypatch,
+):
+    import os
+
+    def scaled(model, params, state, batch):
+        pred, state = jn.apply(model, params, state, batch["x"])
+        gain = float(os.environ.get("JN_TEST_STEP_GAIN", "1"))  # read while tracing
+        return gain * jnp.mean((pred - batch["y"]) ** 2), state
+
+    model, params, state = jn.split_model(Doubling(nnx.Rngs(0)))
+    ts = jn.TrainState.create(model, params, state, optax.sgd(0.0))
+    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    monkeypatch.setenv("JN_TEST_STEP_GAIN", "1")
+    for _ in range(3):  # the fast path: each state goes back as its leaves
+        ts, before, _ = jn.train_step(scaled, ts, batch)
+    monkeypatch.setenv("JN_TEST_STEP_GAIN", "3")
+    ts, after, _ = jn.train_step(scaled, ts, batch)
+    assert float(after) == pytest.approx(3.0 * float(before), rel=1e-5)

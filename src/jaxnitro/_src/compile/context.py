@@ -18,6 +18,7 @@ from typing import Any
 __all__ = ["environment", "environment_changes", "jax_flags"]
 
 _last_flags: list[Any] = [None, ()]
+_trace_context: list[Any] = [None]  # JAX's `trace_context`, once found
 
 
 def jax_flags() -> tuple[tuple[str, str], ...]:
@@ -27,10 +28,16 @@ def jax_flags() -> tuple[tuple[str, str], ...]:
         >>> dict(jax_flags())["jax_enable_x64"]
         'False'
     """
+    read = _trace_context[0]
+    if read is not None:  # (an entry point calls this at every call: no import statement)
+        values = read()
+        if values == _last_flags[0]:
+            return _last_flags[1]
     try:
         from jax._src import config as jax_config
 
         values = jax_config.trace_context()
+        _trace_context[0] = jax_config.trace_context
         if values == _last_flags[0]:
             return _last_flags[1]
         names = jax_config.trace_context_names()
@@ -64,11 +71,6 @@ _snapshots: OrderedDict[str, dict[str, str]] = OrderedDict()
 _last_env: list[Any] = [None, ""]
 
 
-def _raw() -> dict:
-    data = getattr(os.environ, "_data", None)
-    return data if isinstance(data, dict) else dict(os.environ)
-
-
 def environment() -> str:
     """A digest of `os.environ` (a value read from it while tracing may change the program).
 
@@ -76,7 +78,10 @@ def environment() -> str:
         >>> environment() == environment()
         True
     """
-    raw = _raw()
+    # (inline: an entry point calls this at every call) os.environ's own dict, else a copy
+    raw = getattr(os.environ, "_data", None)
+    if type(raw) is not dict:
+        raw = dict(os.environ)
     if raw == _last_env[0]:
         return _last_env[1]
     snap = dict(os.environ)

@@ -44,7 +44,7 @@ from jaxnitro._src.compile.digests import (  # (the tables: tests watch them)
     _h,
     _identities,
 )
-from jaxnitro._src.compile.fingerprint_values import _CLASS_SKIP, _MISSING, _Values
+from jaxnitro._src.compile.fingerprint_values import _CLASS_SKIP, _Values
 from jaxnitro._src.compile.libraries import (
     _is_function_like,
     _is_library,
@@ -67,10 +67,8 @@ __all__ = [
     "fingerprint",
     "fingerprint_reach",
     "fingerprint_value",
-    "forget",
     "is_library_class",
     "is_user_function",
-    "remembered",
 ]
 
 _ = (_CLASS_SKIP, _array_digests, _identities)  # re-exported for the tests that watch them
@@ -181,66 +179,6 @@ def fingerprint_value(
     if gaps is not None:
         gaps.extend(hasher.gaps)
     return digest
-
-
-def remembered(obj: Any, *, gaps: list[str] | None = None) -> str:
-    """`fingerprint(obj)`, from the last traversal of `obj` when nothing it read changed.
-
-    The traversal logs what it looked up (each global, module attribute, class namespace
-    entry, closure cell and function attribute, with the object found) and the values it
-    hashed by content that can change in place. A later call checks those lookups by
-    identity and re-hashes those values; where all hold, the digest is the one a new
-    traversal would give. A traversal through anything it does not log (a partial, a
-    bound method, a wrapper object) is not remembered.
-    """
-    hit = _remembered.get(id(obj))
-    if hit is not None and hit[0] is obj and _still(hit[1]):
-        if gaps is not None:
-            gaps.extend(hit[1].gaps)
-        return hit[2]
-    hasher = _Hasher()
-    digest = hasher.callable_(obj, 2)
-    if gaps is not None:
-        gaps.extend(hasher.gaps)
-    if not hasher.unsure:
-        hasher._memo.clear()  # (what holding the read log needs: the lookups, not the memo)
-        hasher._containers.clear()
-        _remembered[id(obj)] = (obj, hasher, digest)  # holding obj keeps its id
-        while len(_remembered) > _REMEMBERED:
-            _remembered.pop(next(iter(_remembered)))
-    return digest
-
-
-_remembered: dict[int, tuple[Any, _Values, str]] = {}
-_REMEMBERED = 64
-
-
-def forget() -> None:
-    """Drop every remembered traversal (and the objects it holds), as `jn.cache_reset()` does."""
-    _remembered.clear()
-
-
-def _still(log: _Values) -> bool:
-    """Whether every lookup a traversal logged finds the same object, and every value it
-    hashed by content hashes the same."""
-    missing = _MISSING
-    for mapping, key, found in log.seen_items:
-        if mapping.get(key, missing) is not found:
-            return False
-    for obj, name, found in log.seen_attrs:
-        try:
-            if getattr(obj, name, missing) is not found:
-                return False
-        except ValueError:  # an empty closure cell
-            if found is not missing:
-                return False
-    for mapping, size in log.seen_sizes:
-        if len(mapping) != size:
-            return False
-    for value, depth, strict, digest in log.rehash:
-        if _Hasher().value(value, depth, strict=strict) != digest:
-            return False
-    return True
 
 
 class _Hasher(_Values):

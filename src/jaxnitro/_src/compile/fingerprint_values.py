@@ -94,7 +94,7 @@ class _Values:
         # below the depth by name, code that reads through getattr or imports): where any is
         # found, the digest cannot prove that a program traced from the code is unchanged.
         self.gaps: list[str] = []
-        # What the traversal read, for `fingerprint.remembered`: (mapping, key, value) and
+        # What the traversal read, for `remembered.remembered`: (mapping, key, value) and
         # (object, attribute, value) it looked up, and values hashed by content that may
         # change in place (re-hashed to check). `unsure`: it read something not logged.
         self.seen_items: list[tuple[Any, str, Any]] = []
@@ -196,18 +196,23 @@ class _Values:
         if isinstance(attr, (types.MemberDescriptorType, types.GetSetDescriptorType)):
             return _h("slot", name)  # __slots__ entries: new objects per class, same meaning
         digest = self.value(attr, depth - 1, strict=True)
-        self.saw_value(attr, depth - 1, True, digest)
-        if digest is None:
-            if not isinstance(attr, (tuple, list, dict, set, frozenset)) and is_library_class(
-                type(attr)
-            ):
-                # Machinery a library puts on its classes (flax's descriptors and internal
-                # state): new objects per class definition, hashed by type so an identical
-                # re-definition still matches.
-                digest = _h("object", _type_name(attr))
-            else:
-                digest = self.value(attr, depth - 1, strict=False)
-                self.saw_value(attr, depth - 1, False, digest)
+        if digest is not None:
+            self.saw_value(attr, depth - 1, True, digest)
+        elif not isinstance(attr, (tuple, list, dict, set, frozenset)) and is_library_class(
+            type(attr)
+        ):
+            # Machinery a library puts on its classes (flax's descriptors and internal
+            # state): new objects per class definition, hashed by type so an identical
+            # re-definition still matches. That digest reads the type alone, so a remembered
+            # traversal re-hashes nothing of it (the namespace entry is checked by identity),
+            # unless it is a dataclass, whose fields may come to hash by content.
+            digest = _h("object", _type_name(attr))
+            if dataclasses.is_dataclass(attr):
+                self.saw_value(attr, depth - 1, True, None)
+        else:
+            # (an edit that makes it hash by content changes this digest too: one re-hash)
+            digest = self.value(attr, depth - 1, strict=False)
+            self.saw_value(attr, depth - 1, False, digest)
         if not (name.startswith("__") and name.endswith("__")):
             module, qualname = _names(cls)
             self._record(

@@ -18,12 +18,14 @@ class InlineFeed:
     For a single CPU device, where batches need no transfer: a second Python thread would only
     contend for the GIL with the dispatching one. `wait_seconds` is the time the device sat
     idle while a batch was prepared (`waits`); `in_flight` gives an output of the step last
-    dispatched (None: none in flight).
+    dispatched (None: none in flight); `may_block=False`: the source never blocks on work
+    done elsewhere (`waits.WaitClock`).
     """
 
-    def __init__(self, source: Iterable, prepare, *, in_flight=None):
+    def __init__(self, source: Iterable, prepare, *, in_flight=None, may_block: bool = True):
         self._source, self._prepare = iter(source), prepare
-        self._clock = waits.WaitClock(in_flight)
+        self._clock = waits.WaitClock(in_flight, may_block=may_block)
+        self._ask = self._clock.run if may_block else self._clock.work  # (per batch)
 
     @property
     def wait_seconds(self) -> float:
@@ -33,7 +35,7 @@ class InlineFeed:
         return self
 
     def __next__(self):
-        return self._clock.run(self._next)
+        return self._ask(self._next)
 
     def _next(self):
         host = next(self._source)

@@ -14,6 +14,9 @@ dispatched step (None: nothing in flight, the device is idle) and counts:
   iterable), which runs alongside the device: the whole time when the device was idle as it
   began; none when the step is still running after it; and the whole time, an upper bound,
   when the step ended in between (when exactly is not known without a thread watching it).
+  Steps end in order, so that is the whole time exactly when the step has ended by the time
+  the batch is ready: a source that never blocks (`WaitClock(may_block=False)`: the row
+  indices of arrays kept on the device) is asked once, after (`WaitClock.work`).
 
 `data_wait_frac` is that time over the epoch's. Without this, a loop that merely waits out the
 device's step in the data source reported the step's time as data wait.
@@ -94,15 +97,20 @@ class WaitClock:
     Args:
         in_flight: returns one output array of the last dispatched step, or None when
             nothing is in flight (all read back). None: the device is taken as idle.
+        may_block: False for a source that never blocks on work done elsewhere (never calls
+            `blocking()`): each ask that works in this thread is then timed by `work`.
     """
 
-    def __init__(self, in_flight: Callable[[], Any] | None = None):
+    def __init__(self, in_flight: Callable[[], Any] | None = None, *, may_block: bool = True):
         self._in_flight = in_flight
+        self._may_block = may_block
         self.seconds = 0.0
 
     def run(self, fn: Callable[[], Any], *, blocking: bool = False) -> Any:
         """`fn()`, timed as one ask. `blocking`: fn only waits for work done elsewhere;
         otherwise it works in this thread, alongside the device."""
+        if not (blocking or self._may_block):
+            return self.work(fn)
         token = self._in_flight() if self._in_flight is not None else None
         if _ready(token):  # the device is idle: the whole ask is a wait (nothing to watch)
             t0 = time.perf_counter()
@@ -127,3 +135,16 @@ class WaitClock:
             elif not ask.watched and _ready(ask.token):  # it ended during the work: at most
                 self.seconds += t1 - t0
             # else: the step was still running when the batch was ready: no wait
+
+    def work(self, fn: Callable[[], Any]) -> Any:
+        """`fn()`, an ask that works in this thread and never blocks, timed as `run` times it
+        with one question to the device, after: the whole time is a wait when the step in
+        flight has ended by then (it was idle as the ask began, or ended during it: the upper
+        bound `run` counts), else none (it ran throughout)."""
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            t1 = time.perf_counter()
+            if _ready(self._in_flight() if self._in_flight is not None else None):
+                self.seconds += t1 - t0

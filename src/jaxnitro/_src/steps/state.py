@@ -17,7 +17,8 @@ import numpy as np
 import optax
 
 from jaxnitro._src.compile import cache, context
-from jaxnitro._src.compile.fingerprint import forget, is_library_class, remembered
+from jaxnitro._src.compile.fingerprint import is_library_class
+from jaxnitro._src.compile.remembered import check_of, forget, remembered
 from jaxnitro._src.core.errors import ConfigArgumentError, HookError
 from jaxnitro._src.experiment import models
 from jaxnitro._src.steps.step import make_train_step, scalar_loss
@@ -181,7 +182,7 @@ def train_step(
     unread = state.__dict__.get("_unread") if type(state) is TrainState else None
     if unread is not None:  # a state this function returned, not read since: no flatten
         leaves, treedef, program = unread
-        if program.takes_back(loss_fn, state.model, _content(loss_fn, state.model)):
+        if program.takes_back(loss_fn, state.model):
             try:
                 new_leaves, out = program.call(leaves, batch)
             except TypeError:
@@ -233,11 +234,16 @@ def _lookup(
     key = (id(loss_fn), id(model), id(tx), treedef, batch_def, state_sig, batch_sig, flags, env)
     hit = _fast.get(key)
     if hit is not None and hit.fits(loss_fn, model, content):
+        if content[1] and (hit.check is None or not hit.check()):
+            # the same content read from other objects (an equal value rebound): check those
+            hit.check = check_of((loss_fn, *_model_code(model)))
         return hit
     if unread:
         state = jax.tree.unflatten(treedef, leaves)
     call = _program(loss_fn, state, leaves, treedef, batch, content).compiled
-    hit = _Fast(loss_fn, model, tx, call, state_sig, content, flags, env)
+    # what a later call re-checks instead of building the content (`_Fast.takes_back`)
+    check = check_of((loss_fn, *_model_code(model))) if content[1] else None
+    hit = _Fast(loss_fn, model, tx, call, state_sig, content, flags, env, check)
     _remember(key, hit)
     return hit
 
@@ -245,18 +251,36 @@ def _lookup(
 def _content(loss_fn: Callable[..., Any], model: Model) -> tuple[str, bool]:
     """(digest, closed) of the code a train step traces: the loss function and the model's
     classes and held functions, by content. Not closed: the digest has gaps (`fingerprint`),
-    so it cannot prove the program unchanged and each call is checked against a trace."""
+    so it cannot prove the program unchanged and each call is checked against a trace.
+
+    Each fingerprint is `remembered`: a call re-checks what the last traversal read."""
     gaps: list[str] = []
     parts = [remembered(loss_fn, gaps=gaps) if callable(loss_fn) else repr(loss_fn)]
-    if callable(model) and not isinstance(model, type):
-        parts.append(remembered(model, gaps=gaps))  # an apply_fn: the model is code
-    else:
-        for cls in models.model_classes(model):
-            if not is_library_class(cls):
-                parts.append(remembered(cls, gaps=gaps))
-        for fn in models.held_functions(model).values():
-            parts.append(remembered(fn, gaps=gaps))
+    for code in _model_code(model):
+        parts.append(remembered(code, gaps=gaps))
     return "\0".join(parts), not gaps
+
+
+def _model_code(model: Model) -> tuple[Any, ...]:
+    """What of `model` is code: an apply_fn itself; else its user classes and the functions
+    it holds. Kept per model for NNX and Equinox, whose static half never changes (their
+    classes are those of the graphdef or module tree); a Linen model's classes include those
+    its code names, so they are found again at each call."""
+    hit = _model_codes.get(id(model))
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    if callable(model) and not isinstance(model, type):
+        return (model,)  # an apply_fn: the model is code
+    code = tuple(cls for cls in models.model_classes(model) if not is_library_class(cls))
+    code += tuple(models.held_functions(model).values())
+    if isinstance(model, (models.NNXModel, models.EqxModel)):
+        _model_codes[id(model)] = (model, code)  # (holding the model keeps its id)
+        while len(_model_codes) > _FAST_ENTRIES:
+            _model_codes.pop(next(iter(_model_codes)))
+    return code
+
+
+_model_codes: dict[int, tuple[Any, tuple[Any, ...]]] = {}
 
 
 def _input_sig(x: Any) -> Any:
@@ -291,6 +315,9 @@ class _Fast:
     content: tuple[str, bool]  # `_content` of the function and model it was traced from
     flags: tuple = ()  # the JAX flags it was traced under (`context.jax_flags`)
     env: str = ""  # and the environment's digest
+    # `check_of` the function and the model's code: while it holds, `_content` would give
+    # `content` again (None: not remembered, or an open content)
+    check: Callable[[], bool] | None = None
     out_sig: tuple | None = None
     loops: bool = False  # its returned state is a valid input of its own (same signature)
     live: bool = True  # False once `jn.cache_reset()` dropped it
@@ -301,22 +328,26 @@ class _Fast:
         return self.live and self.loss_fn is loss_fn and content[1] and content == self.content
 
     def returned(self, out_sig: tuple) -> None:
+        """After the first call: the output signature, and the call itself from then on."""
         self.out_sig, self.loops = out_sig, out_sig == self.state_sig
+        # `jax.stages.Compiled.__call__` only forwards to the C++ call it made at its first
+        # call: call that one (a Python frame less a step), where this JAX has it.
+        self.call = getattr(self.call, "_call", None) or self.call
 
-    def takes_back(
-        self, loss_fn: Callable[..., Any], model: Model, content: tuple[str, bool]
-    ) -> bool:
+    def takes_back(self, loss_fn: Callable[..., Any], model: Model) -> bool:
         """Whether a state this program returned goes back into it (the usual loop: the
-        same function and model every step; the compiled call itself checks the batch)."""
+        same function and model every step, their code and JAX's flags and environment
+        unchanged; the compiled call itself checks the batch). The code is checked through
+        the read logs of its fingerprints, which is `_content` without building it."""
         return (
             self.loops
             and self.live
-            and self.flags == context.jax_flags()
-            and self.env == context.environment()
             and self.loss_fn is loss_fn
             and self.model is model
-            and content[1]
-            and content == self.content
+            and self.check is not None
+            and self.flags == context.jax_flags()
+            and self.env == context.environment()
+            and self.check()
         )
 
 
@@ -328,6 +359,7 @@ def _reset_fast() -> None:
     for program in _fast.values():  # an unread state may still point at one
         program.live = False
     _fast.clear()
+    _model_codes.clear()
     forget()  # (the remembered fingerprints hold the functions and values they read)
 
 

@@ -272,14 +272,15 @@ def _stream(
     preparing is cheap); the feed counts a wait for data only once the newest call in
     `pending` is done."""
     n, spec = ep.n, ep.n.spec
-    # Row indices of arrays on the device are cheap to prepare: no thread for them.
-    inline = spec.direct_feed or spec.resident is not None or spec.device_batches is not None
-    feed_cls = data_mod.InlineFeed if inline else data_mod.Prefetcher
-    return feed_cls(
-        feed.train_units(spec, ep.loader, last.batch, ep.lines.epoch, data_state),
-        feed.train_prepare(spec, last.step, n.device.hyper_base),
-        in_flight=functools.partial(_newest_output, pending),
-    )
+    units = feed.train_units(spec, ep.loader, last.batch, ep.lines.epoch, data_state)
+    prepare = feed.train_prepare(spec, last.step, n.device.hyper_base)
+    in_flight = functools.partial(_newest_output, pending)
+    # Row indices of arrays on the device are cheap to prepare (no thread for them), and
+    # never block on work elsewhere (the wait clock asks the device once per batch).
+    rows_only = spec.resident is not None or spec.device_batches is not None
+    if spec.direct_feed or rows_only:
+        return data_mod.InlineFeed(units, prepare, in_flight=in_flight, may_block=not rows_only)
+    return data_mod.Prefetcher(units, prepare, in_flight=in_flight)
 
 
 def _newest_output(pending: collections.deque[InFlight]) -> Any:
@@ -301,7 +302,9 @@ def _program(ep: Epoch, call: feed.Call, extras: Any, hand_over: Callable[[], No
         )
         ep.clock.compile_s += time.perf_counter() - c0
     ep.flops[call.steps] = prog.record.flops
-    ep.programs[call.steps] = prog.compiled
+    # `jax.stages.Compiled.__call__` only forwards to the C++ call it made at its first call
+    # (an earlier epoch's): the epoch calls that one, a Python frame less per dispatch.
+    ep.programs[call.steps] = getattr(prog.compiled, "_call", None) or prog.compiled
     return prog.compiled
 
 
