@@ -214,6 +214,7 @@ def test_run_table_statuses_without_taking_the_lock(tmp_path):
     assert not lock.held and rows["live"].to_dict()["status"] == "running"
 
 
+@pytest.mark.slow
 def test_plot_api_draws_one_panel_per_metric(tmp_path):
     import matplotlib.image
 

@@ -236,6 +236,7 @@ def test_paths_stay_under_the_root(tmp_path):
         ws.path("out_link/x", what="export directory")
 
 
+@pytest.mark.slow
 def test_overrides_refuse_unknown_and_repeated_keys(tmp_path):
     (tmp_path / "exp.py").write_text(EXPERIMENT)
     ws = Workspace(tmp_path)
@@ -254,6 +255,7 @@ def test_overrides_refuse_unknown_and_repeated_keys(tmp_path):
     assert run["fields"]["scale"]["value"] == 0.5
 
 
+@pytest.mark.slow
 def test_a_missing_sdk_names_the_extra(tmp_path):
     import subprocess
 

@@ -155,6 +155,7 @@ def _one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
     raise AssertionError(f"no cycle through {start}")  # a component always has one
 
 
+@pytest.mark.slow
 def test_no_import_cycles():
     graph = import_graph()
     for (importer, imported), _why in KNOWN_LAZY.items():

@@ -71,6 +71,7 @@ def _validate(doc: dict) -> None:
     kubernetes_validate.validate(doc, KUBERNETES, strict=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where,doc", DOCS, ids=[w for w, _ in DOCS])
 def test_each_manifest_is_valid_against_its_schema(where, doc):
     _validate(doc)

@@ -15,6 +15,7 @@ import types
 from pathlib import Path
 
 import click
+import pytest
 
 import jaxnitro as jn
 from jaxnitro._src.cli import cli
@@ -197,6 +198,7 @@ def test_the_cli_commands_are_what_they_were():
     assert sorted(cli.commands["cache"].commands) == ["clear", "info"]
 
 
+@pytest.mark.slow
 def test_python_m_jaxnitro_lists_the_commands():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "200"}
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])

@@ -53,6 +53,7 @@ def test_a_skip_for_a_missing_module_fails_the_ci_run(tmp_path):
     assert status == 0 and "1 passed, 1 skipped" in out, out
 
 
+@pytest.mark.slow
 def test_a_module_level_importorskip_fails_the_ci_run_too(tmp_path):
     (tmp_path / "test_whole.py").write_text(
         'import pytest\npytest.importorskip("jaxnitro_no_such_module")\n\ndef test_x():\n    pass\n'

@@ -36,6 +36,7 @@ def test_two_handles_in_one_process_cannot_both_write(run_dir):
     assert jn.train(b).stop_reason == "completed"
 
 
+@pytest.mark.slow
 def test_setup_writes_nothing_and_a_fresh_handle_after_a_run_just_works(run_dir):
     nitro(Tiny(max_epochs=1), run_dir=run_dir)
     assert not (run_dir / "metrics.jsonl").exists()  # setup never writes the run's files

@@ -447,6 +447,7 @@ def test_an_old_handle_of_a_re_defined_class_says_so_once(tmp_path, notebook):
         jn.predict(n, {"x": X})
 
 
+@pytest.mark.slow
 def test_a_class_bound_as_before_says_nothing(tmp_path, notebook):
     n = handle(_cell(notebook, scale=1.0, act="jnp.tanh"), tmp_path / "a")
     with warnings.catch_warnings():

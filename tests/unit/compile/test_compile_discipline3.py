@@ -77,6 +77,7 @@ def scaled_forward(self, model, params, state, *, x, k):
     return out * k, state
 
 
+@pytest.mark.slow
 def test_1_partialmethod_hook_arguments_are_in_the_key(tmp_path):
     @jn.experiment
     class Partial(Tiny):
@@ -181,6 +182,7 @@ HELD = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nnx", "linen"])
 def test_3_function_held_by_the_model_is_fingerprinted(tmp_path, kind):
     mod = module(tmp_path, f"held_{kind}", HELD)
@@ -339,6 +341,7 @@ def _rate(n) -> float:
     return float(hyper.read(n.spec.optimizer, n.train_state.opt_state)["opt.default.learning_rate"])
 
 
+@pytest.mark.slow
 def test_7_set_device_reaches_the_learning_rate_without_a_recompile(tmp_path):
     n = handle(LiveRate(n_val=0), tmp_path / "a")
     jn.train(n)
@@ -434,6 +437,7 @@ EQX = """
 """
 
 
+@pytest.mark.slow
 def test_9_equinox_activation_global_is_named_not_called_a_structure_change(tmp_path):
     mod = module(tmp_path, "eqx_act_mod", EQX)
 
@@ -512,6 +516,7 @@ class Hidden(Tiny):
         return out * jnp.asarray(table["w"]), state
 
 
+@pytest.mark.slow
 def test_predict_checks_a_key_with_gaps_against_the_trace_at_every_call(tmp_path):
     """`globals()[...]` is a read no fingerprint follows: the key has a gap, so no call runs
     on the key alone, however soon after the last (there is no time window)."""

@@ -225,6 +225,7 @@ def in_place_loss(model, params, state, batch):
     return loss * jnp.asarray(globals()["HOLDER"]["w"]), state
 
 
+@pytest.mark.slow
 def test_train_step_with_a_gap_is_checked_by_trace_at_each_call():
     batch = {"x": X, "y": Y}
     ts = fresh_state()
@@ -253,6 +254,7 @@ def run_a_few(fn, ts, batch, n=4):
     return ts, loss
 
 
+@pytest.mark.slow
 def test_after_several_calls_an_edited_global_of_a_helper_is_seen():
     global WEIGHT
     batch = {"x": X, "y": Y}

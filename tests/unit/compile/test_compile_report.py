@@ -165,6 +165,7 @@ def test_slow_compile_is_flagged_with_the_persistent_cache():
     assert "compilation_cache=" in rec.flags[0].message
 
 
+@pytest.mark.slow
 def test_format_table_lists_every_program_and_flag(mlp_step_record):
     loop = compile_record(python_loop, X, W, kind="eval")
     text = report.format_table([mlp_step_record, loop])
@@ -189,6 +190,7 @@ def test_a_narrow_terminal_gets_a_table_that_fits_and_names_what_it_left_out(mlp
         assert "jn.compile_report(n)" in lines[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.no_suite_cache
 def test_the_run_prints_the_report_to_fit_the_terminal(tmp_path):
     import io

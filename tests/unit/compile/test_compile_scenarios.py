@@ -341,6 +341,7 @@ def test_a_baked_array_is_flagged(run_dir):
         jn.compile(nitro(Baked(n_val=0), run_dir=run_dir))
 
 
+@pytest.mark.slow
 def test_a_ragged_val_split_compiles_at_most_three_programs(run_dir):
     n = nitro(Tiny(max_epochs=2, n_val=100, val_batch=30), run_dir=run_dir)
     assert jn.train(n).programs_compiled <= 3
@@ -434,6 +435,7 @@ def test_programs_that_call_back_into_python_are_not_shared_by_their_text(run_di
         seen.clear()
 
 
+@pytest.mark.slow
 def test_graphconst_change_is_explained(run_dir):
     jn.train(nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "a"))
     n = nitro(Tiny(max_epochs=1, n_val=0, width=24), run_dir=run_dir / "b")

@@ -73,6 +73,7 @@ def compiled():
     return compile_step(BATCH)
 
 
+@pytest.mark.slow
 def test_estimate_is_xla_memory_analysis(compiled):
     m = compiled.memory_analysis()
     expected = (

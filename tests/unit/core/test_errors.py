@@ -218,6 +218,7 @@ def test_forward_with_too_few_parameters(run_dir):
     )
 
 
+@pytest.mark.slow
 def test_batch_missing_a_routed_field(run_dir):
     @jn.experiment
     class WantsLabel(Tiny):
@@ -556,6 +557,7 @@ def test_empty_batch_dict(run_dir):
     )
 
 
+@pytest.mark.slow
 def test_batch_key_set_changing_mid_epoch(run_dir):
     bad = batches()
     bad[3] = {**bad[3], "w": np.ones(32, np.float32)}
@@ -1138,6 +1140,7 @@ def test_corrupted_checkpoint_meta_on_resume(trained, tmp_path, run_dir):
     check(e, r"is corrupted \(unreadable meta\.json")
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model(trained, tmp_path):
     ckpt = _copy_newest(trained, tmp_path)
     with pytest.raises(jn.CheckpointError) as e:

@@ -201,6 +201,7 @@ def test_large_in_order_batches_are_cut_small_or_shuffled_ones_gathered(tmp_path
     assert off.spec.resident is None and off.spec.device_batches is None
 
 
+@pytest.mark.slow
 def test_cut_batches_are_described_and_planned(tmp_path, cut_any_batch):
     n = nitro(Tiny(shuffle=False), run_dir=tmp_path)
     assert "in order: each batch put there once, taken as it is" in str(jn.inspect(n, show=False))
@@ -210,6 +211,7 @@ def test_cut_batches_are_described_and_planned(tmp_path, cut_any_batch):
     assert plan.batches_in_flight == 0  # the batches a call takes are the kept ones
 
 
+@pytest.mark.slow
 def test_gathered_batches_plan_only_their_row_indices_in_flight(tmp_path):
     n = nitro(Tiny(), run_dir=tmp_path, steps_per_call=4)
     plan = jn.memory_plan(n)

@@ -126,6 +126,7 @@ def test_hf_batches_match_the_arrays_in_shuffle_order():
     assert np.array_equal(batch["features"], x[rows]) and np.array_equal(batch["label"], y[rows])
 
 
+@pytest.mark.slow
 def test_a_column_no_hook_names_is_never_read_while_training(tmp_path, monkeypatch):
     ds = hf_dataset()
     cols = {"x": "features", "y": "label", "unused": "unused"}
@@ -347,6 +348,7 @@ def test_grain_map_dataset_resume_is_bitwise_and_epochs_differ(tmp_path):
     assert sorted(e0) == sorted(e1) == list(range(N_TRAIN)) and list(e0) != list(e1)
 
 
+@pytest.mark.slow
 def test_grain_map_dataset_resume_reads_nothing_before_the_position(tmp_path):
     sources: list = []
 
@@ -363,6 +365,7 @@ def test_grain_map_dataset_resume_reads_nothing_before_the_position(tmp_path):
     assert set(sources[0].read) == set(range(N_TRAIN))
 
 
+@pytest.mark.slow
 def test_grain_loader_resume_is_bitwise_and_reads_nothing_before_the_position(tmp_path):
     grain = pytest.importorskip("grain")
     sources: list = []
@@ -560,6 +563,7 @@ def test_setup_iterates_a_source_once_and_a_short_epoch_warns(run_dir):
         jn.train(n)
 
 
+@pytest.mark.slow
 def test_a_later_batch_with_other_features_names_split_batch_and_field(run_dir):
     good = _batches(8)
     bad = [dict(b) for b in good]

@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from conftest import nitro
 from helpers.slow_step import SlowStep
 
@@ -130,6 +131,7 @@ def _run(tmp_path, *, step_s, sample_s, workers):
     return row["data_wait_frac"]
 
 
+@pytest.mark.slow
 def test_workers_that_keep_up_with_the_step_report_almost_no_wait(tmp_path):
     """Batches take 20 ms in a worker, steps 60 ms: the loop runs ahead and blocks on the
     worker's reply while the device is busy. Measured as the loop's time in the source, that
@@ -138,6 +140,7 @@ def test_workers_that_keep_up_with_the_step_report_almost_no_wait(tmp_path):
     assert frac < 0.15, frac
 
 
+@pytest.mark.slow
 def test_workers_slower_than_the_step_report_the_wait(tmp_path):
     """Batches take 60 ms in the worker, steps 5 ms: the device waits most of the time."""
     frac = _run(tmp_path, step_s=0.005, sample_s=0.015, workers=1)

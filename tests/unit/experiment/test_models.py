@@ -203,6 +203,7 @@ def test_training_lowers_loss_and_updates_batch_stats(case):
     assert not np.allclose(case.running_mean(state), initial_mean)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inside_mode", [False, True], ids=["no-mode", "eval-mode"])
 def test_eval_is_deterministic_and_keeps_batch_stats(case, inside_mode):
     evaluate = make_eval(case.model, inside_mode=inside_mode)
@@ -295,6 +296,7 @@ def test_structure_key_tracks_architecture_not_weights(kind):
     assert structure_key(same[0]) != structure_key(build(kind, hidden=9).model)
 
 
+@pytest.mark.slow
 def test_structure_key_of_equinox_sees_non_array_fields():
     def key_for(activation: str, seed: int):
         module, state = eqx.nn.make_with_state(EqxMLP)(8, jax.random.key(seed), activation)

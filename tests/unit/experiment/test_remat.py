@@ -102,6 +102,7 @@ def train_jaxpr(n, monkeypatch) -> str:
 REMAT = re.compile(r"\b(?:checkpoint|remat\d*)\[")
 
 
+@pytest.mark.slow
 def test_the_traced_step_is_rematerialised_only_inside_the_blocks(tmp_path, monkeypatch):
     @jn.experiment
     class Traced(Deep):  # a class of its own: its programs are never cache hits

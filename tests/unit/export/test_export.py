@@ -92,6 +92,7 @@ def test_bundle_in_a_fresh_process_matches_predict(trained, tmp_path):
         np.testing.assert_allclose(got[f"b{k}"], jn.predict(n, {"x": x[:k]}), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_manifest_describes_the_bundle(trained):
     n, path = trained
     manifest = json.loads((path / "manifest.json").read_text())
@@ -116,6 +117,7 @@ def test_manifest_describes_the_bundle(trained):
     assert any(k.startswith("state/") for k in weights)  # the NNX Rngs travel as key data
 
 
+@pytest.mark.slow
 def test_any_batch_size_runs_in_a_bounded_set_of_programs(trained):
     n, path = trained
     bundle = jn.load_bundle(path, max_batch_size=16)

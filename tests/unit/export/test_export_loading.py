@@ -42,6 +42,7 @@ def test_the_copy_loads(bundle):
 
 
 # -- item: manifest.json as a link out of the bundle ---------------------------------------------
+@pytest.mark.slow
 def test_a_manifest_linked_from_outside_the_bundle_is_refused(bundle, tmp_path):
     outside = tmp_path / "elsewhere.json"
     shutil.move(bundle / "manifest.json", outside)

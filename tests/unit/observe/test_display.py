@@ -219,6 +219,7 @@ def test_a_later_cell_gets_a_display_of_its_own(monkeypatch):
     assert "epoch 1/1" in (rec.updates[:updates_of_first] or rec.shown)[-1]
 
 
+@pytest.mark.slow
 def test_validation_prediction_and_lr_find_show_a_bar_over_their_batches(tmp_path):
     n = jn.Nitro(Tiny(), run_dir=tmp_path / "r", progress=False)
     rec = DisplayRecorder()

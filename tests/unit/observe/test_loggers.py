@@ -357,6 +357,7 @@ def test_mlflow_resume_continues_the_same_run(run_dir):
     assert run.data.tags["resumed/max_epochs"] == "3"  # the new value is a tag
 
 
+@pytest.mark.slow
 def test_mlflow_failing_mid_run_is_dropped_and_training_goes_on(run_dir, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     real = mlflow.MlflowClient.log_batch

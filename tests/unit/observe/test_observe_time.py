@@ -208,6 +208,7 @@ def test_a_slow_source_is_data_wait(tmp_path):
 
 
 # -- the profiler window -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_profile_window_writes_a_trace_with_the_train_programs_executions(tmp_path):
     n = nitro(WideMLP(), run_dir=tmp_path, checkpointer=False, profile=(1, 3))
     jn.train(n)
@@ -227,6 +228,7 @@ def test_a_profile_window_writes_a_trace_with_the_train_programs_executions(tmp_
 
 
 # -- the loggers ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_csv_and_tensorboard_get_the_epoch_split_and_throughput(tmp_path):
     import csv
 

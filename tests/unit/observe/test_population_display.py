@@ -33,6 +33,7 @@ def _validations(run_dir) -> list[dict]:
     return [r for r in lines if r.get("context") == "validate"]
 
 
+@pytest.mark.slow
 def test_the_epoch_line_names_the_best_member_and_the_spread_not_every_member(tmp_path):
     top = jn.TopKCheckpointer(metric="acc", mode="max")
     n, _, text = _plain_run(tmp_path, population={"smoothing": SMOOTHING}, checkpointer=top)
@@ -140,6 +141,7 @@ def test_the_bar_says_how_many_members_still_train_and_the_notebook_keeps_the_ta
     assert "epoch 3/3" in last and "<progress" not in last
 
 
+@pytest.mark.slow
 def test_progress_off_shows_nothing_of_a_population(tmp_path, capsys):
     n = _one_member_stops(tmp_path)
     jn.train(n)

@@ -13,6 +13,7 @@ from conftest import Tiny, leaves_equal, nitro
 import jaxnitro as jn
 
 
+@pytest.mark.slow
 def test_sigusr1_checkpoints_the_step_and_resume_continues_exactly(tmp_path):
     n = nitro(Tiny(max_epochs=2), run_dir=tmp_path / "cut")
 

@@ -113,6 +113,7 @@ def test_clipping_equals_optax_chain_and_zero_adds_nothing(run_dir):
     assert "clip" not in repr(type(unclipped.opt_state)).lower()
 
 
+@pytest.mark.slow
 def test_groups_rates_freezing_and_no_decay(run_dir):
     @jn.experiment
     class Groups(Opt):
@@ -331,6 +332,7 @@ def test_fused_steps_match_single_steps_and_log_every_step(run_dir, monkeypatch)
     assert allclose(tail.params, ref.params, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_keeps_f32_master_weights_and_trains(run_dir):
     n = nitro(Opt(max_epochs=3), run_dir=run_dir, precision="bf16")
     result = jn.train(n)

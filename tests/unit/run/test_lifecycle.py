@@ -222,6 +222,7 @@ def test_first_ctrl_c_stops_gracefully(tmp_path):
     assert lines[-1]["status"] == "requested"
 
 
+@pytest.mark.slow
 def test_early_stopping_ends_the_run_and_survives_resume(run_dir):
     def es():
         return jn.EarlyStopping(metric="acc", mode="max", patience=2, min_delta=1.0)
@@ -335,6 +336,7 @@ def test_the_epoch_train_loss_after_a_stop_mid_epoch_covers_the_whole_epoch(tmp_
     assert want[0] == pytest.approx(np.mean(losses[:8]), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_on_nonfinite_skip_end_to_end(run_dir):
     x, y = make_data(256)
     x[40:45] = np.nan  # one poisoned batch per epoch (batch 1)
@@ -384,6 +386,7 @@ def test_training_a_finished_handle_says_how_to_extend_it(run_dir):
     assert (run_dir / "metrics.jsonl").read_text() == before  # nothing logged
 
 
+@pytest.mark.slow
 def test_extending_a_scheduled_run_warns_about_the_horizon(run_dir):
     table = (
         {"opt.learning_rate": jn.schedules.warmup_cosine(warmup=2)}

@@ -407,6 +407,7 @@ def test_config_toml_repeats_the_run_bit_for_bit(work):
     assert (work / "runs/b/metrics.csv").is_file()  # the logger came from the file too
 
 
+@pytest.mark.slow
 def test_a_python_run_writes_its_config(run_dir):
     exp = with_fields({"val_every": 3})()
     n = jn.Nitro(exp, run_dir=run_dir, progress=False, max_epochs=1, logger=jn.JSONLogger())

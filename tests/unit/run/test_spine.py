@@ -221,6 +221,7 @@ class Parts:
         self.progress = progress if progress is not None else self.progress
 
 
+@pytest.mark.slow
 def test_one_epoch_of_the_loop_advances_state_and_progress(tmp_path):
     from jaxnitro._src.train.epoch import run_epoch
 

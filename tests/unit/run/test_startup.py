@@ -41,6 +41,7 @@ def _bits(tree) -> list[np.ndarray]:
 
 
 # -- the model's init, one program ------------------------------------------------------------
+@pytest.mark.slow
 def test_init_is_one_program_with_the_eager_values():
     exp = Tiny(dropout=0.1)  # an RNG stream in the state, too
     key = jax.random.PRNGKey(7)

@@ -148,6 +148,7 @@ class Scheduled(Alternating):
         return {"opt.b.learning_rate": jn.schedules.constant(0.0)}
 
 
+@pytest.mark.slow
 def test_schedules_apply_per_optimizer(run_dir):
     n = nitro(Scheduled(max_epochs=1), run_dir=run_dir)
     before = host_copy(n.params)
@@ -237,6 +238,7 @@ def test_optimizers_and_groups_must_agree(run_dir):
         nitro(NoStep(), run_dir=run_dir)
 
 
+@pytest.mark.slow
 def test_a_non_finite_metric_stops_or_skips(run_dir):
     def nan_step(self, model, params, opt_state, state, rng, *, x, y):
         la, grads = jn.group_grad(loss_a, params, "a", model, state, x, y)

@@ -87,6 +87,7 @@ def test_changing_the_decay_compiles_nothing_and_on_off_one_train_program(run_di
     assert jn.cache_stats()["misses"] == 3  # off: one new train program, the eval one reused
 
 
+@pytest.mark.slow
 def test_validation_uses_the_average_and_both_logs_the_raw_weights(run_dir):
     ck = jn.TopKCheckpointer(k=5)
     n = nitro(Tiny(max_epochs=2), run_dir=run_dir, checkpointer=ck, ema=0.9, ema_eval="both")

@@ -42,6 +42,7 @@ def test_compiled_forward_matches_eager():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_train_step_trains_and_compiles_once():
     rng = np.random.default_rng(0)
     data = [{"x": (x := rng.normal(size=(32, 2)).astype(np.float32)), "y": x**2} for _ in range(8)]
@@ -169,6 +170,7 @@ def test_numpy_and_device_batches_train_alike():
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_numpy_batches_are_not_converted_in_python(monkeypatch):
     # The compiled call moves numpy arrays to the device itself; a `jnp.asarray` per field
     # in Python cost more than a small step (it was 2 calls per step here).
@@ -334,6 +336,7 @@ class Doubling(nnx.Module):
         return self.l(x)
 
 
+@pytest.mark.slow
 def test_a_step_checks_the_code_it_traced_without_fingerprinting_it(monkeypatch):
     from jaxnitro._src.experiment import models
     from jaxnitro._src.steps import state as state_mod

@@ -32,6 +32,7 @@ def keras_ref(monkeypatch):
     return load("keras_ref")
 
 
+@pytest.mark.slow
 def test_the_keras_optimizer_is_optax_radam(keras_ref):
     import keras
 

@@ -12,6 +12,7 @@ from conftest import Tiny, host_copy, leaves_equal, nitro
 import jaxnitro as jn
 
 
+@pytest.mark.slow
 def test_lr_find_leaves_the_handle_untouched_and_compiles_nothing_new(run_dir):
     n = nitro(Tiny(max_epochs=1), run_dir=run_dir)
     jn.train(n)

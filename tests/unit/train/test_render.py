@@ -44,6 +44,7 @@ def test_render_writes_one_png_per_sample_through_the_hook(run_dir):
     assert imread(str(paths[0])).shape[:2] == (200, 300)  # 3x2 inches at 100 dpi
 
 
+@pytest.mark.slow
 def test_a_confusion_matrix_is_logged_as_such_and_drawn_per_validation(run_dir):
     from matplotlib.image import imread
 

@@ -65,6 +65,7 @@ def test_step_lines_match_the_per_step_lines(run_dir, spc):
     assert jn.history(n).rows[-1]["train_loss"] == pytest.approx(np.mean(epoch2), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_plain_logger_gets_the_same_lines_one_call_per_step(run_dir):
     """A jn.Logger without log_step_rows gets one log_metrics call per step, in order, with
     the rows the JSONL log holds."""

@@ -75,6 +75,7 @@ def test_routing_error_at_setup_names_hook_and_fields(run_dir):
     assert "'lable'" in str(e.value) and "['x', 'y']" in str(e.value) and "'y'" in str(e.value)
 
 
+@pytest.mark.slow
 def test_fields_no_hook_names_stay_on_host(run_dir):
     @jn.experiment
     class Extra(Tiny):
@@ -273,6 +274,7 @@ def test_plain_progress_lines_and_summary(run_dir, capsys):
     assert str(result.best_checkpoint) in out
 
 
+@pytest.mark.slow
 def test_stop_mid_epoch_then_resume_equals_straight_run(run_dir):
     straight = nitro(Tiny(max_epochs=2), run_dir=run_dir / "straight")
     jn.train(straight)
@@ -412,6 +414,7 @@ class NoPositives(Tiny):
         }
 
 
+@pytest.mark.slow
 def test_a_nan_validation_metric_is_logged_null_stored_and_never_best(run_dir):
     es = jn.EarlyStopping(metric="recall9", mode="max", patience=5)
     n = nitro(
@@ -506,6 +509,7 @@ def test_a_failing_validation_keeps_the_epochs_training(run_dir):
     assert resumed.epoch == 2 and resumed.step == 16
 
 
+@pytest.mark.slow
 def test_every_calls_back_with_a_frozen_step_record(run_dir):
     n = nitro(Tiny(max_epochs=2, n_val=0), run_dir=run_dir, log_grad_norm=True)
     seen = []
@@ -521,6 +525,7 @@ def test_every_calls_back_with_a_frozen_step_record(run_dir):
         jn.every(0, print)
 
 
+@pytest.mark.slow
 def test_validation_and_checkpoints_every_n_steps_resume_exactly(run_dir):
     kw = dict(val_every=3, checkpoint_every=5)
     n = nitro(
