@@ -1,6 +1,6 @@
 """Read a tier log and keep the fast tier fast: list (or mark `slow`) its costliest tests.
 
-    JAXNITRO_TIER_LOG=tiers.txt pytest -q            # one line per test: CPU s, wall s, tier, id
+    JAXNITRO_TIER_LOG=tiers.txt pytest -q     # a line per test: CPU s, wall s, compile s, tier, id
     python tools/tiers.py tiers.txt                   # per tier: tests, CPU s; the costliest
     python tools/tiers.py tiers.txt --over 1.5        # the fast tests over 1.5 CPU s
     python tools/tiers.py tiers.txt --over 1.5 --apply  # mark them @pytest.mark.slow
@@ -23,13 +23,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def read(log: Path) -> list[tuple[float, float, str, str]]:
-    """(CPU s, wall s, tier, test id) per line; a test logged twice keeps its last line."""
+    """(CPU s, wall s, tier, test id) per line (of a log with or without the compile
+    column); a test logged twice keeps its last line."""
     rows: dict[str, tuple[float, float, str, str]] = {}
     for line in log.read_text().splitlines():
-        parts = line.split(" ", 3)
-        if len(parts) == 4:
-            cpu, wall, tier, nodeid = parts
-            rows[nodeid] = (float(cpu), float(wall), tier, nodeid)
+        parts = line.split(" ", 4)
+        if len(parts) == 5 and parts[3] in ("fast", "slow"):
+            cpu, wall, _, tier, nodeid = parts
+        elif len(parts) >= 4 and parts[2] in ("fast", "slow"):
+            cpu, wall, tier, nodeid = line.split(" ", 3)
+        else:
+            continue
+        rows[nodeid] = (float(cpu), float(wall), tier, nodeid)
     return list(rows.values())
 
 

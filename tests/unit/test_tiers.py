@@ -59,12 +59,12 @@ def test_an_unmarked_test_over_the_budget_fails_and_a_marked_one_passes(tmp_path
     assert "test_unmarked_and_costly took" in got.stdout
     assert "over the fast tier's 0.2 (JAXNITRO_TIER_BUDGET)" in got.stdout
     assert "@pytest.mark.slow" in got.stdout
-    rows = {line.split()[3].split("::")[1]: line.split() for line in log.read_text().splitlines()}
+    rows = {line.split()[4].split("::")[1]: line.split() for line in log.read_text().splitlines()}
     assert (
-        rows["test_marked_and_costly"][2] == "slow"
+        rows["test_marked_and_costly"][3] == "slow"
         and float(rows["test_marked_and_costly"][0]) >= 0.5
     )
-    assert rows["test_unmarked_and_cheap"][2] == "fast"
+    assert rows["test_unmarked_and_cheap"][3] == "fast"
 
 
 CACHE_SUITE = """
@@ -96,6 +96,14 @@ CACHE_SUITE = """
         assert sorted(os.listdir(CACHE)) == seen[0]  # the marked test wrote nothing
         compile_one(4.0)
         assert sorted(os.listdir(CACHE)) != seen[0]
+
+    def test_compiling_into_the_cache_is_not_counted_against_the_budget():
+        def long(a):  # ~0.5 CPU s to trace, ~1.6 to compile
+            for i in range(600):
+                a = jnp.sin(a) * (1 + i * 1e-3) + jnp.cos(a[::-1])
+            return a
+
+        jax.jit(long).lower(jnp.ones(64)).compile()
 """
 
 
@@ -113,13 +121,19 @@ def test_a_test_marked_no_suite_cache_compiles_without_it_and_the_next_one_with_
     cache.mkdir(mode=0o700)
     (tmp_path / "conftest.py").write_text(textwrap.dedent(SUITE.format(tests=str(TESTS))))
     (tmp_path / "test_cache_suite.py").write_text(textwrap.dedent(CACHE_SUITE))
+    log = tmp_path / "tiers.txt"
     got = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env=child_env(JAXNITRO_SUITE_CACHE=str(cache), JAXNITRO_TIER_BUDGET="0"),
+        env=child_env(
+            JAXNITRO_SUITE_CACHE=str(cache), JAXNITRO_TIER_BUDGET="1.2", JAXNITRO_TIER_LOG=str(log)
+        ),
         timeout=300,
     )
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
-    assert "3 passed" in got.stdout, got.stdout[-3000:]
+    assert "4 passed" in got.stdout, got.stdout[-3000:]
+    cpu, _, compiled, tier, _ = log.read_text().splitlines()[-1].split()
+    # over the budget in all, under it without the compile the next test would load
+    assert tier == "fast" and float(cpu) > 1.2 and float(cpu) - float(compiled) < 1.2, cpu

@@ -133,6 +133,7 @@ def test_any_batch_size_runs_in_a_bounded_set_of_programs(trained):
     assert bundle.manifest["name"] == "tiny" and bundle.platforms == ("cpu", "cuda")
 
 
+@pytest.mark.slow
 def test_bundle_calls_from_many_threads_compile_each_size_once(trained):
     from concurrent.futures import ThreadPoolExecutor
 
