@@ -49,12 +49,12 @@ def summary(rows: list[tuple[float, float, str, str]], top: int) -> str:
     return "\n".join(lines)
 
 
-def functions(nodeids: list[str]) -> dict[Path, set[str]]:
+def functions(nodeids: list[str], root: Path = ROOT) -> dict[Path, set[str]]:
     """The test functions behind test ids, by file (a parametrized test's function once)."""
     found: dict[Path, set[str]] = collections.defaultdict(set)
     for nodeid in nodeids:
         path, _, rest = nodeid.partition("::")
-        found[ROOT / path].add(rest.split("::")[-1].split("[")[0])
+        found[root / path].add(rest.split("::")[-1].split("[")[0])
     return found
 
 
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--over", type=float, help="list the fast tests over this many CPU s")
     parser.add_argument("--apply", action="store_true", help="mark those @pytest.mark.slow")
     parser.add_argument("--top", type=int, default=30, help="how many to show (default 30)")
+    parser.add_argument("--root", type=Path, default=ROOT, help="where the test ids start")
     args = parser.parse_args(argv)
     if not args.log.exists():
         parser.error(f"{args.log}: no such file. Run JAXNITRO_TIER_LOG={args.log} pytest first.")
@@ -108,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{kept:.0f} CPU s"
     )
     if args.apply:
-        for path, names in sorted(functions([r[3] for r in over]).items()):
+        for path, names in sorted(functions([r[3] for r in over], args.root).items()):
             marked = mark(path, names)
-            print(f"{path.relative_to(ROOT)}: marked {len(marked)}", file=sys.stderr)
+            print(f"{path.relative_to(args.root)}: marked {len(marked)}", file=sys.stderr)
     return 0
 
 

@@ -137,3 +137,33 @@ def test_a_test_marked_no_suite_cache_compiles_without_it_and_the_next_one_with_
     cpu, _, compiled, tier, _ = log.read_text().splitlines()[-1].split()
     # over the budget in all, under it without the compile the next test would load
     assert tier == "fast" and float(cpu) > 1.2 and float(cpu) - float(compiled) < 1.2, cpu
+
+
+def test_tools_tiers_marks_the_fast_tests_over_the_cut_and_leaves_the_rest(tmp_path):
+    """`tools/tiers.py LOG --over S --apply`: the costly fast test's function gains the slow
+    mark (once for all its parameters, with `import pytest` added), a cheap one does not."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text(
+        '"""Doc."""\n\nfrom __future__ import annotations\n\n\n'
+        "def test_costly(x):\n    pass\n\n\ndef test_cheap():\n    pass\n"
+    )
+    log = tmp_path / "tiers.txt"
+    log.write_text(
+        "2.50 2.60 0.10 fast tests/test_a.py::test_costly[1]\n"
+        "3.00 3.10 fast tests/test_a.py::test_costly[2]\n"  # the older format, no compile column
+        "0.20 0.20 0.00 fast tests/test_a.py::test_cheap\n"
+        "9.00 9.00 0.00 slow tests/test_b.py::test_marked_already\n"
+    )
+    got = subprocess.run(
+        [sys.executable, str(TESTS.parent / "tools" / "tiers.py"), str(log), "--over", "1.2",
+         "--apply", "--root", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    assert "2 fast tests over 1.2 CPU s; the fast tier without them: 0 CPU s" in got.stdout
+    text = (tests / "test_a.py").read_text()
+    assert "from __future__ import annotations\n\nimport pytest\n" in text
+    assert text.count("@pytest.mark.slow") == 1
+    assert "@pytest.mark.slow\ndef test_costly(x):" in text
+    assert "@pytest.mark.slow\ndef test_cheap" not in text
