@@ -24,6 +24,7 @@ device's step in the data source reported the step's time as data wait.
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import queue
 import threading
@@ -70,7 +71,17 @@ class _Watcher:
 
     def __init__(self):
         self.asks: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="jaxnitro-wait-watch", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="jaxnitro-wait-watch", daemon=True)
+        self.thread.start()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """At exit: let the thread finish the wait it is in, then end. A daemon thread still
+        inside XLA's wait when Python finalizes is unwound through C++ frames that do not
+        rethrow, and the process aborts (SIGABRT) instead of exiting with its status, as a
+        run that failed mid-step (its last step in flight) did."""
+        self.asks.put(None)
+        self.thread.join(timeout=30)
 
     @classmethod
     def get(cls) -> _Watcher:
@@ -82,6 +93,8 @@ class _Watcher:
     def _run(self) -> None:
         while True:
             ask = self.asks.get()
+            if ask is None:  # `stop`
+                return
             if ask.over:
                 continue
             try:
