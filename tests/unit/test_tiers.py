@@ -41,19 +41,20 @@ TESTS_OF_A_SUITE = """
 """
 
 
+def _pytest_in(folder, **env: str) -> subprocess.CompletedProcess:
+    """A child pytest session over `folder` (its conftest loads helpers.session)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder)],
+        capture_output=True, text=True, cwd=folder, env=child_env(**env), timeout=300,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_an_unmarked_test_over_the_budget_fails_and_a_marked_one_passes(tmp_path):
     (tmp_path / "conftest.py").write_text(textwrap.dedent(SUITE.format(tests=str(TESTS))))
     (tmp_path / "test_suite.py").write_text(textwrap.dedent(TESTS_OF_A_SUITE))
     log = tmp_path / "tiers.txt"
-    got = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=child_env(JAXNITRO_TIER_BUDGET="0.2", JAXNITRO_TIER_LOG=str(log)),
-        timeout=300,
-    )
+    got = _pytest_in(tmp_path, JAXNITRO_TIER_BUDGET="0.2", JAXNITRO_TIER_LOG=str(log))
     assert got.returncode == 1, got.stdout[-3000:] + got.stderr[-3000:]
     assert "1 failed, 2 passed" in got.stdout, got.stdout[-3000:]
     assert "test_unmarked_and_costly took" in got.stdout
@@ -122,15 +123,11 @@ def test_a_test_marked_no_suite_cache_compiles_without_it_and_the_next_one_with_
     (tmp_path / "conftest.py").write_text(textwrap.dedent(SUITE.format(tests=str(TESTS))))
     (tmp_path / "test_cache_suite.py").write_text(textwrap.dedent(CACHE_SUITE))
     log = tmp_path / "tiers.txt"
-    got = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=child_env(
-            JAXNITRO_SUITE_CACHE=str(cache), JAXNITRO_TIER_BUDGET="1.2", JAXNITRO_TIER_LOG=str(log)
-        ),
-        timeout=300,
+    got = _pytest_in(
+        tmp_path,
+        JAXNITRO_SUITE_CACHE=str(cache),
+        JAXNITRO_TIER_BUDGET="1.2",
+        JAXNITRO_TIER_LOG=str(log),
     )
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     assert "4 passed" in got.stdout, got.stdout[-3000:]

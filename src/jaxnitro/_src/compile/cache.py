@@ -51,6 +51,13 @@ class Program:
         return self.compiled(*args)
 
 
+def direct_call(compiled: Any) -> Any:
+    """What to call for `compiled` (a `jax.stages.Compiled`) on a hot path: the C++ call its
+    `__call__` forwards to once it has made it (at its first call), a Python frame less per
+    dispatch; `compiled` itself before that, or on a JAX without it."""
+    return getattr(compiled, "_call", None) or compiled
+
+
 _lock = threading.RLock()
 _entries: dict[Hashable, Program] = {}
 _by_text: dict[str, Program] = {}

@@ -19,12 +19,12 @@ class InlineFeed:
     contend for the GIL with the dispatching one. `wait_seconds` is the time the device sat
     idle while a batch was prepared (`waits`); `in_flight` gives an output of the step last
     dispatched (None: none in flight); `may_block=False`: the source never blocks on work
-    done elsewhere (`waits.WaitClock`).
+    done elsewhere, so each batch is timed by `waits.WaitClock.work` (one question).
     """
 
     def __init__(self, source: Iterable, prepare, *, in_flight=None, may_block: bool = True):
         self._source, self._prepare = iter(source), prepare
-        self._clock = waits.WaitClock(in_flight, may_block=may_block)
+        self._clock = waits.WaitClock(in_flight)
         self._ask = self._clock.run if may_block else self._clock.work  # (per batch)
 
     @property

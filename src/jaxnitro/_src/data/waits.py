@@ -15,8 +15,8 @@ dispatched step (None: nothing in flight, the device is idle) and counts:
   began; none when the step is still running after it; and the whole time, an upper bound,
   when the step ended in between (when exactly is not known without a thread watching it).
   Steps end in order, so that is the whole time exactly when the step has ended by the time
-  the batch is ready: a source that never blocks (`WaitClock(may_block=False)`: the row
-  indices of arrays kept on the device) is asked once, after (`WaitClock.work`).
+  the batch is ready: a source that never blocks (the row indices of arrays kept on the
+  device) is asked once, after (`WaitClock.work`).
 
 `data_wait_frac` is that time over the epoch's. Without this, a loop that merely waits out the
 device's step in the data source reported the step's time as data wait.
@@ -110,20 +110,15 @@ class WaitClock:
     Args:
         in_flight: returns one output array of the last dispatched step, or None when
             nothing is in flight (all read back). None: the device is taken as idle.
-        may_block: False for a source that never blocks on work done elsewhere (never calls
-            `blocking()`): each ask that works in this thread is then timed by `work`.
     """
 
-    def __init__(self, in_flight: Callable[[], Any] | None = None, *, may_block: bool = True):
+    def __init__(self, in_flight: Callable[[], Any] | None = None):
         self._in_flight = in_flight
-        self._may_block = may_block
         self.seconds = 0.0
 
     def run(self, fn: Callable[[], Any], *, blocking: bool = False) -> Any:
         """`fn()`, timed as one ask. `blocking`: fn only waits for work done elsewhere;
         otherwise it works in this thread, alongside the device."""
-        if not (blocking or self._may_block):
-            return self.work(fn)
         token = self._in_flight() if self._in_flight is not None else None
         if _ready(token):  # the device is idle: the whole ask is a wait (nothing to watch)
             t0 = time.perf_counter()

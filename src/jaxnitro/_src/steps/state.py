@@ -330,9 +330,7 @@ class _Fast:
     def returned(self, out_sig: tuple) -> None:
         """After the first call: the output signature, and the call itself from then on."""
         self.out_sig, self.loops = out_sig, out_sig == self.state_sig
-        # `jax.stages.Compiled.__call__` only forwards to the C++ call it made at its first
-        # call: call that one (a Python frame less a step), where this JAX has it.
-        self.call = getattr(self.call, "_call", None) or self.call
+        self.call = cache.direct_call(self.call)
 
     def takes_back(self, loss_fn: Callable[..., Any], model: Model) -> bool:
         """Whether a state this program returned goes back into it (the usual loop: the

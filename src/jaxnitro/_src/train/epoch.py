@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from jaxnitro._src.compile import cache
 from jaxnitro._src.core.errors import warn_user
 from jaxnitro._src.core.jsonable import jsonable
 from jaxnitro._src.data import feed
@@ -302,9 +303,7 @@ def _program(ep: Epoch, call: feed.Call, extras: Any, hand_over: Callable[[], No
         )
         ep.clock.compile_s += time.perf_counter() - c0
     ep.flops[call.steps] = prog.record.flops
-    # `jax.stages.Compiled.__call__` only forwards to the C++ call it made at its first call
-    # (an earlier epoch's): the epoch calls that one, a Python frame less per dispatch.
-    ep.programs[call.steps] = getattr(prog.compiled, "_call", None) or prog.compiled
+    ep.programs[call.steps] = cache.direct_call(prog.compiled)  # (made by an earlier epoch)
     return prog.compiled
 
 
