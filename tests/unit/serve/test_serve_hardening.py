@@ -335,7 +335,7 @@ def test_a_hung_warm_up_times_out_and_sigterm_still_stops_the_server(tiny, tmp_p
         shutil.copytree(bundle, repo / name / "1")
     s = Proc(
         "--model-repository", str(repo), "--model-control-mode", "explicit",
-        "--model-load-timeout", "20", "--drain-timeout", "2", "--max-batch-size", "2",
+        "--model-load-timeout", "8", "--drain-timeout", "2", "--max-batch-size", "2",
         "--no-grpc", prefix=[sys.executable, "-c", HANGING],
     )  # fmt: skip
     try:
@@ -347,7 +347,7 @@ def test_a_hung_warm_up_times_out_and_sigterm_still_stops_the_server(tiny, tmp_p
             assert s.json("POST", "/v2/repository/models/good/unload") == (200, {})
             assert not hung.done(), hung.result()
             status, doc = hung.result(timeout=60)
-        assert status == 400 and "within 20 s (jaxnitro serve --model-load-timeout)" in doc["error"]
+        assert status == 400 and "within 8 s (jaxnitro serve --model-load-timeout)" in doc["error"]
         (entry,) = [e for e in _index(s) if e["name"] == "hang"]
         assert entry["state"] == "UNAVAILABLE" and "--model-load-timeout" in entry["reason"]
         # [item 7] SIGTERM while a load hangs: stopped within the drain timeout
