@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 import warnings
 
 import jaxnitro as jn
@@ -104,6 +105,11 @@ def at_step(record):
         jn.request_stop(n)
     if rank == 1 and record.step == 3 and mode in ("sigterm", "die", "fsdp-sigterm"):
         os.kill(os.getpid(), signal.SIGKILL if mode == "die" else signal.SIGTERM)
+    if record.step >= 3 and mode in ("sigterm", "fsdp-sigterm"):
+        # JAX's notice of the SIGTERM reaches the other process through the coordination
+        # service; on a loaded machine the 21 steps left could all run before it arrives
+        # (the run then completes, exit 0). Slowed, the run outlasts the notice.
+        time.sleep(0.1)
 
 
 try:
