@@ -102,3 +102,25 @@ def test_a_temporary_run_dir_is_removed_whole_right_after_train(monkeypatch):
         jn.train(nitro(Tiny(max_epochs=1), run_dir=d))
         assert (Path(d) / "curves.png").read_bytes()[:8] == PNG
     assert not Path(d).exists()
+
+
+def test_the_curves_are_drawn_while_the_last_checkpoint_is_written(tmp_path, monkeypatch):
+    """The drawing waits on neither the checkpoint's writes nor they on it: curves.png is
+    there when train starts waiting for the last background write, and that write is still
+    complete, and the run's best checkpoint, when train returns."""
+    monkeypatch.delenv("JAXNITRO_NO_PLOT", raising=False)
+    driver = importlib.import_module("jaxnitro._src.train.driver")
+    seen: list[bool] = []
+    wait = driver._wait_for_checkpoint
+
+    def spy(n):
+        seen.append((tmp_path / "curves.png").is_file())
+        wait(n)
+
+    monkeypatch.setattr(driver, "_wait_for_checkpoint", spy)
+    n = nitro(Tiny(max_epochs=2), run_dir=tmp_path)
+    result = jn.train(n)
+    assert seen == [True]
+    assert (tmp_path / "curves.png").read_bytes()[:8] == PNG
+    assert result.best_checkpoint is not None and result.best_checkpoint == n.checkpointer.latest()
+    assert n.checkpointer.latest_valid() == n.checkpointer.latest()
