@@ -4,10 +4,17 @@ amid an import could inherit its import locks, held forever.
 
 `observe.plot` imports matplotlib this way during a run; `data.workers` waits before it forks
 its transform workers. Both sit above `core`, neither imports the other.
+
+A process waits for them at exit, too: a daemon thread still running Python when the
+interpreter finalizes may run the garbage collector, and freeing a JAX array there (the
+arrays of a failed run's traceback, say) ends the thread inside a C++ destructor, which
+aborts the process (SIGABRT, "FATAL: exception not rethrown") instead of exiting with its
+status.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import threading
@@ -21,6 +28,8 @@ def start(name: str, modules: Sequence[str]) -> None:
     that fails to import is skipped: the code that needs it reports what is wrong."""
     if name in _threads:
         return
+    if not _threads:
+        atexit.register(wait)  # before the interpreter finalizes (see the module's docstring)
     thread = threading.Thread(target=_import, args=(tuple(modules),), name=name, daemon=True)
     _threads[name] = thread
     thread.start()
