@@ -13,9 +13,15 @@ score and the diff of every survivor. Left out of every session, with the reason
   strings Python never evaluates, so `Path | None` -> `Path + None` changes nothing;
 - functions named in a target's `skip` (with the reason next to them).
 
+A whole package has hundreds of mutants (about a minute each here); `--sample N` tests a
+seeded random sample of N of them instead, and the report gives the score's 95% interval
+(Wilson) for the whole. The sample is drawn when the session is made; the others are left
+out with the reason "not in the sample".
+
 Usage:
     python tools/mutants.py                  # every target (hours: not part of CI)
     python tools/mutants.py resume fingerprint-key   # some
+    python tools/mutants.py --sample 20 --seed 0 steps dist   # estimates
     python tools/mutants.py --list
 """
 
@@ -24,7 +30,9 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -133,8 +141,29 @@ def _cosmic_ray(*args: str, cwd: Path, env: dict | None = None) -> None:
     subprocess.run([sys.executable, "-m", "cosmic_ray.cli", *args], cwd=cwd, env=env, check=True)
 
 
-def run(name: str, target: Target) -> dict:
-    """Run (or continue) one target's session; returns its counts."""
+NOT_SAMPLED = "not in the sample"
+
+
+def choose(job_ids: list[str], n: int, seed: int) -> set[str]:
+    """The seeded sample of `n` of `job_ids` (all of them when there are no more)."""
+    ids = sorted(job_ids)
+    return set(random.Random(seed).sample(ids, min(n, len(ids))))
+
+
+def wilson(killed: int, tested: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% (Wilson score) interval of the kill rate behind `killed` of `tested`."""
+    if not tested:
+        return 0.0, 1.0
+    p = killed / tested
+    mid = (p + z * z / (2 * tested)) / (1 + z * z / tested)
+    half = z * math.sqrt(p * (1 - p) / tested + z * z / (4 * tested * tested))
+    half /= 1 + z * z / tested
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def run(name: str, target: Target, sample: int | None = None, seed: int = 0) -> dict:
+    """Run (or continue) one target's session; returns its counts. `sample`: test a seeded
+    sample of that many of its mutants (drawn once, when the session is made)."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
@@ -160,7 +189,8 @@ def run(name: str, target: Target) -> dict:
                 name = "local"
                 """)
         )
-        if not session.exists():
+        new = not session.exists()
+        if new:
             _cosmic_ray("init", str(config), str(session), cwd=work)
         spans: dict[Path, list] = {}
 
@@ -182,6 +212,13 @@ def run(name: str, target: Target) -> dict:
                         worker_outcome=WorkerOutcome.SKIPPED,
                         output="left out: an annotation or a function not in the target",
                     ),
+                )
+            if new and sample is not None:
+                pending = [item.job_id for item in db.pending_work_items]
+                kept_ids = choose(pending, sample, seed)
+                db.set_multiple_results(
+                    [j for j in pending if j not in kept_ids],
+                    WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output=NOT_SAMPLED),
                 )
         env = {**os.environ, "PYTHONPATH": str(work / "src"), "JAX_PLATFORMS": "cpu"}
         _cosmic_ray("exec", str(config), str(session), cwd=work, env=env)
@@ -223,7 +260,7 @@ def report(name: str, session: Path, suffix: str = "") -> dict:
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
-    killed, survived, pending = 0, [], 0
+    killed, survived, pending, unsampled = 0, [], 0, 0
     with use_db(str(session), WorkDB.Mode.open) as db:
         results = dict(db.results)
         for item in db.work_items:
@@ -231,6 +268,7 @@ def report(name: str, session: Path, suffix: str = "") -> dict:
             if result is None:
                 pending += 1
             elif result.worker_outcome == WorkerOutcome.SKIPPED:
+                unsampled += result.output == NOT_SAMPLED
                 continue
             elif result.test_outcome == TestOutcome.SURVIVED:
                 survived.append((item, result))
@@ -238,11 +276,17 @@ def report(name: str, session: Path, suffix: str = "") -> dict:
                 killed += 1
     tested = killed + len(survived)
     score = f"{100 * killed / tested:.1f}%" if tested else "n/a"
-    lines = [
+    head = (
         f"{name}: {killed} of {tested} mutants killed ({score}), {len(survived)} survived, "
-        f"{pending} not run yet",
-        "",
-    ]
+        f"{pending} not run yet"
+    )
+    if unsampled:
+        low, high = wilson(killed, tested)
+        head += (
+            f"; a sample of {tested + pending} of {tested + pending + unsampled} mutants, "
+            f"the whole's score 95% within {100 * low:.0f}-{100 * high:.0f}%"
+        )
+    lines = [head, ""]
     for item, result in survived:
         (m,) = item.mutations
         where = f"{m.module_path}:{m.start_pos[0]} in {m.definition_name}"
@@ -251,7 +295,12 @@ def report(name: str, session: Path, suffix: str = "") -> dict:
         lines.append("")
     (OUT / f"{name}{suffix}.txt").write_text("\n".join(lines))
     print(lines[0])
-    return {"killed": killed, "survived": len(survived), "pending": pending}
+    return {
+        "killed": killed,
+        "survived": len(survived),
+        "pending": pending,
+        "not_sampled": unsampled,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,7 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--retest", action="store_true", help="test the survivors again (after adding tests)"
     )
+    parser.add_argument(
+        "--sample", type=int, metavar="N", help="a new session tests a seeded sample of N mutants"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
     args = parser.parse_args(argv)
+    if args.sample is not None and args.sample < 1:
+        parser.error(f"--sample {args.sample}: give a number of mutants, 1 or more")
     if args.list:
         for name, t in TARGETS.items():
             print(f"{name:18} {t.path} {list(t.functions or ['(all)'])} <- {' '.join(t.tests)}")
@@ -276,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.retest:
             retest(name, TARGETS[name])
         else:
-            run(name, TARGETS[name])
+            if args.sample is not None and (OUT / f"{name}.sqlite").exists():
+                print(f"{name}: continuing its session; --sample applies to a new one only")
+            run(name, TARGETS[name], sample=args.sample, seed=args.seed)
     return 0
 
 
