@@ -213,3 +213,25 @@ def test_files_left_by_others_are_swept_at_start_unread(tmp_path):
     )
     assert not planted & set(left) and {"jit_f-1-cache", "notes.txt", KEY_FILE} <= set(left)
     assert (directory / KEY_FILE).is_file()
+
+
+# -- the load record ----------------------------------------------------------------------
+def test_the_load_record_is_appended_but_never_through_a_planted_link(tmp_path, monkeypatch):
+    """At exit a process appends its loads and compiles to the cache's stats file, opened
+    with O_NOFOLLOW: a link planted under that name does not make it write elsewhere."""
+    from jaxnitro._src.compile import cache, persistent
+
+    directory = tmp_path / "xla"
+    assert prepare(directory) == []
+    stats = dict(cache.cache_stats())
+    monkeypatch.setattr(persistent, "_start", {**stats, "misses": stats["misses"] - 2})
+    persistent.record_process(str(directory))  # two compiles this process
+    (row,) = (directory / persistent.STATS_FILE).read_text().splitlines()
+    assert '"compiled": 2' in row and '"loaded": 0' in row
+
+    (directory / persistent.STATS_FILE).unlink()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("kept\n")
+    (directory / persistent.STATS_FILE).symlink_to(victim)
+    persistent.record_process(str(directory))  # the open fails (ELOOP), and says nothing
+    assert victim.read_text() == "kept\n"
