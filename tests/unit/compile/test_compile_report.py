@@ -244,3 +244,28 @@ def test_unrolled_loop_and_baked_array_are_flagged_clean_model_is_not(run_dir):
     lines = [json.loads(s) for s in (run_dir / "clean" / "metrics.jsonl").read_text().splitlines()]
     compiles = [ln["compile"] for ln in lines if ln["type"] == "other" and "compile" in ln]
     assert [c["kind"] for c in compiles] == ["train", "eval"]
+
+
+def test_the_table_shows_each_field_in_its_unit():
+    """GFLOP is XLA's count / 1e9, sizes are bytes formatted, seconds two decimals, and a
+    program loaded from the persistent cache says so."""
+    rec = report.CompileRecord(
+        kind="train",
+        label="Tiny",
+        trace_seconds=None,
+        lower_seconds=0.123,
+        compile_seconds=1.5,
+        hlo_ops=1234,
+        stablehlo_ops=56,
+        text_bytes=2048,
+        constant_bytes=0,
+        flops=2.5e9,
+        memory={"estimate": 3 * 2**20},
+        flags=(),
+        loaded=True,
+    )
+    header, *rows = [line.split("  ") for line in report.format_table([rec]).splitlines()[:3]]
+    cells = [c.strip() for c in rows[-1] if c.strip()]
+    assert cells == [
+        "train", "Tiny", "0.12", "1.50 (loaded)", "1,234", "56", "2.0 KiB", "0 B", "2.5", "3.0 MiB",
+    ], cells  # fmt: skip
