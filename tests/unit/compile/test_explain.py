@@ -140,3 +140,30 @@ def test_hook_parts_separates_the_hook_from_what_it_reaches():
     names = dict(helpers)
     assert "loss/penalty" in names and "loss/global:SCALE" in names
     assert not any(key.endswith("Exp.loss") for key in names)  # the hook is not its own helper
+
+
+def test_optimizer_and_model_function_changes_are_said_by_name():
+    """The sentences themselves (the end-to-end tests check that a reason is given): a param
+    group added, a hyperparameter's old and new values, a function the model gains, drops or
+    whose code was edited."""
+    from jaxnitro._src.compile import explain as ex
+
+    old = ((("param groups", ("body",)), ("gradient_clip_norm", 1.0)), "optax digest a")
+    new = ((("param groups", ("body", "head")), ("gradient_clip_norm", 2.0)), "optax digest b")
+    assert ex._optimizer_reasons(old, new) == [
+        "param group `head` added",
+        "gradient_clip_norm 1.0 → 2.0",
+    ]
+    assert ex._optimizer_reasons(new, old) == [
+        "param group `head` removed",
+        "gradient_clip_norm 2.0 → 1.0",
+    ]
+    assert ex._root_sentence("model-fn:act", ex._MISSING, "d") == (
+        "the model now holds function `act`"
+    )
+    assert ex._root_sentence("model-fn:act", "d", ex._MISSING) == (
+        "the model no longer holds function `act`"
+    )
+    assert ex._root_sentence("model-fn:act", "d1", "d2") == (
+        "the model's code changed: function `act` (held by the model) was edited"
+    )
