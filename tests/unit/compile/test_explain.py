@@ -145,7 +145,7 @@ def test_hook_parts_separates_the_hook_from_what_it_reaches():
 def test_optimizer_and_model_function_changes_are_said_by_name():
     """The sentences themselves (the end-to-end tests check that a reason is given): a param
     group added, a hyperparameter's old and new values, a function the model gains, drops or
-    whose code was edited."""
+    whose code was edited, a model class it gains or drops."""
     from jaxnitro._src.compile import explain as ex
 
     old = ((("param groups", ("body",)), ("gradient_clip_norm", 1.0)), "optax digest a")
@@ -166,4 +166,8 @@ def test_optimizer_and_model_function_changes_are_said_by_name():
     )
     assert ex._root_sentence("model-fn:act", "d1", "d2") == (
         "the model's code changed: function `act` (held by the model) was edited"
+    )
+    assert ex._root_sentence("model:MLP", ex._MISSING, "d") == "the model now uses class `MLP`"
+    assert ex._root_sentence("model:MLP", "d", ex._MISSING) == (
+        "the model no longer uses class `MLP`"
     )
