@@ -99,7 +99,15 @@ TARGETS: dict[str, Target] = {
         "src/jaxnitro/_src/checkpoint", tests=("tests/unit/checkpoint", "-m", FAST)
     ),
     "steps": Target("src/jaxnitro/_src/steps", tests=("tests/unit/steps", "-m", FAST)),
-    "dist": Target("src/jaxnitro/_src/dist", tests=("tests/unit/dist", "-m", FAST)),
+    "dist": Target(
+        "src/jaxnitro/_src/dist",
+        tests=(
+            "tests/unit/dist",
+            "tests/e2e/test_warm_start.py::test_where_the_cache_lives",  # cache_dir_choice
+            "-m",
+            FAST,
+        ),
+    ),
 }
 
 

@@ -178,6 +178,8 @@ def test_programs_that_call_back_into_python_are_not_cached(tmp_path):
 def test_where_the_cache_lives(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_cache_dir() == str(tmp_path / "jaxnitro" / "xla")
+    monkeypatch.setenv("JAXNITRO_COMPILATION_CACHE", str(tmp_path / "env"))
+    assert cache_dir_choice(None) == cache_dir_choice(True) == str(tmp_path / "env")
     monkeypatch.delenv("JAXNITRO_COMPILATION_CACHE")
     assert cache_dir_choice(None) == default_cache_dir()
     monkeypatch.setenv("JAXNITRO_COMPILATION_CACHE", "0")

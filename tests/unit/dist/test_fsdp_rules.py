@@ -40,19 +40,6 @@ def test_a_mesh_and_another_device_count_are_refused_either_way(n_devices):
         make_mesh(jn.Sharding(mesh={"data": 2, "model": 2}), n_devices)
 
 
-def test_the_cache_directory_choice(monkeypatch, tmp_path):
-    from jaxnitro._src.dist.devices import cache_dir_choice, default_cache_dir
-
-    monkeypatch.setenv("JAXNITRO_COMPILATION_CACHE", str(tmp_path / "xla"))
-    assert cache_dir_choice(None) == cache_dir_choice(True) == str(tmp_path / "xla")
-    assert cache_dir_choice(False) is None
-    assert cache_dir_choice(tmp_path / "mine") == str(tmp_path / "mine")
-    monkeypatch.setenv("JAXNITRO_COMPILATION_CACHE", "0")
-    assert cache_dir_choice(None) is None
-    monkeypatch.delenv("JAXNITRO_COMPILATION_CACHE")
-    assert cache_dir_choice(None) == default_cache_dir()
-
-
 def test_setup_devices_takes_its_arguments_by_name():
     """As the docs call it (`jn.setup_devices(backend="cpu", n_devices=1, ...)`); the cache
     argument None keeps the one in use."""
