@@ -105,9 +105,9 @@ def _init_traced(
     leaked = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(model[0]))
     if consts > INIT_CONSTANTS_MAX or leaked:
         return None
-    lowered = traced.lower()
-    options = INIT_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
-    program = lowered.compile(options) if options else lowered.compile()
+    program = traced.lower().compile(
+        INIT_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+    )
     if init is not None:
         init["program"] = (model[0], program)
     (params, state), rng = program(key)
