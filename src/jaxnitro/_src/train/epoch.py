@@ -168,7 +168,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
                     drain()
                 if cadence.active:
                     cadence = _mid_epoch_due(ep, cadence, last, call.steps, drain)
-                if seen and control.requested:
+                if control.requested:  # (a unit may hold several calls: none after a stop)
                     break
             if len(pending) >= 2 * READBACK_CHUNK:
                 drain(READBACK_CHUNK)
@@ -222,7 +222,7 @@ def _start(n: Nitro, epoch: int) -> Epoch:
     )
     batch = n.progress.batch_in_epoch
     n.display.start_epoch(epoch, n.max_epochs, total, batch, members=members_training(n))
-    if feed.stage_train(spec, loader, batch):  # batches cut on the device ahead
+    if feed.stage_train(spec, loader, batch):  # the train data on the device, in place
         ep.clock.restart()
     return ep
 
@@ -345,17 +345,18 @@ def _drain(
     hand_over: Callable[..., None],
 ) -> Tally:
     """Read back and log the oldest `count` calls in flight (None: all) in one transfer,
-    their losses appended to `losses`; the handle takes the epoch before (what a step
-    callback reads) and after; returns the tally with them."""
+    their losses appended to `losses`; the handle takes the epoch after them (and before,
+    what a step callback reads); returns the tally with them."""
     items = [pending.popleft() for _ in range(len(pending) if count is None else count)]
-    hand_over()
+    n, clock = ep.n, ep.clock
+    fire = step_events.has_callbacks(n.services.step_callbacks)
+    if fire or not items:  # a step callback, or the caller, reads the handle next
+        hand_over()
     if not items:
         return tally
-    n, clock = ep.n, ep.clock
     now = time.perf_counter()
     steps_read = sum(item.steps for item in items)
     step_s = (now - tally.read_at) / steps_read if steps_read else None
-    fire = step_events.has_callbacks(n.services.step_callbacks)
     members = n.spec.population is not None
     # One row per step, built and logged per chunk; per step where a callback may see
     # each step as it is logged, or a population's rows are built per member.
