@@ -106,3 +106,30 @@ def test_log_step_rows_helper_falls_back_to_log_metrics():
     base.log_step_rows(keep, ROWS, context="train", epoch=1, steps=STEPS)
     assert keep.calls == ["train"] * 3
     base.log_step_rows(base.NullLogger(), ROWS, context="train", epoch=1, steps=STEPS)
+
+
+def test_step_rows_encoded_from_one_line_head_are_the_lines_byte_for_byte():
+    rows = [
+        {"loss": 0.5, "lr": 1e-3},
+        {"loss": float("nan"), "lr": 1e16, "big": 2**70},
+        {},
+        {"é": -0.0, 'q"uote': float("inf")},
+    ]
+    steps = [1, 2, 3, 4]
+    lines = [
+        {"type": "metrics", "context": "train", "epoch": 2, "step": s, **r}
+        for r, s in zip(rows, steps, strict=True)
+    ]
+    if jsonl._orjson is None:
+        assert jsonl._encode_rows("train", 2, steps, rows) is None
+        return
+    assert jsonl._encode_rows("train", 2, steps, rows) == jsonl._encode_lines(lines, rows)
+
+
+@pytest.mark.parametrize("key", ["step", "type", "context", "epoch"])
+def test_a_row_naming_a_key_of_the_line_head_is_logged_as_log_metrics_logs_it(tmp_path, key):
+    rows = [{"loss": 0.5, key: 3.0}, {"loss": 0.25}]
+    assert jsonl._encode_rows("train", 2, [1, 2], rows) is None  # the line path then
+    got, writes = _chunk(tmp_path, rows, [1, 2])
+    assert got == _per_step(tmp_path, rows, [1, 2]) and got[0][key] == 3.0
+    assert len(writes) == 1

@@ -148,3 +148,33 @@ def test_a_non_finite_loss_stops_at_its_step_with_the_steps_before_logged(run_di
     with pytest.raises(jn.NonFiniteLossError, match="at step 6 "):
         jn.train(n)
     assert [ln["step"] for ln in _train_lines(run_dir)] == [1, 2, 3, 4, 5]
+
+
+def test_rows_with_fixed_rates_are_the_outputs_then_the_rates_each_row_updated():
+    """The rows of a run without a schedule are built in one pass; each is what a row of the
+    outputs `update`d with the rates gives (key order, and a rate wins over an output of its
+    name)."""
+    import types
+
+    from jaxnitro._src.train import steplines
+
+    got = []
+
+    class Taking:
+        def log_step_rows(self, rows, *, context, epoch, steps):
+            got.append((rows, context, epoch, steps))
+
+    n = types.SimpleNamespace(spec=types.SimpleNamespace(log_every_n_steps=1), logger=Taking())
+    fixed = {"lr": 0.5, "lr/head": 0.25}
+    lines_ = steplines.Lines(n, 1, lambda t: fixed, fixed, {})
+    names = ["loss", "lr", "acc"]
+    lists = [[1.0, 2.0], [9.0, 8.0], [0.5, 0.75]]
+    steplines._log_chunk(lines_, 11, names, lists, {"samples_per_s": 3.0})
+    ((rows, context, epoch, steps),) = got
+    want = []
+    for values in zip(*lists, strict=True):
+        row = dict(zip(names, values, strict=True))
+        row.update({**fixed, "samples_per_s": 3.0})
+        want.append(row)
+    assert rows == want and [list(r) for r in rows] == [list(w) for w in want]
+    assert (context, epoch, steps) == ("train", 2, [11, 12]) and rows[0]["lr"] == 0.5

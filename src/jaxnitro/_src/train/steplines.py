@@ -115,12 +115,18 @@ def _log_chunk(
         steps = [steps[j] for j in picked]
     if not steps:
         return
-    rows = [dict(zip(names, values, strict=True)) for values in zip(*lists, strict=True)]
     if lines.lr_fixed is not None:  # no schedule: the same rates on every line
         extra = {**lines.lr_fixed, **rates}
-        for row in rows:
-            row.update(extra)
+        keys = (*names, *(k for k in extra if k not in names))  # (a row's own value first)
+        tail = tuple(extra[k] for k in keys[len(names) :])
+        rows = [
+            dict(zip(keys, (*values, *tail), strict=True)) for values in zip(*lists, strict=True)
+        ]
+        if len(keys) < len(names) + len(extra):  # an output named as a rate: the rate's
+            for row in rows:  # value wins, as `update` gives it
+                row.update(extra)
     else:
+        rows = [dict(zip(names, values, strict=True)) for values in zip(*lists, strict=True)]
         for row, step in zip(rows, steps, strict=True):
             row.update(lines.lr_of(step - 1))
             row.update(rates)
