@@ -133,3 +133,72 @@ def test_a_row_naming_a_key_of_the_line_head_is_logged_as_log_metrics_logs_it(tm
     got, writes = _chunk(tmp_path, rows, [1, 2])
     assert got == _per_step(tmp_path, rows, [1, 2]) and got[0][key] == 3.0
     assert len(writes) == 1
+
+
+COLUMN_CASES = [
+    (["loss"], [[0.5, float("nan")]], {"lr": 1e-3, "samples_per_s": 1e16}),
+    (["loss", "lr"], [[0.5, 0.25], [9.0, 8.0]], {"lr": 0.1, "x%d": 2.0}),  # a rate wins
+    (["a%s", "b"], [[1.0, 2.0], [float("inf"), -0.0]], {}),
+    (['é"q'], [[1.0, 2.0]], {"m": 3.0}),
+]
+
+
+@pytest.mark.parametrize("names,lists,extra", COLUMN_CASES)
+def test_step_columns_are_the_lines_of_their_rows_byte_for_byte(tmp_path, names, lists, extra):
+    from jaxnitro._src.observe.loggers.rows import step_rows
+
+    rows = step_rows(names, lists, extra)
+    if jsonl._orjson is not None:
+        got = jsonl._encode_columns("train", 3, [5, 6], names, lists, extra)
+        assert got == jsonl._encode_rows("train", 3, [5, 6], rows)
+    log = jn.JSONLogger(tmp_path / "cols.jsonl")
+    log.open(tmp_path, resume=False)
+    writes = []
+    emit = log._emit
+    log._emit = lambda data: (writes.append(data), emit(data))[1]
+    log.log_step_columns(names, lists, extra, context="train", epoch=3, steps=[5, 6])
+    log.close()
+    want_log = jn.JSONLogger(tmp_path / "rows.jsonl")
+    want_log.open(tmp_path, resume=False)
+    want_log.log_step_rows(rows, context="train", epoch=3, steps=[5, 6])
+    want_log.close()
+    assert (tmp_path / "cols.jsonl").read_bytes() == (tmp_path / "rows.jsonl").read_bytes()
+    assert len(writes) == 1
+
+
+def test_step_columns_of_other_values_take_the_row_path():
+    assert jsonl._encode_columns("train", 1, [1], ["loss"], [[np.float32(0.5)]], {}) is None
+    assert jsonl._encode_columns("train", 1, [1], ["step"], [[0.5]], {}) is None
+    assert jsonl._encode_columns("train", 1, [1], ["loss"], [[0.5]], {"note": "x"}) is None
+
+
+def test_a_fanout_gives_columns_to_who_takes_them_and_rows_to_the_others(tmp_path):
+    got = {}
+
+    class Columns(Recorder):
+        def log_step_columns(self, names, lists, extra, *, context, epoch, steps):
+            got["columns"] = (list(names), [list(c) for c in lists], dict(extra), steps)
+
+    class Rows(Recorder):
+        def log_step_rows(self, rows, *, context, epoch, steps):
+            got.setdefault("rows", []).append(rows)
+
+    class Broken(Recorder):
+        def log_step_rows(self, rows, *, context, epoch, steps):
+            raise RuntimeError("gone")
+
+    class Plain(Recorder):
+        def log_metrics(self, metrics, *, context, epoch, step):
+            got.setdefault("metrics", []).append((metrics, step))
+
+    plain = Plain()
+    fan = base.FanoutLogger([Columns(), Rows(), Rows(), plain, Broken()])
+    with pytest.warns(LogWarning, match="gone"):
+        fan.log_step_columns(
+            ["loss"], [[0.5, 0.25]], {"lr": 0.1}, context="train", epoch=1, steps=[3, 4]
+        )
+    want = [{"loss": 0.5, "lr": 0.1}, {"loss": 0.25, "lr": 0.1}]
+    assert got["columns"] == (["loss"], [[0.5, 0.25]], {"lr": 0.1}, [3, 4])
+    assert got["rows"] == [want, want] and got["rows"][0] is got["rows"][1]  # built once
+    assert got["metrics"] == [(want[0], 3), (want[1], 4)]  # one log_metrics call per step
+    assert len(fan.loggers) == 4  # the broken one dropped

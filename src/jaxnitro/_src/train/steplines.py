@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxnitro._src.core.errors import NonFiniteLossError
 from jaxnitro._src.observe.events import steps as step_events
-from jaxnitro._src.observe.loggers.base import log_step_rows
+from jaxnitro._src.observe.loggers.base import log_step_columns, log_step_rows
 from jaxnitro._src.train.readback import InFlight, StepRow, step_rows
 
 if TYPE_CHECKING:
@@ -115,22 +115,17 @@ def _log_chunk(
         steps = [steps[j] for j in picked]
     if not steps:
         return
+    epoch = lines.epoch + 1
     if lines.lr_fixed is not None:  # no schedule: the same rates on every line
         extra = {**lines.lr_fixed, **rates}
-        keys = (*names, *(k for k in extra if k not in names))  # (a row's own value first)
-        tail = tuple(extra[k] for k in keys[len(names) :])
-        rows = [
-            dict(zip(keys, (*values, *tail), strict=True)) for values in zip(*lists, strict=True)
-        ]
-        if len(keys) < len(names) + len(extra):  # an output named as a rate: the rate's
-            for row in rows:  # value wins, as `update` gives it
-                row.update(extra)
-    else:
-        rows = [dict(zip(names, values, strict=True)) for values in zip(*lists, strict=True)]
-        for row, step in zip(rows, steps, strict=True):
-            row.update(lines.lr_of(step - 1))
-            row.update(rates)
-    epoch = lines.epoch + 1
+        log_step_columns(
+            lines.n.logger, names, lists, extra, context="train", epoch=epoch, steps=steps
+        )
+        return
+    rows = [dict(zip(names, values, strict=True)) for values in zip(*lists, strict=True)]
+    for row, step in zip(rows, steps, strict=True):
+        row.update(lines.lr_of(step - 1))
+        row.update(rates)
     log_step_rows(lines.n.logger, rows, context="train", epoch=epoch, steps=steps)
 
 

@@ -9,6 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from jaxnitro._src.core.errors import ConfigError, warn_user
 from jaxnitro._src.observe.loggers.jsonl import JSONLogger, LogWarning
+from jaxnitro._src.observe.loggers.rows import step_rows
 
 METHODS = ("open", "log_params", "log_metrics", "log_other", "finish", "close")
 
@@ -62,6 +63,9 @@ class NullLogger:
         pass
 
     def log_step_rows(self, rows, *, context: str, epoch: int, steps) -> None:
+        pass
+
+    def log_step_columns(self, names, lists, extra, *, context: str, epoch: int, steps) -> None:
         pass
 
     def log_other(self, values: dict[str, Any]) -> None:
@@ -165,6 +169,33 @@ class FanoutLogger:
             try:
                 log_step_rows(lg, rows, context=context, epoch=epoch, steps=steps)
             except Exception as e:  # noqa: BLE001 - one broken logger must not stop the run
+                self._drop(lg, "log_metrics", e)
+
+    def log_step_columns(
+        self,
+        names: Sequence[str],
+        lists: Sequence[Sequence[Any]],
+        extra: Mapping[str, Any],
+        *,
+        context: str,
+        epoch: int,
+        steps: Sequence[int],
+    ) -> None:
+        """Each logger takes the columns where it can (`log_step_columns`), else the rows
+        they make (`step_rows`, built once for all of them), as `log_step_rows` gives them."""
+        rows: list[dict[str, Any]] | None = None
+        for lg in list(self.loggers):
+            try:
+                many = getattr(lg, "log_step_columns", None)
+                if callable(many):
+                    many(names, lists, extra, context=context, epoch=epoch, steps=steps)
+                    continue
+                if rows is None:
+                    rows = step_rows(names, lists, extra)
+                log_step_rows(lg, rows, context=context, epoch=epoch, steps=steps)
+            except Exception as e:  # noqa: BLE001 - one broken logger must not stop the run
+                if _hardened(lg):
+                    raise
                 self._drop(lg, "log_metrics", e)
 
     def log_other(self, values: dict[str, Any]) -> None:
@@ -276,6 +307,32 @@ def log_step_rows(
         logger.log_metrics(row, context=context, epoch=epoch, step=step)
 
 
+def log_step_columns(
+    logger: Any,
+    names: Sequence[str],
+    lists: Sequence[Sequence[Any]],
+    extra: Mapping[str, Any],
+    *,
+    context: str,
+    epoch: int,
+    steps: Sequence[int],
+) -> None:
+    """Step lines given as columns (`lists[i]`: output `names[i]` per step) with the values
+    every line shares (`extra`): as they are where `logger` has `log_step_columns`, else as
+    the rows `step_rows` makes (`log_step_rows`).
+
+    Example:
+        >>> log_step_columns(NullLogger(), ["loss"], [[0.5]], {"lr": 0.1}, context="train",
+        ...                  epoch=1, steps=[1])
+    """
+    many = getattr(logger, "log_step_columns", None)
+    if callable(many):
+        many(names, lists, extra, context=context, epoch=epoch, steps=steps)
+        return
+    rows = step_rows(names, lists, extra)
+    log_step_rows(logger, rows, context=context, epoch=epoch, steps=steps)
+
+
 def flush_logger(logger: Any) -> None:
     """`logger.flush()` where it has one (a user's logger may not): before a checkpoint."""
     flush = getattr(logger, "flush", None)
@@ -350,6 +407,7 @@ __all__ = [
     "NullLogger",
     "check_logger",
     "flush_logger",
+    "log_step_columns",
     "log_step_rows",
     "make_logger",
 ]
