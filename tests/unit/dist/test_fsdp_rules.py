@@ -27,8 +27,9 @@ def test_fsdp_shards_an_array_by_its_bytes_over_min_shard_bytes_not_its_elements
 
 def test_check_fsdp_warns_when_whole_arrays_hold_most_bytes_and_not_when_none_does():
     params = {"w": np.zeros((15, 7), np.float32), "b": np.zeros((7,), np.float32)}
-    with pytest.warns(UserWarning, match=r"leaves 100% of the parameter bytes .* replicated"):
+    with pytest.warns(UserWarning, match=r"leaves 100% of the parameter bytes .* replicated") as w:
         check_fsdp(params, jn.Sharding(fsdp=True, min_shard_bytes=0), 2)
+    assert "b (7,), w (15, 7)" in str(w[0].message)  # each array by its path and shape
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing over the minimum: nothing to say
         check_fsdp(params, jn.Sharding(fsdp=True, min_shard_bytes=1 << 20), 2)
@@ -45,3 +46,9 @@ def test_setup_devices_takes_its_arguments_by_name():
     argument None keeps the one in use."""
     info = jn.setup_devices(backend=None, compilation_cache=None)
     assert info.backend == "cpu" and info.visible >= 1
+
+
+def test_a_sharding_is_data_parallel_unless_fsdp_is_asked():
+    assert jn.Sharding().fsdp is False and jn.Sharding(mesh={"data": 2}).fsdp is False
+    params = {"big": np.zeros((16, 16), np.float32)}
+    assert param_specs(params, jn.Sharding(min_shard_bytes=0), {"data": 2}) == {"big": P()}
