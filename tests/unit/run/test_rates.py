@@ -169,3 +169,29 @@ def test_a_resume_continues_with_the_rates_and_the_plateau_count(run_dir):
     jn.train(s)
     again = nitro(Tiny(max_epochs=2), run_dir=run_dir / "s", resume="auto")
     assert jn.learning_rates(again) == {"default": pytest.approx(3e-4)}
+
+
+def test_set_lr_and_set_device_from_a_step_callback_apply_from_the_next_step(run_dir):
+    """A step callback runs on the training thread, mid-epoch: what it sets reaches the very
+    next call (not the next epoch), and the lines say so."""
+    straight = nitro(Tiny(max_epochs=1), run_dir=run_dir / "straight")
+    jn.train(straight)
+    n = nitro(Tiny(max_epochs=1), run_dir=run_dir / "steered")
+
+    def steer(record):
+        if record.step == 3:
+            jn.set_lr(n, 0.5)
+            jn.set_device(n, smoothing=0.2)
+
+    jn.every(1, steer, nitro=n)
+    compiled = jn.cache_stats()["misses"]
+    jn.train(n)
+    assert jn.cache_stats()["misses"] == compiled  # inputs of the same program
+    rows, lr = _train_rows(n)
+    assert [lr[s] for s in range(1, 9)] == pytest.approx([1e-2] * 3 + [0.5] * 5)
+    loss = {r["step"]: r["loss"] for r in rows if r.get("context") == "train"}
+    before, _ = _train_rows(straight)
+    same = {r["step"]: r["loss"] for r in before if r.get("context") == "train"}
+    assert [loss[s] for s in range(1, 4)] == [same[s] for s in range(1, 4)]  # before it
+    assert loss[4] != same[4]  # step 4 took the new smoothing (its loss), then the rate
+    assert n.experiment.smoothing == 0.2 and jn.learning_rates(n) == {"default": 0.5}

@@ -34,7 +34,8 @@ def set_lr(n: Nitro, rate: float | Mapping[str, float]) -> None:
     """Set the learning rate the train step takes from its next step on; no recompile.
 
     Args:
-        n: the handle (not running; a `jn.start` run is steered with `RunHandle.set_lr`).
+        n: the handle, idle or training in this thread (from a step callback: the run's
+            next call takes the rate); a `jn.start` run is steered with `RunHandle.set_lr`.
         rate: the new rate, or {group: rate} for a run with several parameter groups
             (groups not named keep theirs).
 

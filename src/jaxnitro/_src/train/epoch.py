@@ -131,6 +131,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     ep = _start(n, epoch)
     control, callbacks = n.services.control, n.services.step_callbacks
     leaves, extras, repack = list(n.state_leaves), n.device.extras, None  # the loop's own
+    device = n.device  # the Device values and rates the calls take (a callback may set new)
     last = InFlight(n.step, n.progress.batch_in_epoch, 0, {})  # the newest call's position
     data_state = n.progress.data_state  # a stream's iterator state (grain)
     pending: collections.deque[InFlight] = collections.deque()  # calls not read back
@@ -150,8 +151,11 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
             base = last.batch
             for call in payloads:
                 asked = commands.at_boundary(n, last.step)  # what a jn.start handle asked
-                if asked is not None and asked.new_values:  # this call and the next take them
+                if (asked is not None and asked.new_values) or n.device is not device:
+                    # new values in the handle (asked, or jn.set_lr / jn.set_device from a
+                    # step callback): this call and the next take them
                     ep, extras, repack = _new_values(ep, drain)
+                    device = n.device
                 if asked is not None and asked.checkpoints:  # with every step dispatched
                     _asked_checkpoint(n, epoch, asked, drain)
                 if repack is not None:
