@@ -125,3 +125,45 @@ def test_a_background_run_installs_no_signal_handlers_and_draws_no_bar(tmp_path)
     assert n.display.mode == "plain"  # a live bar redrawn from a thread: plain lines instead
     h.wait(timeout=120)
     assert seen and all(s == before for s in seen)
+
+
+EXIT_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from conftest import Tiny, nitro
+import jaxnitro as jn
+n = nitro(Tiny(max_epochs=500, n_train=4096), run_dir={run_dir!r})
+h = jn.start(n)
+while n.step < 40:
+    time.sleep(0.01)
+print("leaving", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_script_that_ends_mid_run_stops_it_with_a_checkpoint_and_says_so(tmp_path):
+    """The script ends while its background run trains: the run stops at its next step with
+    a checkpoint, a line says where and how to continue, and nothing is cut or raised."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers.paths import SRC, TESTS
+
+    from jaxnitro._src.run.setup import read_meta
+
+    run_dir = tmp_path / "run"
+    script = EXIT_SCRIPT.format(tests=str(TESTS), run_dir=str(run_dir))
+    env = {**os.environ, "PYTHONPATH": str(SRC), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "leaving" in done.stdout
+    said = [ln for ln in done.stderr.splitlines() if "the script ended while run" in ln]
+    assert len(said) == 1 and "resume='auto'" in said[0], done.stderr[-2000:]
+    step = int(said[0].split("it stopped at step ")[1].split()[0])
+    latest = max((run_dir / "checkpoints").glob("epoch-*"), key=lambda p: read_meta(p)["step"])
+    assert step >= 40 and read_meta(latest)["step"] == step and str(latest) in said[0]
+    resumed = jn.Nitro(Tiny(max_epochs=500, n_train=4096), run_dir=run_dir, resume="auto")
+    assert resumed.step == step

@@ -35,6 +35,62 @@ if TYPE_CHECKING:
 
 _handles: list[RunHandle] = []
 _lock = threading.Lock()
+#: How long the end of the script waits for a background run to stop at its next step and
+#: write its checkpoint (`_stop_at_exit`).
+EXIT_WAIT_S = 120.0
+_exit_hooked = False
+
+
+def _stop_at_exit() -> None:
+    """The script (or the kernel) is ending while runs train in the background: each stops
+    at its next step as `stop()` stops it (its checkpoint written: resumable), is waited for,
+    and says so in one line. Left alone, the interpreter would cut it mid-step at shutdown,
+    silently, and sometimes in the middle of writing its checkpoint.
+
+    Runs from `threading`'s exit hooks, before `concurrent.futures` shuts its executors
+    down (the checkpoint writer needs them) and before the interpreter finalizes."""
+    with _lock:
+        live = [h for h in _handles if not h.done]
+    for h in live:
+        h.stop()
+    for h in live:
+        h._thread.join(EXIT_WAIT_S)
+        n = h.nitro
+        if h.done:
+            where = n.checkpointer.latest()  # what resume="auto" continues from
+            said = f"it stopped at step {n.step}" + (
+                f" with a checkpoint at {where}; continue it with resume='auto' in a new handle"
+                if where
+                else ""
+            )
+        else:
+            said = f"it did not stop within {EXIT_WAIT_S:.0f} s (step {n.step}) and is cut"
+        with contextlib.suppress(Exception):
+            import sys
+
+            sys.stderr.write(
+                f"jaxnitro: the script ended while run {h.id} trained in the background "
+                f"(jn.start); {said}. Call handle.wait() before the end to train it to the "
+                f"end.\n"
+            )
+            sys.stderr.flush()
+
+
+def _hook_exit() -> None:
+    """Register `_stop_at_exit` once, with `threading`'s exit hooks (run in reverse order of
+    registration at interpreter shutdown: this one, registered after `concurrent.futures`
+    was imported, runs before its executors are shut down)."""
+    global _exit_hooked
+    if _exit_hooked:
+        return
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # another Python: at least before the interpreter finalizes
+        import atexit
+
+        atexit.register(_stop_at_exit)
+    else:
+        register(_stop_at_exit)
+    _exit_hooked = True
 
 
 def run_id(n: Nitro) -> str:
@@ -209,6 +265,7 @@ def start(n: Nitro) -> RunHandle:
             n.services.display = Display("plain", file=display.file)
         handle = RunHandle(n)
         _handles.append(handle)
+        _hook_exit()
     handle._thread.start()
     return handle
 
