@@ -82,22 +82,3 @@ def test_a_stop_between_two_calls_of_one_unit_dispatches_no_more(run_dir, monkey
     monkeypatch.setattr(epoch_mod, "_dispatch", dispatch)
     jn.train(n)
     assert n.step == 3 and n.progress.batch_in_epoch == 3
-
-
-def test_constant_hyperparameters_are_put_once_scheduled_ones_sent_per_call(run_dir):
-    import jax
-    import numpy as np
-
-    n = nitro(Tiny(), run_dir=run_dir)
-    assert n.spec.direct_feed
-    hyper = feed.HyperFeed(n.spec, n.device.hyper_base)
-    first = hyper.at(0, 1)
-    assert isinstance(first, jax.Array) and hyper.at(5, 1) is first  # one array, every call
-    sched = nitro(
-        Tiny(),
-        run_dir=run_dir / "s",
-        schedules={"opt.learning_rate": jn.schedules.linear(1.0, 0.0)},
-    )
-    hyper = feed.HyperFeed(sched.spec, sched.device.hyper_base)
-    a, b = hyper.at(0, 1), hyper.at(1, 1)
-    assert isinstance(a, np.ndarray) and not np.array_equal(a, b)  # its step's values

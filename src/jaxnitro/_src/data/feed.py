@@ -360,15 +360,10 @@ class HyperFeed:
         spec, scheduled = self.spec, self.scheduled
         pack = _packer(spec, self.base)
         hv = np.stack([pack(t) for t in range(first, first + s)]) if s > 1 else pack(first)
-        if scheduled:  # new values each call: numpy where the call takes it (`put`)
-            return put(spec, hv, spec.replicated)
-        # The same values every call: put once. A numpy input costs the call ~2.5 µs of a
-        # 2-core CPU each time; the program is the same for either (same shape and dtype).
-        arr = self.constant[s] = (
-            jax.device_put(hv, spec.replicated)
-            if spec.direct_feed
-            else put(spec, hv, spec.replicated)
-        )
+        # Scheduled or constant, the same kind of input: the program must not depend on it.
+        arr = put(spec, hv, spec.replicated)
+        if not scheduled:
+            self.constant[s] = arr
         return arr
 
 
