@@ -131,7 +131,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     ep = _start(n, epoch)
     control, callbacks = n.services.control, n.services.step_callbacks
     leaves, extras, repack = list(n.state_leaves), n.device.extras, None  # the loop's own
-    device = n.device  # the Device values and rates the calls take (a callback may set new)
+    device = n.device  # the values the calls take (new ones: asked, or a callback's set_lr)
     last = InFlight(n.step, n.progress.batch_in_epoch, 0, {})  # the newest call's position
     data_state = n.progress.data_state  # a stream's iterator state (grain)
     pending: collections.deque[InFlight] = collections.deque()  # calls not read back
@@ -152,9 +152,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
             for call in payloads:
                 asked = commands.at_boundary(n, last.step)  # what a jn.start handle asked
                 if (asked is not None and asked.new_values) or n.device is not device:
-                    # new values in the handle (asked, or jn.set_lr / jn.set_device from a
-                    # step callback): this call and the next take them
-                    ep, extras, repack = _new_values(ep, drain)
+                    ep, extras, repack = _new_values(ep, drain)  # this call and the next
                     device = n.device
                 if asked is not None and asked.checkpoints:  # with every step dispatched
                     _asked_checkpoint(n, epoch, asked, drain)
@@ -192,9 +190,10 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
 
 
 def _new_values(ep: Epoch, drain: Callable[[], None]) -> tuple[Epoch, Any, feed.HyperFeed]:
-    """New Device values or learning rates in the handle (`run/commands.py`): the steps sent
-    before are read back and logged with the rates they took; the next calls take the new
-    extras and hyperparameters, and their lines read the new rates."""
+    """New Device values or learning rates in the handle (asked through `run/commands.py`, or
+    set by `jn.set_lr` / `jn.set_device` from a step callback): the steps sent before are
+    read back and logged with the rates they took; the next calls take the new extras and
+    hyperparameters, and their lines read the new rates."""
     drain()
     n = ep.n
     ep = dataclasses.replace(ep, lines=ep.lines.reread_rates())
