@@ -202,3 +202,14 @@ def test_a_fanout_gives_columns_to_who_takes_them_and_rows_to_the_others(tmp_pat
     assert got["rows"] == [want, want] and got["rows"][0] is got["rows"][1]  # built once
     assert got["metrics"] == [(want[0], 3), (want[1], 4)]  # one log_metrics call per step
     assert len(fan.loggers) == 4  # the broken one dropped
+
+
+@pytest.mark.parametrize("context", ["train", "a%db", "100%", "%s%%"])
+def test_step_columns_of_any_context_are_the_lines_of_their_rows(context):
+    from jaxnitro._src.observe.loggers.rows import step_rows
+
+    assert jsonl._orjson is not None  # a core dependency: the template is its path
+    names, lists, extra = ["loss"], [[0.5, 0.25]], {"lr": 0.1}
+    rows = step_rows(names, lists, extra)
+    got = jsonl._encode_columns(context, 2, [7, 8], names, lists, extra)
+    assert got == jsonl._encode_rows(context, 2, [7, 8], rows)

@@ -276,6 +276,11 @@ class JSONLogger:
 _HEAD_KEYS = frozenset(("type", "context", "epoch", "step"))
 
 
+def _line_head(context: str, epoch: int) -> bytes:
+    """A step line's JSON up to its step's value, as orjson writes the line dict."""
+    return b'{"type":"metrics","context":' + _orjson.dumps(context) + b',"epoch":%d,"step":' % epoch
+
+
 def _encode_rows(
     context: str, epoch: int, steps: Sequence[int], rows: Sequence[Mapping[str, Any]]
 ) -> bytes | None:
@@ -284,7 +289,7 @@ def _encode_rows(
     row that names a key of the head, or a value orjson does not encode."""
     if _orjson is None or len(steps) != len(rows):
         return None
-    head = b'{"type":"metrics","context":' + _orjson.dumps(context) + b',"epoch":%d,"step":' % epoch
+    head = _line_head(context, epoch)
     parts = []
     try:
         for row, step in zip(rows, steps, strict=True):
@@ -319,14 +324,14 @@ def _encode_columns(
         return None
     dumps = _orjson.dumps
     try:
-        head = b'{"type":"metrics","context":' + dumps(context) + b',"epoch":%d,"step":' % epoch
+        head = _line_head(context, epoch)
         parts = [
             dumps(k).replace(b"%", b"%%") + b":" + (b"%s" if k not in extra else dumps(extra[k]))
             for k in keys
         ]
     except (_orjson.JSONEncodeError, TypeError):  # a key that is not a str
         return None
-    template = head.replace(b"%", b"%%").replace(b"%%d", b"%d", 1) + b"%d"
+    template = head.replace(b"%", b"%%") + b"%d"  # (the head's own % escaped)
     template += (b"," + b",".join(parts) if parts else b"") + b"}\n"
     own = [column for k, column in zip(names, lists, strict=True) if k not in extra]
     if any(set(map(type, column)) - {float} for column in own):
