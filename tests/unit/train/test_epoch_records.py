@@ -65,10 +65,10 @@ def test_nothing_is_asked_of_a_run_no_handle_drives():
 
 def test_the_checkpoints_asked_get_the_path_or_the_error(tmp_path):
     futures = (Future(), Future())
-    asked = commands.Asked(new_values=False, checkpoints=futures)
+    asked = commands.Asked(checkpoints=futures)
     asked.written(tmp_path)
     assert [f.result() for f in futures] == [tmp_path, tmp_path]
-    failing = commands.Asked(new_values=False, checkpoints=(Future(),))
+    failing = commands.Asked(checkpoints=(Future(),))
     failing.failed(OSError("disk full"))
     with pytest.raises(OSError, match="disk full"):
         failing.checkpoints[0].result()

@@ -103,12 +103,11 @@ def unregister(n: Nitro) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Asked:
-    """What a `jn.start` handle asked since the last dispatch, once its new Device values and
-    learning rates are in the handle: whether there were any (the epoch's next calls then take
-    them, and the steps sent before are logged with the rates they took first), and the
-    checkpoints it waits for (the epoch writes one, then `written` or `failed`)."""
+    """What a `jn.start` handle asked since the last dispatch that the epoch still has to do,
+    once its new Device values and learning rates are in the handle (the epoch sees those
+    there, as a new `n.device`): the checkpoints it waits for (the epoch writes one, then
+    `written` or `failed`)."""
 
-    new_values: bool
     checkpoints: tuple[Future, ...]
 
     def written(self, path: Path | None) -> None:
@@ -127,8 +126,8 @@ def at_boundary(n: Nitro, step: int) -> Asked | None:
     New Device values go into the handle here (no recompile: same shapes, checked when
     queued) and are logged as an `other` line with the step they apply from. Scalar float
     Device fields also travel in the packed hyperparameters, which the prefetch thread
-    packed ahead with the old values: the epoch packs its next calls' again from the new ones
-    (`Asked.new_values`). A checkpoint asked is the epoch's to write, with every step
+    packed ahead with the old values: the epoch, seeing a new `n.device`, packs its next
+    calls' again from the new ones. A checkpoint asked is the epoch's to write, with every step
     dispatched read back first.
     """
     queue = _queues.get(id(n.services))
@@ -150,7 +149,7 @@ def at_boundary(n: Nitro, step: int) -> Asked | None:
                 "values": {k: _plain(v) for k, (_, v) in values.items()},
             }
         )
-    return Asked(new_values=bool(values or rates), checkpoints=tuple(futures))
+    return Asked(checkpoints=tuple(futures))
 
 
 def _plain(value: Any) -> Any:

@@ -131,7 +131,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     ep = _start(n, epoch)
     control, callbacks = n.services.control, n.services.step_callbacks
     leaves, extras, repack = list(n.state_leaves), n.device.extras, None  # the loop's own
-    device = n.device  # the values the calls take (new ones: asked, or a callback's set_lr)
+    device = n.device  # the Device values and learning rates the calls take
     last = InFlight(n.step, n.progress.batch_in_epoch, 0, {})  # the newest call's position
     data_state = n.progress.data_state  # a stream's iterator state (grain)
     pending: collections.deque[InFlight] = collections.deque()  # calls not read back
@@ -151,7 +151,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
             base = last.batch
             for call in payloads:
                 asked = commands.at_boundary(n, last.step)  # what a jn.start handle asked
-                if (asked is not None and asked.new_values) or n.device is not device:
+                if n.device is not device:  # new values (asked, or a callback's set_lr)
                     ep, extras, repack = _new_values(ep, drain)  # this call and the next
                     device = n.device
                 if asked is not None and asked.checkpoints:  # with every step dispatched
