@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -66,8 +67,6 @@ def _stop_at_exit() -> None:
         else:
             said = f"it did not stop within {EXIT_WAIT_S:.0f} s (step {n.step}) and is cut"
         with contextlib.suppress(Exception):
-            import sys
-
             sys.stderr.write(
                 f"jaxnitro: the script ended while run {h.id} trained in the background "
                 f"(jn.start); {said}. Call handle.wait() before the end to train it to the "
