@@ -166,6 +166,25 @@ def test_step_columns_are_the_lines_of_their_rows_byte_for_byte(tmp_path, names,
     assert len(writes) == 1
 
 
+@pytest.mark.skipif(jsonl._orjson is None, reason="the template path needs orjson")
+def test_a_long_chunk_of_columns_encodes_each_float_as_its_row_would():
+    # The columns are encoded one list at a time and the chunk formatted in one go: every
+    # magnitude, sign and non-finite value must come out as a row's own float does.
+    from jaxnitro._src.observe.loggers.rows import step_rows
+
+    rng = np.random.default_rng(0)
+    size = 300
+    col = rng.normal(size=size) * 10.0 ** rng.integers(-30, 30, size=size)
+    col[:6] = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 5e-324]
+    lists = [col.tolist(), rng.normal(size=size).astype(np.float32).astype(float).tolist()]
+    steps = list(range(1000, 1000 + size))
+    for names, extra in ((["loss", "g%d"], {"lr": 1e-3}), (["lr"], {"lr": 0.5})):
+        rows = step_rows(names, lists[: len(names)], extra)
+        got = jsonl._encode_columns("train", 2, steps, names, lists[: len(names)], extra)
+        assert got == jsonl._encode_rows("train", 2, steps, rows)
+        assert got.count(b"\n") == size
+
+
 def test_step_columns_of_other_values_take_the_row_path():
     assert jsonl._encode_columns("train", 1, [1], ["loss"], [[np.float32(0.5)]], {}) is None
     assert jsonl._encode_columns("train", 1, [1], ["step"], [[0.5]], {}) is None

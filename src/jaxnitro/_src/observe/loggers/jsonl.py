@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import math
 import os
@@ -312,35 +313,65 @@ def _encode_columns(
     extra: Mapping[str, Any],
 ) -> bytes | None:
     """With orjson, the step lines of `step_rows(names, lists, extra)` as `_encode_rows`
-    writes them, byte for byte, from one line template (the head, the keys and the shared
-    values encoded once; each step's outputs encoded as floats): no row dict built. None
-    without orjson, for a key of the head, or a value that is not a float."""
-    if _orjson is None or any(len(column) != len(steps) for column in lists):
+    writes them, byte for byte, from one line template (the head and the keys encoded once
+    per line shape, the shared values once per call, each column in one encode): no row
+    dict and no Python work per line. None without orjson, for a key of the head, or a
+    value that is not a float."""
+    if _orjson is None:
         return None
-    keys = [*names, *(k for k in extra if k not in names)]
-    if not _HEAD_KEYS.isdisjoint(keys) or len(set(names)) != len(names):
+    count = len(steps)
+    if any(len(column) != count for column in lists):
         return None
     if any(type(v) is not float for v in extra.values()):
         return None
+    shape = _column_shape(context, epoch, tuple(names), tuple(extra))
+    if shape is None:
+        return None
+    template, own, shared = shape
+    columns = [lists[j] for j in own]
+    if any(set(map(type, column)) - {float} for column in columns):
+        return None
     dumps = _orjson.dumps
-    try:
-        head = _line_head(context, epoch)
-        parts = [
-            dumps(k).replace(b"%", b"%%") + b":" + (b"%s" if k not in extra else dumps(extra[k]))
-            for k in keys
-        ]
-    except (_orjson.JSONEncodeError, TypeError):  # a key that is not a str
-        return None
-    template = head.replace(b"%", b"%%") + b"%d"  # (the head's own % escaped)
-    template += (b"," + b",".join(parts) if parts else b"") + b"}\n"
-    own = [column for k, column in zip(names, lists, strict=True) if k not in extra]
-    if any(set(map(type, column)) - {float} for column in own):
-        return None
-    if not own:
-        return b"".join([template % step for step in steps])
-    return b"".join(
-        [template % (step, *map(dumps, values)) for step, *values in zip(steps, *own, strict=True)]
-    )
+    # First the shared values (a float encodes without "%"), leaving a line template of
+    # the step (%d) and the columns' values (%s); then the whole chunk in one format.
+    line = template % tuple(b"%s" if k is None else dumps(extra[k]) for k in shared)
+    values = [dumps(column)[1:-1].split(b",") for column in columns]
+    flat = tuple(itertools.chain.from_iterable(zip(steps, *values, strict=True)))
+    return (line * count) % flat
+
+
+def _column_shape(
+    context: str, epoch: int, names: tuple[str, ...], extra_keys: tuple[str, ...]
+) -> tuple[bytes, list[int], list[str | None]] | None:
+    """How a step line with these keys is encoded: its template (for two formats: the first
+    fills in the shared values, the second the step and the columns'), the indices of the
+    names that are columns (a shared value wins over a column of its name), and per key in
+    line order its shared value's name (None: a column). None for a key of the head, a
+    repeated name, or a key orjson does not encode. Kept for the last few shapes (a run
+    logs one or two an epoch)."""
+    key = (context, epoch, names, extra_keys)
+    if key in _shapes:
+        return _shapes[key]
+    shape = None
+    keys = [*names, *(k for k in extra_keys if k not in names)]
+    if _HEAD_KEYS.isdisjoint(keys) and len(set(names)) == len(names):
+        try:
+            twice = [_orjson.dumps(k).replace(b"%", b"%%%%") for k in keys]
+            head = _line_head(context, epoch).replace(b"%", b"%%%%") + b"%%d"
+        except (_orjson.JSONEncodeError, TypeError):  # a key that is not a str
+            twice = None
+        if twice is not None:
+            body = b"".join(b"," + k + b":%s" for k in twice)
+            shared = [k if k in extra_keys else None for k in keys]
+            own = [j for j, k in enumerate(names) if k not in extra_keys]
+            shape = (head + body + b"}\n", own, shared)
+    _shapes[key] = shape
+    while len(_shapes) > 16:
+        _shapes.pop(next(iter(_shapes)))
+    return shape
+
+
+_shapes: dict[tuple, tuple[bytes, list[int], list[str | None]] | None] = {}
 
 
 def _encode_lines(lines: list[dict], rows: Sequence[Mapping[str, Any]]) -> bytes | None:
