@@ -178,3 +178,60 @@ def test_rows_with_fixed_rates_are_the_outputs_then_the_rates_each_row_updated()
         want.append(row)
     assert rows == want and [list(r) for r in rows] == [list(w) for w in want]
     assert (context, epoch, steps) == ("train", 2, [11, 12]) and rows[0]["lr"] == 0.5
+
+
+def _chunk_of(columns, *, spec_routes=()):
+    """`chunk_lines` over one call per step, logged to a recorder; (chunk, logged steps)."""
+    import types
+
+    from jaxnitro._src.train import steplines
+    from jaxnitro._src.train.readback import InFlight
+
+    got = []
+
+    class Taking:
+        def log_step_columns(self, names, lists, extra, *, context, epoch, steps):
+            got.append((names, lists, steps))
+
+    spec = types.SimpleNamespace(log_every_n_steps=1, routes=spec_routes, population=None, accum=1)
+    n = types.SimpleNamespace(
+        spec=spec, logger=Taking(), checkpointer=types.SimpleNamespace(latest=lambda: None)
+    )
+    fixed = {"lr": 0.5}
+    lines_ = steplines.Lines(n, 0, lambda t: fixed, fixed, {})
+    count = len(next(iter(columns.values())))
+    items = [InFlight(s, s, 1, {}) for s in range(1, count + 1)]
+    chunk = steplines.chunk_lines(lines_, items, columns, {})
+    return chunk, [s for _, _, steps in got for s in steps], got
+
+
+def test_a_chunk_of_huge_finite_losses_is_all_taken():
+    # Their sum overflows to inf: the quick check for a non-finite value must not stop here.
+    losses = np.full(16, 1e308)
+    chunk, steps, _ = _chunk_of({"loss": losses})
+    assert chunk.error is None and steps == list(range(1, 17))
+    assert chunk.losses == [1e308] * 16
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_chunk_stops_at_its_first_non_finite_loss_even_beside_huge_ones(bad):
+    losses = np.full(16, -1e308, np.float64)
+    losses[9] = bad
+    chunk, steps, got = _chunk_of({"loss": losses, "acc": np.arange(16, dtype=np.float32)})
+    assert isinstance(chunk.error, jn.NonFiniteLossError) and "at step 10 " in str(chunk.error)
+    assert steps == list(range(1, 10)) and len(chunk.losses) == 9
+    ((names, lists, _),) = got
+    assert names == ["loss", "acc"] and lists[1] == [float(i) for i in range(9)]
+
+
+def test_a_chunk_reads_int_and_bool_outputs_as_floats():
+    columns = {
+        "loss": np.array([0.5, 0.25], np.float32),
+        "n": np.array([3, 4], np.int32),
+        "ok": np.array([True, False]),
+    }
+    chunk, _, got = _chunk_of(columns, spec_routes=("train_step",))
+    ((_, lists, _),) = got
+    assert lists == [[0.5, 0.25], [3.0, 4.0], [1.0, 0.0]]
+    assert all(type(v) is float for column in lists for v in column)
+    assert chunk.losses == [0.5, 0.25]

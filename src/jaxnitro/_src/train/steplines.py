@@ -76,18 +76,20 @@ def chunk_lines(
     watched = lines.watched.get(key)
     if watched is None:
         watched = lines.watched[key] = _watched(spec, columns)
+    names = list(columns)
+    lists = [_floats(columns[k]) for k in names]
     stop = count  # the steps taken: those before a non-finite one (then it is the error)
-    if watched:
+    # (a sum is finite only if every value is: the exact search runs only when one is not)
+    if watched and not all(math.isfinite(sum(lists[names.index(k)])) for k in watched):
         finite = np.isfinite(np.stack([columns[k] for k in watched])).all(axis=0)
         if kept is not None:
             finite |= ~kept
         if not finite.all():
             stop = int(np.argmin(finite))
-    # float64 first: the values as float() reads each (an int or bool output too)
-    names = list(columns)
-    lists = [columns[k][:stop].astype(np.float64).tolist() for k in names]
-    loss = lists[names.index("loss")] if "loss" in columns else None
+            lists = [column[:stop] for column in lists]
+    loss: list[Any] | None = lists[names.index("loss")] if "loss" in columns else None
     dropped = 0
+    taken: list[float | None]
     if kept is None:
         taken = loss if loss is not None else [None] * stop
     else:
@@ -100,6 +102,13 @@ def chunk_lines(
         row = {k: float(v[stop]) for k, v in columns.items()}
         error = _nonfinite(lines, row, watched, _step_at(items, stop, spec.accum))
     return Chunk(taken, dropped, error)
+
+
+def _floats(column: np.ndarray) -> list[float]:
+    """A column as Python floats, as float() reads each value (an int or bool output too)."""
+    if column.dtype.kind == "f":  # (a float32's value is exact as a float64)
+        return column.tolist()
+    return column.astype(np.float64).tolist()
 
 
 def _log_chunk(
