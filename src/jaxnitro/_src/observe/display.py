@@ -232,6 +232,8 @@ class Display:
     def update(self, done: int, loss: float | None, rate: float | None) -> None:
         """The batches read back so far, the last loss and the steps/s (from the read-back
         chunks: no device sync of its own)."""
+        if self._notebook is None and (self._progress is None or self._task is None):
+            return  # nothing shown: nothing to format (it runs every read-back chunk)
         loss_text = f"{loss:.4f}" if loss is not None else "–"
         rate_text = f"{rate:,.0f}" if rate else "–"
         if self._notebook is not None:

@@ -358,7 +358,7 @@ def _drain(
     if not items:
         return tally
     now = time.perf_counter()
-    steps_read = sum(item.steps for item in items)
+    steps_read = items[-1].step - items[0].step + items[0].steps  # (consecutive calls)
     step_s = (now - tally.read_at) / steps_read if steps_read else None
     members = n.spec.population is not None
     # One row per step, built and logged per chunk; per step where a callback may see
