@@ -209,3 +209,22 @@ def test_two_model_structures_print_alike_only_when_their_text_is_the_same():
     assert explain._same_shape(model(same[0]), model(same[1]))  # digests and addresses aside
     assert not explain._same_shape(model("Net(Dense(4))"), model("Net(Dense(8))"))
     assert not explain._same_shape(model("Net(Dense(8))"), model("Net(Dense(4))"))  # either way
+
+
+def test_an_uncommitted_array_is_keyed_as_the_numpy_it_stands_for():
+    # Both lower to the same program text; a committed or weakly typed array does not.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxnitro._src.compile import cache
+
+    host = np.arange(3, dtype=np.float32)
+    f = jax.jit(lambda x: x * 2)
+    assert f.lower(host).as_text() == f.lower(jnp.asarray(host)).as_text()
+    assert cache._aval(jnp.asarray(host)) == cache._aval(host)
+    committed = jax.device_put(host, jax.devices()[0])
+    assert committed.committed and cache._aval(committed) != cache._aval(host)
+    weak = jnp.asarray(2.0)
+    assert cache._aval(weak) != cache._aval(np.float32(2.0))
+    assert cache._aval(jnp.asarray(host[:2])) != cache._aval(host)

@@ -145,6 +145,11 @@ def _aval(x: Any) -> tuple[Any, ...]:
         return (x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)), x.sharding)
     if isinstance(x, jax.Array):
         t = jax.typeof(x) if hasattr(jax, "typeof") else x.aval
+        if not x.committed and not t.weak_type and x.is_fully_addressable:
+            # Placed by the program as a numpy array is (it lowers to the same text): the
+            # same key, so one program serves either (a constant kept on the device, a
+            # scheduled value sent per call).
+            return ("ndarray", x.shape, str(x.dtype))
         return (x.shape, str(x.dtype), bool(t.weak_type), x.sharding)
     # Python scalars and numpy values are weakly typed / host: their type is part of the key.
     return (type(x).__name__, getattr(x, "shape", ()), str(getattr(x, "dtype", "")))
