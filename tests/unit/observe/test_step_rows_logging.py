@@ -232,3 +232,14 @@ def test_step_columns_of_any_context_are_the_lines_of_their_rows(context):
     rows = step_rows(names, lists, extra)
     got = jsonl._encode_columns(context, 2, [7, 8], names, lists, extra)
     assert got == jsonl._encode_rows(context, 2, [7, 8], rows)
+
+
+@pytest.mark.skipif(jsonl._orjson is None, reason="the template path needs orjson")
+def test_line_shapes_past_the_kept_few_are_encoded_anew():
+    from jaxnitro._src.observe.loggers.rows import step_rows
+
+    rows = step_rows(["loss"], [[0.5, 0.25]], {"lr": 0.1})
+    for epoch in range(1, 41):  # more shapes than are kept: each line still its row's
+        got = jsonl._encode_columns("train", epoch, [1, 2], ["loss"], [[0.5, 0.25]], {"lr": 0.1})
+        assert got == jsonl._encode_rows("train", epoch, [1, 2], rows)
+    assert len(jsonl._shapes) <= 16

@@ -347,8 +347,8 @@ def _column_shape(
     fills in the shared values, the second the step and the columns'), the indices of the
     names that are columns (a shared value wins over a column of its name), and per key in
     line order its shared value's name (None: a column). None for a key of the head, a
-    repeated name, or a key orjson does not encode. Kept for the last few shapes (a run
-    logs one or two an epoch)."""
+    repeated name, or a key orjson does not encode. Kept for up to 16 shapes (a run logs one
+    or two an epoch)."""
     key = (context, epoch, names, extra_keys)
     if key in _shapes:
         return _shapes[key]
@@ -365,9 +365,9 @@ def _column_shape(
             shared = [k if k in extra_keys else None for k in keys]
             own = [j for j, k in enumerate(names) if k not in extra_keys]
             shape = (head + body + b"}\n", own, shared)
+    if len(_shapes) >= 16:  # (cleared whole: one call, safe beside another thread's logging)
+        _shapes.clear()
     _shapes[key] = shape
-    while len(_shapes) > 16:
-        _shapes.pop(next(iter(_shapes)))
     return shape
 
 
