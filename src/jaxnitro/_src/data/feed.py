@@ -365,10 +365,9 @@ class HyperFeed:
             # One array serves every call: on the device once, not sent with each call (a
             # numpy input costs ~2.5% of a small step on a CPU). Uncommitted, it is placed
             # and keyed as numpy is (`cache._aval`): a scheduled run's program is the same.
-            self.constant[s] = jnp.asarray(hv)
-            return self.constant[s]
-        # Scheduled or constant, the same kind of input: the program must not depend on it.
-        arr = put(spec, hv, spec.replicated)
+            arr = jnp.asarray(hv)
+        else:  # scheduled or constant, the same kind of input: one program serves both
+            arr = put(spec, hv, spec.replicated)
         if not scheduled:
             self.constant[s] = arr
         return arr
