@@ -105,10 +105,11 @@ def at_step(record):
         jn.request_stop(n)
     if rank == 1 and record.step == 3 and mode in ("sigterm", "die", "fsdp-sigterm"):
         os.kill(os.getpid(), signal.SIGKILL if mode == "die" else signal.SIGTERM)
-    if record.step >= 3 and mode in ("sigterm", "fsdp-sigterm"):
-        # JAX's notice of the SIGTERM reaches the other process through the coordination
-        # service; on a loaded machine the 21 steps left could all run before it arrives
-        # (the run then completes, exit 0). Slowed, the run outlasts the notice.
+    if record.step >= 3 and mode in ("sigterm", "fsdp-sigterm", "stop"):
+        # JAX's notice of the SIGTERM (or of rank 0's request) reaches the other process
+        # through the coordination service; on a loaded machine the 21 steps left could all
+        # run before it arrives (the run then completes, exit 0). Slowed, the run outlasts
+        # the notice.
         time.sleep(0.1)
 
 
