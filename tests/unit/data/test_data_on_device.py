@@ -9,6 +9,7 @@ import pytest
 from conftest import Tiny, leaves_equal, make_data, nitro
 
 import jaxnitro as jn
+from jaxnitro._src.data import feed
 
 
 def test_on_by_default_when_the_arrays_fit(run_dir):
@@ -215,7 +216,9 @@ def test_cut_batches_are_described_and_planned(tmp_path, cut_any_batch):
 def test_gathered_batches_plan_only_their_row_indices_in_flight(tmp_path):
     n = nitro(Tiny(), run_dir=tmp_path, steps_per_call=4)
     plan = jn.memory_plan(n)
-    assert plan.batch_bytes == 4 * 32 * 4  # 4 steps of 32 int32 row indices
+    # 4 steps of 32 int32 row indices per call, a unit's calls in one block on one CPU
+    assert n.spec.direct_feed
+    assert plan.batch_bytes == feed.ROWS_CALLS * 4 * 32 * 4
     assert plan.kept_batches_bytes == 0 and "kept on the device" not in plan.table()
 
 

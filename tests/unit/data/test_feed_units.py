@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
-from conftest import Tiny, nitro
+from conftest import Tiny, leaves_equal, nitro
 
 import jaxnitro as jn
 from jaxnitro._src.data import feed
@@ -31,19 +32,73 @@ def test_a_unit_of_several_calls_splits_as_one_unit_each(spc, accum):
         assert feed.call_splits(steps, accum, spc) == _one_unit_each(batches, accum, spc), steps
 
 
+def _call_rows(call) -> np.ndarray:
+    """The rows a call's program gathers: sent as they are, or picked from a unit's block."""
+    rows = np.asarray(call.batch["rows"])
+    return rows[int(call.batch["index"])] if "index" in call.batch else rows
+
+
 def test_gathered_rows_come_several_calls_to_a_unit(run_dir):
-    n = nitro(Tiny(n_train=32 * 40), run_dir=run_dir, steps_per_call=2)
+    batches = 2 * feed.ROWS_CALLS + 8  # a full unit of calls and a short one
+    n = nitro(Tiny(n_train=32 * batches), run_dir=run_dir, steps_per_call=2)
     assert n.spec.resident is not None
     units = list(feed.train_units(n.spec, n.spec.splits["train"], 0, 0))
     size = 2 * feed.ROWS_CALLS  # batches: steps_per_call × the calls of a unit
-    assert [u.size for u in units] == [size, 40 - size]
+    assert [u.size for u in units] == [size, batches - size]
     prepare = feed.train_prepare(n.spec, 0, n.device.hyper_base)
     calls = [c for u in units for c in prepare(u)[0]]
-    assert [c.steps for c in calls] == [2] * 20
-    rows = [int(c.batch["rows"][0, 0]) for c in calls]  # each call's first row, in order
-    order = n.spec.splits["train"].iter_rows(0, 40)
+    assert [c.steps for c in calls] == [2] * (batches // 2)
+    rows = [int(_call_rows(c)[0, 0]) for c in calls]  # each call's first row, in order
+    order = n.spec.splits["train"].iter_rows(0, batches)
     want = next(order)[0]["rows"][::2, 0]
     assert rows == [int(r) for r in want]
+
+
+@pytest.mark.parametrize(("spc", "accum"), [(1, 1), (1, 2), (3, 1), (2, 2)])
+def test_a_units_rows_go_as_one_block_and_each_call_reads_its_own(run_dir, spc, accum):
+    # On one CPU device a numpy input per call costs ~2% of a small step: the unit's rows
+    # are sent once, and each call picks its own by an index made once per feed.
+    # a full unit of calls, a short last one, and a tail of single steps in it
+    batches = (feed.ROWS_CALLS * spc + 7 * spc + spc - 1) * accum
+    n = nitro(Tiny(n_train=32 * batches), run_dir=run_dir, steps_per_call=spc, accum=accum)
+    assert n.spec.direct_feed and n.spec.resident is not None
+    loader = n.spec.splits["train"]
+    units = list(feed.train_units(n.spec, loader, 0, 0))
+    blocks = feed.train_prepare(n.spec, 0, n.device.hyper_base)
+    per_unit = [blocks(u)[0] for u in units]
+    calls = [c for unit in per_unit for c in unit]
+    with pytest.MonkeyPatch.context() as mp:  # the same units, each call sent its own rows
+        mp.setattr(feed, "RowBlocks", lambda spc: None)
+        sent = feed.train_prepare(n.spec, 0, n.device.hyper_base)
+        want = [c for u in units for c in sent(u)[0]]
+    assert [c.steps for c in calls] == [c.steps for c in want]
+    assert all("index" in c.batch for c in calls)
+    for got, ref in zip(calls, want, strict=True):
+        assert "index" not in ref.batch and type(ref.batch["rows"]) is np.ndarray
+        np.testing.assert_array_equal(_call_rows(got), ref.batch["rows"])
+        assert got.batch["data"] is ref.batch["data"]
+    # one block per unit and call size, the same length in every unit: no program of its own
+    # for the short last unit; the indices are device scalars, made once and reused
+    shapes = {(c.steps, c.batch["rows"].shape) for c in calls}
+    assert len(shapes) == len({c.steps for c in calls})
+    assert len({id(c.batch["rows"]) for c in calls}) == sum(
+        len({c.steps for c in unit}) for unit in per_unit
+    )
+    index = {int(c.batch["index"]): c.batch["index"] for c in calls}
+    assert all(c.batch["index"] is index[int(c.batch["index"])] for c in calls)
+    assert not any(i.committed for i in index.values())
+
+
+def test_training_on_row_blocks_is_bitwise_training_on_sent_rows(run_dir, monkeypatch):
+    n_train = 32 * (feed.ROWS_CALLS + 5)  # two units a pass, the second short
+    blocks = nitro(Tiny(n_train=n_train), run_dir=run_dir / "blocks", steps_per_call=2)
+    jn.train(blocks)
+    monkeypatch.setattr(feed, "RowBlocks", lambda spc: None)
+    sent = nitro(Tiny(n_train=n_train), run_dir=run_dir / "sent", steps_per_call=2)
+    jn.train(sent)
+    assert blocks.step == sent.step == 2 * (feed.ROWS_CALLS + 5)
+    assert leaves_equal(blocks.train_state.params, sent.train_state.params)
+    assert blocks.progress.history[-1] == sent.progress.history[-1]
 
 
 class _Copying:

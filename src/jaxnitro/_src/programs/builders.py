@@ -64,7 +64,8 @@ def train_program(
     }
     inputs = {"batch": batch, "extras": extras["device"]}
     if spec.resident is not None:  # the arrays are not stacked per step: not batch inputs
-        inputs = {"batch": {"rows": batch["rows"]}, "train arrays on the device": batch["data"]}
+        rows = {k: v for k, v in batch.items() if k != "data"}  # (and a block's "index")
+        inputs = {"batch": rows, "train arrays on the device": batch["data"]}
         inputs["extras"] = extras["device"]
     key = program_key(
         spec,
@@ -133,8 +134,9 @@ def _train_step(spec: ProgramSpec, steps: int, *, gathered: bool = False) -> Ste
 def _gathering(one: Any, steps: int) -> StepFn:
     """`steps` of `one` per call, each on its batch gathered from the arrays kept on the
     device: the payload is {"rows": indices (steps, micro-batches, batch), "data": {field:
-    array}}. Each step gathers its own rows (inside the loop of a fused call), so a call
-    holds one step's batch at a time, not all of them."""
+    array}}, or on one CPU device {"rows": a block of such indices, "index": this call's
+    in it, "data": ...} (`feed.RowBlocks`). Each step gathers its own rows (inside the loop
+    of a fused call), so a call holds one step's batch at a time, not all of them."""
 
     def gathered(
         ts: TrainState, batch: Batch, extras: dict[str, Any], hyper: Any
@@ -147,7 +149,10 @@ def _gathering(one: Any, steps: int) -> StepFn:
             got = {f: jnp.take(a, b["rows"], axis=0, mode="clip") for f, a in data.items()}
             return one(ts, got, extras, h)
 
-        return fuse(on_rows, steps)(ts, {"rows": batch["rows"]}, extras, hyper)
+        rows = batch["rows"]
+        if "index" in batch:  # a block of a unit's calls' rows (`feed.RowBlocks`): this call's
+            rows = jax.lax.dynamic_index_in_dim(rows, batch["index"], keepdims=False)
+        return fuse(on_rows, steps)(ts, {"rows": rows}, extras, hyper)
 
     return gathered
 
