@@ -21,6 +21,7 @@ from jaxnitro._src.compile.fingerprint import is_library_class
 from jaxnitro._src.compile.remembered import check_of, forget, remembered
 from jaxnitro._src.core.errors import ConfigArgumentError, HookError
 from jaxnitro._src.experiment import models
+from jaxnitro._src.steps import leaf_layout
 from jaxnitro._src.steps.step import make_train_step, scalar_loss
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ class TrainState:
             with _materializing:  # two threads reading at once get the same objects
                 unread = self.__dict__.pop("_unread", None)
                 if unread is not None:
-                    full = jax.tree.unflatten(unread[1], unread[0])
+                    full = jax.tree.unflatten(unread[3], _leaves_of(unread))
                     for field in _ARRAY_FIELDS:
                         object.__setattr__(self, field, getattr(full, field))
             return self.__dict__[name]
@@ -115,7 +116,9 @@ _materializing = threading.Lock()
 def _unread_state(
     model: Model,
     tx: optax.GradientTransformation,
-    leaves: Any,
+    moving: list,
+    fixed: list,
+    steps: int,
     treedef: jax.tree_util.PyTreeDef,
     program: _Fast,
 ) -> TrainState:
@@ -126,11 +129,23 @@ def _unread_state(
     next call costs more than a small step itself when the parameters are NNX `State`s
     (every `Variable` is rebuilt in Python). An unread state goes back as its leaves. Once a
     field is read, the state is an ordinary one (its containers may since have been edited
-    in place, so it is flattened again like any other).
+    in place, so it is flattened again like any other). Its leaves are kept as the program
+    takes them: those a step changes, and those it keeps (`_Fast.fixed_at`); `steps` is how
+    many steps the kept step counter is behind (a program that does not count, `_Fast`).
     """
     ts = object.__new__(TrainState)
-    ts.__dict__.update(model=model, tx=tx, _unread=(leaves, treedef, program))
+    ts.__dict__.update(model=model, tx=tx, _unread=(moving, fixed, steps, treedef, program))
     return ts
+
+
+def _leaves_of(unread: tuple) -> list:
+    """An unread state's leaves, in order, its step counter brought up to date."""
+    moving, fixed, steps, _, program = unread
+    leaves = program.layout.merge(moving, fixed)
+    if steps:
+        at = program.layout.step_at
+        leaves[at] = leaves[at] + steps
+    return leaves
 
 
 def _split_loss_output(out: Any) -> tuple[Any, Any, Any]:
@@ -181,31 +196,34 @@ def train_step(
     # The batch goes to the compiled call as it comes (checked and moved to the device in C++).
     unread = state.__dict__.get("_unread") if type(state) is TrainState else None
     if unread is not None:  # a state this function returned, not read since: no flatten
-        leaves, treedef, program = unread
+        moving, fixed, steps, treedef, program = unread
         if program.takes_back(loss_fn, state.model):
             try:
-                new_leaves, out = program.call(leaves, batch)
+                moving, out = program.call(moving, fixed, batch)
             except TypeError:
                 # Another batch structure, shape or dtype: the call refused it before running
                 # (nothing donated); the keyed path below finds or compiles its program.
                 pass
             else:
-                loss = out.pop("loss")
-                return _unread_state(state.model, state.tx, new_leaves, treedef, program), loss, out
-        state_sig = program.out_sig
+                steps += program.uncounted
+                ts = _unread_state(state.model, state.tx, moving, fixed, steps, treedef, program)
+                return ts, out.pop("loss"), out
+        leaves, state_sig = _leaves_of(unread), program.out_sig
     else:
         leaves, treedef = jax.tree.flatten(state)
         state_sig = _state_sig(leaves)
     batch_leaves, batch_def = jax.tree.flatten(batch)
     sigs = (state_sig, batch_def, tuple(map(_input_sig, batch_leaves)))
     program = _lookup(loss_fn, state, leaves, treedef, batch, *sigs, unread=unread is not None)
-    leaves, out = program.call(leaves, batch)
+    moving, fixed = program.layout.split(leaves)
+    moving, out = program.call(moving, fixed, batch)
     if program.out_sig is None:  # the program's output avals, the same on every call
-        program.returned(_state_sig(leaves))
+        program.returned(_state_sig(program.layout.merge(moving, fixed)))
     loss = out.pop("loss")
+    unread = (moving, fixed, program.uncounted, treedef, program)
     if type(state) is not TrainState:  # a subclass: its own fields, rebuilt as it is
-        return jax.tree.unflatten(treedef, leaves), loss, out
-    return _unread_state(state.model, state.tx, leaves, treedef, program), loss, out
+        return jax.tree.unflatten(treedef, _leaves_of(unread)), loss, out
+    return _unread_state(state.model, state.tx, *unread), loss, out
 
 
 def _lookup(
@@ -240,10 +258,11 @@ def _lookup(
         return hit
     if unread:
         state = jax.tree.unflatten(treedef, leaves)
-    call = _program(loss_fn, state, leaves, treedef, batch, content).compiled
+    call = _program(loss_fn, state, leaves, batch, content).compiled
     # what a later call re-checks instead of building the content (`_Fast.takes_back`)
     check = check_of((loss_fn, *_model_code(model))) if content[1] else None
-    hit = _Fast(loss_fn, model, tx, call, state_sig, content, flags, env, check)
+    layout = leaf_layout.of_compiled(call, state)
+    hit = _Fast(loss_fn, model, tx, call, state_sig, content, flags, env, check, layout=layout)
     _remember(key, hit)
     return hit
 
@@ -319,8 +338,14 @@ class _Fast:
     # `content` again (None: not remembered, or an open content)
     check: Callable[[], bool] | None = None
     out_sig: tuple | None = None
+    # which leaves it takes kept (`leaf_layout`), and the steps a call adds uncounted
+    layout: leaf_layout.Layout = leaf_layout.Layout((), -1)
+    uncounted: int = 0
     loops: bool = False  # its returned state is a valid input of its own (same signature)
     live: bool = True  # False once `jn.cache_reset()` dropped it
+
+    def __post_init__(self) -> None:
+        self.uncounted = self.layout.uncounted
 
     def fits(self, loss_fn: Callable[..., Any], model: Model, content: tuple[str, bool]) -> bool:
         """Still this function's and model's program: alive, and their content the same and
@@ -375,16 +400,17 @@ def _program(
     loss_fn: Callable[..., Any],
     state: TrainState,
     leaves: Any,
-    treedef: jax.tree_util.PyTreeDef,
     batch: Batch,
     content: tuple[str, bool],
 ) -> cache.Program:
     """The train-step program, from the process-wide cache (keyed by `_content`; an open
     key is checked against a trace of the current code).
 
-    It takes the state's leaves (a flat list: the call flattens it in C++, where an NNX
-    `State` would call back into Python) and the batch, and returns the new state's leaves
-    and the outputs.
+    It takes the state's leaves (flat lists: the call flattens them in C++, where an NNX
+    `State` would call back into Python) as those a step changes (donated) and those it keeps
+    (`leaf_layout`), and the batch; it returns the new state's changed leaves and the
+    outputs. A state of a `TrainState` subclass is rebuilt after each call, so its step is
+    counted on the device.
     """
     model, tx = state.model, state.tx
 
@@ -403,19 +429,13 @@ def _program(
         cache.avals(([state.params, state.state, state.opt_state, state.step, state.rng], batch)),
         context.jax_flags(),
         context.environment(),
+        ("leaves kept, not returned", host_counts := type(state) is TrainState),
     )
-    step_fn = make_train_step(inner, tx)
-
-    def flat_step(
-        leaves: Any, batch: Batch
-    ) -> tuple[list[Any], Any]:  # model and tx are static: only leaves travel
-        new, out = step_fn(jax.tree.unflatten(treedef, leaves), batch, {}, {})
-        return jax.tree.leaves(new), out
-
+    step_fn = make_train_step(inner, tx)  # model and tx are static: only leaves travel
     closed = content[1]
     return cache.get_or_compile(
         key,
-        lambda: jax.jit(flat_step, donate_argnums=(0,)).lower(leaves, batch),
+        lambda: leaf_layout.lower(step_fn, state, leaves, batch, host_counts=host_counts),
         kind="train_step",
         label=getattr(loss_fn, "__qualname__", "loss_fn"),
         verify=not (closed and cache.proven(key)),
