@@ -26,12 +26,18 @@ from jaxnitro._src.optim import groups as optim
 from jaxnitro._src.optim import hyper
 from jaxnitro._src.optim.hyper import HyperLayout
 from jaxnitro._src.optim.schedules import Schedules, resolve_schedules
-from jaxnitro._src.programs.builders import eval_metric_shapes, eval_program, train_program
+from jaxnitro._src.programs.builders import (
+    eval_metric_shapes,
+    eval_program,
+    train_layout,
+    train_program,
+)
 from jaxnitro._src.programs.keys import ProgramSet
 from jaxnitro._src.run import setup as setup_mod
 from jaxnitro._src.run.progress import Progress
 from jaxnitro._src.run.services import NoCheckpointer, Services
 from jaxnitro._src.run.spec import DeviceValues, RunSpec
+from jaxnitro._src.train.carry import StateCarry
 
 
 @jn.experiment
@@ -163,8 +169,9 @@ def test_train_and_eval_programs_from_a_spec_and_their_keys():
     prog = train_program(spec, ps, ts, batch, device.extras, hv, steps)
     assert isinstance(prog.key, explain.ProgramKey) and prog.key.option("accum") == 1
     leaves, treedef = jax.tree.flatten(ts)
-    leaves, out = prog(leaves, batch, device.extras, hv)
-    new = jax.tree.unflatten(treedef, leaves)
+    carry = StateCarry(leaves, 0)  # the leaves as the program takes them (`train_layout`)
+    out = carry.run(prog, train_layout(prog), steps, batch, device.extras, hv)
+    new = jax.tree.unflatten(treedef, carry.leaves())
     assert int(new.step) == 1 and np.isfinite(float(out["loss"]))
     # The same spec and shapes: a hit, not a second compile.
     again = train_program(spec, ProgramSet(), new, batch, device.extras, hv, steps)

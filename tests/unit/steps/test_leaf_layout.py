@@ -140,7 +140,7 @@ def test_reads_inputs_follows_what_the_outputs_depend_on():
 
 
 def test_a_program_is_called_as_it_was_built(monkeypatch):
-    # The layout comes from the compiled program's own inputs: a second state on the same
+    # The layout is kept beside the compiled program: a second state on the same
     # code (a cache hit) calls it the same way.
     first = _state()
     first, _, _ = jn.train_step(mse, first, BATCH)

@@ -22,7 +22,7 @@ from jaxnitro._src.experiment import models, remat
 from jaxnitro._src.optim import groups as optim
 from jaxnitro._src.programs.calls import _forward, custom_step_fn, eval_metrics_fn, train_loss_fn
 from jaxnitro._src.programs.keys import ProgramSet, _acquire, _state_arrays, program_key
-from jaxnitro._src.steps import custom
+from jaxnitro._src.steps import custom, leaf_layout
 from jaxnitro._src.steps import metrics as metrics_mod
 from jaxnitro._src.steps.ema import averaging
 from jaxnitro._src.steps.step import (
@@ -48,8 +48,13 @@ def train_program(
     hyper: Any,
     steps: int,
 ) -> cache.Program:
-    """The fused train step for these shapes: `(state leaves, batch, extras, hyper) ->
-    (state leaves, outputs)`, compiled once per process."""
+    """The fused train step for these shapes: `(changed state leaves, kept state leaves,
+    batch, extras, hyper) -> (changed state leaves, outputs)`, compiled once per process.
+
+    With one step per call (`steps_per_call=1`) the program keeps the leaves a step does not
+    change, and the step counter where the step never reads its key (`steps/leaf_layout.py`;
+    `train_layout` says which); with several, every leaf travels, so that a run's fused
+    program and its single steps take the state alike."""
     options = {
         "accum": spec.accum,
         "steps_per_call": steps,
@@ -61,6 +66,7 @@ def train_program(
         "early stopping per member": spec.population is not None and spec.early_stop is not None,
         "data on device": spec.resident is not None,
         "ema": spec.ema.key() if spec.ema is not None else None,  # (the decay is traced)
+        "state leaves kept": (kept := spec.steps_per_call == 1),
     }
     inputs = {"batch": batch, "extras": extras["device"]}
     if spec.resident is not None:  # the arrays are not stacked per step: not batch inputs
@@ -78,25 +84,35 @@ def train_program(
         optimizer=(optim.describe(spec.optimizer), cache.optimizer_key(spec.tx)),
     )
     step = _train_step(spec, steps, gathered=spec.resident is not None)
-    leaves, treedef = jax.tree.flatten(ts)
+    leaves, passed = jax.tree.leaves(ts), _passed(spec, ts) if kept else ()  # flat lists
 
-    def flat_step(
-        leaves: Any, batch: Batch, extras: dict[str, Any], hyper: Any
-    ) -> tuple[list[Any], Any]:  # the state travels as a flat list
-        new, out = step(jax.tree.unflatten(treedef, leaves), batch, extras, hyper)
-        return jax.tree.leaves(new), out
-
-    def lower() -> jax.stages.Traced:
+    def lower() -> tuple[jax.stages.Traced, leaf_layout.Layout]:
         with remat.applied(spec.remat):  # named blocks recompute in the backward pass
-            return jax.jit(
-                flat_step,
-                donate_argnums=(0,),
+            return leaf_layout.lower(
+                step,
+                ts,
+                leaves,
+                (batch, extras, hyper),
+                passed=passed,
+                host_counts=kept,
                 # the state comes back placed as it went in (FSDP shards stay shards)
-                out_shardings=([x.sharding for x in leaves], spec.replicated),
-            ).trace(leaves, batch, extras, hyper)
+                out_shardings=lambda moving: ([x.sharding for x in moving], spec.replicated),
+            )
 
     label = spec.cls.__name__ + (f", {steps} steps per call" if steps > 1 else "")
-    return _acquire(spec, ps, key, lower, label=label)
+    return leaf_layout.acquired(lambda traced: _acquire(spec, ps, key, traced, label=label), lower)
+
+
+def _passed(spec: ProgramSpec, ts: TrainState) -> tuple[int, ...]:
+    """The state leaves a train step passes through: the RNG, and the injected optimizer
+    hyperparameters no step writes."""
+    written = {hp for _, hp in spec.hyper.groups.values()}
+    return leaf_layout.positions(ts)[1] + leaf_layout.constant_hyperparameters(ts, written)
+
+
+def train_layout(prog: cache.Program) -> leaf_layout.Layout:
+    """Which state leaves the train program `prog` keeps (`train_program`)."""
+    return leaf_layout.chosen(prog)
 
 
 def _train_step(spec: ProgramSpec, steps: int, *, gathered: bool = False) -> StepFn:

@@ -1,20 +1,21 @@
-"""How `jn.train_step`'s program takes a `TrainState`'s leaves: which it donates and returns,
-and which it keeps.
+"""How a train program takes a `TrainState`'s leaves: which it donates and returns, and which
+it keeps (takes, neither donated nor returned).
 
 On a CPU, every leaf a call donates and returns costs ~1.5 µs (its donation, a new output
-array), which a small model's step feels. Two leaves need not travel:
+array), which a small model's step feels. Three kinds of leaf need not travel:
 
 - the RNG never changes in a train step (each step's key is folded in from it and the step
-  counter): it goes in, kept, and is not returned;
-- the step counter is needed on the device only to fold the key; where the traced step never
-  reads its key (an NNX model draws dropout from its own `Rngs`; a model without dropout), it
-  is kept too and the host counts the steps (`Layout.uncounted`), adding them when the state is
-  read.
+  counter);
+- the optimizer hyperparameters that `optax.inject_hyperparams` keeps in the state and no
+  step writes (an RAdam's b1, b2, eps, ...): passed through unchanged;
+- the step counter, where the traced step never reads its key (an NNX model draws dropout
+  from its own `Rngs`; a model without dropout): the host counts the steps instead
+  (`Layout.uncounted`), and adds them when the state is handed over or read.
 
-Which applies is decided from the trace: the step is traced with both kept, and where the
-program reads either, traced again with the counter on the device. The decision is the
-program's own (its inputs say it: `of_compiled`), so a cached program is called as it was
-built.
+Which apply is decided from the trace (`lower`): a leaf kept but changed after all, or a
+counter that is read, is traced again as a changed leaf. The layout a program was lowered
+with is kept by its cache key (`acquired`, `chosen`), so a cached program is called as it
+was built.
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
-
-    from jaxnitro._src.core.types import Batch
+    from collections.abc import Callable, Hashable, Iterable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +38,9 @@ class Layout:
     fixed_at: tuple[int, ...]
     step_at: int
     uncounted: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "uncounted", int(self.uncounted))
 
     def split(self, leaves: list) -> tuple[list, list]:
         """A state's leaves -> (those the program donates and returns, those it keeps)."""
@@ -52,16 +54,17 @@ class Layout:
             leaves.insert(i, x)
         return leaves
 
-    def flat(self, step_fn: Callable[..., Any], treedef: Any, passed: tuple[int, ...]) -> Any:
-        """`step_fn` on a state as (changed leaves, kept leaves, batch) -> (the new changed
-        leaves, outputs); `passed`: the kept leaves the step must pass through unchanged."""
+    def flat(
+        self, step_fn: Callable[..., Any], treedef: Any, passed: tuple[int, ...], changed: set
+    ) -> Any:
+        """`step_fn` on a state as (changed leaves, kept leaves, *inputs) -> (the new changed
+        leaves, outputs); a leaf at `passed` the step does change is added to `changed`."""
 
-        def flat_step(moving: list, fixed: list, batch: Batch) -> tuple[list, Any]:
+        def flat_step(moving: list, fixed: list, *inputs: Any) -> tuple[list, Any]:
             leaves = self.merge(moving, fixed)
-            new, out = step_fn(jax.tree.unflatten(treedef, leaves), batch, {}, {})
+            new, out = step_fn(jax.tree.unflatten(treedef, leaves), *inputs)
             new_leaves = jax.tree.leaves(new)
-            if any(new_leaves[i] is not leaves[i] for i in passed):
-                raise AssertionError("a train step changed its RNG, which it passes through")
+            changed.update(i for i in passed if new_leaves[i] is not leaves[i])
             return [x for i, x in enumerate(new_leaves) if i not in self.fixed_at], out
 
         return flat_step
@@ -74,40 +77,82 @@ def positions(state: Any) -> tuple[int, tuple[int, ...]]:
     return names.index("step"), tuple(i for i, name in enumerate(names) if name == "rng")
 
 
+def constant_hyperparameters(state: Any, written: Iterable[str]) -> tuple[int, ...]:
+    """The positions of the optimizer hyperparameters that `optax.inject_hyperparams` keeps
+    in the state and no step writes (`written`: the names a run writes each step): an
+    RAdam's b1, b2, eps, eps_root and threshold, passed through with every call."""
+    skip = set(written)
+    out = []
+    for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
+        names = [getattr(k, "name", getattr(k, "key", None)) for k in path]
+        if "hyperparams" in names[:-1] and names[-1] not in skip:
+            out.append(i)
+    return tuple(out)
+
+
 def lower(
     step_fn: Callable[..., Any],
     state: Any,
     leaves: list,
-    batch: Batch,
+    inputs: tuple,
     *,
+    passed: Iterable[int],
     host_counts: bool,
-) -> jax.stages.Lowered:
-    """The lowered program: with the step counter and the RNG kept where the trace reads
-    neither (and `host_counts` allows it), else with the RNG alone kept."""
+    out_shardings: Callable[[list], Any] | None = None,
+) -> tuple[jax.stages.Traced, Layout]:
+    """The traced program `(changed leaves, kept leaves, *inputs) -> (new changed leaves,
+    outputs)` of `step_fn(state, *inputs)`, and its layout.
+
+    Kept: the leaves at `passed` that the step passes through unchanged (a leaf it changes
+    after all is found in the trace, and traced again as a changed one), and where
+    `host_counts` allows it and the trace never reads it, the step counter. `out_shardings`
+    maps the changed leaves to the shardings of the returned ones.
+    """
     treedef = jax.tree.structure(state)
-    step_at, rng_at = positions(state)
-    if host_counts:
-        kept = Layout(tuple(sorted((step_at, *rng_at))), step_at, 1)
-        moving, fixed = kept.split(leaves)
-        traced = jax.jit(kept.flat(step_fn, treedef, rng_at), donate_argnums=(0,)).trace(
-            moving, fixed, batch
-        )
+    step_at = positions(state)[0]
+    passed, count = set(passed), host_counts
+    while True:
+        layout = Layout(tuple(sorted(passed | ({step_at} if count else set()))), step_at, count)
+        changed: set[int] = set()
+        moving, fixed = layout.split(leaves)
+        extra = {} if out_shardings is None else {"out_shardings": out_shardings(moving)}
+        fn = layout.flat(step_fn, treedef, tuple(sorted(passed)), changed)
+        traced = jax.jit(fn, donate_argnums=(0,), **extra).trace(moving, fixed, *inputs)
+        if changed:  # kept where it changes: a changed leaf, traced again
+            passed -= changed
+            continue
         first = len(jax.tree.leaves(moving))
-        if not reads_inputs(traced.jaxpr, range(first, first + len(fixed))):
-            return traced.lower()
-    counted = Layout(rng_at, step_at)
-    moving, fixed = counted.split(leaves)
-    fn = counted.flat(step_fn, treedef, rng_at)
-    return jax.jit(fn, donate_argnums=(0,)).lower(moving, fixed, batch)
+        if count and reads_inputs(traced.jaxpr, [first + layout.fixed_at.index(step_at)]):
+            count = False  # the step reads its key: the counter runs on the device
+            continue
+        return traced, layout
 
 
-def of_compiled(compiled: Any, state: Any) -> Layout:
-    """The layout `lower` chose for `compiled`, from the number of leaves it keeps."""
-    step_at, rng_at = positions(state)
-    kept = len(jax.tree.leaves(compiled.args_info[0][1]))
-    if kept == len(rng_at) + 1:
-        return Layout(tuple(sorted((step_at, *rng_at))), step_at, 1)
-    return Layout(rng_at, step_at)
+# a program's cache key -> the layout it was lowered with (a key lowers to one program; kept
+# after `jn.cache_reset()`, for the handles that still hold their programs)
+_chosen: dict[Hashable, Layout] = {}
+
+
+def acquired(get: Callable[[Callable[[], Any]], Any], lower: Callable[[], tuple]) -> Any:
+    """`get(traced)`: a program cache's get-or-compile, where `traced()` lowers through
+    `lower()` -> (traced, layout); the layout of a program lowered now is recorded under its
+    key for `chosen` (one from the cache was recorded when it was built)."""
+    made: list[Layout] = []
+
+    def traced() -> Any:
+        out, layout = lower()
+        made.append(layout)
+        return out
+
+    prog = get(traced)
+    if made:
+        _chosen[prog.key] = made[-1]
+    return prog
+
+
+def chosen(prog: Any) -> Layout:
+    """The layout the program `prog` (an `acquired` one, or a copy of it) was lowered with."""
+    return _chosen[prog.key]
 
 
 def reads_inputs(closed: Any, inputs: Iterable[int]) -> bool:

@@ -258,10 +258,10 @@ def _lookup(
         return hit
     if unread:
         state = jax.tree.unflatten(treedef, leaves)
-    call = _program(loss_fn, state, leaves, batch, content).compiled
+    program = _program(loss_fn, state, leaves, batch, content)
+    call, layout = program.compiled, leaf_layout.chosen(program)
     # what a later call re-checks instead of building the content (`_Fast.takes_back`)
     check = check_of((loss_fn, *_model_code(model))) if content[1] else None
-    layout = leaf_layout.of_compiled(call, state)
     hit = _Fast(loss_fn, model, tx, call, state_sig, content, flags, env, check, layout=layout)
     _remember(key, hit)
     return hit
@@ -432,12 +432,26 @@ def _program(
         ("leaves kept, not returned", host_counts := type(state) is TrainState),
     )
     step_fn = make_train_step(inner, tx)  # model and tx are static: only leaves travel
+
+    def lower() -> tuple[jax.stages.Traced, leaf_layout.Layout]:
+        return leaf_layout.lower(
+            lambda ts, batch: step_fn(ts, batch, {}, {}),
+            state,
+            leaves,
+            (batch,),
+            passed=leaf_layout.positions(state)[1],  # the RNG
+            host_counts=host_counts,
+        )
+
     closed = content[1]
-    return cache.get_or_compile(
-        key,
-        lambda: leaf_layout.lower(step_fn, state, leaves, batch, host_counts=host_counts),
-        kind="train_step",
-        label=getattr(loss_fn, "__qualname__", "loss_fn"),
-        verify=not (closed and cache.proven(key)),
-        closed=closed,
+    return leaf_layout.acquired(
+        lambda traced: cache.get_or_compile(
+            key,
+            traced,
+            kind="train_step",
+            label=getattr(loss_fn, "__qualname__", "loss_fn"),
+            verify=not (closed and cache.proven(key)),
+            closed=closed,
+        ),
+        lower,
     )

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxnitro._src.data import feed
-from jaxnitro._src.programs.builders import train_program
+from jaxnitro._src.programs.builders import train_layout, train_program
 
 if TYPE_CHECKING:
     from jaxnitro._src.run.nitro import Nitro
@@ -101,13 +101,14 @@ def _per_step(
     (batch, hyper, got), *_ = feed.train_prepare(spec, n.step, n.device.hyper_base)(unit)[0]
     prog = train_program(spec, n.programs, n.train_state, batch, n.device.extras, hyper, got)
     leaves = [jnp.copy(x) for x in n.state_leaves]  # the handle's buffers are never donated
+    leaves, kept = train_layout(prog).split(leaves)
     t0 = time.perf_counter()
-    leaves, out = prog.compiled(leaves, batch, n.device.extras, hyper)  # warm up
+    leaves, out = prog.compiled(leaves, kept, batch, n.device.extras, hyper)  # warm up
     jax.block_until_ready(out)
     first = (time.perf_counter() - t0) / got
     if give_up is not None and first > give_up:
         t0 = time.perf_counter()  # the first call may carry one-off costs: time a second
-        leaves, out = prog.compiled(leaves, batch, n.device.extras, hyper)
+        leaves, out = prog.compiled(leaves, kept, batch, n.device.extras, hyper)
         jax.block_until_ready(out)
         first = (time.perf_counter() - t0) / got
         if first > give_up:
@@ -116,7 +117,7 @@ def _per_step(
     for _ in range(_REPEATS):
         t0 = time.perf_counter()
         for _ in range(calls):
-            leaves, out = prog.compiled(leaves, batch, n.device.extras, hyper)
+            leaves, out = prog.compiled(leaves, kept, batch, n.device.extras, hyper)
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - t0) / (calls * got))
     return best

@@ -14,7 +14,7 @@ reads the handle (a step callback, a mid-epoch validation or checkpoint, a check
 `jn.start` handle asked); the last read-back and the handover come before the epoch's line,
 so a stop leaves a resumable position.
 
-The epoch's state is local to `run_epoch`: the train state's leaves as last dispatched, the
+The epoch's state is local to `run_epoch`: the train state as last dispatched (`StateCarry`), the
 newest call (`InFlight`: its step and batch position), the calls in flight, and a `Tally`
 (frozen, replaced per chunk) of the steps read. What stays fixed through the epoch is an
 `Epoch` record. The handle takes the state where the epoch hands it over; the epoch returns
@@ -45,10 +45,11 @@ from jaxnitro._src.observe.events.signals import PreemptionSync
 from jaxnitro._src.observe.members import training as members_training
 from jaxnitro._src.observe.profile import ProfileWindow
 from jaxnitro._src.observe.timing import EpochClock
-from jaxnitro._src.programs.builders import train_program
+from jaxnitro._src.programs.builders import train_layout, train_program
 from jaxnitro._src.run import commands
 from jaxnitro._src.run.progress import Progress
 from jaxnitro._src.train import oom, render
+from jaxnitro._src.train.carry import StateCarry
 from jaxnitro._src.train.checkpointing import save_checkpoint
 from jaxnitro._src.train.evaluation import is_scalar, validation
 from jaxnitro._src.train.introspect import peak_memory
@@ -121,6 +122,7 @@ class Epoch:
     accum: int
     on_host: bool  # the outputs lie in host memory (a CPU backend)
     programs: dict[int, Any] = dataclasses.field(default_factory=dict)
+    layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
     flops: dict[int, float | None] = dataclasses.field(default_factory=dict)
     rates_of: dict[float | None, throughput.Throughput] = dataclasses.field(default_factory=dict)
 
@@ -130,7 +132,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     says (a read-back and the handover before anything that reads the handle)."""
     ep = _start(n, epoch)
     control, callbacks = n.services.control, n.services.step_callbacks
-    leaves, extras, repack = list(n.state_leaves), n.device.extras, None  # the loop's own
+    carry, extras, repack = StateCarry(n.state_leaves, n.step), n.device.extras, None
     device = n.device  # the Device values and learning rates the calls take
     last = InFlight(n.step, n.progress.batch_in_epoch, 0, {})  # the newest call's position
     data_state = n.progress.data_state  # a stream's iterator state (grain)
@@ -139,7 +141,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     tally, cadence = Tally.of(n.progress, ep.clock.t0), ep.cadence
 
     def hand_over(counted: Tally | None = None) -> None:  # the handle shows the epoch so far
-        n.take(leaves=list(leaves), progress=_progress(n.progress, last, data_state, counted))
+        n.take(leaves=carry.leaves(), progress=_progress(n.progress, last, data_state, counted))
 
     def drain(count: int | None = None) -> None:  # the oldest calls (all) read back, counted
         nonlocal tally
@@ -159,7 +161,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
                 if repack is not None:
                     call = call._replace(hyper=repack.at(last.step, call.steps))
                 fn = ep.programs.get(call.steps) or _program(ep, call, extras, hand_over)
-                last = _dispatch(ep, fn, leaves, last, call, extras, pending)
+                last = _dispatch(ep, fn, carry, last, call, extras, pending)
                 pending.append(last)
                 ep.sync.poll()
                 if unit.states is not None:  # the iterator state after the last batch trained
@@ -180,8 +182,8 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     finally:
         stream.close()
         hand_over()
-        _close_profile(ep, leaves, last.step)
-    seconds = _settle(ep.clock, leaves)
+        _close_profile(ep, carry.moving, last.step)
+    seconds = _settle(ep.clock, carry.moving)
     n.display.end_train(last.batch)  # the bar ends at the true count, then leaves (untimed)
     done = _result(ep, losses, tally, last.step, seconds, stream.wait_seconds)
     _log_epoch(n, epoch, last.step, done, tally.skipped)
@@ -306,6 +308,7 @@ def _program(ep: Epoch, call: feed.Call, extras: Any, hand_over: Callable[[], No
         )
         ep.clock.compile_s += time.perf_counter() - c0
     ep.flops[call.steps] = prog.record.flops
+    ep.layouts[call.steps] = train_layout(prog)  # which state leaves it keeps
     ep.programs[call.steps] = cache.direct_call(prog.compiled)  # (made by an earlier epoch)
     return prog.compiled
 
@@ -313,21 +316,21 @@ def _program(ep: Epoch, call: feed.Call, extras: Any, hand_over: Callable[[], No
 def _dispatch(
     ep: Epoch,
     fn: Any,
-    leaves: list,
+    carry: StateCarry,
     last: InFlight,
     call: feed.Call,
     extras: Any,
     pending: collections.deque[InFlight],
 ) -> InFlight:
     """One train call after `last`; returns it in flight. Its new leaves replace the old in
-    `leaves` (the loop's own list) within the call's time: the old are freed there, as the
+    `carry.moving` (the loop's own list) within the call's time: the old are freed there, as the
     epoch's time split has always counted them (device time, not the host's)."""
     profile, step = ep.profile, last.step
     if not profile.done and profile.before_dispatch(step):
         ep.n.display.line(f"profiling steps {step + 1}.. into {profile.dir}")
     t0 = time.perf_counter()
     try:
-        leaves[:], out = fn(leaves, call.batch, extras, call.hyper)
+        out = carry.run(fn, ep.layouts[call.steps], call.steps, call.batch, extras, call.hyper)
     except Exception as e:  # an earlier call's failure surfaces here: name its step
         oom.at_steps(e, failed_call(pending) or (step + 1, step + call.steps))
         raise

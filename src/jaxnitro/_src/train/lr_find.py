@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxnitro._src.core.errors import ConfigError, DataError
 from jaxnitro._src.data import feed
-from jaxnitro._src.programs.builders import train_program
+from jaxnitro._src.programs.builders import train_layout, train_program
 from jaxnitro._src.programs.stale import check_stale
 from jaxnitro._src.steps import population
 
@@ -159,6 +159,7 @@ def _ramp(
     losses: list[float] = []
     smoothed: list[float] = []
     avg, best, stopped, call = 0.0, math.inf, False, None
+    kept: list = []  # the leaves the program keeps (`train_layout`)
     with n.display.bar("lr_find", steps) as advance:  # each step reads its loss anyway
         for batch, hyper, _ in _payloads(spec, n, steps):
             t = len(rates)
@@ -166,8 +167,10 @@ def _ramp(
             for i, r in ratio.items():
                 vec[i] = ramp[t] * r
             if call is None:  # the run's own train program (a cache hit after training)
-                call = _program(spec, n, batch, vec).compiled
-            leaves, out = call(leaves, batch, n.device.extras, feed.put(spec, vec, spec.replicated))
+                prog = _program(spec, n, batch, vec)
+                call, (leaves, kept) = prog.compiled, train_layout(prog).split(leaves)
+            hv = feed.put(spec, vec, spec.replicated)
+            leaves, out = call(leaves, kept, batch, n.device.extras, hv)
             loss = float(jax.device_get(out["loss"]))
             rates.append(float(ramp[t]))
             losses.append(loss)

@@ -1,0 +1,55 @@
+"""The train state as an epoch's program takes it, from call to call.
+
+A train program takes the state's leaves as two lists (`steps/leaf_layout.py`): those a call
+changes, donated and replaced by the call's outputs, and those it keeps. Where the program
+keeps the step counter, the host counts the steps; the counter is brought up to date when the
+state is handed over. `StateCarry` holds both lists for the epoch loop, runs each call on them,
+and gives the state's leaves, in order, wherever the loop hands them over.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxnitro._src.steps.leaf_layout import Layout
+
+
+class StateCarry:
+    """The state's leaves as the loop's programs take them, and the steps they ran.
+
+    Example:
+        >>> carry = StateCarry(n.state_leaves, n.step)
+        >>> out = carry.run(fn, train_layout(prog), 1, batch, extras, hyper)
+        >>> n.take(leaves=carry.leaves(), ...)
+    """
+
+    def __init__(self, leaves: list, step: int):
+        self.moving = list(leaves)  # what the next call donates (all leaves, until a layout)
+        self.kept: list = []  # what it takes and keeps
+        self.layout: Layout | None = None
+        self.step = step  # the steps run, as the host counts them
+        self._counted = step  # the count the kept step counter is right at
+
+    def run(self, fn: Any, layout: Layout, steps: int, *inputs: Any) -> Any:
+        """One call of `fn` (a train program of `layout`, `steps` steps per call) on the
+        state: its new leaves replace the changed ones. Returns its outputs."""
+        if layout is not self.layout and layout != self.layout:  # the first call's program
+            leaves = self.leaves()
+            self.layout = layout
+            self.moving, self.kept = layout.split(leaves)
+        self.moving[:], out = fn(self.moving, self.kept, *inputs)
+        self.step += steps
+        return out
+
+    def leaves(self) -> list:
+        """The state's leaves, in order; a kept step counter is first advanced by the steps
+        run since it was last right (one small device addition)."""
+        layout = self.layout
+        if layout is None:
+            return list(self.moving)
+        if layout.uncounted and self.step != self._counted:
+            at = layout.fixed_at.index(layout.step_at)
+            self.kept[at] = self.kept[at] + (self.step - self._counted)
+            self._counted = self.step
+        return layout.merge(self.moving, self.kept)

@@ -1,0 +1,104 @@
+"""A run's train program keeps the state leaves a step does not change (the RNG, the injected
+hyperparameters no step writes) and, where the step never reads its key, the step counter,
+which the host counts; the loop hands over the state exact (`train/carry.py`)."""
+
+from __future__ import annotations
+
+import jax
+import optax
+import pytest
+from conftest import Tiny, leaves_equal, nitro
+from flax import linen
+
+import jaxnitro as jn
+from jaxnitro._src.programs.builders import train_layout
+from jaxnitro._src.steps import leaf_layout
+
+
+def _kept(n) -> tuple[list[str], leaf_layout.Layout]:
+    layout = train_layout(n.programs.train[("train", n.spec.steps_per_call)])
+    flat = jax.tree_util.tree_flatten_with_path(n.train_state)[0]
+    return [jax.tree_util.keystr(flat[i][0]) for i in layout.fixed_at], layout
+
+
+def test_a_default_run_keeps_the_rng_the_constant_hyperparameters_and_the_counter(run_dir):
+    n = nitro(Tiny(max_epochs=1), run_dir=run_dir)  # an NNX model, RAdam
+    steps = []
+    jn.every(1, lambda r: steps.append((r.step, int(n.train_state.step))), nitro=n)
+    jn.train(n)
+    kept, layout = _kept(n)
+    assert layout.uncounted == 1
+    assert [k for k in kept if "hyperparams" not in k] == [".step", ".rng"]
+    hyper = sorted(k.split("'")[-2] for k in kept if "hyperparams" in k)
+    assert hyper == ["b1", "b2", "eps", "eps_root", "threshold"]  # not the rate: written
+    assert int(n.train_state.step) == n.step == 8
+    assert steps == [(s, s) for s in range(1, 9)]  # each handover has the counter right
+
+
+def test_keeping_leaves_trains_bitwise_as_sending_them_all(run_dir, monkeypatch):
+    kept = nitro(Tiny(max_epochs=2), run_dir=run_dir / "kept")
+    jn.train(kept)
+    assert _kept(kept)[1].fixed_at != ()
+    real = leaf_layout.lower
+
+    def every_leaf(*args, passed, host_counts, **kw):
+        return real(*args, passed=(), host_counts=False, **kw)
+
+    monkeypatch.setattr(leaf_layout, "lower", every_leaf)
+    jn.cache_reset()
+    sent = nitro(Tiny(max_epochs=2), run_dir=run_dir / "sent")
+    jn.train(sent)
+    jn.cache_reset()  # (the programs that send every leaf are for this test only)
+    assert _kept(sent)[1].fixed_at == ()
+    assert leaves_equal(kept.train_state, sent.train_state)
+    assert kept.progress.history == sent.progress.history
+
+
+class DropoutMLP(linen.Module):
+    @linen.compact
+    def __call__(self, x, train: bool = False):
+        x = linen.relu(linen.Dense(16)(x))
+        x = linen.Dropout(0.5, deterministic=not train)(x)
+        return linen.Dense(4)(x)
+
+
+@jn.experiment
+class LinenDropout(Tiny):
+    def build_model(self, rng):
+        return jn.split_model(DropoutMLP(), rng, jax.numpy.ones((1, 8)))
+
+
+def test_a_step_that_reads_its_key_counts_on_the_device(run_dir):
+    n = nitro(LinenDropout(max_epochs=1), run_dir=run_dir)
+    jn.train(n)
+    kept, layout = _kept(n)
+    assert layout.uncounted == 0 and ".step" not in kept and ".rng" in kept
+    assert int(n.train_state.step) == n.step == 8
+
+
+@jn.experiment
+class ScheduledInside(Tiny):
+    """A ready transformation that changes an injected hyperparameter every step."""
+
+    def optimizer(self, group):
+        return optax.inject_hyperparams(optax.adam)(
+            learning_rate=optax.linear_schedule(1e-2, 1e-3, 8)
+        )
+
+
+def test_an_injected_hyperparameter_the_step_changes_travels(run_dir):
+    n = nitro(ScheduledInside(max_epochs=1), run_dir=run_dir)
+    jn.train(n)
+    kept, _ = _kept(n)
+    assert not any("learning_rate" in k for k in kept)
+    rate = jax.tree.leaves(n.opt_state, is_leaf=lambda x: hasattr(x, "hyperparams"))
+    lr = [float(s.hyperparams["learning_rate"]) for s in rate if hasattr(s, "hyperparams")]
+    # the rate of the eighth step (count 7): it moved every step, and came back each time
+    assert lr == [pytest.approx(1e-2 + (1e-3 - 1e-2) * 7 / 8, rel=1e-5)]
+
+
+def test_several_steps_per_call_send_every_leaf(run_dir):
+    n = nitro(Tiny(max_epochs=1), run_dir=run_dir, steps_per_call=2)
+    jn.train(n)
+    assert _kept(n)[1].fixed_at == ()
+    assert int(n.train_state.step) == n.step == 8
