@@ -383,13 +383,15 @@ class RowBlocks:
             block = np.zeros((length, *part.shape[1:]), part.dtype)
             block[:count] = part
             sent = jnp.asarray(block)  # uncommitted: placed and keyed as numpy rows are
-            out += [{"rows": sent, "index": self._index(i), "data": data} for i in range(count)]
+            index = self._indices(count)
+            out += [{"rows": sent, "index": index[i], "data": data} for i in range(count)]
         return out
 
-    def _index(self, i: int) -> Any:
-        while len(self.indices) <= i:
+    def _indices(self, count: int) -> list[Any]:
+        """The device scalars 0, 1, ... (at least `count`), each made once."""
+        while len(self.indices) < count:
             self.indices.append(jnp.asarray(np.int32(len(self.indices))))
-        return self.indices[i]
+        return self.indices
 
 
 class HyperFeed:
