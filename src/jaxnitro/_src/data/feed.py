@@ -357,9 +357,9 @@ class RowBlocks:
 
     A numpy input sent with every call costs ~4% of a small step on a CPU (its transfer and
     bookkeeping); a block is sent once per unit of `ROWS_CALLS` calls, and the indices are
-    device scalars made once a process. A block always has the same length for a call shape (padded
-    with row 0, never read), so an epoch's short last unit needs no program of its own:
-    `ROWS_CALLS` rows for calls of `steps_per_call` steps, `steps_per_call - 1` for the
+    device scalars made once a process. A block always has the same length for a call shape
+    (padded with row 0, never read), so an epoch's short last unit needs no program of its
+    own: `ROWS_CALLS` rows for calls of `steps_per_call` steps, `steps_per_call - 1` for the
     single steps of an epoch's tail. The index is picked on the host per call, so a call
     reads exactly the rows it would have been sent.
     """
