@@ -141,11 +141,7 @@ def _unread_state(
 def _leaves_of(unread: tuple) -> list:
     """An unread state's leaves, in order, its step counter brought up to date."""
     moving, fixed, steps, _, program = unread
-    leaves = program.layout.merge(moving, fixed)
-    if steps:
-        at = program.layout.step_at
-        leaves[at] = leaves[at] + steps
-    return leaves
+    return program.layout.merge(moving, fixed, steps)
 
 
 def _split_loss_output(out: Any) -> tuple[Any, Any, Any]:

@@ -3,20 +3,14 @@
 A train program takes the state's leaves as two lists (`steps/leaf_layout.py`): those a call
 changes, donated and replaced by the call's outputs, and those it keeps. Where the program
 keeps the step counter, the host counts the steps; the counter is brought up to date when the
-state is handed over, by one compiled addition (an eager `+` of a Python int costs ~60 µs of
-a CPU through JAX's dispatch; the compiled call on two device scalars, a fraction of that).
-`StateCarry` holds both lists for the epoch loop, runs each call on them, and gives the
-state's leaves, in order, wherever the loop hands them over.
+state is handed over (one compiled addition, `Layout.merge`). `StateCarry` holds both lists
+for the epoch loop, runs each call on them, and gives the state's leaves, in order, wherever
+the loop hands them over.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING, Any
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 if TYPE_CHECKING:
     from jaxnitro._src.steps.leaf_layout import Layout
@@ -51,26 +45,12 @@ class StateCarry:
 
     def leaves(self) -> list:
         """The state's leaves, in order; a kept step counter is first advanced by the steps
-        run since it was last right."""
+        run since it was last right (`Layout.merge`), and kept so."""
         layout = self.layout
         if layout is None:
             return list(self.moving)
-        if layout.uncounted and self.step != self._counted:
-            at = layout.fixed_at.index(layout.step_at)
-            self.kept[at] = _advanced(self.kept[at], self.step - self._counted)
+        leaves = layout.merge(self.moving, self.kept, self.step - self._counted)
+        if layout.uncounted:
+            self.kept[layout.fixed_at.index(layout.step_at)] = leaves[layout.step_at]
             self._counted = self.step
-        return layout.merge(self.moving, self.kept)
-
-
-_add = jax.jit(operator.add)
-_by: dict[int, Any] = {}  # steps -> the device scalar (the same few, chunk after chunk)
-
-
-def _advanced(step: Any, by: int) -> Any:
-    """`step + by` on the device, compiled once (`by` a device scalar made once)."""
-    scalar = _by.get(by)
-    if scalar is None:
-        if len(_by) > 64:
-            _by.clear()
-        scalar = _by[by] = jnp.asarray(np.int32(by))
-    return _add(step, scalar)
+        return leaves
