@@ -216,9 +216,10 @@ def test_cut_batches_are_described_and_planned(tmp_path, cut_any_batch):
 def test_gathered_batches_plan_only_their_row_indices_in_flight(tmp_path):
     n = nitro(Tiny(), run_dir=tmp_path, steps_per_call=4)
     plan = jn.memory_plan(n)
-    # 4 steps of 32 int32 row indices per call, a unit's calls in one block on one CPU
+    # 4 steps of 32 int32 row indices per call, a unit's calls in blocks on one CPU (at
+    # most ROWS_BYTES of them)
     assert n.spec.direct_feed
-    assert plan.batch_bytes == feed.ROWS_CALLS * 4 * 32 * 4
+    assert plan.batch_bytes == feed.rows_calls(n.spec) * 4 * 32 * 4 <= feed.ROWS_BYTES
     assert plan.kept_batches_bytes == 0 and "kept on the device" not in plan.table()
 
 

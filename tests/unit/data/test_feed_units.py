@@ -38,12 +38,19 @@ def _call_rows(call) -> np.ndarray:
     return rows[int(call.batch["index"])] if "index" in call.batch else rows
 
 
-def test_gathered_rows_come_several_calls_to_a_unit(run_dir):
-    batches = 2 * feed.ROWS_CALLS + 8  # a full unit of calls and a short one
+def _two_blocks_a_unit(monkeypatch, spc: int, accum: int) -> None:
+    """Units of two `ROWS_CALLS` blocks of rows (batch 32), not the default's many."""
+    monkeypatch.setattr(feed, "ROWS_BYTES", 2 * 4 * feed.ROWS_CALLS * spc * accum * 32)
+
+
+def test_gathered_rows_come_several_calls_to_a_unit(run_dir, monkeypatch):
+    _two_blocks_a_unit(monkeypatch, spc=2, accum=1)
+    calls = feed.ROWS_CALLS * 2
+    batches = 2 * calls + 8  # a full unit of calls and a short one
     n = nitro(Tiny(n_train=32 * batches), run_dir=run_dir, steps_per_call=2)
-    assert n.spec.resident is not None
+    assert n.spec.resident is not None and feed.rows_calls(n.spec) == calls
     units = list(feed.train_units(n.spec, n.spec.splits["train"], 0, 0))
-    size = 2 * feed.ROWS_CALLS  # batches: steps_per_call × the calls of a unit
+    size = 2 * calls  # batches: steps_per_call × the calls of a unit
     assert [u.size for u in units] == [size, batches - size]
     prepare = feed.train_prepare(n.spec, 0, n.device.hyper_base)
     calls = [c for u in units for c in prepare(u)[0]]
@@ -55,11 +62,13 @@ def test_gathered_rows_come_several_calls_to_a_unit(run_dir):
 
 
 @pytest.mark.parametrize(("spc", "accum"), [(1, 1), (1, 2), (3, 1), (2, 2)])
-def test_a_units_rows_go_as_one_block_and_each_call_reads_its_own(run_dir, spc, accum):
+def test_a_units_rows_go_as_blocks_and_each_call_reads_its_own(run_dir, monkeypatch, spc, accum):
     # On one CPU device a numpy input per call costs ~2% of a small step: the unit's rows
-    # are sent once, and each call picks its own by an index made once per feed.
-    # a full unit of calls, a short last one, and a tail of single steps in it
-    batches = (feed.ROWS_CALLS * spc + 7 * spc + spc - 1) * accum
+    # are sent once, as blocks of ROWS_CALLS calls, and each call picks its own by an index
+    # made once a process. A full unit of two blocks, a short last one of one block and a
+    # short one, and a tail of single steps in it.
+    _two_blocks_a_unit(monkeypatch, spc, accum)
+    batches = (feed.ROWS_CALLS * spc * 3 + 7 * spc + spc - 1) * accum
     n = nitro(Tiny(n_train=32 * batches), run_dir=run_dir, steps_per_call=spc, accum=accum)
     assert n.spec.direct_feed and n.spec.resident is not None
     loader = n.spec.splits["train"]
@@ -77,20 +86,39 @@ def test_a_units_rows_go_as_one_block_and_each_call_reads_its_own(run_dir, spc, 
         assert "index" not in ref.batch and type(ref.batch["rows"]) is np.ndarray
         np.testing.assert_array_equal(_call_rows(got), ref.batch["rows"])
         assert got.batch["data"] is ref.batch["data"]
-    # one block per unit and call size, the same length in every unit: no program of its own
-    # for the short last unit; the indices are device scalars, made once and reused
+    # a block per ROWS_CALLS calls of a size, the same length in every unit: no program of
+    # its own for the short last unit; the indices are device scalars, made once and reused
+    assert [len(unit) for unit in per_unit] == [2 * feed.ROWS_CALLS, feed.ROWS_CALLS + 7 + spc - 1]
     shapes = {(c.steps, c.batch["rows"].shape) for c in calls}
     assert len(shapes) == len({c.steps for c in calls})
-    assert len({id(c.batch["rows"]) for c in calls}) == sum(
-        len({c.steps for c in unit}) for unit in per_unit
+    blocks_of = [[c.batch["rows"] for c in unit if c.steps == spc] for unit in per_unit]
+    assert [len({id(b) for b in unit}) for unit in blocks_of] == [2, 2]
+    assert all(
+        unit[i] is unit[i // feed.ROWS_CALLS * feed.ROWS_CALLS]
+        for unit in blocks_of
+        for i in range(len(unit))
     )
+    assert len({id(c.batch["rows"]) for c in calls if c.steps != spc}) == (spc > 1)
     index = {int(c.batch["index"]): c.batch["index"] for c in calls}
     assert all(c.batch["index"] is index[int(c.batch["index"])] for c in calls)
     assert not any(i.committed for i in index.values())
 
 
+def test_an_epoch_of_small_batches_goes_as_one_unit_of_blocks(run_dir):
+    # a put while calls are in flight waits behind them on a CPU: the blocks of an epoch of
+    # small batches all go before its first call
+    n = nitro(Tiny(n_train=32 * 300), run_dir=run_dir)
+    assert feed.rows_calls(n.spec) == feed.ROWS_CALLS * 64
+    units = list(feed.train_units(n.spec, n.spec.splits["train"], 0, 0))
+    assert [u.size for u in units] == [300]
+    calls = feed.train_prepare(n.spec, 0, n.device.hyper_base)(units[0])[0]
+    assert len({id(c.batch["rows"]) for c in calls}) == 5  # ceil(300 / 64)
+    big = nitro(Tiny(n_train=32 * 320), run_dir=run_dir / "big", steps_per_call=4, accum=8)
+    assert feed.rows_calls(big.spec) == feed.ROWS_CALLS * 4  # at most ROWS_BYTES of rows
+
+
 def test_training_on_row_blocks_is_bitwise_training_on_sent_rows(run_dir, monkeypatch):
-    n_train = 32 * (feed.ROWS_CALLS + 5)  # two units a pass, the second short
+    n_train = 32 * (feed.ROWS_CALLS + 5)  # two blocks a pass, the second short
     blocks = nitro(Tiny(n_train=n_train), run_dir=run_dir / "blocks", steps_per_call=2)
     jn.train(blocks)
     monkeypatch.setattr(feed, "RowBlocks", lambda spc: None)

@@ -130,7 +130,21 @@ def eval_prepare(spec, split: str, pad_to: int | None, keys: frozenset | None = 
 #: The train calls whose rows one unit carries when the batches are on the device already
 #: (`train_units`): the feed is asked once per unit, and its per-ask work (the wait clock's
 #: question to the device, the generators, the slice) cost ~6 µs of a 2-core CPU per call.
+#: It is also the length of one rows block on a single CPU device (`RowBlocks`).
 ROWS_CALLS = 64
+#: On a single CPU device, the rows a unit carries as blocks, at most (`rows_calls`): several
+#: blocks go at once, so an epoch of small batches is put before its first call.
+ROWS_BYTES = 1 << 20
+
+
+def rows_calls(spec) -> int:
+    """The train calls whose rows one unit carries (`ROWS_CALLS`; on a single CPU device,
+    where `RowBlocks` sends them, as many blocks of `ROWS_CALLS` as `ROWS_BYTES` holds, up
+    to 64: a put while calls are in flight waits behind them there, ~100-200 µs)."""
+    if not (spec.resident is not None and spec.direct_feed):
+        return ROWS_CALLS
+    block = ROWS_CALLS * spec.accum * spec.steps_per_call * spec.split_specs["train"].batch_size
+    return ROWS_CALLS * max(1, min(64, ROWS_BYTES // (4 * block)))
 
 
 class Unit(NamedTuple):
@@ -180,7 +194,7 @@ def train_units(spec, loader, start: int, epoch: int, state=None):
     if spec.resident is not None or spec.device_batches is not None:  # the rows only: the
         # batches are on the device already; a unit holds ROWS_CALLS calls' rows, so the
         # feed's per-unit work (its wait clock, the slice) is paid once for them
-        for rows, k in loader.iter_rows(start, size * ROWS_CALLS):
+        for rows, k in loader.iter_rows(start, size * rows_calls(spec)):
             yield Unit(rows, k)
         return
     if isinstance(loader, data_mod.DataLoader):
@@ -351,12 +365,13 @@ def train_prepare(spec, first_step: int, base):
 
 
 class RowBlocks:
-    """The rows of a unit's calls, on a single CPU device, as one device array per call
-    shape: each call takes the block and its own index into it (the program picks its rows,
-    `programs/builders._gathering`).
+    """The rows of a unit's calls, on a single CPU device, as device arrays of `ROWS_CALLS`
+    calls' rows each (a unit holds several, `rows_calls`): each call takes its block and its
+    own index into it (the program picks its rows, `programs/builders._gathering`).
 
     A numpy input sent with every call costs ~4% of a small step on a CPU (its transfer and
-    bookkeeping); a block is sent once per unit of `ROWS_CALLS` calls, and the indices are
+    bookkeeping); a block is sent once per `ROWS_CALLS` calls, the blocks of a unit at once
+    (at an epoch's start, nothing is in flight for them to wait behind), and the indices are
     device scalars made once a process. A block always has the same length for a call shape
     (padded with row 0, never read), so an epoch's short last unit needs no program of its
     own: `ROWS_CALLS` rows for calls of `steps_per_call` steps, `steps_per_call - 1` for the
@@ -369,22 +384,28 @@ class RowBlocks:
 
     def calls(self, rows: np.ndarray, calls: list, data: Any) -> list[dict[str, Any]]:
         """The batch of each of `calls` (`call_splits` of the unit whose rows are `rows`)."""
-        # The calls of one size are consecutive, and so are their rows: one block each.
+        # The calls of one size are consecutive, and so are their rows: blocks of them.
         groups: dict[int, list] = {}  # steps per call -> [first row, calls, leading axes]
         for offset, s, lead in calls:
             group = groups.setdefault(s, [offset, 0, lead])
             group[1] += 1
-        out = []
+        parts, lengths = [], []
         for s, (first, count, lead) in groups.items():
             size = math.prod(lead)
             part = rows[first : first + count * size].reshape((count, *lead, *rows.shape[1:]))
-            length = max(ROWS_CALLS if s == self.spc else self.spc - 1, count)
-            block = np.zeros((length, *part.shape[1:]), part.dtype)
-            block[:count] = part
-            sent = jnp.asarray(block)  # uncommitted: placed and keyed as numpy rows are
-            index = _indices(count)
-            out += [{"rows": sent, "index": index[i], "data": data} for i in range(count)]
-        return out
+            length = ROWS_CALLS if s == self.spc else max(self.spc - 1, count)
+            for at in range(0, count, length):
+                block = np.zeros((length, *part.shape[1:]), part.dtype)
+                block[: min(length, count - at)] = part[at : at + length]
+                parts.append(block)
+                lengths.append(min(length, count - at))
+        index = _indices(max(lengths, default=0))
+        sent = [jnp.asarray(block) for block in parts]  # uncommitted: placed as numpy rows
+        return [
+            {"rows": block, "index": index[i], "data": data}
+            for block, used in zip(sent, lengths, strict=True)
+            for i in range(used)
+        ]
 
 
 # default device -> the device scalars 0, 1, ... made so far: made once a process, not once
