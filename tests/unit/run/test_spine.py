@@ -37,6 +37,7 @@ from jaxnitro._src.run import setup as setup_mod
 from jaxnitro._src.run.progress import Progress
 from jaxnitro._src.run.services import NoCheckpointer, Services
 from jaxnitro._src.run.spec import DeviceValues, RunSpec
+from jaxnitro._src.steps.leaf_layout import Unmerged
 from jaxnitro._src.train.carry import StateCarry
 
 
@@ -224,6 +225,8 @@ class Parts:
     checkpointer = property(lambda self: self.services.checkpointer)
 
     def take(self, *, leaves=None, progress=None, state=None):
+        if isinstance(leaves, Unmerged):  # handed over mid-epoch: merged where read
+            leaves = leaves.leaves()
         self.state_leaves = leaves if leaves is not None else self.state_leaves
         self.progress = progress if progress is not None else self.progress
 

@@ -11,6 +11,7 @@ from conftest import Tiny, leaves_equal, nitro
 from flax import linen
 
 import jaxnitro as jn
+from jaxnitro._src.data import feed
 from jaxnitro._src.programs.builders import train_layout
 from jaxnitro._src.steps import leaf_layout
 
@@ -102,3 +103,52 @@ def test_several_steps_per_call_send_every_leaf(run_dir):
     jn.train(n)
     assert _kept(n)[1].fixed_at == ()
     assert int(n.train_state.step) == n.step == 8
+
+
+def test_a_handover_mid_epoch_merges_only_where_it_is_read(run_dir, monkeypatch):
+    # Advancing the kept counter at every read-back chunk would be device work waiting
+    # behind the calls in flight: the handle gets the leaves unmerged, merged on first read.
+    n = nitro(Tiny(n_train=32 * 40, max_epochs=1), run_dir=run_dir)
+    jn.train(n)  # compiled; the next epoch is timed
+    adds = []
+    real = leaf_layout._advanced
+    monkeypatch.setattr(leaf_layout, "_advanced", lambda s, by: adds.append(by) or real(s, by))
+    monkeypatch.setattr("jaxnitro._src.train.epoch.READBACK_CHUNK", 4)
+    handed = []
+    real_take = type(n).take
+
+    def take(self, **parts):
+        if "leaves" in parts:
+            handed.append(parts["leaves"])
+        real_take(self, **parts)
+
+    monkeypatch.setattr(type(n), "take", take)
+    n.max_epochs = 2
+    jn.train(n)
+    # the epoch is one unit of calls, read back a chunk of 4 at a time all the same (at most
+    # two chunks in flight), each chunk's handover not merged there
+    assert feed.rows_calls(n.spec) >= 40
+    pending = [h for h in handed if isinstance(h, leaf_layout.Unmerged)]
+    assert len(pending) >= 40 // 4 - 2
+    assert len(adds) <= 2  # merged where read: the epoch's end (a checkpoint), not per chunk
+    assert int(n.train_state.step) == n.step == 80
+    # an old handover, read late, has the counter of its own step
+    steps = [int(jax.tree.unflatten(n._state_def, h.leaves()).step) for h in pending]
+    assert steps == sorted(steps) and 40 < steps[0] < 60 and steps[-1] == 80
+
+
+def test_unmerged_leaves_merge_once_for_every_reader():
+    layout = leaf_layout.Layout(fixed_at=(1,), step_at=1, uncounted=1)
+    moving, kept = [jax.numpy.ones(2), jax.numpy.zeros(3)], [jax.numpy.int32(5)]
+    lazy = leaf_layout.Unmerged(layout, moving, kept, behind=7)
+    moving.append("changed after the handover")  # the loop's lists go on; the handover's not
+    import threading
+
+    got = []
+    readers = [threading.Thread(target=lambda: got.append(lazy.leaves())) for _ in range(4)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    assert all(g is got[0] for g in got) and len(got[0]) == 3
+    assert int(got[0][1]) == 12 and int(kept[0]) == 5  # advanced by 7; the kept one as it was

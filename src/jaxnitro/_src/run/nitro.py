@@ -43,6 +43,7 @@ from jaxnitro._src.run.progress import Progress
 from jaxnitro._src.run.setup import Dist
 from jaxnitro._src.run.spec import DeviceValues, RunSpec
 from jaxnitro._src.steps import population
+from jaxnitro._src.steps.leaf_layout import Unmerged
 from jaxnitro._src.steps.state import TrainState
 
 if TYPE_CHECKING:
@@ -180,13 +181,16 @@ class Nitro(Generic[ExperimentT]):
     @property
     def train_state(self) -> TrainState:
         """All training state as one `jn.TrainState` pytree."""
-        return jax.tree.unflatten(self._state_def, self._leaves)
+        return jax.tree.unflatten(self._state_def, self.state_leaves)
 
     @property
     def state_leaves(self) -> list:
         """The train state as the train program takes it: a flat list of arrays (flattening
         NNX states and optax states on every call would cost more than a small step)."""
-        return self._leaves
+        leaves = self._leaves
+        if type(leaves) is not list:  # handed over mid-epoch, merged where first read
+            leaves = self._leaves = leaves.leaves()
+        return leaves
 
     # -- read-only views ------------------------------------------------------------------
     @property
@@ -289,17 +293,18 @@ class Nitro(Generic[ExperimentT]):
     def take(
         self,
         *,
-        leaves: list | None = None,
+        leaves: list | Unmerged | None = None,
         state: TrainState | None = None,
         progress: Progress | None = None,
         device: DeviceValues | None = None,
         experiment: Experiment | None = None,
         spec: RunSpec | None = None,
     ) -> None:
-        """Take the new parts handed over: the train state (or its flat leaves) and progress
-        from the loop, Device values and the experiment showing them from `jn.set_device`
-        (built by `run.live.with_values`), a spec (`steps_per_call="auto"` measured). The
-        handle computes nothing here: each part is a value its maker checked."""
+        """Take the new parts handed over: the train state (or its flat leaves, or the loop's
+        `Unmerged` ones, merged where first read) and progress from the loop, Device values
+        and the experiment showing them from `jn.set_device` (built by `run.live.with_values`),
+        a spec (`steps_per_call="auto"` measured). The handle computes nothing here: each part
+        is a value its maker checked."""
         if state is not None:
             self._leaves, self._state_def = jax.tree.flatten(state)
         if leaves is not None:

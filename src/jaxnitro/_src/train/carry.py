@@ -5,12 +5,14 @@ changes, donated and replaced by the call's outputs, and those it keeps. Where t
 keeps the step counter, the host counts the steps; the counter is brought up to date when the
 state is handed over (one compiled addition, `Layout.merge`). `StateCarry` holds both lists
 for the epoch loop, runs each call on them, and gives the state's leaves, in order, wherever
-the loop hands them over.
+the loop hands them over (`handed`: merged only where they are read).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from jaxnitro._src.steps.leaf_layout import Unmerged
 
 if TYPE_CHECKING:
     from jaxnitro._src.steps.leaf_layout import Layout
@@ -22,7 +24,7 @@ class StateCarry:
     Example:
         >>> carry = StateCarry(n.state_leaves, n.step)
         >>> out = carry.run(fn, train_layout(prog), 1, batch, extras, hyper)
-        >>> n.take(leaves=carry.leaves(), ...)
+        >>> n.take(leaves=carry.handed(), ...)
     """
 
     def __init__(self, leaves: list, step: int):
@@ -54,3 +56,11 @@ class StateCarry:
             self.kept[layout.fixed_at.index(layout.step_at)] = leaves[layout.step_at]
             self._counted = self.step
         return leaves
+
+    def handed(self) -> list | Unmerged:
+        """The state's leaves for the handle: merged when first read, where a kept step
+        counter is behind (`Unmerged`: no device work until then); else `leaves()`."""
+        layout = self.layout
+        if layout is None or not layout.uncounted or self.step == self._counted:
+            return self.leaves()
+        return Unmerged(layout, self.moving, self.kept, self.step - self._counted)

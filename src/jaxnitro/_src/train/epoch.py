@@ -141,7 +141,7 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
     tally, cadence = Tally.of(n.progress, ep.clock.t0), ep.cadence
 
     def hand_over(counted: Tally | None = None) -> None:  # the handle shows the epoch so far
-        n.take(leaves=carry.leaves(), progress=_progress(n.progress, last, data_state, counted))
+        n.take(leaves=carry.handed(), progress=_progress(n.progress, last, data_state, counted))
 
     def drain(count: int | None = None) -> None:  # the oldest calls (all) read back, counted
         nonlocal tally
@@ -174,8 +174,8 @@ def run_epoch(n: Nitro, epoch: int) -> EpochResult:
                     cadence = _mid_epoch_due(ep, cadence, last, call.steps, drain)
                 if control.requested:  # (a unit may hold several calls: none after a stop)
                     break
-            if len(pending) >= 2 * READBACK_CHUNK:
-                drain(READBACK_CHUNK)
+                if len(pending) >= 2 * READBACK_CHUNK:  # (per call: a unit may hold many)
+                    drain(READBACK_CHUNK)
             if control.requested:
                 break
         drain()
