@@ -19,11 +19,18 @@ Reported per batch size:
   the per-repeat differences);
 - the same on this process's CPU time (all its threads, XLA's too; jaxnitro's epoch alone,
   from `run_epoch`), which a machine shared with other jobs moves far less than wall time;
+- the CPU time of the training thread alone per step, jaxnitro's less the hand loop's (its
+  waits for the device apart, and XLA's threads): negative where jaxnitro's thread does less
+  per step than the hand loop's (which sends each batch from the host);
 - per item, the median over `--item-epochs` more epochs with timers around the epoch's parts
-  (each timer costs ~0.2 µs itself): the dispatch wrapper around the compiled call, the
-  read-back chunk's own work (rows built, logged, the bar; the transfer apart), the feed (wait
-  bookkeeping and the source) and `feed.prepare`, and the rest of the loop body. The compiled
-  call itself is the floor the hand loop pays too.
+  (each timer costs ~0.4 µs itself), as wall time and as the training thread's CPU time: the
+  dispatch wrapper around the compiled call, the read-back chunk's own work (rows built,
+  logged, the bar; the transfer apart), the feed (wait bookkeeping and the source) and
+  `feed.prepare`, and the rest of the loop body (its CPU time: all of `run_epoch`'s, the
+  epoch's start and end too); their sum is the host work per step added over a bare
+  dispatch. The compiled call itself is the floor the hand loop pays too. On a CPU backend
+  XLA's threads run the steps on the same cores as the training thread, so each µs of its
+  Python costs more than a µs of wall time.
 
 On a CPU backend the device *is* the host's cores: every µs of Python per step is taken from the
 step's compute. On a shared machine absolute figures move run to run; the ratios, measured
@@ -56,30 +63,35 @@ except ImportError as e:  # keras is in the bench extra
 import jaxnitro as jn  # noqa: E402
 from jaxnitro._src.data import feed as feed_mod  # noqa: E402
 from jaxnitro._src.data import prefetch as prefetch_mod  # noqa: E402
+from jaxnitro._src.train import carry as carry_mod  # noqa: E402
 from jaxnitro._src.train import epoch as epoch_mod  # noqa: E402
 
 SAMPLES = {32: 32 * 2048, 1024: 1024 * 64}  # run.py's CPU profile: 2048 and 64 steps
 
 
 class Timers:
-    """Seconds spent inside named functions, by patching them for one epoch."""
+    """Seconds spent inside named functions, by patching them for one epoch: wall time
+    (`seconds`) and the calling thread's CPU time (`cpu`)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
         self.undo: list = []
 
     def wrap(self, owner, name: str, label: str) -> None:
         inner = getattr(owner, name)
         self.seconds.setdefault(label, 0.0)
-        perf = time.perf_counter
-        totals = self.seconds
+        self.cpu.setdefault(label, 0.0)
+        perf, thread = time.perf_counter, time.thread_time
+        totals, cpu = self.seconds, self.cpu
 
         def timed(*args, **kwargs):
-            t0 = perf()
+            t0, c0 = perf(), thread()
             try:
                 return inner(*args, **kwargs)
             finally:
                 totals[label] += perf() - t0
+                cpu[label] += thread() - c0
 
         setattr(owner, name, timed)
         self.undo.append((owner, name, inner))
@@ -97,25 +109,28 @@ def one_epoch(n) -> dict:
     return [r for r in lines if r["context"] == "epoch"][-1]
 
 
-def items(n, steps: int) -> dict[str, float]:
-    """µs per step of each part of one more epoch (see the module)."""
+def items(n, steps: int) -> dict[str, tuple[float, float]]:
+    """µs per step of each part of one more epoch (see the module): (wall, the training
+    thread's CPU)."""
     t = Timers()
-    prepare_s = [0.0]
+    prepare_s = [0.0, 0.0]
     real_prepare = feed_mod.train_prepare
 
     def train_prepare(*args, **kwargs):
         inner = real_prepare(*args, **kwargs)
 
         def prepare(unit):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return inner(unit)
             finally:
                 prepare_s[0] += time.perf_counter() - t0
+                prepare_s[1] += time.thread_time() - c0
 
         return prepare
 
     t.wrap(epoch_mod, "_dispatch", "dispatch")
+    t.wrap(carry_mod.StateCarry, "run", "call")
     t.wrap(epoch_mod, "_drain", "drain")
     t.wrap(epoch_mod, "read_back", "read_back")
     if hasattr(epoch_mod, "read_columns"):  # the chunk's transfer, read as columns
@@ -127,19 +142,20 @@ def items(n, steps: int) -> dict[str, float]:
     finally:
         feed_mod.train_prepare = real_prepare
         t.restore()
-    s, clock = t.seconds, _LAST_CLOCK
-    per = 1e6 / steps
-    calls = clock["dispatch_s"]  # (a program is fetched, or compiled, outside `_dispatch`)
-    timed = s["dispatch"] + s["drain"] + s["feed"]
-    return {
-        "dispatch wrapper": (s["dispatch"] - calls) * per,
-        "read-back chunk's work (rows, log, bar)": (s["drain"] - s["read_back"]) * per,
-        "feed: waits and source": (s["feed"] - prepare_s[0]) * per,
-        "feed.prepare": prepare_s[0] * per,
-        # the epoch's train time less everything above, the calls and the read-backs
-        "loop body, rest": (clock["train_s"] - timed) * per,
-        "compiled call (the floor)": clock["dispatch_s"] * per,
-    }
+    clock, per = _LAST_CLOCK, 1e6 / steps
+    parts = {}
+    for k, (s, whole) in enumerate(((t.seconds, clock["train_s"]), (t.cpu, clock["thread_s"]))):
+        timed = s["dispatch"] + s["drain"] + s["feed"]
+        parts[k] = {
+            "dispatch wrapper": (s["dispatch"] - s["call"]) * per,
+            "read-back chunk's work (rows, log, bar)": (s["drain"] - s["read_back"]) * per,
+            "feed: waits and source": (s["feed"] - prepare_s[k]) * per,
+            "feed.prepare": prepare_s[k] * per,
+            # the epoch's time less everything above, the calls and the read-backs
+            "loop body, rest": (whole - timed) * per,
+            "compiled call (the floor)": s["call"] * per,
+        }
+    return {name: (parts[0][name], parts[1][name]) for name in parts[0]}
 
 
 #: the last epoch's `dispatch_s` (the compiled calls alone), compile_s, train time, CPU time
@@ -153,10 +169,11 @@ def _keep_clock() -> None:
     real = epoch_mod.run_epoch
 
     def run_epoch(n, epoch):
-        cpu = time.process_time()
+        cpu, thread = time.process_time(), time.thread_time()
         result = real(n, epoch)
         _LAST_CLOCK.update(
             cpu_s=time.process_time() - cpu,
+            thread_s=time.thread_time() - thread,
             dispatch_s=result.clock.dispatch_s,
             compile_s=result.clock.compile_s,
             train_s=result.seconds,
@@ -192,15 +209,18 @@ def measure(batch: int, repeats: int, item_epochs: int, workdir: Path, keras: bo
     hand.rates.clear()
     ours: list[float] = []
     hand_cpu: list[float] = []  # process CPU seconds per step (all threads: XLA's too)
+    hand_thread: list[float] = []  # the training thread's own CPU seconds per step
+    our_thread: list[float] = []
     our_cpu: list[float] = []
     keras_cpu: list[float] = []
     sides = ["hand", "ours"] + (["keras"] if fit is not None else [])
     for r in range(repeats):
         for side in sides[r % len(sides) :] + sides[: r % len(sides)]:  # rotating order
-            cpu = time.process_time()
+            cpu, thread = time.process_time(), time.thread_time()
             if side == "hand":
                 hand.timed()
                 hand_cpu.append((time.process_time() - cpu) / steps)
+                hand_thread.append((time.thread_time() - thread) / steps)
             elif side == "keras":
                 assert fit is not None
                 fit.timed()
@@ -208,8 +228,11 @@ def measure(batch: int, repeats: int, item_epochs: int, workdir: Path, keras: bo
             else:
                 ours.append(one_epoch(n)["steps_per_s"])
                 our_cpu.append(_LAST_CLOCK["cpu_s"] / steps)
+                our_thread.append(_LAST_CLOCK["thread_s"] / steps)
     runs = [items(n, steps) for _ in range(item_epochs)]
-    per_step = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+    per_step = {
+        k: tuple(statistics.median(run[k][i] for run in runs) for i in (0, 1)) for k in runs[0]
+    }
     pairs = list(zip(ours, hand.rates, strict=True))
     cpu_pairs = list(zip(our_cpu, hand_cpu, strict=True))
     keras_pairs = list(zip(ours, fit.rates, strict=True)) if fit is not None else []
@@ -231,6 +254,11 @@ def measure(batch: int, repeats: int, item_epochs: int, workdir: Path, keras: bo
         "cpu_ratio": statistics.median(h / o for o, h in cpu_pairs),  # a speed-up, as above
         "cpu_ratios": [h / o for o, h in cpu_pairs],
         "added_cpu_us_per_step": statistics.median(1e6 * (o - h) for o, h in cpu_pairs),
+        # the training thread's own CPU time (XLA's threads apart, waits apart): the host
+        # work jaxnitro adds per step, robust to a busy machine
+        "added_thread_us_per_step": statistics.median(
+            1e6 * (o - h) for o, h in zip(our_thread, hand_thread, strict=True)
+        ),
         "items_us_per_step": per_step,
     }
 
@@ -241,8 +269,8 @@ def table(results: list[dict], repeats: int) -> str:
         "repeats (medians)",
         "",
         "| batch | hand steps/s | jaxnitro steps/s | × hand, wall (per repeat) | added µs/step "
-        "| × hand, CPU time (per repeat) | added CPU µs/step |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| × hand, CPU time (per repeat) | added CPU µs/step | added training-thread CPU µs/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         spread = ", ".join(f"{x:.2f}" for x in r["ratios"])
@@ -250,7 +278,8 @@ def table(results: list[dict], repeats: int) -> str:
         lines.append(
             f"| {r['batch']} | {r['hand_steps_per_s']:,.0f} | {r['jaxnitro_steps_per_s']:,.0f} "
             f"| {r['ratio']:.2f}× ({spread}) | {r['added_us_per_step']:+.1f} "
-            f"| {r['cpu_ratio']:.2f}× ({cpu}) | {r['added_cpu_us_per_step']:+.1f} |"
+            f"| {r['cpu_ratio']:.2f}× ({cpu}) | {r['added_cpu_us_per_step']:+.1f} "
+            f"| {r['added_thread_us_per_step']:+.1f} |"
         )
     if any(r["keras_ratio"] is not None for r in results):
         lines += [
@@ -267,13 +296,25 @@ def table(results: list[dict], repeats: int) -> str:
                     f"| {r['batch']} | {r['keras_steps_per_s']:,.0f} | {r['keras_ratio']:.2f}× "
                     f"({spread}) | {r['keras_cpu_ratio']:.2f}× |"
                 )
-    lines += ["", "µs per step, the median of the instrumented epochs:", ""]
+    lines += [
+        "",
+        "µs per step, the median of the instrumented epochs: wall time / the training "
+        "thread's CPU time",
+        "",
+    ]
     names = list(results[0]["items_us_per_step"])
     lines.append("| item | " + " | ".join(f"batch {r['batch']}" for r in results) + " |")
     lines.append("|---|" + "---:|" * len(results))
-    for name in names:
-        cells = " | ".join(f"{r['items_us_per_step'][name]:.1f}" for r in results)
-        lines.append(f"| {name} | {cells} |")
+    for name in [*names, "host work (all but the call)"]:
+        cells = []
+        for r in results:
+            got = r["items_us_per_step"]
+            if name in got:
+                wall, cpu = got[name]
+            else:
+                wall, cpu = (sum(v[i] for k, v in got.items() if "floor" not in k) for i in (0, 1))
+            cells.append(f"{wall:.1f} / {cpu:.1f}")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
