@@ -389,3 +389,40 @@ def test_a_step_on_a_returned_state_sees_an_environment_variable_set_between_ste
     monkeypatch.setenv("JN_TEST_STEP_GAIN", "3")
     ts, after, _ = jn.train_step(scaled, ts, batch)
     assert float(after) == pytest.approx(3.0 * float(before), rel=1e-5)
+
+
+def test_a_flag_or_variable_set_and_set_back_resumes_the_fast_path(monkeypatch):
+    # the fast path compares JAX's flags and the environment with those the program was
+    # traced under: a change takes the keyed path (another program), and once set back the
+    # same program is found and the loop takes its fast path again
+    import os
+
+    from jaxnitro._src.steps import state as state_mod
+
+    def scaled(model, params, state, batch):
+        pred, state = jn.apply(model, params, state, batch["x"])
+        gain = float(os.environ.get("JN_TEST_STEP_GAIN", "1"))
+        return gain * jnp.mean((pred - batch["y"]) ** 2), state
+
+    model, params, state = jn.split_model(Doubling(nnx.Rngs(0)))
+    ts = jn.TrainState.create(model, params, state, optax.sgd(0.0))
+    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    for _ in range(2):
+        ts, base, _ = jn.train_step(scaled, ts, batch)
+    program = ts.__dict__["_unread"][4]
+    looked = []
+    real = state_mod._lookup
+    monkeypatch.setattr(state_mod, "_lookup", lambda *a, **k: looked.append(1) or real(*a, **k))
+    monkeypatch.setenv("JN_TEST_STEP_GAIN", "2")
+    ts, doubled, _ = jn.train_step(scaled, ts, batch)
+    assert float(doubled) == pytest.approx(2 * float(base), rel=1e-5) and looked == [1]
+    monkeypatch.delenv("JN_TEST_STEP_GAIN")
+    with jax.numpy_rank_promotion("raise"):  # a flag that keys the program, set and reset
+        ts, flagged, _ = jn.train_step(scaled, ts, batch)
+    assert len(looked) == 2  # the variable unset, under the flag: another program
+    ts, again, _ = jn.train_step(scaled, ts, batch)  # found by key: the first program
+    assert ts.__dict__["_unread"][4] is program and len(looked) == 3
+    for _ in range(3):
+        ts, again, _ = jn.train_step(scaled, ts, batch)
+    assert len(looked) == 3  # the fast path again
+    assert float(again) == pytest.approx(float(base)) == pytest.approx(float(flagged))

@@ -13,9 +13,12 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["environment", "environment_changes", "jax_flags"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["environment", "environment_changes", "jax_flags", "unchanged"]
 
 _last_flags: list[Any] = [None, ()]
 _trace_context: list[Any] = [None]  # JAX's `trace_context`, once found
@@ -92,6 +95,24 @@ def environment() -> str:
     while len(_snapshots) > 64:
         _snapshots.popitem(last=False)
     return digest
+
+
+def unchanged(flags: tuple, env: str) -> Callable[[], bool]:
+    """A check that `jax_flags()` still gives `flags` and `environment()` still `env`: the
+    raw values compared (JAX's trace context, `os.environ`'s own dict), no call of either.
+    Where the current values are not those, or cannot be read raw, it calls both.
+
+    Example:
+        >>> same = unchanged(jax_flags(), environment())
+        >>> same()
+        True
+    """
+    current = (jax_flags(), environment())  # (the first call finds JAX's trace context)
+    read, raw = _trace_context[0], getattr(os.environ, "_data", None)
+    if read is None or type(raw) is not dict or current != (flags, env):
+        return lambda: jax_flags() == flags and environment() == env
+    values, snapshot = read(), dict(raw)
+    return lambda: read() == values and raw == snapshot
 
 
 def environment_changes(old: str, new: str) -> list[str]:

@@ -192,18 +192,13 @@ def train_step(
     # The batch goes to the compiled call as it comes (checked and moved to the device in C++).
     unread = state.__dict__.get("_unread") if type(state) is TrainState else None
     if unread is not None:  # a state this function returned, not read since: no flatten
-        moving, fixed, steps, treedef, program = unread
-        if program.takes_back(loss_fn, state.model):
-            try:
-                moving, out = program.call(moving, fixed, batch)
-            except TypeError:
-                # Another batch structure, shape or dtype: the call refused it before running
-                # (nothing donated); the keyed path below finds or compiles its program.
-                pass
-            else:
-                steps += program.uncounted
-                ts = _unread_state(state.model, state.tx, moving, fixed, steps, treedef, program)
-                return ts, out.pop("loss"), out
+        program = unread[4]
+        again = program.again
+        if again is not None:  # the usual loop (`_again`); None: it cannot take it back
+            done = again(loss_fn, state, unread, batch)
+            if done is not None:
+                return done
+        treedef = unread[3]
         leaves, state_sig = _leaves_of(unread), program.out_sig
     else:
         leaves, treedef = jax.tree.flatten(state)
@@ -251,12 +246,14 @@ def _lookup(
         if content[1] and (hit.check is None or not hit.check()):
             # the same content read from other objects (an equal value rebound): check those
             hit.check = check_of((loss_fn, *_model_code(model)))
+        if not hit.world():  # flags or variables set and set back: compare the values now
+            hit.world = context.unchanged(flags, env)
         return hit
     if unread:
         state = jax.tree.unflatten(treedef, leaves)
     program = _program(loss_fn, state, leaves, batch, content)
     call, layout = program.compiled, leaf_layout.chosen(program)
-    # what a later call re-checks instead of building the content (`_Fast.takes_back`)
+    # what a later call re-checks instead of building the content (`_again`)
     check = check_of((loss_fn, *_model_code(model))) if content[1] else None
     hit = _Fast(loss_fn, model, tx, call, state_sig, content, flags, env, check, layout=layout)
     _remember(key, hit)
@@ -339,9 +336,14 @@ class _Fast:
     uncounted: int = 0
     loops: bool = False  # its returned state is a valid input of its own (same signature)
     live: bool = True  # False once `jn.cache_reset()` dropped it
+    # JAX's flags and the environment still `flags` and `env` (`context.unchanged`)
+    world: Callable[[], bool] = lambda: False
+    # `_again`: a call on a state this program returned (None: its state cannot come back)
+    again: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         self.uncounted = self.layout.uncounted
+        self.world = context.unchanged(self.flags, self.env)
 
     def fits(self, loss_fn: Callable[..., Any], model: Model, content: tuple[str, bool]) -> bool:
         """Still this function's and model's program: alive, and their content the same and
@@ -352,22 +354,41 @@ class _Fast:
         """After the first call: the output signature, and the call itself from then on."""
         self.out_sig, self.loops = out_sig, out_sig == self.state_sig
         self.call = cache.direct_call(self.call)
+        self.again = _again(self) if self.loops else None
 
-    def takes_back(self, loss_fn: Callable[..., Any], model: Model) -> bool:
-        """Whether a state this program returned goes back into it (the usual loop: the
-        same function and model every step, their code and JAX's flags and environment
-        unchanged; the compiled call itself checks the batch). The code is checked through
-        the read logs of its fingerprints, which is `_content` without building it."""
-        return (
-            self.loops
-            and self.live
-            and self.loss_fn is loss_fn
-            and self.model is model
-            and self.check is not None
-            and self.flags == context.jax_flags()
-            and self.env == context.environment()
-            and self.check()
+
+def _again(program: _Fast) -> Callable[..., Any]:
+    """`train_step` on a state `program` returned and nobody read: `(loss_fn, state, its
+    unread parts, batch) -> (state, loss, aux)`, or None where the state does not go back
+    into it (then nothing ran).
+
+    It goes back in the usual loop: the same function and model every step, their code and
+    JAX's flags and environment unchanged, and a batch the compiled call accepts. The code
+    is checked through the read logs of its fingerprints (`_content` without building it).
+    A loop of small steps calls this every step, so it is one function of local names."""
+    loss_fn, model, call = program.loss_fn, program.model, program.call
+    uncounted, new = program.uncounted, object.__new__
+
+    def again(fn: Any, state: TrainState, unread: tuple, batch: Batch) -> Any:
+        if fn is not loss_fn or state.model is not model or not program.live:
+            return None
+        check = program.check
+        if check is None or not program.world() or not check():
+            return None
+        moving, fixed, steps, treedef, _ = unread
+        try:
+            moving, out = call(moving, fixed, batch)
+        except TypeError:
+            # Another batch structure, shape or dtype: the call refused it before running
+            # (nothing donated); the keyed path finds or compiles its program.
+            return None
+        ts = new(TrainState)  # `_unread_state`, inline
+        ts.__dict__.update(
+            model=model, tx=state.tx, _unread=(moving, fixed, steps + uncounted, treedef, program)
         )
+        return ts, out.pop("loss"), out
+
+    return again
 
 
 _fast: collections.OrderedDict = collections.OrderedDict()
