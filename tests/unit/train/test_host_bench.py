@@ -55,7 +55,11 @@ def test_the_keras_optimizer_is_optax_radam(keras_ref):
 def test_the_host_table_has_the_keras_row(keras_ref):
     host = load("host")
     assert host.keras_ref is not None
-    items = {"dispatch wrapper": 1.0}
+    items = {
+        "dispatch wrapper": (1.0, 0.8),
+        "feed.prepare": (2.0, 1.5),
+        "compiled call (the floor)": (50.0, 30.0),
+    }
     row = {
         "batch": 32,
         "hand_steps_per_s": 3000.0,
@@ -66,6 +70,7 @@ def test_the_host_table_has_the_keras_row(keras_ref):
         "cpu_ratio": 1.05,
         "cpu_ratios": [1.05],
         "added_cpu_us_per_step": -10.0,
+        "added_thread_us_per_step": -40.0,
         "keras_steps_per_s": 2500.0,
         "keras_ratio": 1.32,
         "keras_ratios": [1.32],
@@ -75,5 +80,9 @@ def test_the_host_table_has_the_keras_row(keras_ref):
     text = host.table([row], 1)
     assert "Keras 3 `fit`" in text
     assert "| 32 | 2,500 | 1.32× (1.32) | 1.20× |" in text
+    # each item as wall / the training thread's CPU, and their sum less the call's
+    assert "| dispatch wrapper | 1.0 / 0.8 |" in text
+    assert "| host work (all but the call) | 3.0 / 2.3 |" in text
+    assert "| -10.0 | -40.0 |" in text
     no_keras = host.table([{**row, "keras_ratio": None}], 1)
     assert "Keras" not in no_keras
