@@ -2,10 +2,10 @@
 
 A train program takes the state's leaves as two lists (`steps/leaf_layout.py`): those a call
 changes, donated and replaced by the call's outputs, and those it keeps. Where the program
-keeps the step counter, the host counts the steps; the counter is brought up to date when the
-state is handed over (one compiled addition, `Layout.merge`). `StateCarry` holds both lists
-for the epoch loop, runs each call on them, and gives the state's leaves, in order, wherever
-the loop hands them over (`handed`: merged only where they are read).
+keeps the step counter, the host counts the steps; the counter is brought up to date where
+the state handed over is first read (one compiled addition, `Layout.merge`). `StateCarry`
+holds both lists for the epoch loop, runs each call on them, and gives the state's leaves,
+in order, wherever the loop hands them over (`handed`: merged only where they are read).
 """
 
 from __future__ import annotations
