@@ -19,6 +19,10 @@ Reported per batch size:
   the per-repeat differences);
 - the same on this process's CPU time (all its threads, XLA's too; jaxnitro's epoch alone,
   from `run_epoch`), which a machine shared with other jobs moves far less than wall time;
+- jaxnitro's own train program called in a bare loop (`bare_epoch`: copies of the state, the
+  epoch's inputs prepared first, one read at the end), interleaved: the run's rate against
+  it, and the wall time per step the run adds over it (the host work the device's queue does
+  not hide);
 - the CPU time of the training thread alone per step, jaxnitro's less the hand loop's (its
   waits for the device apart, and XLA's threads): negative where jaxnitro's thread does less
   per step than the hand loop's (which sends each batch from the host);
@@ -60,9 +64,14 @@ try:  # first: it sets KERAS_BACKEND, and the environment is part of jaxnitro's 
 except ImportError as e:  # keras is in the bench extra
     keras_ref, NO_KERAS = None, str(e)
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
 import jaxnitro as jn  # noqa: E402
+from jaxnitro._src.compile import cache  # noqa: E402
 from jaxnitro._src.data import feed as feed_mod  # noqa: E402
 from jaxnitro._src.data import prefetch as prefetch_mod  # noqa: E402
+from jaxnitro._src.programs.builders import train_layout  # noqa: E402
 from jaxnitro._src.train import carry as carry_mod  # noqa: E402
 from jaxnitro._src.train import epoch as epoch_mod  # noqa: E402
 
@@ -107,6 +116,26 @@ def one_epoch(n) -> dict:
     jn.train(n)
     lines = [r for r in jn.read_jsonl(Path(n.run_dir) / "metrics.jsonl") if r.get("context")]
     return [r for r in lines if r["context"] == "epoch"][-1]
+
+
+def bare_epoch(n) -> float:
+    """Steps/s of the handle's own compiled train program called on one epoch's calls in a
+    bare loop (copies of its state; its inputs prepared before the clock; one read at the
+    end): what the run would do with no host work beside the dispatch."""
+    spec = n.spec
+    prog = n.programs.train[("train", spec.steps_per_call)]
+    fn, layout = cache.direct_call(prog.compiled), train_layout(prog)
+    units = feed_mod.train_units(spec, spec.splits["train"], 0, n.epoch)
+    prepare = feed_mod.train_prepare(spec, n.step, n.device.hyper_base)
+    calls = [c for unit in units for c in prepare(unit)[0]]
+    carry = carry_mod.StateCarry([jnp.copy(x) for x in n.state_leaves], n.step)
+    extras = n.device.extras
+    jax.block_until_ready((carry.moving, calls[-1].batch))
+    t0 = time.perf_counter()
+    for c in calls:
+        out = carry.run(fn, layout, c.steps, c.batch, extras, c.hyper)
+    jax.block_until_ready(out)
+    return sum(c.steps for c in calls) / (time.perf_counter() - t0)
 
 
 def items(n, steps: int) -> dict[str, tuple[float, float]]:
@@ -208,12 +237,13 @@ def measure(batch: int, repeats: int, item_epochs: int, workdir: Path, keras: bo
     fit = keras_fit(data, batch) if keras else None  # its first epoch: compiles
     hand.rates.clear()
     ours: list[float] = []
+    bare: list[float] = []
     hand_cpu: list[float] = []  # process CPU seconds per step (all threads: XLA's too)
     hand_thread: list[float] = []  # the training thread's own CPU seconds per step
     our_thread: list[float] = []
     our_cpu: list[float] = []
     keras_cpu: list[float] = []
-    sides = ["hand", "ours"] + (["keras"] if fit is not None else [])
+    sides = ["hand", "ours", "bare"] + (["keras"] if fit is not None else [])
     for r in range(repeats):
         for side in sides[r % len(sides) :] + sides[: r % len(sides)]:  # rotating order
             cpu, thread = time.process_time(), time.thread_time()
@@ -221,6 +251,8 @@ def measure(batch: int, repeats: int, item_epochs: int, workdir: Path, keras: bo
                 hand.timed()
                 hand_cpu.append((time.process_time() - cpu) / steps)
                 hand_thread.append((time.thread_time() - thread) / steps)
+            elif side == "bare":
+                bare.append(bare_epoch(n))
             elif side == "keras":
                 assert fit is not None
                 fit.timed()
@@ -247,6 +279,11 @@ def measure(batch: int, repeats: int, item_epochs: int, workdir: Path, keras: bo
             statistics.median(k / o for o, k in keras_cpu_pairs) if keras_cpu_pairs else None
         ),
         "hand_steps_per_s": statistics.median(hand.rates),
+        "bare_steps_per_s": statistics.median(bare),
+        "bare_ratio": statistics.median(o / b for o, b in zip(ours, bare, strict=True)),
+        "over_bare_us_per_step": statistics.median(
+            1e6 / o - 1e6 / b for o, b in zip(ours, bare, strict=True)
+        ),
         "jaxnitro_steps_per_s": statistics.median(ours),
         "ratio": statistics.median(o / h for o, h in pairs),
         "ratios": [o / h for o, h in pairs],
@@ -280,6 +317,19 @@ def table(results: list[dict], repeats: int) -> str:
             f"| {r['ratio']:.2f}× ({spread}) | {r['added_us_per_step']:+.1f} "
             f"| {r['cpu_ratio']:.2f}× ({cpu}) | {r['added_cpu_us_per_step']:+.1f} "
             f"| {r['added_thread_us_per_step']:+.1f} |"
+        )
+    lines += [
+        "",
+        "jaxnitro's own train program called in a bare loop on the same epoch's inputs "
+        "(interleaved): the rate the run would have with no host work beside the dispatch",
+        "",
+        "| batch | bare loop steps/s | the run × bare | the run's µs/step over bare |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['batch']} | {r['bare_steps_per_s']:,.0f} | {r['bare_ratio']:.3f}× "
+            f"| {r['over_bare_us_per_step']:+.1f} |"
         )
     if any(r["keras_ratio"] is not None for r in results):
         lines += [

@@ -71,6 +71,9 @@ def test_the_host_table_has_the_keras_row(keras_ref):
         "cpu_ratios": [1.05],
         "added_cpu_us_per_step": -10.0,
         "added_thread_us_per_step": -40.0,
+        "bare_steps_per_s": 3400.0,
+        "bare_ratio": 0.97,
+        "over_bare_us_per_step": 9.0,
         "keras_steps_per_s": 2500.0,
         "keras_ratio": 1.32,
         "keras_ratios": [1.32],
@@ -84,5 +87,6 @@ def test_the_host_table_has_the_keras_row(keras_ref):
     assert "| dispatch wrapper | 1.0 / 0.8 |" in text
     assert "| host work (all but the call) | 3.0 / 2.3 |" in text
     assert "| -10.0 | -40.0 |" in text
+    assert "| 32 | 3,400 | 0.970× | +9.0 |" in text  # the run against its own bare loop
     no_keras = host.table([{**row, "keras_ratio": None}], 1)
     assert "Keras" not in no_keras
