@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxnitro._src.compile import backend_options
+
 
 class Executable:
     """``exported``'s program for one input signature per batch size.
@@ -66,7 +68,10 @@ class Executable:
                     jax.ShapeDtypeStruct((size, *shape), dtype)
                     for dtype, shape in self._specs.values()
                 ]
-                program = jax.jit(self._flat).lower(*args).compile()
+                lowered = jax.jit(self._flat).lower(*args)
+                # the options a run's programs take (`compile/backend_options.py`)
+                options = backend_options.defaults(jax.default_backend())
+                program = lowered.compile(compiler_options=options or None)
                 self._programs[size] = program
         return program
 

@@ -215,13 +215,16 @@ def progress(value: Any) -> Any:
     return value
 
 
-def compile_options(value: Any) -> dict:
-    if value is not None and not isinstance(value, Mapping):
+def compile_options(value: Any) -> dict | None:
+    """The XLA options as given (None: the backend's defaults, `compile/backend_options.py`)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
         raise ConfigError(
             f"compile_options must be a dict of XLA options, got {type(value).__name__}; e.g. "
             f"{{'xla_cpu_enable_fast_math': False}}."
         )
-    options = dict(value or {})
+    options = dict(value)
     for k, v in options.items():  # XLA flags: name -> bool/int/float/str
         if not isinstance(k, str) or not isinstance(v, (bool, int, float, str)):
             raise ConfigError(

@@ -216,7 +216,8 @@ OPTIONS: tuple[Option, ...] = (
         "compile_options",
         None,
         "dict",
-        "XLA options for every program (Python only).",
+        "XLA options for every program (Python only); default: the backend's (on a CPU, "
+        "YNNPACK fusion off), {} for XLA's own.",
         v.compile_options,
     ),
     Option(

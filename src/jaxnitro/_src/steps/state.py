@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxnitro._src.compile import cache, context
+from jaxnitro._src.compile import backend_options, cache, context
 from jaxnitro._src.compile.fingerprint import is_library_class
 from jaxnitro._src.compile.remembered import check_of, forget, remembered
 from jaxnitro._src.core.errors import ConfigArgumentError, HookError
@@ -438,8 +438,10 @@ def _program(
             loss, new_state, aux = _split_loss_output(loss_fn(model, params, model_state, batch))
         return scalar_loss(loss, "loss_fn"), (model_state if new_state is None else new_state, aux)
 
+    options = backend_options.defaults(jax.default_backend())  # as a run's programs
     key = (
         "train_step",
+        tuple(options.items()),
         content[0],
         cache.freeze(models.structure_key(model)),
         cache.optimizer_key(tx),
@@ -469,6 +471,7 @@ def _program(
             label=getattr(loss_fn, "__qualname__", "loss_fn"),
             verify=not (closed and cache.proven(key)),
             closed=closed,
+            compile_options=options,
         ),
         lower,
     )

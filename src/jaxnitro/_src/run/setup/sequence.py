@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jaxnitro._src.checkpoint.record import _read_meta as checkpoint_meta
+from jaxnitro._src.compile import backend_options
 from jaxnitro._src.core.errors import ConfigError
 from jaxnitro._src.data import loader as data_mod
 from jaxnitro._src.dist import distributed
@@ -129,7 +130,7 @@ def build(
         resident=resident,
         device_batches=device_batches,
         **decided,
-        **_options(s, decided),
+        **_options(s, decided, mesh.devices.flat[0].platform),
     )
     # [Step 5] the initial train state and Device values, checked, then restored or loaded
     ts, device = _initial(spec, sharding, values, (params, mstate, rng))
@@ -224,14 +225,16 @@ def _initial(
     return ts, device
 
 
-def _options(s: Settings, decided: Mapping[str, Any]) -> dict[str, Any]:
+def _options(s: Settings, decided: Mapping[str, Any], platform: str) -> dict[str, Any]:
     """The options a RunSpec keeps as validated: its fields named like an option that setup
     has not `decided` (steps_per_call='auto' starts at 1; the first train measures and picks,
-    `train/autotune.py`)."""
+    `train/autotune.py`; no compile_options: the backend's defaults)."""
     kept = {f.name for f in dataclasses.fields(RunSpec)} & set(options.NAMES)
     out = {k: getattr(s, k) for k in kept - set(decided)}
     if s.steps_per_call == "auto":
         out.update(steps_per_call=1, autotune=True)
+    if s.compile_options is None:
+        out.update(compile_options=backend_options.defaults(platform))
     return out
 
 
