@@ -1,7 +1,7 @@
 """The host's work per step: what jaxnitro adds over the hand loop's bare dispatch.
 
     python benchmarks/host.py [--repeats 5] [--item-epochs 3] [--batches 32,1024] [--json FILE]
-                              [--no-keras]
+                              [--no-keras] [--xla-own]
 
 The MNIST-shaped MLP of `run.py` (784→128→10, RAdam 1e-3, numpy batches, donated state) at
 each batch size, in one process: a hand-written `jax.jit` loop (batches sent from the host per
@@ -9,7 +9,9 @@ step, run.py's reference) and one `jn.Nitro` handle trained one epoch further pe
 (`max_epochs` raised by one, `jn.train(n)`: the epochs after the first, programs compiled).
 With Keras 3 installed (the `bench` extra), Keras `fit` on the same MLP (`keras_ref.py`: JAX
 backend, `jit_compile=True`, one more epoch per repeat) joins them. They alternate, back to
-back, in rotating order, so drift on a shared machine hits each.
+back, in rotating order, so drift on a shared machine hits each. jaxnitro compiles with the
+backend's defaults it picks (on a CPU, YNNPACK fusion off: `compile/backend_options.py`);
+`--xla-own` compiles its programs with XLA's own, as the hand loop and Keras are.
 
 Reported per batch size:
 
@@ -220,7 +222,14 @@ def keras_fit(data: dict, batch: int):
     return keras_ref.KerasFit(data, batch)
 
 
-def measure(batch: int, repeats: int, item_epochs: int, workdir: Path, keras: bool) -> dict:
+def measure(
+    batch: int,
+    repeats: int,
+    item_epochs: int,
+    workdir: Path,
+    keras: bool,
+    compile_options: dict | None = None,
+) -> dict:
     case = dict(name=f"mlp{batch}", kind="mlp", batch=batch, samples=SAMPLES[batch])
     data = bench.make_data(case)
     steps = case["samples"] // batch
@@ -232,6 +241,7 @@ def measure(batch: int, repeats: int, item_epochs: int, workdir: Path, keras: bo
         run_dir=workdir / f"b{batch}",
         progress=False,
         max_epochs=1,
+        compile_options=compile_options,
     )
     jn.train(n)  # the first epoch: compiles, prefetch and threads start
     fit = keras_fit(data, batch) if keras else None  # its first epoch: compiles
@@ -375,6 +385,12 @@ def main() -> None:
     ap.add_argument("--batches", default="32,1024", help="comma-separated: 32, 1024")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--no-keras", action="store_true", help="leave out the Keras `fit` row")
+    ap.add_argument(
+        "--xla-own",
+        action="store_true",
+        help="compile jaxnitro's programs with XLA's own defaults (compile_options={}), as "
+        "the hand loop and Keras are, not the backend defaults jaxnitro picks",
+    )
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
     unknown = sorted(set(batches) - set(SAMPLES))
@@ -383,7 +399,14 @@ def main() -> None:
     _keep_clock()
     with tempfile.TemporaryDirectory(prefix="jaxnitro-host-") as tmp:
         results = [
-            measure(b, args.repeats, args.item_epochs, Path(tmp), not args.no_keras)
+            measure(
+                b,
+                args.repeats,
+                args.item_epochs,
+                Path(tmp),
+                not args.no_keras,
+                {} if args.xla_own else None,
+            )
             for b in batches
         ]
     print(table(results, args.repeats))
