@@ -1,6 +1,6 @@
 """The XLA options a program is compiled with by default (`compile/backend_options.py`): on a
-CPU, YNNPACK fusion off where the jaxlib knows the option; a run's `compile_options` replace
-them; `jn.train_step` takes them too."""
+CPU, for batches of at most SMALL_ROWS rows, YNNPACK fusion off where the jaxlib knows the
+option; a run's `compile_options` replace them; `jn.train_step` takes them too."""
 
 from __future__ import annotations
 
@@ -25,17 +25,21 @@ def _fused_by_ynn(compiled) -> bool:
     return "ynn" in compiled.as_text().lower()
 
 
-def test_the_cpu_defaults_are_known_here_and_other_backends_get_none(known):
-    assert backend_options.defaults("cpu") == backend_options.CPU
-    assert backend_options.defaults("gpu") == {} and backend_options.defaults("tpu") == {}
-    assert backend_options.defaults("cpu") is not backend_options.CPU  # a copy to keep
+def test_the_cpu_defaults_are_for_small_batches_and_other_backends_get_none(known):
+    small = backend_options.SMALL_ROWS
+    assert backend_options.defaults("cpu", 32) == backend_options.CPU
+    assert backend_options.defaults("cpu", small) == backend_options.CPU
+    assert backend_options.defaults("cpu", None) == backend_options.CPU  # not known: small
+    assert backend_options.defaults("cpu", small + 1) == {}  # YNNPACK is as fast from here
+    assert backend_options.defaults("gpu", 32) == {} and backend_options.defaults("tpu", 8) == {}
+    assert backend_options.defaults("cpu", 32) is not backend_options.CPU  # a copy to keep
 
 
 def test_an_option_this_jaxlib_does_not_know_is_left_out(monkeypatch):
     monkeypatch.setattr(backend_options, "CPU", {"xla_cpu_not_an_option_here": ""})
     backend_options.cpu_known.cache_clear()
     try:
-        assert not backend_options.cpu_known() and backend_options.defaults("cpu") == {}
+        assert not backend_options.cpu_known() and backend_options.defaults("cpu", 32) == {}
     finally:
         backend_options.cpu_known.cache_clear()
 
@@ -56,6 +60,20 @@ def test_a_run_compiles_with_the_defaults_unless_it_gives_its_own(run_dir, known
         compile_options={"xla_backend_optimization_level": 2},
     )
     assert dict(given.spec.compile_options) == {"xla_backend_optimization_level": 2}
+
+
+@jn.experiment
+class Wide(Tiny):
+    """Batches of 1,024 rows: XLA's own defaults."""
+
+    def build_data(self, dist):
+        x = np.ones((1024, 8), np.float32)
+        return {"train": jn.DataLoader({"x": x, "y": np.zeros(1024, np.int32)}, batch_size=1024)}
+
+
+def test_a_run_of_large_batches_takes_xla_own(run_dir, known):
+    n = nitro(Wide(max_epochs=1, n_val=0), run_dir=run_dir)
+    assert dict(n.spec.compile_options) == {}
 
 
 def test_train_step_compiles_with_the_defaults(known, monkeypatch):
@@ -83,4 +101,7 @@ def test_train_step_compiles_with_the_defaults(known, monkeypatch):
     assert np.isfinite(float(loss))
     [(options, program)] = compiled
     assert options == backend_options.CPU and not _fused_by_ynn(program)
+    big = {"x": np.ones((1024, 8), np.float32), "y": np.zeros(1024, np.int32)}
+    ts, loss, _ = jn.train_step(loss_fn, ts, big)  # another batch shape: its own program
+    assert compiled[-1][0] == {} and np.isfinite(float(loss))
     jax.block_until_ready(ts.params)

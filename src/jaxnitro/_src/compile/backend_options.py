@@ -1,17 +1,19 @@
-"""The XLA options jaxnitro compiles with by default, per backend, where XLA's own measured
-slower for the programs it compiles.
+"""The XLA options jaxnitro compiles with by default, per backend and batch size, where XLA's
+own measured slower for the programs it compiles.
 
 On a CPU, XLA hands dot products (and what it fuses with them) to YNNPACK fusions by default.
-For the small steps a CPU trains (an MLP or a small CNN, batch 32-1024), XLA's own emitters run
-them faster: a hand-written `jax.jit` step of the MNIST MLP 1.07-1.10x the steps/s, the CNN of
-`benchmarks/run.py` 1.09x, a tiny GPT the same (2-core VM, jaxlib 0.10.2;
-`benchmarks/RESULTS.md`). So a CPU program is compiled with YNNPACK fusion off, where this
-jaxlib knows the option (`cpu_defaults` asks it once a process; another jaxlib compiles with
-XLA's own defaults). Other backends get none.
+For the small batches a CPU trains, XLA's own emitters run them faster; from about a thousand
+rows YNNPACK catches up. Measured on a 2-core VM (jaxlib 0.10.2), each program compiled both
+ways in one process and run alternately (`benchmarks/RESULTS.md`): a hand-written `jax.jit`
+step of the MNIST MLP 1.09x the steps/s at batch 32, 1.05x at 256, 1.00x at 1024; the bench
+CNN at batch 64 1.12x; a tiny GPT at batch 8 1.01x; jaxnitro's MLP step 1.11x at 32 and
+0.91-0.97x at 1024. So a CPU program whose batch has at most `SMALL_ROWS` rows is compiled
+with YNNPACK fusion off, where this jaxlib knows the option (`cpu_known` asks it once a
+process; another jaxlib compiles with XLA's own defaults). Other backends get none.
 
-A run's programs take these unless `Nitro(compile_options=...)` is given: that dict is used as
-it is (`compile_options={}` for XLA's own defaults). `jn.train_step` takes them too, so a
-step of `jn.train` and of `jn.train_step` compute alike.
+A run's programs take these (by its train batch size) unless `Nitro(compile_options=...)` is
+given: that dict is used as it is (`compile_options={}` for XLA's own defaults). `jn.train_step`
+(by its batch) and a bundle's served programs (by their padded batch size) take them too.
 """
 
 from __future__ import annotations
@@ -24,20 +26,23 @@ import numpy as np
 
 __all__ = ["CPU", "defaults"]
 
-#: What a CPU program is compiled with (where this jaxlib knows the option).
+#: What a CPU program of a small batch is compiled with (where this jaxlib knows the option).
 CPU: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
+#: The most rows a batch may have for `CPU` to apply.
+SMALL_ROWS = 512
 _SENTINEL = "jaxnitro_no_such_option"
 
 
-def defaults(platform: str) -> dict[str, Any]:
-    """The options a program for `platform` ("cpu", "gpu", ...) is compiled with when the
-    run gives none.
+def defaults(platform: str, rows: int | None) -> dict[str, Any]:
+    """The options a program for `platform` ("cpu", "gpu", ...) whose batch has `rows` rows
+    (None: not known, taken as small) is compiled with when the run gives none.
 
     Example:
-        >>> defaults("gpu")
+        >>> defaults("gpu", 32)
         {}
     """
-    return dict(CPU) if platform == "cpu" and cpu_known() else {}
+    small = rows is None or rows <= SMALL_ROWS
+    return dict(CPU) if platform == "cpu" and small and cpu_known() else {}
 
 
 @functools.cache

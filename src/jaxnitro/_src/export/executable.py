@@ -70,7 +70,7 @@ class Executable:
                 ]
                 lowered = jax.jit(self._flat).lower(*args)
                 # the options a run's programs take (`compile/backend_options.py`)
-                options = backend_options.defaults(jax.default_backend())
+                options = backend_options.defaults(jax.default_backend(), size)
                 program = lowered.compile(compiler_options=options or None)
                 self._programs[size] = program
         return program

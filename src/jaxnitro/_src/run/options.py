@@ -217,7 +217,7 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "dict",
         "XLA options for every program (Python only); default: the backend's (on a CPU, "
-        "YNNPACK fusion off), {} for XLA's own.",
+        "batches of <= 512 rows: YNNPACK fusion off), {} for XLA's own.",
         v.compile_options,
     ),
     Option(

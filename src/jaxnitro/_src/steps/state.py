@@ -438,7 +438,8 @@ def _program(
             loss, new_state, aux = _split_loss_output(loss_fn(model, params, model_state, batch))
         return scalar_loss(loss, "loss_fn"), (model_state if new_state is None else new_state, aux)
 
-    options = backend_options.defaults(jax.default_backend())  # as a run's programs
+    rows = next((np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)), None)
+    options = backend_options.defaults(jax.default_backend(), rows)  # as a run's programs
     key = (
         "train_step",
         tuple(options.items()),

@@ -130,7 +130,7 @@ def build(
         resident=resident,
         device_batches=device_batches,
         **decided,
-        **_options(s, decided, mesh.devices.flat[0].platform),
+        **_options(s, decided, mesh.devices.flat[0].platform, _rows(split_specs)),
     )
     # [Step 5] the initial train state and Device values, checked, then restored or loaded
     ts, device = _initial(spec, sharding, values, (params, mstate, rng))
@@ -225,7 +225,17 @@ def _initial(
     return ts, device
 
 
-def _options(s: Settings, decided: Mapping[str, Any], platform: str) -> dict[str, Any]:
+def _rows(split_specs: Mapping[str, Any]) -> int | None:
+    """The rows of the run's batches, for the backend's compile options: the train split's,
+    else the largest of the others (None: no split)."""
+    if "train" in split_specs:
+        return split_specs["train"].batch_size
+    return max((spec.batch_size for spec in split_specs.values()), default=None)
+
+
+def _options(
+    s: Settings, decided: Mapping[str, Any], platform: str, rows: int | None
+) -> dict[str, Any]:
     """The options a RunSpec keeps as validated: its fields named like an option that setup
     has not `decided` (steps_per_call='auto' starts at 1; the first train measures and picks,
     `train/autotune.py`; no compile_options: the backend's defaults)."""
@@ -234,7 +244,7 @@ def _options(s: Settings, decided: Mapping[str, Any], platform: str) -> dict[str
     if s.steps_per_call == "auto":
         out.update(steps_per_call=1, autotune=True)
     if s.compile_options is None:
-        out.update(compile_options=backend_options.defaults(platform))
+        out.update(compile_options=backend_options.defaults(platform, rows))
     return out
 
 
