@@ -83,6 +83,7 @@ class Nitro(Generic[ExperimentT]):
         "programs",
         "_config",
     )
+    _leaves: list | Unmerged  # the train state's leaves (`Unmerged`: handed over mid-epoch)
 
     if TYPE_CHECKING:
         # The signature checkers see: a misspelled option is a type error. The options are
@@ -188,7 +189,7 @@ class Nitro(Generic[ExperimentT]):
         """The train state as the train program takes it: a flat list of arrays (flattening
         NNX states and optax states on every call would cost more than a small step)."""
         leaves = self._leaves
-        if type(leaves) is not list:  # handed over mid-epoch, merged where first read
+        if isinstance(leaves, Unmerged):  # handed over mid-epoch, merged where first read
             leaves = self._leaves = leaves.leaves()
         return leaves
 
