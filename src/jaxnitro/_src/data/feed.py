@@ -192,7 +192,7 @@ def train_units(spec, loader, start: int, epoch: int, state=None):
             )
         return
     if spec.resident is not None or spec.device_batches is not None:  # the rows only: the
-        # batches are on the device already; a unit holds ROWS_CALLS calls' rows, so the
+        # batches are on the device already; a unit holds `rows_calls` calls' rows, so the
         # feed's per-unit work (its wait clock, the slice) is paid once for them
         for rows, k in loader.iter_rows(start, size * rows_calls(spec)):
             yield Unit(rows, k)
