@@ -25,6 +25,12 @@ def _fused_by_ynn(compiled) -> bool:
     return "ynn" in compiled.as_text().lower()
 
 
+def _xla_fuses_dots_with_ynn() -> bool:
+    """Whether XLA's own defaults give a small dot a YNNPACK fusion on this machine's CPU."""
+    dot = jax.jit(lambda a, b: a @ b).lower(np.ones((32, 64), np.float32), np.ones((64, 16)))
+    return _fused_by_ynn(dot.compile())
+
+
 def test_the_cpu_defaults_are_for_small_batches_and_other_backends_get_none(known):
     small = backend_options.SMALL_ROWS
     assert backend_options.defaults("cpu", 32) == backend_options.CPU
@@ -53,7 +59,8 @@ def test_a_run_compiles_with_the_defaults_unless_it_gives_its_own(run_dir, known
     own = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir / "b", compile_options={})
     assert dict(own.spec.compile_options) == {}
     jn.train(own)
-    assert _fused_by_ynn(own.programs.train[("train", 1)].compiled)
+    if _xla_fuses_dots_with_ynn():  # (a CPU YNNPACK does not serve gets none either way)
+        assert _fused_by_ynn(own.programs.train[("train", 1)].compiled)
     given = nitro(
         Tiny(max_epochs=1, n_val=0),
         run_dir=run_dir / "c",
