@@ -137,11 +137,16 @@ ROWS_CALLS = 64
 ROWS_BYTES = 1 << 20
 
 
+def row_blocks(spec) -> bool:
+    """Whether the rows of the train calls go as `RowBlocks`: arrays kept on one CPU device."""
+    return spec.resident is not None and spec.direct_feed
+
+
 def rows_calls(spec) -> int:
-    """The train calls whose rows one unit carries (`ROWS_CALLS`; on a single CPU device,
-    where `RowBlocks` sends them, as many blocks of `ROWS_CALLS` as `ROWS_BYTES` holds, up
-    to 64: a put while calls are in flight waits behind them there, ~100-200 µs)."""
-    if not (spec.resident is not None and spec.direct_feed):
+    """The train calls whose rows one unit carries (`ROWS_CALLS`; where `row_blocks`, as many
+    blocks of `ROWS_CALLS` as `ROWS_BYTES` holds, up to 64: a put while calls are in flight
+    waits behind them on a CPU, ~100-200 µs)."""
+    if not row_blocks(spec):
         return ROWS_CALLS
     block = ROWS_CALLS * spec.accum * spec.steps_per_call * spec.split_specs["train"].batch_size
     return ROWS_CALLS * max(1, min(64, ROWS_BYTES // (4 * block)))
@@ -314,8 +319,8 @@ def train_prepare(spec, first_step: int, base):
     same = ShapeCheck(spec, "train")
     kept = spec.device_batches
     splits: dict[int, list] = {}  # batches in a unit -> its calls (the same for every full unit)
-    # On one CPU device, the rows of arrays kept there go as one block per unit (`RowBlocks`)
-    blocks = RowBlocks(spc) if spec.resident is not None and spec.direct_feed else None
+    # On one CPU device, the rows of arrays kept there go as blocks, a unit's at once
+    blocks = RowBlocks(spc) if row_blocks(spec) else None
 
     def prepare(item: Unit) -> tuple[list[Call], int]:
         stacked, k = item.batches, item.size

@@ -129,7 +129,7 @@ def memory_plan(
         batch_bytes = sum(info.first[f].nbytes for f in info.fields) * unit
         if spec.resident is not None:  # only row indices travel (the arrays are arguments)
             batch_bytes = unit * info.batch_size * 4
-            if spec.direct_feed:  # a unit's calls' rows in blocks (`feed.RowBlocks`)
+            if feed.row_blocks(spec):  # a unit's calls' rows in blocks (`feed.RowBlocks`)
                 batch_bytes *= feed.rows_calls(spec)
     in_flight, kept = prefetch_depth + 1, 0
     if train and spec.device_batches is not None:  # the batches in flight are kept ones

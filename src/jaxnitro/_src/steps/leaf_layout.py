@@ -10,7 +10,7 @@ array), which a small model's step feels. Three kinds of leaf need not travel:
   step writes (an RAdam's b1, b2, eps, ...): passed through unchanged;
 - the step counter, where the traced step never reads its key (an NNX model draws dropout
   from its own `Rngs`; a model without dropout): the host counts the steps instead
-  (`Layout.uncounted`), and adds them when the state is handed over or read.
+  (`Layout.uncounted`), and adds them when the state is read (`Layout.merge`, `Unmerged`).
 
 Which apply is decided from the trace (`lower`): a leaf kept but changed after all, or a
 counter that is read, is traced again as a changed leaf. The layout a program was lowered

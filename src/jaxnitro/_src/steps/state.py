@@ -333,11 +333,11 @@ class _Fast:
     out_sig: tuple | None = None
     # which leaves it takes kept (`leaf_layout`), and the steps a call adds uncounted
     layout: leaf_layout.Layout = leaf_layout.Layout((), -1)
-    uncounted: int = 0
+    uncounted: int = dataclasses.field(init=False)  # (the layout's)
     loops: bool = False  # its returned state is a valid input of its own (same signature)
     live: bool = True  # False once `jn.cache_reset()` dropped it
     # JAX's flags and the environment still `flags` and `env` (`context.unchanged`)
-    world: Callable[[], bool] = lambda: False
+    world: Callable[[], bool] = dataclasses.field(init=False)
     # `_again`: a call on a state this program returned (None: its state cannot come back)
     again: Callable[..., Any] | None = None
 
