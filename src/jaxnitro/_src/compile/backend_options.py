@@ -4,12 +4,13 @@ own measured slower for the programs it compiles.
 On a CPU, XLA hands dot products (and what it fuses with them) to YNNPACK fusions by default.
 For the small batches a CPU trains, XLA's own emitters run them faster; from about a thousand
 rows YNNPACK catches up. Measured on a 2-core VM (jaxlib 0.10.2), each program compiled both
-ways in one process and run alternately (`benchmarks/RESULTS.md`): a hand-written `jax.jit`
-step of the MNIST MLP 1.09x the steps/s at batch 32, 1.05x at 256, 1.00x at 1024; the bench
-CNN at batch 64 1.12x; a tiny GPT at batch 8 1.01x; jaxnitro's MLP step 1.11x at 32 and
-0.91-0.97x at 1024. So a CPU program whose batch has at most `SMALL_ROWS` rows is compiled
-with YNNPACK fusion off, where this jaxlib knows the option (`cpu_known` asks it once a
-process; another jaxlib compiles with XLA's own defaults). Other backends get none.
+ways in one process and run alternately (`benchmarks/compile_options_ab.py`, RESULTS.md): a
+hand-written `jax.jit` step of the MNIST MLP 1.07-1.09x the steps/s at batch 32, 1.05-1.06x
+at 256, 0.99-1.00x at 1024; the bench CNN at batch 64 1.08-1.12x; a tiny GPT at batch 8
+1.00-1.01x; jaxnitro's MLP run 1.08-1.11x at 32 and 0.91-0.97x at 1024. So a CPU program
+whose batch has at most `SMALL_ROWS` rows is compiled with YNNPACK fusion off, where this
+jaxlib knows the option (`cpu_known` asks it once a process; another jaxlib compiles with
+XLA's own defaults). Other backends get none.
 
 A run's programs take these (by its train batch size) unless `Nitro(compile_options=...)` is
 given: that dict is used as it is (`compile_options={}` for XLA's own defaults). `jn.train_step`
