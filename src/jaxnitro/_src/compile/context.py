@@ -15,6 +15,8 @@ import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from jaxnitro._src.compile import dict_version
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -99,7 +101,8 @@ def environment() -> str:
 
 def unchanged(flags: tuple, env: str) -> Callable[[], bool]:
     """A check that `jax_flags()` still gives `flags` and `environment()` still `env`: the
-    raw values compared (JAX's trace context, `os.environ`'s own dict), no call of either.
+    raw values compared (JAX's trace context, `os.environ`'s own dict), no call of either;
+    the environment's dict is compared only when its version moved (`dict_version`).
     Where the current values are not those, or cannot be read raw, it calls both.
 
     Example:
@@ -112,7 +115,22 @@ def unchanged(flags: tuple, env: str) -> Callable[[], bool]:
     if read is None or type(raw) is not dict or current != (flags, env):
         return lambda: jax_flags() == flags and environment() == env
     values, snapshot = read(), dict(raw)
-    return lambda: read() == values and raw == snapshot
+    version = dict_version.tag(raw)
+    if version is None:
+        return lambda: read() == values and raw == snapshot
+    seen = [version.value]  # a version of `raw` known to equal `snapshot`
+
+    def same() -> bool:
+        if read() != values:
+            return False
+        now = version.value  # (read before comparing: a change after it moves it again)
+        if now != seen[0]:  # changed, maybe set and set back: compare the contents
+            if raw != snapshot:
+                return False
+            seen[0] = now
+        return True
+
+    return same
 
 
 def environment_changes(old: str, new: str) -> list[str]:

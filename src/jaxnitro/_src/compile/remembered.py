@@ -17,6 +17,7 @@ from __future__ import annotations
 import keyword
 from typing import TYPE_CHECKING, Any
 
+from jaxnitro._src.compile import dict_version
 from jaxnitro._src.compile.fingerprint import _Hasher
 from jaxnitro._src.compile.fingerprint_values import _MISSING
 
@@ -124,7 +125,10 @@ def _generated(reads: Sequence[_Reads]) -> Callable[[], bool]:
     """The checks of `reads` as the source of one function, each lookup once.
 
     Lookups that found something become `if where["key"] is not found: return False`
-    (an attribute: `where.name`); a name found missing, `if "key" in where`. What raises
+    (an attribute: `where.name`); a name found missing, `if "key" in where`. A mapping
+    looked up more than once (a module's globals, a class namespace) is looked up only when
+    its version moved (`dict_version`): one read while nothing in it changed, its lookups and
+    size checks after a change, whose version is then remembered where they hold. What raises
     (a key or attribute gone, a closure cell emptied) is decided by the plain checks
     (`_holds`), as are the attributes found missing and the values to re-hash.
     """
@@ -137,23 +141,44 @@ def _generated(reads: Sequence[_Reads]) -> Callable[[], bool]:
             space[names[id(value)]] = value
         return names[id(value)]
 
-    lines, items, attrs, sizes, rest_attrs = [], {}, {}, {}, []
+    items: dict = {}
+    attrs: dict = {}
+    sizes: dict = {}
+    rest_attrs: list = []
     for r in reads:
         items.update({(id(m), k): (m, k, v) for m, k, v in r.items})
         attrs.update({(id(o), n): (o, n, v) for o, n, v in r.attrs})
         sizes.update({id(m): (m, n) for m, n in r.sizes})
+    per_mapping: dict[int, tuple[Any, list[str]]] = {}
     for mapping, key, found in items.values():
         key_ = repr(key) if type(key) is str else name(key)
         if found is _MISSING:
-            lines.append(f"if {key_} in {name(mapping)}: return False")
+            line = f"if {key_} in {name(mapping)}: return False"
         else:
-            lines.append(f"if {name(mapping)}[{key_}] is not {name(found)}: return False")
+            line = f"if {name(mapping)}[{key_}] is not {name(found)}: return False"
+        per_mapping.setdefault(id(mapping), (mapping, []))[1].append(line)
+    for mapping, n in sizes.values():
+        line = f"if len({name(mapping)}) != {n}: return False"
+        per_mapping.setdefault(id(mapping), (mapping, []))[1].append(line)
+    lines = []
+    for mapping, checks in per_mapping.values():
+        version = dict_version.tag(mapping) if len(checks) > 1 else None
+        if version is None:
+            lines += checks
+            continue
+        # `tN`: the version's reader; `sN`: a version at which the checks held (read before
+        # them: a change made while they run moves it again)
+        t, seen = name(version), name([version.value])
+        lines.append(f"now = {t}.value")
+        lines.append(f"if now != {seen}[0]:")
+        lines += [f"    {line}" for line in checks]
+        lines.append(f"    {seen}[0] = now")
+        space[f"_{t}_of"] = mapping  # (the reader's dict lives as long as the check)
     for obj, attr, found in attrs.values():
         if found is _MISSING or not attr.isidentifier() or keyword.iskeyword(attr):
             rest_attrs.append((obj, attr, found))
         else:
             lines.append(f"if {name(obj)}.{attr} is not {name(found)}: return False")
-    lines += [f"if len({name(m)}) != {n}: return False" for m, n in sizes.values()]
     rehash = [v for r in reads for v in r.rehash]
     everything = [(r.items, r.attrs, r.sizes, r.rehash) for r in reads]
     space["slow"] = lambda: all(_holds(*parts) for parts in everything)
