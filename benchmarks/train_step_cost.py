@@ -5,7 +5,8 @@ the model's code (its fingerprints), so this is the price of seeing an edited he
 Interleaved with the same loop over a hand-written `jax.jit` step (the parameters and the
 optimizer state as flat lists of arrays, donated; the module merged inside the program), in
 alternating order: `x_hand` is the hand step's CPU time over `jn.train_step`'s (above 1:
-`jn.train_step` is faster), the median of the per-repeat ratios.
+`jn.train_step` is faster), the median of the per-repeat ratios; `x_hand_wall` the same of
+the wall time (steps per second: on a CPU backend the two differ where XLA's threads wait).
 
     PYTHONPATH=src python benchmarks/train_step_cost.py --repeats 7
 """
@@ -69,9 +70,14 @@ def hand_step(model: MLP, batch: dict):
 
 
 def cpu_per_step(run, steps: int) -> float:
-    t0 = time.process_time()
+    return per_step(run, steps)[0]
+
+
+def per_step(run, steps: int) -> tuple[float, float]:
+    """(CPU µs, wall µs) a step of `run(steps)`."""
+    t0, w0 = time.process_time(), time.perf_counter()
     run(steps)
-    return (time.process_time() - t0) / steps * 1e6
+    return (time.process_time() - t0) / steps * 1e6, (time.perf_counter() - w0) / steps * 1e6
 
 
 def main(argv=None) -> dict:
@@ -94,20 +100,21 @@ def main(argv=None) -> dict:
 
     ours(10)  # compiled here
     hand = hand_step(MLP(nnx.Rngs(0)), batch)
-    per_step: list[float] = []
-    hand_per_step: list[float] = []
+    times: dict[str, list[tuple[float, float]]] = {"ours": [], "hand": []}
     for r in range(args.repeats):
         for side in ("ours", "hand") if r % 2 == 0 else ("hand", "ours"):
-            if side == "ours":
-                per_step.append(cpu_per_step(ours, args.steps))
-            else:
-                hand_per_step.append(cpu_per_step(hand, args.steps))
-    pairs = zip(hand_per_step, per_step, strict=True)
+            times[side].append(per_step(ours if side == "ours" else hand, args.steps))
+
+    def ratio(i: int) -> float:
+        pairs = zip(times["hand"], times["ours"], strict=True)
+        return round(statistics.median(h[i] / o[i] for h, o in pairs), 3)
+
     out = {
         "jaxnitro": jn.__file__,
-        "cpu_us_per_step": round(statistics.median(per_step), 1),
-        "hand_cpu_us_per_step": round(statistics.median(hand_per_step), 1),
-        "x_hand": round(statistics.median(h / o for h, o in pairs), 3),
+        "cpu_us_per_step": round(statistics.median(t[0] for t in times["ours"]), 1),
+        "hand_cpu_us_per_step": round(statistics.median(t[0] for t in times["hand"]), 1),
+        "x_hand": ratio(0),
+        "x_hand_wall": ratio(1),
     }
     print(json.dumps(out))
     return out

@@ -138,3 +138,21 @@ def test_the_environment_check_sees_a_variable_set_changed_and_removed(mode, mon
     else:
         monkeypatch.setenv("HOME", home)  # the same value, a new object
     assert same()
+
+
+def test_a_rename_alone_keeps_the_check_and_moves_the_digest(mode):
+    # What a trace runs is the function's code, defaults and what its globals hold; the names
+    # it goes by change its digest (the keyed path sees them), not the program.
+    ns = _module("K = 2.0\ndef f(x):\n    return x * K\ndef g(x):\n    return x + K\n")
+    f = ns["f"]
+    digest = remembered(f)
+    check = check_of([f])
+    assert check is not None
+    f.__qualname__ = "renamed"
+    f.__module__ = "elsewhere"
+    assert check() and remembered(f) != digest
+    remembered(f)
+    check = check_of([f])
+    assert check is not None and check()
+    f.__code__ = ns["g"].__code__  # what autoreload does to an edited function
+    assert not check()

@@ -426,3 +426,58 @@ def test_a_flag_or_variable_set_and_set_back_resumes_the_fast_path(monkeypatch):
         ts, again, _ = jn.train_step(scaled, ts, batch)
     assert len(looked) == 3  # the fast path again
     assert float(again) == pytest.approx(float(base)) == pytest.approx(float(flagged))
+
+
+STEP_GAIN = 1.0  # read by `gained` (rebound below)
+
+
+def gained(model, params, state, batch):
+    pred, state = jn.apply(model, params, state, batch["x"])
+    return STEP_GAIN * jnp.mean((pred - batch["y"]) ** 2), state
+
+
+def test_a_global_rebound_to_an_equal_value_resumes_the_fast_path(monkeypatch):
+    # The same content read from another object: one keyed call finds the program by its
+    # digest and checks the new object from then on (the loop's fast path resumes); a
+    # rebinding to another value is another program.
+    import sys
+
+    from jaxnitro._src.steps import state as state_mod
+
+    model, params, state = jn.split_model(Doubling(nnx.Rngs(0)))
+    ts = jn.TrainState.create(model, params, state, optax.sgd(0.0))
+    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    for _ in range(2):
+        ts, base, _ = jn.train_step(gained, ts, batch)
+    looked = []
+    real = state_mod._lookup
+    monkeypatch.setattr(state_mod, "_lookup", lambda *a, **k: looked.append(1) or real(*a, **k))
+    here = sys.modules[__name__]
+    monkeypatch.setattr(here, "STEP_GAIN", float("1.0"))  # equal, another object
+    assert here.STEP_GAIN is not 1.0  # noqa: F632 (the point: not the same object)
+    misses = jn.cache_stats()["misses"]
+    for _ in range(4):
+        ts, same, _ = jn.train_step(gained, ts, batch)
+    assert looked == [1] and jn.cache_stats()["misses"] == misses  # then the fast path
+    assert float(same) == pytest.approx(float(base))
+    monkeypatch.setattr(here, "STEP_GAIN", 3.0)
+    ts, tripled, _ = jn.train_step(gained, ts, batch)
+    assert len(looked) == 2 and float(tripled) == pytest.approx(3 * float(base), rel=1e-5)
+
+
+def test_after_a_cache_reset_a_returned_state_takes_the_keyed_path(monkeypatch):
+    from jaxnitro._src.steps import state as state_mod
+
+    ts = jn.TrainState.create(mlp_apply, _dict_params(), {}, optax.sgd(0.1))
+    batch = _numpy_batches(1)[0]
+    for _ in range(2):
+        ts, _, _ = jn.train_step(mse, ts, batch)
+    program = ts.__dict__["_unread"][4]
+    assert program.again is not None
+    jn.cache_reset()
+    assert program.again is None and not program.live  # (the dropped program's loop path)
+    looked = []
+    real = state_mod._lookup
+    monkeypatch.setattr(state_mod, "_lookup", lambda *a, **k: looked.append(1) or real(*a, **k))
+    ts, _, _ = jn.train_step(mse, ts, batch)
+    assert looked == [1] and ts.__dict__["_unread"][4] is not program

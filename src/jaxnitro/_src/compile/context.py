@@ -105,6 +105,10 @@ def unchanged(flags: tuple, env: str) -> Callable[[], bool]:
     the environment's dict is compared only when its version moved (`dict_version`).
     Where the current values are not those, or cannot be read raw, it calls both.
 
+    A check that compares raw values has `.common`: `(read, values, version, seen)`, for a
+    caller on a hot path to inline the common case (`read() == values` and `version.value
+    == seen[0]`), calling the check itself only where the version moved.
+
     Example:
         >>> same = unchanged(jax_flags(), environment())
         >>> same()
@@ -130,6 +134,7 @@ def unchanged(flags: tuple, env: str) -> Callable[[], bool]:
             seen[0] = now
         return True
 
+    same.common = (read, values, version, seen)  # type: ignore[attr-defined]
     return same
 
 

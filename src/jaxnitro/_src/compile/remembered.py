@@ -60,9 +60,10 @@ def remembered(obj: Any, *, gaps: list[str] | None = None) -> str:
 
 
 def check_of(objs: Iterable[Any]) -> Callable[[], bool] | None:
-    """A function telling whether the digests `remembered` just gave for `objs` (call it on
-    each first) still hold: while it returns True, `remembered` would give them again. None
-    where one of them is not remembered (a traversal it could not log)."""
+    """A function telling whether the code `remembered` just read for `objs` (call it on
+    each first) is unchanged: while it returns True, a trace of them runs what it ran then,
+    and `remembered` gives the same digests unless a name alone changed (`_NAMES_ONLY`).
+    None where one of them is not remembered (a traversal it could not log)."""
     reads = []
     for obj in objs:
         hit = _remembered.get(id(obj))
@@ -121,6 +122,12 @@ def _holds(items: Sequence, attrs: Sequence, sizes: Sequence, rehash: Sequence) 
     return True
 
 
+# What a traversal reads that changes a digest but not what a trace of the code runs: the
+# names a function or class goes by, and a function's `__wrapped__` (calling it runs its own
+# code). The check a hot path runs leaves them out; the keyed path's `remembered` sees them.
+_NAMES_ONLY = frozenset({"__module__", "__qualname__", "__wrapped__"})
+
+
 def _generated(reads: Sequence[_Reads]) -> Callable[[], bool]:
     """The checks of `reads` as the source of one function, each lookup once.
 
@@ -149,15 +156,46 @@ def _generated(reads: Sequence[_Reads]) -> Callable[[], bool]:
         items.update({(id(m), k): (m, k, v) for m, k, v in r.items})
         attrs.update({(id(o), n): (o, n, v) for o, n, v in r.attrs})
         sizes.update({id(m): (m, n) for m, n in r.sizes})
+    lines = _lookups(items.values(), sizes.values(), name, space)
+    for obj, attr, found in attrs.values():
+        if attr in _NAMES_ONLY:
+            continue
+        if found is _MISSING or not attr.isidentifier() or keyword.iskeyword(attr):
+            rest_attrs.append((obj, attr, found))
+        else:
+            lines.append(f"if {name(obj)}.{attr} is not {name(found)}: return False")
+    rehash = [v for r in reads for v in r.rehash]
+    everything = [(r.items, r.attrs, r.sizes, r.rehash) for r in reads]
+    space["slow"] = lambda: all(_holds(*parts) for parts in everything)
+    space["rest"] = lambda: _holds((), rest_attrs, (), rehash)
+    body = "\n".join(f"        {line}" for line in lines) or "        pass"
+    # every object a local (a default): a check is read from the frame, not a dict
+    params = ", ".join(f"{k}={k}" for k in space)
+    source = (
+        f"def check({params}):\n    try:\n{body}\n"
+        "    except (KeyError, AttributeError, ValueError):\n        return slow()\n"
+        f"    return {'rest()' if rest_attrs or rehash else 'True'}\n"
+    )
+    exec(compile(source, "<jaxnitro remembered check>", "exec"), space)  # noqa: S102
+    return space["check"]
+
+
+def _lookups(
+    items: Iterable[tuple], sizes: Iterable[tuple], name: Callable[[Any], str], space: dict
+) -> list[str]:
+    """`_generated`'s lines for the lookups and size checks, per mapping: behind a check of
+    its version where it has one and more than one line (`dict_version`)."""
     per_mapping: dict[int, tuple[Any, list[str]]] = {}
-    for mapping, key, found in items.values():
+    for mapping, key, found in items:
+        if key in _NAMES_ONLY:
+            continue
         key_ = repr(key) if type(key) is str else name(key)
         if found is _MISSING:
             line = f"if {key_} in {name(mapping)}: return False"
         else:
             line = f"if {name(mapping)}[{key_}] is not {name(found)}: return False"
         per_mapping.setdefault(id(mapping), (mapping, []))[1].append(line)
-    for mapping, n in sizes.values():
+    for mapping, n in sizes:
         line = f"if len({name(mapping)}) != {n}: return False"
         per_mapping.setdefault(id(mapping), (mapping, []))[1].append(line)
     lines = []
@@ -174,20 +212,4 @@ def _generated(reads: Sequence[_Reads]) -> Callable[[], bool]:
         lines += [f"    {line}" for line in checks]
         lines.append(f"    {seen}[0] = now")
         space[f"_{t}_of"] = mapping  # (the reader's dict lives as long as the check)
-    for obj, attr, found in attrs.values():
-        if found is _MISSING or not attr.isidentifier() or keyword.iskeyword(attr):
-            rest_attrs.append((obj, attr, found))
-        else:
-            lines.append(f"if {name(obj)}.{attr} is not {name(found)}: return False")
-    rehash = [v for r in reads for v in r.rehash]
-    everything = [(r.items, r.attrs, r.sizes, r.rehash) for r in reads]
-    space["slow"] = lambda: all(_holds(*parts) for parts in everything)
-    space["rest"] = lambda: _holds((), rest_attrs, (), rehash)
-    body = "\n".join(f"        {line}" for line in lines) or "        pass"
-    source = (
-        f"def check():\n    try:\n{body}\n"
-        "    except (KeyError, AttributeError, ValueError):\n        return slow()\n"
-        f"    return {'rest()' if rest_attrs or rehash else 'True'}\n"
-    )
-    exec(compile(source, "<jaxnitro remembered check>", "exec"), space)  # noqa: S102
-    return space["check"]
+    return lines

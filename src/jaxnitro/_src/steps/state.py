@@ -246,8 +246,10 @@ def _lookup(
         if content[1] and (hit.check is None or not hit.check()):
             # the same content read from other objects (an equal value rebound): check those
             hit.check = check_of((loss_fn, *_model_code(model)))
+            hit.arm()
         if not hit.world():  # flags or variables set and set back: compare the values now
             hit.world = context.unchanged(flags, env)
+            hit.arm()
         return hit
     if unread:
         state = jax.tree.unflatten(treedef, leaves)
@@ -354,7 +356,14 @@ class _Fast:
         """After the first call: the output signature, and the call itself from then on."""
         self.out_sig, self.loops = out_sig, out_sig == self.state_sig
         self.call = cache.direct_call(self.call)
-        self.again = _again(self) if self.loops else None
+        self.arm()
+
+    def arm(self) -> None:
+        """`again` for the current checks (`check`, `world`), each time one is replaced;
+        None where the state cannot come back, the code cannot be checked, or the program
+        was dropped."""
+        usable = self.loops and self.check is not None and self.live
+        self.again = _again(self) if usable else None
 
 
 def _again(program: _Fast) -> Callable[..., Any]:
@@ -365,15 +374,24 @@ def _again(program: _Fast) -> Callable[..., Any]:
     It goes back in the usual loop: the same function and model every step, their code and
     JAX's flags and environment unchanged, and a batch the compiled call accepts. The code
     is checked through the read logs of its fingerprints (`_content` without building it).
-    A loop of small steps calls this every step, so it is one function of local names."""
-    loss_fn, model, call = program.loss_fn, program.model, program.call
+    A loop of small steps calls this every step, so it is one function of local names,
+    made again whenever a check is replaced (`_Fast.arm`)."""
+    loss_fn, model, tx, call = program.loss_fn, program.model, program.tx, program.call
     uncounted, new = program.uncounted, object.__new__
+    world, check = program.world, program.check
+    assert check is not None
+    # the common case of `world` inline: JAX's flags as they were, the environment's dict
+    # at the version it was last found equal at (else `world` compares it)
+    read, flags, version, seen = getattr(world, "common", (tuple, (), None, [None]))
 
     def again(fn: Any, state: TrainState, unread: tuple, batch: Batch) -> Any:
-        if fn is not loss_fn or state.model is not model or not program.live:
+        # (an unread state's model and optimizer are its program's: the keyed path looked the
+        # program up by their ids, and every change of a field makes an ordinary state)
+        if fn is not loss_fn or read() != flags:
             return None
-        check = program.check
-        if check is None or not program.world() or not check():
+        if (version is None or version.value != seen[0]) and not world():
+            return None
+        if not check():
             return None
         moving, fixed, steps, treedef, _ = unread
         try:
@@ -383,9 +401,9 @@ def _again(program: _Fast) -> Callable[..., Any]:
             # (nothing donated); the keyed path finds or compiles its program.
             return None
         ts = new(TrainState)  # `_unread_state`, inline
-        ts.__dict__.update(
-            model=model, tx=state.tx, _unread=(moving, fixed, steps + uncounted, treedef, program)
-        )
+        fields = ts.__dict__
+        fields["model"], fields["tx"] = model, tx
+        fields["_unread"] = (moving, fixed, steps + uncounted, treedef, program)
         return ts, out.pop("loss"), out
 
     return again
@@ -398,6 +416,7 @@ _FAST_ENTRIES = 64
 def _reset_fast() -> None:
     for program in _fast.values():  # an unread state may still point at one
         program.live = False
+        program.arm()
     _fast.clear()
     _model_codes.clear()
     forget()  # (the remembered fingerprints hold the functions and values they read)
