@@ -97,6 +97,7 @@ def test_a_step_that_reads_its_key_counts_on_the_device_with_a_key_per_step():
         losses.append(float(loss))
     layout = _layout(ts)
     assert layout.uncounted == 0 and len(layout.fixed_at) == 1  # the RNG alone is kept
+    assert layout.idle_at == ()  # and taken: the dropout draws from it
     assert ts.__dict__["_unread"][2] == 0
     assert int(ts.step) == 3
     assert len(set(losses)) == 3  # each step its own dropout mask
@@ -149,3 +150,49 @@ def test_a_program_is_called_as_it_was_built(monkeypatch):
     second, _, _ = jn.train_step(mse, second, BATCH)
     assert _layout(second) == _layout(first)
     assert leaves_equal(first.params, second.params)
+
+
+def test_kept_leaves_no_trace_reads_are_not_even_taken():
+    # Without dropout nothing reads the RNG, and the host counts the steps: the program takes
+    # neither (each input costs a CPU call ~0.2 us), and the state still has both, right.
+    from jaxnitro._src.compile import cache
+
+    jn.cache_reset()
+    ts = _state()
+    for _ in range(3):
+        ts, _, _ = jn.train_step(mse, ts, BATCH)
+    layout = _layout(ts)
+    assert layout.idle_at == layout.fixed_at and len(layout.idle_at) == 2
+    unread = ts.__dict__["_unread"]
+    assert unread[5] == [] and len(unread[1]) == 2  # taken none; kept both
+    [compiled] = [p.compiled for p in cache._entries.values() if p.kind == "train_step"]
+    changed = len(jax.tree.leaves(unread[0]))
+    assert compiled.in_tree.num_leaves == changed + len(BATCH)  # and the batch: no more
+    rng = _state().rng
+    assert int(ts.step) == 3 and np.array_equal(ts.rng, rng)
+    reference = _state()
+    for _ in range(3):  # an ordinary state each call: the same program, the same numbers
+        reference, _, _ = jn.train_step(mse, reference, BATCH)
+        assert int(reference.step) > 0
+    assert leaves_equal(ts.params, reference.params)
+
+
+def test_a_program_without_its_idle_leaves_is_the_program_with_them(monkeypatch):
+    # the idle leaves dropped from the traced program, not traced again: the same numbers
+    def kept_all(traced, layout, first, args, jit_args):
+        return traced, layout
+
+    ts = _state()
+    for _ in range(4):
+        ts, loss, _ = jn.train_step(mse, ts, BATCH)
+    assert _layout(ts).idle_at != ()
+    monkeypatch.setattr(leaf_layout, "_without_idle", kept_all)
+    jn.cache_reset()
+    other = _state()
+    for _ in range(4):
+        other, other_loss, _ = jn.train_step(mse, other, BATCH)
+    assert _layout(other).idle_at == ()
+    jn.cache_reset()  # (the program that takes them is this test's only)
+    assert float(loss) == float(other_loss)
+    assert leaves_equal(ts.params, other.params) and leaves_equal(ts.opt_state, other.opt_state)
+    assert int(ts.step) == int(other.step) == 4

@@ -32,6 +32,11 @@ def test_a_default_run_keeps_the_rng_the_constant_hyperparameters_and_the_counte
     assert [k for k in kept if "hyperparams" not in k] == [".step", ".rng"]
     hyper = sorted(k.split("'")[-2] for k in kept if "hyperparams" in k)
     assert hyper == ["b1", "b2", "eps", "eps_root", "threshold"]  # not the rate: written
+    # of them the program takes the hyperparameters only: nothing reads the counter or the
+    # RNG (no dropout), so they stay on the host's side of the call
+    flat = jax.tree_util.tree_flatten_with_path(n.train_state)[0]
+    idle = [jax.tree_util.keystr(flat[i][0]) for i in layout.idle_at]
+    assert idle == [".step", ".rng"]
     assert int(n.train_state.step) == n.step == 8
     assert steps == [(s, s) for s in range(1, 9)]  # each handover has the counter right
 
@@ -74,6 +79,7 @@ def test_a_step_that_reads_its_key_counts_on_the_device(run_dir):
     jn.train(n)
     kept, layout = _kept(n)
     assert layout.uncounted == 0 and ".step" not in kept and ".rng" in kept
+    assert layout.idle_at == ()  # the dropout draws from the RNG: taken
     assert int(n.train_state.step) == n.step == 8
 
 

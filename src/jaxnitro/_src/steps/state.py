@@ -121,6 +121,7 @@ def _unread_state(
     steps: int,
     treedef: jax.tree_util.PyTreeDef,
     program: _Fast,
+    taken: list,
 ) -> TrainState:
     """A `TrainState` that holds its leaves unflattened until a field is first read.
 
@@ -131,16 +132,18 @@ def _unread_state(
     field is read, the state is an ordinary one (its containers may since have been edited
     in place, so it is flattened again like any other). Its leaves are kept as the program
     takes them: those a step changes, and those it keeps (`_Fast.fixed_at`); `steps` is how
-    many steps the kept step counter is behind (a program that does not count, `_Fast`).
+    many steps the kept step counter is behind (a program that does not count, `_Fast`);
+    `taken` those of the kept leaves its program takes (`Layout.taken`).
     """
     ts = object.__new__(TrainState)
-    ts.__dict__.update(model=model, tx=tx, _unread=(moving, fixed, steps, treedef, program))
+    unread = (moving, fixed, steps, treedef, program, taken)
+    ts.__dict__.update(model=model, tx=tx, _unread=unread)
     return ts
 
 
 def _leaves_of(unread: tuple) -> list:
     """An unread state's leaves, in order, its step counter brought up to date."""
-    moving, fixed, steps, _, program = unread
+    moving, fixed, steps, _, program, _ = unread
     return program.layout.merge(moving, fixed, steps)
 
 
@@ -207,11 +210,12 @@ def train_step(
     sigs = (state_sig, batch_def, tuple(map(_input_sig, batch_leaves)))
     program = _lookup(loss_fn, state, leaves, treedef, batch, *sigs, unread=unread is not None)
     moving, fixed = program.layout.split(leaves)
-    moving, out = program.call(moving, fixed, batch)
+    taken = program.layout.taken(fixed)
+    moving, out = program.call(moving, taken, batch)
     if program.out_sig is None:  # the program's output avals, the same on every call
         program.returned(_state_sig(program.layout.merge(moving, fixed)))
     loss = out.pop("loss")
-    unread = (moving, fixed, program.uncounted, treedef, program)
+    unread = (moving, fixed, program.uncounted, treedef, program, taken)
     if type(state) is not TrainState:  # a subclass: its own fields, rebuilt as it is
         return jax.tree.unflatten(treedef, _leaves_of(unread)), loss, out
     return _unread_state(state.model, state.tx, *unread), loss, out
@@ -393,9 +397,9 @@ def _again(program: _Fast) -> Callable[..., Any]:
             return None
         if not check():
             return None
-        moving, fixed, steps, treedef, _ = unread
+        moving, fixed, steps, treedef, _, taken = unread
         try:
-            moving, out = call(moving, fixed, batch)
+            moving, out = call(moving, taken, batch)
         except TypeError:
             # Another batch structure, shape or dtype: the call refused it before running
             # (nothing donated); the keyed path finds or compiles its program.
@@ -403,7 +407,7 @@ def _again(program: _Fast) -> Callable[..., Any]:
         ts = new(TrainState)  # `_unread_state`, inline
         fields = ts.__dict__
         fields["model"], fields["tx"] = model, tx
-        fields["_unread"] = (moving, fixed, steps + uncounted, treedef, program)
+        fields["_unread"] = (moving, fixed, steps + uncounted, treedef, program, taken)
         return ts, out.pop("loss"), out
 
     return again

@@ -101,7 +101,9 @@ def _per_step(
     (batch, hyper, got), *_ = feed.train_prepare(spec, n.step, n.device.hyper_base)(unit)[0]
     prog = train_program(spec, n.programs, n.train_state, batch, n.device.extras, hyper, got)
     leaves = [jnp.copy(x) for x in n.state_leaves]  # the handle's buffers are never donated
-    leaves, kept = train_layout(prog).split(leaves)
+    layout = train_layout(prog)
+    leaves, kept = layout.split(leaves)
+    kept = layout.taken(kept)  # (what the program takes of them)
     t0 = time.perf_counter()
     leaves, out = prog.compiled(leaves, kept, batch, n.device.extras, hyper)  # warm up
     jax.block_until_ready(out)

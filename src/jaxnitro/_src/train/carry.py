@@ -29,7 +29,8 @@ class StateCarry:
 
     def __init__(self, leaves: list, step: int):
         self.moving = list(leaves)  # what the next call donates (all leaves, until a layout)
-        self.kept: list = []  # what it takes and keeps
+        self.kept: list = []  # what it keeps (takes, or not where idle: `Layout.taken`)
+        self._taken: list = []  # what of `kept` a call takes
         self.layout: Layout | None = None
         self.step = step  # the steps run, as the host counts them
         self._counted = step  # the count the kept step counter is right at (the start)
@@ -41,7 +42,8 @@ class StateCarry:
             leaves = self.leaves()
             self.layout, self._counted = layout, self.step
             self.moving, self.kept = layout.split(leaves)
-        self.moving[:], out = fn(self.moving, self.kept, *inputs)
+            self._taken = layout.taken(self.kept)
+        self.moving[:], out = fn(self.moving, self._taken, *inputs)
         self.step += steps
         return out
 
@@ -54,6 +56,7 @@ class StateCarry:
         leaves = layout.merge(self.moving, self.kept, self.step - self._counted)
         if layout.uncounted:
             self.kept[layout.fixed_at.index(layout.step_at)] = leaves[layout.step_at]
+            self._taken = layout.taken(self.kept)
             self._counted = self.step
         return leaves
 

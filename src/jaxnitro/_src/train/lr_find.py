@@ -159,7 +159,7 @@ def _ramp(
     losses: list[float] = []
     smoothed: list[float] = []
     avg, best, stopped, call = 0.0, math.inf, False, None
-    kept: list = []  # the leaves the program keeps (`train_layout`)
+    kept: list = []  # the kept leaves the program takes (`train_layout`)
     with n.display.bar("lr_find", steps) as advance:  # each step reads its loss anyway
         for batch, hyper, _ in _payloads(spec, n, steps):
             t = len(rates)
@@ -168,7 +168,9 @@ def _ramp(
                 vec[i] = ramp[t] * r
             if call is None:  # the run's own train program (a cache hit after training)
                 prog = _program(spec, n, batch, vec)
-                call, (leaves, kept) = prog.compiled, train_layout(prog).split(leaves)
+                layout = train_layout(prog)
+                call, (leaves, kept) = prog.compiled, layout.split(leaves)
+                kept = layout.taken(kept)  # (what the program takes of them)
             hv = feed.put(spec, vec, spec.replicated)
             leaves, out = call(leaves, kept, batch, n.device.extras, hv)
             loss = float(jax.device_get(out["loss"]))
