@@ -112,3 +112,51 @@ def test_train_step_compiles_with_the_defaults(known, monkeypatch):
     ts, loss, _ = jn.train_step(loss_fn, ts, big)  # another batch shape: its own program
     assert compiled[-1][0] == {} and np.isfinite(float(loss))
     jax.block_until_ready(ts.params)
+
+
+def _lowered(n: int):
+    """A dot of an n x n matrix (2 n^3 FLOPs, and XLA's estimate says so)."""
+    x = np.ones((n, n), np.float32)
+    return jax.jit(lambda a, b: a @ b).lower(x, x)
+
+
+def test_one_thread_is_resolved_per_program_by_its_flops():
+    one = backend_options.ONE_THREAD
+    small, big = _lowered(8), _lowered(512)  # 1,024 and ~2.7e8 FLOPs
+    assert backend_options.resolve({one: 5e7}, small) == {"xla_cpu_multi_thread_eigen": False}
+    assert backend_options.resolve({one: 5e7}, big) == {}  # Eigen's threads pay off here
+    options = {"xla_cpu_experimental_ynn_fusion_type": "", one: 5e7}
+    assert backend_options.resolve(options, small) == {
+        "xla_cpu_experimental_ynn_fusion_type": "",
+        "xla_cpu_multi_thread_eigen": False,
+    }
+    assert options[one] == 5e7  # (the caller's dict is left as it was)
+    given = {"xla_backend_optimization_level": 2}  # a dict of XLA options: as it is
+    assert backend_options.resolve(given, small) == given
+    assert backend_options.resolve({one: 1.0}, small) == {}  # not under the bound
+
+
+def test_one_thread_without_a_flop_estimate_changes_nothing(monkeypatch):
+    from jaxnitro._src.compile import report
+
+    monkeypatch.setattr(report, "flops", lambda stage: None)  # a backend without a cost model
+    assert backend_options.resolve({backend_options.ONE_THREAD: 5e7}, _lowered(8)) == {}
+
+
+def test_programs_compile_with_the_options_resolved_for_them(run_dir, known, monkeypatch):
+    # the compile sees XLA's options only: jaxnitro's own is replaced per program
+    seen = []
+    real = backend_options.resolve
+
+    def recording(options, lowered):
+        out = real(options, lowered)
+        seen.append((dict(options), out))
+        return out
+
+    monkeypatch.setattr(backend_options, "resolve", recording)
+    jn.cache_reset()  # (compiled by an earlier test: compiled again here)
+    n = nitro(Tiny(max_epochs=1, n_val=0), run_dir=run_dir)
+    jn.train(n)
+    assert seen and all(backend_options.ONE_THREAD not in out for _, out in seen)
+    train = [out for options, out in seen if options == backend_options.CPU]
+    assert train and all(out["xla_cpu_multi_thread_eigen"] is False for out in train)  # small

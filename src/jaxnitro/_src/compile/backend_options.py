@@ -12,6 +12,15 @@ whose batch has at most `SMALL_ROWS` rows is compiled with YNNPACK fusion off, w
 jaxlib knows the option (`cpu_known` asks it once a process; another jaxlib compiles with
 XLA's own defaults). Other backends get none.
 
+Such a program also runs its Eigen calls (dots, convolutions) on the calling thread where its
+FLOP estimate is under 5e7 (`ONE_THREAD`, jaxnitro's own option, made XLA's
+`xla_cpu_multi_thread_eigen: False` per program by `resolve` at its compile): for a program
+that small, handing work to Eigen's threads costs more than it saves. Measured the same way
+(`benchmarks/compile_options_ab.py --one-thread`): the 2-32-2 MLP step of
+`train_step_cost.py` (3e4 FLOPs) 1.03-1.05x, the MNIST MLP at batch 32 (1.5e7) 1.01-1.02x;
+above the bound the MLP at batch 256 (1.1e8) 0.98-1.00x and a tiny GPT (4.5e9) 0.97x, so
+they keep Eigen's threads.
+
 A run's programs take these (by its train batch size) unless `Nitro(compile_options=...)` is
 given: that dict is used as it is (`compile_options={}` for XLA's own defaults). `jn.train_step`
 (by its batch) and a bundle's served programs (by their padded batch size) take them too.
@@ -20,18 +29,28 @@ given: that dict is used as it is (`compile_options={}` for XLA's own defaults).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-__all__ = ["CPU", "defaults"]
+from jaxnitro._src.compile import report
 
-#: What a CPU program of a small batch is compiled with (where this jaxlib knows the option).
-CPU: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+__all__ = ["CPU", "ONE_THREAD", "defaults", "resolve"]
+
+#: jaxnitro's own option (not XLA's; `resolve` replaces it): a program whose FLOP estimate is
+#: under its value runs its Eigen calls (dots, convolutions) on the calling thread.
+ONE_THREAD = "jaxnitro_one_thread_below_flops"
+#: What a CPU program of a small batch is compiled with (where this jaxlib knows the options).
+CPU: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": "", ONE_THREAD: 5e7}
 #: The most rows a batch may have for `CPU` to apply.
 SMALL_ROWS = 512
 _SENTINEL = "jaxnitro_no_such_option"
+# the XLA option `ONE_THREAD` sets
+_ONE_THREAD_XLA = {"xla_cpu_multi_thread_eigen": False}
 
 
 def defaults(platform: str, rows: int | None) -> dict[str, Any]:
@@ -46,15 +65,36 @@ def defaults(platform: str, rows: int | None) -> dict[str, Any]:
     return dict(CPU) if platform == "cpu" and small and cpu_known() else {}
 
 
+def resolve(options: Mapping[str, Any], lowered: Any) -> dict[str, Any]:
+    """The XLA options to compile `lowered` (a `jax.stages.Lowered`) with: `options` less
+    jaxnitro's own, `ONE_THREAD` replaced by what it gives this program.
+
+    Example:
+        >>> lowered = jax.jit(lambda x: x * 2).lower(np.ones(4, np.float32))
+        >>> resolve({ONE_THREAD: 5e7}, lowered)
+        {'xla_cpu_multi_thread_eigen': False}
+        >>> resolve({ONE_THREAD: 1.0}, lowered)  # 4 FLOPs: not under 1
+        {}
+    """
+    out = dict(options)
+    below = out.pop(ONE_THREAD, None)
+    if below is not None:
+        flops = report.flops(lowered)
+        if flops is not None and flops < float(below):
+            out.update(_ONE_THREAD_XLA)
+    return out
+
+
 @functools.cache
 def cpu_known() -> bool:
-    """Whether this jaxlib's CPU compiler knows the options of `CPU`. Asked without
-    compiling: the options go with one it cannot know, and the error names the first
-    unknown (~5 ms, once a process)."""
-    options = {**CPU, _SENTINEL: ""}
+    """Whether this jaxlib's CPU compiler knows the XLA options of `CPU` (and of
+    `ONE_THREAD`). Asked without compiling: the options go with one it cannot know, and the
+    error names the first unknown (~5 ms, once a process)."""
+    xla = {k: v for k, v in {**CPU, **_ONE_THREAD_XLA}.items() if k != ONE_THREAD}
+    options = {**xla, _SENTINEL: ""}
     try:
         lowered = jax.jit(lambda x: x).lower(np.float32(0))
         lowered.compile(compiler_options=options)
     except Exception as e:  # noqa: BLE001 - what the compiler says, or any failure: not known
-        return _SENTINEL in str(e) and not any(k in str(e) for k in CPU)
+        return _SENTINEL in str(e) and not any(k in str(e) for k in xla)
     return False  # (accepted the sentinel: the answer cannot be trusted)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jaxnitro._src.compile import explain, report
+from jaxnitro._src.compile import backend_options, explain, report
 from jaxnitro._src.compile.fingerprint import fingerprint, fingerprint_value
 
 if TYPE_CHECKING:
@@ -308,7 +308,9 @@ def _compile(
     ctx = on_compile(kind, label) if on_compile is not None else contextlib.nullcontext()
     loads = getattr(_loads, "count", 0)
     with ctx as note:
-        compiled = lowered.compile(compiler_options=compile_options or None)
+        # (jaxnitro's own options made XLA's for this program: `backend_options.resolve`)
+        options = backend_options.resolve(compile_options or {}, lowered)
+        compiled = lowered.compile(compiler_options=options or None)
         loaded = getattr(_loads, "count", 0) > loads  # from the persistent cache, not compiled
         if note is not None and hasattr(note, "loaded"):  # the display says "loaded ..."
             note.loaded = loaded

@@ -35,7 +35,7 @@ from jaxnitro._src.core.units import format_bytes
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["CompileRecord", "Flag", "Thresholds", "format_table", "record"]
+__all__ = ["CompileRecord", "Flag", "Thresholds", "flops", "format_table", "record"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +161,7 @@ def record(
         stablehlo_ops=len(ops),
         text_bytes=len(text.encode()),
         constant_bytes=constant_bytes,
-        flops=_flops(compiled),
+        flops=flops(compiled),
         memory=_memory(kind, compiled),
         flags=tuple(f for f in flags if f is not None),
         loaded=loaded,
@@ -438,11 +438,12 @@ def _hlo_ops(compiled: jax.stages.Compiled) -> int:
     return sum(1 for line in text.splitlines() if re.match(r"\s*(ROOT\s+)?%?[\w.\-]+\s*=\s", line))
 
 
-def _flops(compiled: jax.stages.Compiled) -> float | None:
-    """XLA's FLOP estimate: `cost_analysis()` is a dict in jax 0.10, a list of dicts in older
-    versions, and None or an error where the backend has no cost model."""
+def flops(stage: jax.stages.Compiled | jax.stages.Lowered) -> float | None:
+    """XLA's FLOP estimate of a compiled or lowered program (None: not known).
+    `cost_analysis()` is a dict in jax 0.10, a list of dicts in older versions, and None or
+    an error where the backend has no cost model."""
     try:
-        cost = compiled.cost_analysis()
+        cost = stage.cost_analysis()
     except Exception:
         return None
     if isinstance(cost, dict):

@@ -71,6 +71,7 @@ class Executable:
                 lowered = jax.jit(self._flat).lower(*args)
                 # the options a run's programs take (`compile/backend_options.py`)
                 options = backend_options.defaults(jax.default_backend(), size)
+                options = backend_options.resolve(options, lowered)
                 program = lowered.compile(compiler_options=options or None)
                 self._programs[size] = program
         return program

@@ -217,7 +217,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "dict",
         "XLA options for every program (Python only); default: the backend's (on a CPU, "
-        "batches of <= 512 rows: YNNPACK fusion off), {} for XLA's own.",
+        "batches of <= 512 rows: YNNPACK fusion off, and one-thread Eigen for programs under "
+        "5e7 FLOPs), {} for XLA's own.",
         v.compile_options,
     ),
     Option(
