@@ -160,3 +160,21 @@ def test_programs_compile_with_the_options_resolved_for_them(run_dir, known, mon
     assert seen and all(backend_options.ONE_THREAD not in out for _, out in seen)
     train = [out for options, out in seen if options == backend_options.CPU]
     assert train and all(out["xla_cpu_multi_thread_eigen"] is False for out in train)  # small
+
+
+def test_options_xla_would_refuse_are_a_config_error_before_anything_runs(run_dir):
+    with pytest.raises(jn.ConfigError, match="No such compile option: 'xla_no_such_flag'"):
+        nitro(Tiny(max_epochs=1), run_dir=run_dir / "a", compile_options={"xla_no_such_flag": 1})
+    bad = {"xla_backend_optimization_level": "high"}
+    with pytest.raises(jn.ConfigError, match="xla_backend_optimization_level.*not a valid"):
+        nitro(Tiny(max_epochs=1), run_dir=run_dir / "b", compile_options=bad)
+    assert not (run_dir / "a" / "metrics.jsonl").exists()
+    own = {backend_options.ONE_THREAD: 1e6, "xla_backend_optimization_level": 2}
+    assert (
+        dict(
+            nitro(
+                Tiny(max_epochs=1), run_dir=run_dir / "c", compile_options=own
+            ).spec.compile_options
+        )
+        == own
+    )  # jaxnitro's own entry is not XLA's to refuse

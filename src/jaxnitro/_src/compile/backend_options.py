@@ -39,7 +39,7 @@ from jaxnitro._src.compile import report
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["CPU", "ONE_THREAD", "defaults", "resolve"]
+__all__ = ["CPU", "ONE_THREAD", "defaults", "refused", "resolve"]
 
 #: jaxnitro's own option (not XLA's; `resolve` replaces it): a program whose FLOP estimate is
 #: under its value runs its Eigen calls (dots, convolutions) on the calling thread.
@@ -98,3 +98,39 @@ def cpu_known() -> bool:
     except Exception as e:  # noqa: BLE001 - what the compiler says, or any failure: not known
         return _SENTINEL in str(e) and not any(k in str(e) for k in xla)
     return False  # (accepted the sentinel: the answer cannot be trusted)
+
+
+_refusals: dict[tuple, str | None] = {}
+
+
+def refused(options: Mapping[str, Any]) -> str | None:
+    """What this jaxlib's compiler says against `options` on the default backend (an option
+    name it does not know, a value it cannot take), jaxnitro's own left out; None where it
+    takes them or cannot tell. Asked once per set of options, on a program of one scalar.
+
+    Example:
+        >>> refused({"xla_backend_optimization_level": 2}) is None
+        True
+        >>> refused({"xla_no_such_flag": True})
+        "No such compile option: 'xla_no_such_flag'"
+    """
+    xla = {k: v for k, v in options.items() if k != ONE_THREAD}
+    if not xla:
+        return None
+    key = (jax.default_backend(), tuple(sorted((k, repr(v)) for k, v in xla.items())))
+    if key not in _refusals:
+        _refusals[key] = _ask(xla)
+    return _refusals[key]
+
+
+def _ask(xla: dict[str, Any]) -> str | None:
+    try:
+        lowered = jax.jit(lambda x: x).lower(np.float32(0))
+        lowered.compile(compiler_options={**xla, _SENTINEL: ""})
+    except Exception as e:  # noqa: BLE001 - the compiler's own words are the answer
+        said = str(e).splitlines()[0] if str(e) else type(e).__name__
+        said = said.split("INVALID_ARGUMENT: ", 1)[-1]
+        if _SENTINEL in said and not any(k in said for k in xla):
+            return None  # every option taken; the sentinel is the first it does not know
+        return said
+    return None  # (accepted the sentinel: it cannot tell)

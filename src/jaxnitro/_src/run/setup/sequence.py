@@ -86,6 +86,7 @@ def build(
     # [Step 1] the run's identity (resumed or new), then the devices it runs on
     resume_path, run_id, seed = _identity(s, svc)
     sharding, mesh, dist = _devices(s)
+    _check_compile_options(s)
     # [Step 2] the data, the experiment derived from it, its Device values, the model
     splits = build_data(exp, s.data, dist, seed)
     position = resume_position(resume_path)
@@ -192,6 +193,17 @@ def _decided(
         "ema": ema_mod.setting(s.ema, s.ema_warmup, s.ema_every, s.ema_state, s.ema_eval),
         "early_stop": early_stop_rule(s.early_stop),
     }
+
+
+def _check_compile_options(s: Settings) -> None:
+    """Options XLA would refuse at the first compile, refused here with its words."""
+    said = None if s.compile_options is None else backend_options.refused(s.compile_options)
+    if said is not None:
+        raise ConfigError(
+            f"compile_options={s.compile_options!r}: this jaxlib ({jax.__version__}, "
+            f"{jax.default_backend()}) refuses them: {said}. Correct or drop that option "
+            f"(leave compile_options out for jaxnitro's defaults, or pass {{}} for XLA's)."
+        )
 
 
 def _check_weights_option(s: Settings) -> None:
