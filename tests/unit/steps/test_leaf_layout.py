@@ -196,3 +196,14 @@ def test_a_program_without_its_idle_leaves_is_the_program_with_them(monkeypatch)
     assert float(loss) == float(other_loss)
     assert leaves_equal(ts.params, other.params) and leaves_equal(ts.opt_state, other.opt_state)
     assert int(ts.step) == int(other.step) == 4
+
+
+def test_a_jaxpr_that_cannot_be_rebuilt_leaves_the_program_taking_them_all(monkeypatch):
+    monkeypatch.setattr(leaf_layout, "_dropped", lambda closed, drop: None)
+    jn.cache_reset()
+    ts = _state()
+    for _ in range(2):
+        ts, loss, _ = jn.train_step(mse, ts, BATCH)
+    jn.cache_reset()  # (this test's program only)
+    assert _layout(ts).idle_at == () and len(_layout(ts).fixed_at) == 2
+    assert np.isfinite(float(loss)) and int(ts.step) == 2

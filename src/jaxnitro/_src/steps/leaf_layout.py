@@ -196,29 +196,14 @@ def _without_idle(
     On a CPU each input of a call costs its dispatch ~0.2 µs, however unused. The traced
     program is made again from its own jaxpr, less those inputs and the equations nothing
     reads (no second trace of the user's code)."""
-    jaxpr = traced.jaxpr.jaxpr
     idle = [i for n, i in enumerate(layout.fixed_at) if not reads_inputs(traced.jaxpr, [first + n])]
     if not idle:
         return traced, layout
     drop = {first + layout.fixed_at.index(i) for i in idle}
-    live = {id(v) for v in jaxpr.outvars}
-    eqns = []
-    for eqn in reversed(jaxpr.eqns):  # (as `reads_inputs`: an equation is kept whole)
-        if eqn.effects or any(id(v) in live for v in eqn.outvars):
-            live.update(id(v) for v in eqn.invars)
-            eqns.append(eqn)
-    keep = [n for n in range(len(jaxpr.invars)) if n not in drop]
-    info = jaxpr.debug_info
-    if (
-        info is not None
-        and info.arg_names is not None
-        and len(info.arg_names) == len(keep) + len(drop)
-    ):
-        info = info._replace(arg_names=tuple(info.arg_names[n] for n in keep))
-    smaller = jaxpr.replace(
-        invars=[jaxpr.invars[n] for n in keep], eqns=eqns[::-1], debug_info=info
-    )
-    run = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(smaller, traced.jaxpr.consts))
+    smaller = _dropped(traced.jaxpr, drop)
+    if smaller is None:  # a JAX whose jaxprs this cannot rebuild: the program takes them all
+        return traced, layout
+    run = jex.core.jaxpr_as_fun(smaller)
     out_tree = traced.out_tree
     layout = dataclasses.replace(layout, idle_at=tuple(idle))
     moving, fixed, *inputs = args
@@ -229,6 +214,29 @@ def _without_idle(
     program.__name__ = getattr(traced, "fun_name", None) or "flat_step"
     again = jax.jit(program, donate_argnums=(0,), **jit_args)
     return again.trace(moving, layout.taken(fixed), *inputs), layout
+
+
+def _dropped(closed: Any, drop: set[int]) -> Any:
+    """`closed` (a ClosedJaxpr) without its inputs at `drop`, which nothing it keeps reads,
+    and without the equations nothing reads; None where this JAX's jaxprs do not allow it."""
+    jaxpr = closed.jaxpr
+    live = {id(v) for v in jaxpr.outvars}
+    eqns = []
+    for eqn in reversed(jaxpr.eqns):  # (as `reads_inputs`: an equation is kept whole)
+        if eqn.effects or any(id(v) in live for v in eqn.outvars):
+            live.update(id(v) for v in eqn.invars)
+            eqns.append(eqn)
+    keep = [n for n in range(len(jaxpr.invars)) if n not in drop]
+    try:
+        info = jaxpr.debug_info
+        if info is not None and info.arg_names is not None:
+            info = info._replace(arg_names=tuple(info.arg_names[n] for n in keep))
+        smaller = jaxpr.replace(
+            invars=[jaxpr.invars[n] for n in keep], eqns=eqns[::-1], debug_info=info
+        )
+        return jex.core.ClosedJaxpr(smaller, closed.consts)
+    except (AttributeError, TypeError, ValueError, IndexError, AssertionError):
+        return None
 
 
 # a program's cache key -> the layout it was lowered with (a key lowers to one program; kept
