@@ -179,31 +179,52 @@ def test_kept_leaves_no_trace_reads_are_not_even_taken():
 
 def test_a_program_without_its_idle_leaves_is_the_program_with_them(monkeypatch):
     # the idle leaves dropped from the traced program, not traced again: the same numbers
-    def kept_all(traced, layout, first, args, jit_args):
-        return traced, layout
+    def kept_all(traced, layout, *args):
+        return traced, layout  # as traced: the counter on the device, every kept leaf taken
 
     ts = _state()
     for _ in range(4):
         ts, loss, _ = jn.train_step(mse, ts, BATCH)
     assert _layout(ts).idle_at != ()
-    monkeypatch.setattr(leaf_layout, "_without_idle", kept_all)
+    monkeypatch.setattr(leaf_layout, "_slimmed", kept_all)
     jn.cache_reset()
     other = _state()
     for _ in range(4):
         other, other_loss, _ = jn.train_step(mse, other, BATCH)
-    assert _layout(other).idle_at == ()
+    assert _layout(other).idle_at == () and _layout(other).uncounted == 0
     jn.cache_reset()  # (the program that takes them is this test's only)
     assert float(loss) == float(other_loss)
     assert leaves_equal(ts.params, other.params) and leaves_equal(ts.opt_state, other.opt_state)
     assert int(ts.step) == int(other.step) == 4
 
 
-def test_a_jaxpr_that_cannot_be_rebuilt_leaves_the_program_taking_them_all(monkeypatch):
-    monkeypatch.setattr(leaf_layout, "_dropped", lambda closed, drop: None)
+def test_a_jaxpr_that_cannot_be_rebuilt_leaves_the_program_as_traced(monkeypatch):
+    monkeypatch.setattr(leaf_layout, "_dropped", lambda closed, drop_in, drop_out: None)
     jn.cache_reset()
     ts = _state()
     for _ in range(2):
         ts, loss, _ = jn.train_step(mse, ts, BATCH)
     jn.cache_reset()  # (this test's program only)
-    assert _layout(ts).idle_at == () and len(_layout(ts).fixed_at) == 2
+    layout = _layout(ts)  # as traced: the counter counted on the device, the RNG taken
+    assert layout.idle_at == () and layout.uncounted == 0 and len(layout.fixed_at) == 1
     assert np.isfinite(float(loss)) and int(ts.step) == 2
+
+
+def test_a_step_is_traced_once_whether_or_not_it_reads_its_key():
+    # The counter's place (host or device) is found in the one trace, with or without dropout
+    calls = []
+
+    def counted(model, params, state, batch):
+        calls.append(1)
+        return mse(model, params, state, batch)
+
+    x = jnp.ones((4, 2))
+    for model, host in (
+        (None, True),
+        (jn.split_model(DropoutMLP(), jax.random.PRNGKey(0), x), False),
+    ):
+        jn.cache_reset()
+        calls.clear()
+        ts, loss, _ = jn.train_step(counted, _state(model), BATCH)
+        assert calls == [1] and np.isfinite(float(loss))
+        assert _layout(ts).uncounted == int(host)

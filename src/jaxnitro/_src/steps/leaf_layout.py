@@ -12,12 +12,13 @@ array), which a small model's step feels. Three kinds of leaf need not travel:
   from its own `Rngs`; a model without dropout): the host counts the steps instead
   (`Layout.uncounted`), and adds them when the state is read (`Layout.merge`, `Unmerged`).
 
-Which apply is decided from the trace (`lower`): a leaf kept but changed after all, or a
-counter that is read, is traced again as a changed leaf. A kept leaf the trace never reads
-(the RNG without dropout, a counter the host counts) is not even taken (`Layout.idle_at`,
-`Layout.taken`): each input costs a CPU call its dispatch, read or not. The layout a
-program was lowered with is kept by its cache key (`acquired`, `chosen`), so a cached
-program is called as it was built.
+Which apply is decided from one trace (`lower`), with the counter among the changed leaves:
+a leaf kept but changed after all is traced again as a changed leaf; where nothing but its
+own new value reads the counter, the program is made again from its jaxpr without them
+(`_slimmed`). A kept leaf the trace never reads (the RNG without dropout, a counter the host
+counts) is not even taken (`Layout.idle_at`, `Layout.taken`): each input costs a CPU call
+its dispatch, read or not. The layout a program was lowered with is kept by its cache key
+(`acquired`, `chosen`), so a cached program is called as it was built.
 """
 
 from __future__ import annotations
@@ -168,71 +169,105 @@ def lower(
     """
     treedef = jax.tree.structure(state)
     step_at = positions(state)[0]
-    passed, count = set(passed), host_counts
-    while True:
-        kept = tuple(sorted(passed | ({step_at} if count else set())))
-        layout = Layout(kept, step_at, int(count))
+    passed = set(passed)
+    while True:  # (the counter changes on the device here; `_slimmed` may give it the host)
+        layout = Layout(tuple(sorted(passed)), step_at)
         changed: set[int] = set()
         moving, fixed = layout.split(leaves)
         extra = {} if out_shardings is None else {"out_shardings": out_shardings(moving)}
         fn = layout.flat(step_fn, treedef, tuple(sorted(passed)), changed)
         traced = jax.jit(fn, donate_argnums=(0,), **extra).trace(moving, fixed, *inputs)
-        if changed:  # kept where it changes: a changed leaf, traced again
-            passed -= changed
-            continue
-        first = len(jax.tree.leaves(moving))
-        if count and reads_inputs(traced.jaxpr, [first + layout.fixed_at.index(step_at)]):
-            count = False  # the step reads its key: the counter runs on the device
-            continue
-        return _without_idle(traced, layout, first, (moving, fixed, *inputs), extra)
+        if not changed:
+            break
+        passed -= changed  # kept where it changes: a changed leaf, traced again
+    return _slimmed(traced, layout, leaves, inputs, host_counts, out_shardings)
 
 
-def _without_idle(
-    traced: jax.stages.Traced, layout: Layout, first: int, args: tuple, jit_args: dict
+def _slimmed(
+    traced: jax.stages.Traced,
+    layout: Layout,
+    leaves: list,
+    inputs: tuple,
+    host_counts: bool,
+    out_shardings: Callable[[list], Any] | None,
 ) -> tuple[jax.stages.Traced, Layout]:
-    """The program without the kept leaves its trace never reads (`Layout.idle_at`: an RNG
-    where nothing draws from it, a counter the host counts), and its layout.
+    """The traced program, less what it does not need, and its layout: where `host_counts`
+    allows it and nothing but its own new value reads the step counter, the counter is kept
+    and counted by the host (`Layout.uncounted`); and the kept leaves nothing reads (the RNG
+    without dropout, a counter the host counts) are not taken (`Layout.idle_at`).
 
-    On a CPU each input of a call costs its dispatch ~0.2 µs, however unused. The traced
-    program is made again from its own jaxpr, less those inputs and the equations nothing
-    reads (no second trace of the user's code)."""
-    idle = [i for n, i in enumerate(layout.fixed_at) if not reads_inputs(traced.jaxpr, [first + n])]
-    if not idle:
+    On a CPU each input and output of a call costs its dispatch (~0.2 µs an input, however
+    unused). The program is made again from its own jaxpr, less those inputs and outputs and
+    the equations nothing reads: the user's code is traced once either way."""
+    closed = traced.jaxpr
+    moving_at = [i for i in range(len(leaves)) if i not in layout.fixed_at]
+    at = {i: n for n, i in enumerate(moving_at)}  # a leaf -> its input position in the trace
+    at.update({i: len(moving_at) + n for n, i in enumerate(layout.fixed_at)})
+    counter = at[layout.step_at]  # (also its output's position: the new changed leaves first)
+    drop_out: set[int] = set()
+    if host_counts and not reads_inputs(closed, [counter], ignoring=[counter]):
+        fixed_at = tuple(sorted((*layout.fixed_at, layout.step_at)))
+        layout, drop_out = Layout(fixed_at, layout.step_at, 1), {counter}
+    idle = tuple(i for i in layout.fixed_at if not reads_inputs(closed, [at[i]], drop_out))
+    if not idle and not drop_out:
         return traced, layout
-    drop = {first + layout.fixed_at.index(i) for i in idle}
-    smaller = _dropped(traced.jaxpr, drop)
-    if smaller is None:  # a JAX whose jaxprs this cannot rebuild: the program takes them all
-        return traced, layout
+    smaller = _dropped(closed, {at[i] for i in idle}, drop_out)
+    if smaller is None:  # a JAX whose jaxprs this cannot rebuild: the program as traced
+        return traced, _as_traced(layout)
     run = jex.core.jaxpr_as_fun(smaller)
-    out_tree = traced.out_tree
-    layout = dataclasses.replace(layout, idle_at=tuple(idle))
-    moving, fixed, *inputs = args
+    out_tree = _less(traced.out_tree, counter) if drop_out else traced.out_tree
+    layout = dataclasses.replace(layout, idle_at=idle)
+    moving, fixed = layout.split(leaves)
+    extra = {} if out_shardings is None else {"out_shardings": out_shardings(moving)}
 
     def program(moving: list, taken: list, *inputs: Any) -> Any:
         return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((moving, taken, inputs))))
 
     program.__name__ = getattr(traced, "fun_name", None) or "flat_step"
-    again = jax.jit(program, donate_argnums=(0,), **jit_args)
+    again = jax.jit(program, donate_argnums=(0,), **extra)
     return again.trace(moving, layout.taken(fixed), *inputs), layout
 
 
-def _dropped(closed: Any, drop: set[int]) -> Any:
-    """`closed` (a ClosedJaxpr) without its inputs at `drop`, which nothing it keeps reads,
-    and without the equations nothing reads; None where this JAX's jaxprs do not allow it."""
+def _as_traced(layout: Layout) -> Layout:
+    """The layout of the program as traced: the counter among the changed leaves."""
+    return Layout(tuple(i for i in layout.fixed_at if i != layout.step_at), layout.step_at)
+
+
+def _less(out_tree: Any, n: int) -> Any:
+    """The output structure `(new changed leaves, outputs)` without the changed leaf `n`."""
+    new, out = jax.tree.unflatten(out_tree, list(range(out_tree.num_leaves)))
+    return jax.tree.structure(([x for x in new if x != n], out))
+
+
+def _dropped(closed: Any, drop_in: set[int], drop_out: set[int]) -> Any:
+    """`closed` (a ClosedJaxpr) without its inputs at `drop_in` and outputs at `drop_out`,
+    and without the equations nothing left reads; None where a dropped input is still read
+    or this JAX's jaxprs do not allow it."""
     jaxpr = closed.jaxpr
-    live = {id(v) for v in jaxpr.outvars}
+    outvars = [v for n, v in enumerate(jaxpr.outvars) if n not in drop_out]
+    live = {id(v) for v in outvars}
     eqns = []
     for eqn in reversed(jaxpr.eqns):  # (as `reads_inputs`: an equation is kept whole)
         if eqn.effects or any(id(v) in live for v in eqn.outvars):
             live.update(id(v) for v in eqn.invars)
             eqns.append(eqn)
-    keep = [n for n in range(len(jaxpr.invars)) if n not in drop]
+    if any(id(jaxpr.invars[n]) in live for n in drop_in):
+        return None
+    keep = [n for n in range(len(jaxpr.invars)) if n not in drop_in]
     try:
         info = jaxpr.debug_info
         if info is not None and info.arg_names is not None:
             info = info._replace(arg_names=tuple(info.arg_names[n] for n in keep))
+        if info is not None and isinstance(info.result_paths, tuple) and drop_out:
+            paths = info.result_paths
+            info = info._replace(
+                result_paths=tuple(p for n, p in enumerate(paths) if n not in drop_out)
+            )
         smaller = jaxpr.replace(
-            invars=[jaxpr.invars[n] for n in keep], eqns=eqns[::-1], debug_info=info
+            invars=[jaxpr.invars[n] for n in keep],
+            outvars=outvars,
+            eqns=eqns[::-1],
+            debug_info=info,
         )
         return jex.core.ClosedJaxpr(smaller, closed.consts)
     except (AttributeError, TypeError, ValueError, IndexError, AssertionError):
@@ -266,12 +301,14 @@ def chosen(prog: Any) -> Layout:
     return _chosen[prog.key]
 
 
-def reads_inputs(closed: Any, inputs: Iterable[int]) -> bool:
-    """Whether the jaxpr's outputs (or an effect) depend on any of its `inputs` (positions
-    among its flat inputs). An equation is taken whole: what it reads is read where any of
-    its outputs is (a nested jaxpr's unused inputs count as read, which only keeps more)."""
+def reads_inputs(closed: Any, inputs: Iterable[int], ignoring: Iterable[int] = ()) -> bool:
+    """Whether the jaxpr's outputs (but those at `ignoring`) or an effect depend on any of
+    its `inputs` (positions among its flat inputs). An equation is taken whole: what it reads
+    is read where any of its outputs is (a nested jaxpr's unused inputs count as read, which
+    only keeps more)."""
     jaxpr = closed.jaxpr
-    live = {id(v) for v in jaxpr.outvars}
+    skip = set(ignoring)
+    live = {id(v) for n, v in enumerate(jaxpr.outvars) if n not in skip}
     for eqn in reversed(jaxpr.eqns):
         if eqn.effects or any(id(v) in live for v in eqn.outvars):
             live.update(id(v) for v in eqn.invars)
