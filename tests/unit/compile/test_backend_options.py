@@ -123,14 +123,14 @@ def _lowered(n: int):
 def test_one_thread_is_resolved_per_program_by_its_flops():
     one = backend_options.ONE_THREAD
     small, big = _lowered(8), _lowered(512)  # 1,024 and ~2.7e8 FLOPs
-    assert backend_options.resolve({one: 5e7}, small) == {"xla_cpu_multi_thread_eigen": False}
-    assert backend_options.resolve({one: 5e7}, big) == {}  # Eigen's threads pay off here
-    options = {"xla_cpu_experimental_ynn_fusion_type": "", one: 5e7}
+    assert backend_options.resolve({one: 1e6}, small) == {"xla_cpu_multi_thread_eigen": False}
+    assert backend_options.resolve({one: 1e6}, big) == {}  # Eigen's threads pay off here
+    options = {"xla_cpu_experimental_ynn_fusion_type": "", one: 1e6}
     assert backend_options.resolve(options, small) == {
         "xla_cpu_experimental_ynn_fusion_type": "",
         "xla_cpu_multi_thread_eigen": False,
     }
-    assert options[one] == 5e7  # (the caller's dict is left as it was)
+    assert options[one] == 1e6  # (the caller's dict is left as it was)
     given = {"xla_backend_optimization_level": 2}  # a dict of XLA options: as it is
     assert backend_options.resolve(given, small) == given
     assert backend_options.resolve({one: 1.0}, small) == {}  # not under the bound
@@ -140,7 +140,7 @@ def test_one_thread_without_a_flop_estimate_changes_nothing(monkeypatch):
     from jaxnitro._src.compile import report
 
     monkeypatch.setattr(report, "flops", lambda stage: None)  # a backend without a cost model
-    assert backend_options.resolve({backend_options.ONE_THREAD: 5e7}, _lowered(8)) == {}
+    assert backend_options.resolve({backend_options.ONE_THREAD: 1e6}, _lowered(8)) == {}
 
 
 def test_programs_compile_with_the_options_resolved_for_them(run_dir, known, monkeypatch):

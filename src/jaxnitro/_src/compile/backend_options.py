@@ -13,13 +13,14 @@ jaxlib knows the option (`cpu_known` asks it once a process; another jaxlib comp
 XLA's own defaults). Other backends get none.
 
 Such a program also runs its Eigen calls (dots, convolutions) on the calling thread where its
-FLOP estimate is under 5e7 (`ONE_THREAD`, jaxnitro's own option, made XLA's
+FLOP estimate is under 1e6 (`ONE_THREAD`, jaxnitro's own option, made XLA's
 `xla_cpu_multi_thread_eigen: False` per program by `resolve` at its compile): for a program
 that small, handing work to Eigen's threads costs more than it saves. Measured the same way
-(`benchmarks/compile_options_ab.py --one-thread`): the 2-32-2 MLP step of
-`train_step_cost.py` (3e4 FLOPs) 1.03-1.05x, the MNIST MLP at batch 32 (1.5e7) 1.01-1.02x;
-above the bound the MLP at batch 256 (1.1e8) 0.98-1.00x and a tiny GPT (4.5e9) 0.97x, so
-they keep Eigen's threads.
+on the idle VM (`benchmarks/compile_options_ab.py --one-thread`, and the same A/B by hand):
+the 2-32-2 MLP step of `train_step_cost.py` (3e4 FLOPs) 1.03-1.05x in four runs; the MNIST
+MLP at batch 32 (1.5e7) 1.01-1.02x idle but 0.99-1.00x on the VM slowed by its neighbours,
+the MLP at batch 256 (1.1e8) 0.98-1.00x and a tiny GPT (4.5e9) 0.97-0.99x: so only programs
+far below those keep one thread. (On the slowed VM the 2-32-2 step gave 0.96-1.03x.)
 
 A run's programs take these (by its train batch size) unless `Nitro(compile_options=...)` is
 given: that dict is used as it is (`compile_options={}` for XLA's own defaults). `jn.train_step`
@@ -45,7 +46,7 @@ __all__ = ["CPU", "ONE_THREAD", "defaults", "refused", "resolve"]
 #: under its value runs its Eigen calls (dots, convolutions) on the calling thread.
 ONE_THREAD = "jaxnitro_one_thread_below_flops"
 #: What a CPU program of a small batch is compiled with (where this jaxlib knows the options).
-CPU: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": "", ONE_THREAD: 5e7}
+CPU: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": "", ONE_THREAD: 1e6}
 #: The most rows a batch may have for `CPU` to apply.
 SMALL_ROWS = 512
 _SENTINEL = "jaxnitro_no_such_option"
@@ -71,7 +72,7 @@ def resolve(options: Mapping[str, Any], lowered: Any) -> dict[str, Any]:
 
     Example:
         >>> lowered = jax.jit(lambda x: x * 2).lower(np.ones(4, np.float32))
-        >>> resolve({ONE_THREAD: 5e7}, lowered)
+        >>> resolve({ONE_THREAD: 1e6}, lowered)
         {'xla_cpu_multi_thread_eigen': False}
         >>> resolve({ONE_THREAD: 1.0}, lowered)  # 4 FLOPs: not under 1
         {}

@@ -218,7 +218,7 @@ OPTIONS: tuple[Option, ...] = (
         "dict",
         "XLA options for every program (Python only); default: the backend's (on a CPU, "
         "batches of <= 512 rows: YNNPACK fusion off, and one-thread Eigen for programs under "
-        "5e7 FLOPs), {} for XLA's own.",
+        "1e6 FLOPs), {} for XLA's own.",
         v.compile_options,
     ),
     Option(
