@@ -204,14 +204,19 @@ def _slimmed(
     at = {i: n for n, i in enumerate(moving_at)}  # a leaf -> its input position in the trace
     at.update({i: len(moving_at) + n for n, i in enumerate(layout.fixed_at)})
     counter = at[layout.step_at]  # (also its output's position: the new changed leaves first)
+    invars = closed.jaxpr.invars
     drop_out: set[int] = set()
-    if host_counts and not reads_inputs(closed, [counter], ignoring=[counter]):
-        fixed_at = tuple(sorted((*layout.fixed_at, layout.step_at)))
-        layout, drop_out = Layout(fixed_at, layout.step_at, 1), {counter}
-    idle = tuple(i for i in layout.fixed_at if not reads_inputs(closed, [at[i]], drop_out))
+    if host_counts:  # what is read but for the counter's own new value
+        live, eqns = _liveness(closed.jaxpr, {counter})
+        if id(invars[counter]) not in live:
+            fixed_at = tuple(sorted((*layout.fixed_at, layout.step_at)))
+            layout, drop_out = Layout(fixed_at, layout.step_at, 1), {counter}
+    if not drop_out:
+        live, eqns = _liveness(closed.jaxpr, set())
+    idle = tuple(i for i in layout.fixed_at if id(invars[at[i]]) not in live)
     if not idle and not drop_out:
         return traced, layout
-    smaller = _dropped(closed, {at[i] for i in idle}, drop_out)
+    smaller = _dropped(closed, {at[i] for i in idle}, drop_out, eqns)
     if smaller is None:  # a JAX whose jaxprs this cannot rebuild: the program as traced
         return traced, _as_traced(layout)
     run = jex.core.jaxpr_as_fun(smaller)
@@ -239,20 +244,12 @@ def _less(out_tree: Any, n: int) -> Any:
     return jax.tree.structure(([x for x in new if x != n], out))
 
 
-def _dropped(closed: Any, drop_in: set[int], drop_out: set[int]) -> Any:
+def _dropped(closed: Any, drop_in: set[int], drop_out: set[int], eqns: list) -> Any:
     """`closed` (a ClosedJaxpr) without its inputs at `drop_in` and outputs at `drop_out`,
-    and without the equations nothing left reads; None where a dropped input is still read
-    or this JAX's jaxprs do not allow it."""
+    with only `eqns` (`_liveness` of the outputs left: what nothing left reads is gone; no
+    input at `drop_in` is read); None where this JAX's jaxprs do not allow it."""
     jaxpr = closed.jaxpr
     outvars = [v for n, v in enumerate(jaxpr.outvars) if n not in drop_out]
-    live = {id(v) for v in outvars}
-    eqns = []
-    for eqn in reversed(jaxpr.eqns):  # (as `reads_inputs`: an equation is kept whole)
-        if eqn.effects or any(id(v) in live for v in eqn.outvars):
-            live.update(id(v) for v in eqn.invars)
-            eqns.append(eqn)
-    if any(id(jaxpr.invars[n]) in live for n in drop_in):
-        return None
     keep = [n for n in range(len(jaxpr.invars)) if n not in drop_in]
     try:
         info = jaxpr.debug_info
@@ -266,7 +263,7 @@ def _dropped(closed: Any, drop_in: set[int], drop_out: set[int]) -> Any:
         smaller = jaxpr.replace(
             invars=[jaxpr.invars[n] for n in keep],
             outvars=outvars,
-            eqns=eqns[::-1],
+            eqns=eqns,
             debug_info=info,
         )
         return jex.core.ClosedJaxpr(smaller, closed.consts)
@@ -306,10 +303,17 @@ def reads_inputs(closed: Any, inputs: Iterable[int], ignoring: Iterable[int] = (
     its `inputs` (positions among its flat inputs). An equation is taken whole: what it reads
     is read where any of its outputs is (a nested jaxpr's unused inputs count as read, which
     only keeps more)."""
-    jaxpr = closed.jaxpr
-    skip = set(ignoring)
-    live = {id(v) for n, v in enumerate(jaxpr.outvars) if n not in skip}
+    live, _ = _liveness(closed.jaxpr, set(ignoring))
+    return any(id(closed.jaxpr.invars[i]) in live for i in inputs)
+
+
+def _liveness(jaxpr: Any, ignoring: set[int]) -> tuple[set[int], list]:
+    """(the ids of the variables the outputs but those at `ignoring`, or an effect, read;
+    the equations that compute them, in order): one pass from the end."""
+    live = {id(v) for n, v in enumerate(jaxpr.outvars) if n not in ignoring}
+    eqns = []
     for eqn in reversed(jaxpr.eqns):
         if eqn.effects or any(id(v) in live for v in eqn.outvars):
             live.update(id(v) for v in eqn.invars)
-    return any(id(jaxpr.invars[i]) in live for i in inputs)
+            eqns.append(eqn)
+    return live, eqns[::-1]
