@@ -89,16 +89,10 @@ def resolve(options: Mapping[str, Any], lowered: Any) -> dict[str, Any]:
 @functools.cache
 def cpu_known() -> bool:
     """Whether this jaxlib's CPU compiler knows the XLA options of `CPU` (and of
-    `ONE_THREAD`). Asked without compiling: the options go with one it cannot know, and the
-    error names the first unknown (~5 ms, once a process)."""
+    `ONE_THREAD`). Asked without compiling (`_said`, ~5 ms, once a process)."""
     xla = {k: v for k, v in {**CPU, **_ONE_THREAD_XLA}.items() if k != ONE_THREAD}
-    options = {**xla, _SENTINEL: ""}
-    try:
-        lowered = jax.jit(lambda x: x).lower(np.float32(0))
-        lowered.compile(compiler_options=options)
-    except Exception as e:  # noqa: BLE001 - what the compiler says, or any failure: not known
-        return _SENTINEL in str(e) and not any(k in str(e) for k in xla)
-    return False  # (accepted the sentinel: the answer cannot be trusted)
+    said = _said(xla)
+    return said is not None and _all_taken(said, xla)
 
 
 _refusals: dict[tuple, str | None] = {}
@@ -125,13 +119,24 @@ def refused(options: Mapping[str, Any]) -> str | None:
 
 
 def _ask(xla: dict[str, Any]) -> str | None:
+    said = _said(xla)
+    return None if said is None or _all_taken(said, xla) else said
+
+
+def _said(xla: dict[str, Any]) -> str | None:
+    """What the compiler says to `xla` with an option it cannot know after them, on a
+    program of one scalar: the first line of its error (it names the first option it does
+    not know, or a value it cannot take); None where it accepted even that one (then it
+    cannot tell)."""
     try:
         lowered = jax.jit(lambda x: x).lower(np.float32(0))
         lowered.compile(compiler_options={**xla, _SENTINEL: ""})
     except Exception as e:  # noqa: BLE001 - the compiler's own words are the answer
         said = str(e).splitlines()[0] if str(e) else type(e).__name__
-        said = said.split("INVALID_ARGUMENT: ", 1)[-1]
-        if _SENTINEL in said and not any(k in said for k in xla):
-            return None  # every option taken; the sentinel is the first it does not know
-        return said
-    return None  # (accepted the sentinel: it cannot tell)
+        return said.split("INVALID_ARGUMENT: ", 1)[-1]
+    return None
+
+
+def _all_taken(said: str, xla: dict[str, Any]) -> bool:
+    """`_said` named the sentinel and none of `xla`: it took every one of them."""
+    return _SENTINEL in said and not any(k in said for k in xla)
