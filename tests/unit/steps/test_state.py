@@ -336,14 +336,31 @@ class Doubling(nnx.Module):
         return self.l(x)
 
 
+DOUBLING_BATCH = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+
+
+def _doubling_state() -> jn.TrainState:
+    """A `Doubling` model's state with a zero rate: its loss stays the same step to step."""
+    model, params, state = jn.split_model(Doubling(nnx.Rngs(0)))
+    return jn.TrainState.create(model, params, state, optax.sgd(0.0))
+
+
+def _count_lookups(monkeypatch) -> list:
+    """A list that gets an entry at each call of `train_step`'s keyed path (`_lookup`)."""
+    from jaxnitro._src.steps import state as state_mod
+
+    looked: list = []
+    real = state_mod._lookup
+    monkeypatch.setattr(state_mod, "_lookup", lambda *a, **k: looked.append(1) or real(*a, **k))
+    return looked
+
+
 @pytest.mark.slow
 def test_a_step_checks_the_code_it_traced_without_fingerprinting_it(monkeypatch):
     from jaxnitro._src.experiment import models
     from jaxnitro._src.steps import state as state_mod
 
-    model, params, state = jn.split_model(Doubling(nnx.Rngs(0)))
-    ts = jn.TrainState.create(model, params, state, optax.sgd(0.0))
-    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    ts, batch = _doubling_state(), DOUBLING_BATCH
     for _ in range(3):
         ts, before, _ = jn.train_step(mse, ts, batch)
     calls = []
@@ -380,9 +397,7 @@ def test_a_step_on_a_returned_state_sees_an_environment_variable_set_between_ste
         gain = float(os.environ.get("JN_TEST_STEP_GAIN", "1"))  # read while tracing
         return gain * jnp.mean((pred - batch["y"]) ** 2), state
 
-    model, params, state = jn.split_model(Doubling(nnx.Rngs(0)))
-    ts = jn.TrainState.create(model, params, state, optax.sgd(0.0))
-    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    ts, batch = _doubling_state(), DOUBLING_BATCH
     monkeypatch.setenv("JN_TEST_STEP_GAIN", "1")
     for _ in range(3):  # the fast path: each state goes back as its leaves
         ts, before, _ = jn.train_step(scaled, ts, batch)
@@ -397,22 +412,16 @@ def test_a_flag_or_variable_set_and_set_back_resumes_the_fast_path(monkeypatch):
     # same program is found and the loop takes its fast path again
     import os
 
-    from jaxnitro._src.steps import state as state_mod
-
     def scaled(model, params, state, batch):
         pred, state = jn.apply(model, params, state, batch["x"])
         gain = float(os.environ.get("JN_TEST_STEP_GAIN", "1"))
         return gain * jnp.mean((pred - batch["y"]) ** 2), state
 
-    model, params, state = jn.split_model(Doubling(nnx.Rngs(0)))
-    ts = jn.TrainState.create(model, params, state, optax.sgd(0.0))
-    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    ts, batch = _doubling_state(), DOUBLING_BATCH
     for _ in range(2):
         ts, base, _ = jn.train_step(scaled, ts, batch)
     program = ts.__dict__["_unread"][4]
-    looked = []
-    real = state_mod._lookup
-    monkeypatch.setattr(state_mod, "_lookup", lambda *a, **k: looked.append(1) or real(*a, **k))
+    looked = _count_lookups(monkeypatch)
     monkeypatch.setenv("JN_TEST_STEP_GAIN", "2")
     ts, doubled, _ = jn.train_step(scaled, ts, batch)
     assert float(doubled) == pytest.approx(2 * float(base), rel=1e-5) and looked == [1]
@@ -442,16 +451,10 @@ def test_a_global_rebound_to_an_equal_value_resumes_the_fast_path(monkeypatch):
     # rebinding to another value is another program.
     import sys
 
-    from jaxnitro._src.steps import state as state_mod
-
-    model, params, state = jn.split_model(Doubling(nnx.Rngs(0)))
-    ts = jn.TrainState.create(model, params, state, optax.sgd(0.0))
-    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    ts, batch = _doubling_state(), DOUBLING_BATCH
     for _ in range(2):
         ts, base, _ = jn.train_step(gained, ts, batch)
-    looked = []
-    real = state_mod._lookup
-    monkeypatch.setattr(state_mod, "_lookup", lambda *a, **k: looked.append(1) or real(*a, **k))
+    looked = _count_lookups(monkeypatch)
     here = sys.modules[__name__]
     monkeypatch.setattr(here, "STEP_GAIN", float("1.0"))  # equal, another object
     assert here.STEP_GAIN is not 1.0  # noqa: F632 (the point: not the same object)
@@ -466,7 +469,6 @@ def test_a_global_rebound_to_an_equal_value_resumes_the_fast_path(monkeypatch):
 
 
 def test_after_a_cache_reset_a_returned_state_takes_the_keyed_path(monkeypatch):
-    from jaxnitro._src.steps import state as state_mod
 
     ts = jn.TrainState.create(mlp_apply, _dict_params(), {}, optax.sgd(0.1))
     batch = _numpy_batches(1)[0]
@@ -476,8 +478,6 @@ def test_after_a_cache_reset_a_returned_state_takes_the_keyed_path(monkeypatch):
     assert program.again is not None
     jn.cache_reset()
     assert program.again is None and not program.live  # (the dropped program's loop path)
-    looked = []
-    real = state_mod._lookup
-    monkeypatch.setattr(state_mod, "_lookup", lambda *a, **k: looked.append(1) or real(*a, **k))
+    looked = _count_lookups(monkeypatch)
     ts, _, _ = jn.train_step(mse, ts, batch)
     assert looked == [1] and ts.__dict__["_unread"][4] is not program
